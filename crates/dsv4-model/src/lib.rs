@@ -1,0 +1,11 @@
+//! DeepSeek V4 model description: configuration (HF and official layouts), checkpoint storage
+//! (safetensors with FP8/FP4), and the logical weight layout. No compute lives here.
+
+pub mod config;
+pub mod quant;
+pub mod store;
+pub mod weights;
+
+pub use config::{AttnKind, Config, ConfigError, LayerSpec, Layout, Yarn};
+pub use store::{DType, LoadError, TensorInfo, TensorStore};
+pub use weights::{load_weights, HostTensor, Weights};

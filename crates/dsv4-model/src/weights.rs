@@ -1,0 +1,418 @@
+//! The logical weight layout of DeepSeek V4 and its loader.
+//!
+//! [`Weights<W>`] is generic over the backend's tensor handle: the loader reads each tensor from
+//! a [`TensorStore`] under its official or HF name, checks shape and dtype against the config,
+//! dequantises FP8/FP4 to f32 and hands it to the backend's `upload` callback, so a checkpoint is
+//! never held twice in host memory.
+
+use crate::config::{AttnKind, Config, Layout};
+use crate::quant::{dequant_fp4, dequant_fp8_blocks};
+use crate::store::{DType, LoadError, TensorStore};
+
+/// A dequantised tensor on its way to a backend.
+#[derive(Clone, Debug)]
+pub struct HostTensor {
+    /// The logical (official-layout) name, used in messages and captures.
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+/// mHC parameters: `fn [(2+n)·n, n·d]`, `base [(2+n)·n]`, `scale [3]` (head: `[n, n·d]`, `[n]`, `[1]`).
+pub struct Hc<W> {
+    pub fn_: W,
+    pub base: W,
+    pub scale: W,
+}
+
+/// A KV compressor (CSA, HCA, or the indexer's own).
+pub struct Compressor<W> {
+    pub wkv: W,
+    pub wgate: W,
+    pub ape: W,
+    pub norm: W,
+}
+
+/// The lightning indexer of a CSA layer.
+pub struct Indexer<W> {
+    pub wq_b: W,
+    pub weights_proj: W,
+    pub compressor: Compressor<W>,
+}
+
+pub struct Attention<W> {
+    pub wq_a: W,
+    pub q_norm: W,
+    pub wq_b: W,
+    pub wkv: W,
+    pub kv_norm: W,
+    pub wo_a: W,
+    pub wo_b: W,
+    pub sinks: W,
+    pub compressor: Option<Compressor<W>>,
+    pub indexer: Option<Indexer<W>>,
+}
+
+/// One clamped-SwiGLU expert: `w1` gate `[I, d]`, `w3` up `[I, d]`, `w2` down `[d, I]`.
+pub struct Expert<W> {
+    pub w1: W,
+    pub w2: W,
+    pub w3: W,
+}
+
+pub struct Moe<W> {
+    pub gate: W,
+    /// Selection bias of learned-routing layers.
+    pub bias: Option<W>,
+    /// Hash routing table `[vocab, k]` of hash layers, row-major.
+    pub tid2eid: Option<Vec<u32>>,
+    pub experts: Vec<Expert<W>>,
+    pub shared: Expert<W>,
+}
+
+pub struct Layer<W> {
+    pub attn_norm: W,
+    pub ffn_norm: W,
+    pub hc_attn: Hc<W>,
+    pub hc_ffn: Hc<W>,
+    pub attn: Attention<W>,
+    pub ffn: Moe<W>,
+}
+
+pub struct Weights<W> {
+    pub embed: W,
+    pub head: W,
+    pub norm: W,
+    pub hc_head: Hc<W>,
+    pub layers: Vec<Layer<W>>,
+}
+
+/// The HF transformers name of an official tensor name (spec §8.1), for everything except the
+/// routed experts, which HF fuses.
+pub fn hf_name(official: &str) -> String {
+    const GLOBAL: [(&str, &str); 6] = [
+        ("embed.weight", "model.embed_tokens.weight"),
+        ("head.weight", "lm_head.weight"),
+        ("norm.weight", "model.norm.weight"),
+        ("hc_head_fn", "model.hc_head.hc_fn"),
+        ("hc_head_base", "model.hc_head.hc_base"),
+        ("hc_head_scale", "model.hc_head.hc_scale"),
+    ];
+    for (o, h) in GLOBAL {
+        if official == o {
+            return h.to_string();
+        }
+    }
+    // Longest patterns first: `attn.indexer.compressor.` before `attn.compressor.`.
+    const LAYER: [(&str, &str); 31] = [
+        (".attn_norm.weight", ".input_layernorm.weight"),
+        (".ffn_norm.weight", ".post_attention_layernorm.weight"),
+        (".hc_attn_fn", ".attn_hc.fn"),
+        (".hc_attn_base", ".attn_hc.base"),
+        (".hc_attn_scale", ".attn_hc.scale"),
+        (".hc_ffn_fn", ".ffn_hc.fn"),
+        (".hc_ffn_base", ".ffn_hc.base"),
+        (".hc_ffn_scale", ".ffn_hc.scale"),
+        (".attn.indexer.compressor.wkv.", ".self_attn.compressor.indexer.kv_proj."),
+        (".attn.indexer.compressor.wgate.", ".self_attn.compressor.indexer.gate_proj."),
+        (".attn.indexer.compressor.ape", ".self_attn.compressor.indexer.position_bias"),
+        (".attn.indexer.compressor.norm.", ".self_attn.compressor.indexer.kv_norm."),
+        (".attn.indexer.wq_b.", ".self_attn.compressor.indexer.q_b_proj."),
+        (".attn.indexer.weights_proj.", ".self_attn.compressor.indexer.scorer.weights_proj."),
+        (".attn.compressor.wkv.", ".self_attn.compressor.kv_proj."),
+        (".attn.compressor.wgate.", ".self_attn.compressor.gate_proj."),
+        (".attn.compressor.ape", ".self_attn.compressor.position_bias"),
+        (".attn.compressor.norm.", ".self_attn.compressor.kv_norm."),
+        (".attn.wq_a.", ".self_attn.q_a_proj."),
+        (".attn.q_norm.", ".self_attn.q_a_norm."),
+        (".attn.wq_b.", ".self_attn.q_b_proj."),
+        (".attn.wkv.", ".self_attn.kv_proj."),
+        (".attn.kv_norm.", ".self_attn.kv_norm."),
+        (".attn.wo_a.", ".self_attn.o_a_proj."),
+        (".attn.wo_b.", ".self_attn.o_b_proj."),
+        (".attn.attn_sink", ".self_attn.sinks"),
+        (".ffn.gate.bias", ".mlp.gate.e_score_correction_bias"),
+        (".ffn.gate.", ".mlp.gate."),
+        (".ffn.shared_experts.w1.", ".mlp.shared_experts.gate_proj."),
+        (".ffn.shared_experts.w2.", ".mlp.shared_experts.down_proj."),
+        (".ffn.shared_experts.w3.", ".mlp.shared_experts.up_proj."),
+    ];
+    for (o, h) in LAYER {
+        if let Some(i) = official.find(o) {
+            return format!("model.{}{}{}", &official[..i], h, &official[i + o.len()..]);
+        }
+    }
+    official.to_string()
+}
+
+/// What the loader may accept for a tensor.
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    /// Any float dtype; FP8 with a companion block-scale tensor is dequantised.
+    Float,
+    /// A routed-expert matrix: float, FP8 block-scaled, or FP4 packed with per-32 scales.
+    Expert,
+}
+
+/// Reads tensors by logical name with shape checks, dequantisation and progress.
+pub struct Loader<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> {
+    store: &'a TensorStore,
+    layout: Layout,
+    upload: F,
+    progress: Option<indicatif::ProgressBar>,
+}
+
+impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
+    /// Candidate names of a logical tensor, the config's layout first.
+    fn candidates(&self, official: &str) -> [String; 2] {
+        let hf = hf_name(official);
+        match self.layout {
+            Layout::Official => [official.to_string(), hf],
+            Layout::Hf => [hf, official.to_string()],
+        }
+    }
+
+    fn resolve(&self, official: &str) -> Result<String, LoadError> {
+        let c = self.candidates(official);
+        c.iter().find(|n| self.store.contains(n)).cloned().ok_or_else(|| LoadError::Missing {
+            name: official.to_string(),
+            tried: if c[0] == c[1] { c[0].clone() } else { format!("{}, {}", c[0], c[1]) },
+        })
+    }
+
+    fn tick(&self, name: &str) {
+        if let (Some(p), Some(t)) = (&self.progress, self.store.info(name)) {
+            p.inc((t.numel() * t.dtype.size()) as u64);
+        }
+    }
+
+    /// Reads a tensor stored under `name` with the logical `shape`, dequantising FP8/FP4.
+    fn read(&self, name: &str, shape: &[usize], kind: Kind) -> Result<Vec<f32>, LoadError> {
+        let info = self.store.info(name).expect("resolved");
+        let found = info.shape.clone();
+        self.tick(name);
+        let scale_name = [format!("{}.scale", name.trim_end_matches(".weight")), format!("{name}_scale_inv")]
+            .into_iter()
+            .find(|s| self.store.contains(s));
+        let (rows, cols) = match shape {
+            [r, c] => (*r, *c),
+            _ => (shape.iter().product(), 1),
+        };
+        match info.dtype {
+            DType::F8E4M3 if shape.len() == 2 => {
+                if found != shape {
+                    return Err(LoadError::Shape { name: name.into(), expected: shape.to_vec(), found });
+                }
+                let Some(sn) = scale_name else {
+                    return Err(LoadError::Missing { name: format!("{name} scale"), tried: format!("{}.scale", name.trim_end_matches(".weight")) });
+                };
+                let sshape = vec![rows.div_ceil(128), cols.div_ceil(128)];
+                let sinfo = self.store.info(&sn).unwrap();
+                if sinfo.shape != sshape {
+                    return Err(LoadError::Shape { name: sn, expected: sshape, found: sinfo.shape.clone() });
+                }
+                self.tick(&sn);
+                let scale = self.store.f32(&sn)?;
+                Ok(dequant_fp8_blocks(self.store.raw(name)?, &scale, rows, cols, 128))
+            }
+            DType::I8 | DType::U8 if kind == Kind::Expert && shape.len() == 2 => {
+                let packed = vec![rows, cols / 2];
+                if found != packed || cols % 2 != 0 {
+                    return Err(LoadError::Shape { name: name.into(), expected: packed, found });
+                }
+                let Some(sn) = scale_name else {
+                    return Err(LoadError::Missing { name: format!("{name} scale"), tried: format!("{}.scale", name.trim_end_matches(".weight")) });
+                };
+                let sshape = vec![rows, cols.div_ceil(32)];
+                let sinfo = self.store.info(&sn).unwrap();
+                if sinfo.shape != sshape {
+                    return Err(LoadError::Shape { name: sn, expected: sshape, found: sinfo.shape.clone() });
+                }
+                self.tick(&sn);
+                let scale = self.store.f32(&sn)?;
+                Ok(dequant_fp4(self.store.raw(name)?, &scale, rows, cols, 32))
+            }
+            dt if dt.is_float() => {
+                if found != shape {
+                    return Err(LoadError::Shape { name: name.into(), expected: shape.to_vec(), found });
+                }
+                self.store.f32(name)
+            }
+            dt => Err(LoadError::DType { name: name.into(), expected: "a float type (F32, BF16, F16, F8_E4M3 + scale)".into(), found: dt.name().into() }),
+        }
+    }
+
+    fn tensor(&mut self, official: &str, shape: &[usize]) -> Result<W, LoadError> {
+        let name = self.resolve(official)?;
+        let data = self.read(&name, shape, Kind::Float)?;
+        (self.upload)(HostTensor { name: official.to_string(), shape: shape.to_vec(), data })
+    }
+
+    fn hc(&mut self, fn_: &str, base: &str, scale: &str, rows: usize, width: usize, nscale: usize) -> Result<Hc<W>, LoadError> {
+        Ok(Hc { fn_: self.tensor(fn_, &[rows, width])?, base: self.tensor(base, &[rows])?, scale: self.tensor(scale, &[nscale])? })
+    }
+
+    fn compressor(&mut self, p: &str, width: usize, d: usize, ratio: usize, head: usize) -> Result<Compressor<W>, LoadError> {
+        Ok(Compressor {
+            wkv: self.tensor(&format!("{p}.wkv.weight"), &[width, d])?,
+            wgate: self.tensor(&format!("{p}.wgate.weight"), &[width, d])?,
+            ape: self.tensor(&format!("{p}.ape"), &[ratio, width])?,
+            norm: self.tensor(&format!("{p}.norm.weight"), &[head])?,
+        })
+    }
+
+    /// One routed expert, from official per-expert tensors or HF's fused `[E, 2I, d]`/`[E, d, I]`.
+    fn expert(&mut self, l: usize, e: usize, n_exp: usize, inter: usize, d: usize) -> Result<Expert<W>, LoadError> {
+        let off = |w: &str| format!("layers.{l}.ffn.experts.{e}.{w}.weight");
+        let fused_gu = format!("model.layers.{l}.mlp.experts.gate_up_proj");
+        let fused_dn = format!("model.layers.{l}.mlp.experts.down_proj");
+        let per_expert = self.store.contains(&off("w1"));
+        if !per_expert && self.store.contains(&fused_gu) {
+            for (n, shape) in [(&fused_gu, vec![n_exp, 2 * inter, d]), (&fused_dn, vec![n_exp, d, inter])] {
+                let info = self.store.info(n).ok_or_else(|| LoadError::Missing { name: n.clone(), tried: n.clone() })?;
+                if info.shape != shape {
+                    return Err(LoadError::Shape { name: n.clone(), expected: shape, found: info.shape.clone() });
+                }
+                if !info.dtype.is_float() {
+                    return Err(LoadError::DType { name: n.clone(), expected: "a float type".into(), found: info.dtype.name().into() });
+                }
+            }
+            let gu = self.store.f32_range(&fused_gu, e * 2 * inter * d, 2 * inter * d)?;
+            let dn = self.store.f32_range(&fused_dn, e * d * inter, d * inter)?;
+            if let (Some(p), Some(a), Some(b)) = (&self.progress, self.store.info(&fused_gu), self.store.info(&fused_dn)) {
+                p.inc(((a.numel() * a.dtype.size() + b.numel() * b.dtype.size()) / n_exp) as u64);
+            }
+            let (g, u) = gu.split_at(inter * d);
+            let mk = |name: String, shape: Vec<usize>, data: Vec<f32>| HostTensor { name, shape, data };
+            return Ok(Expert {
+                w1: (self.upload)(mk(off("w1"), vec![inter, d], g.to_vec()))?,
+                w3: (self.upload)(mk(off("w3"), vec![inter, d], u.to_vec()))?,
+                w2: (self.upload)(mk(off("w2"), vec![d, inter], dn))?,
+            });
+        }
+        let mut one = |w: &str, shape: [usize; 2]| -> Result<W, LoadError> {
+            let name = off(w);
+            if !self.store.contains(&name) {
+                return Err(LoadError::Missing { name: name.clone(), tried: format!("{name}, {fused_gu}") });
+            }
+            let data = self.read(&name, &shape, Kind::Expert)?;
+            (self.upload)(HostTensor { name, shape: shape.to_vec(), data })
+        };
+        Ok(Expert { w1: one("w1", [inter, d])?, w3: one("w3", [inter, d])?, w2: one("w2", [d, inter])? })
+    }
+}
+
+/// Loads every tensor the config calls for. `upload` turns a dequantised host tensor into the
+/// backend's handle (the CPU backend keeps it; a GPU backend copies it to device memory).
+pub fn load_weights<W>(
+    store: &TensorStore,
+    cfg: &Config,
+    progress: bool,
+    upload: impl FnMut(HostTensor) -> Result<W, LoadError>,
+) -> Result<Weights<W>, LoadError> {
+    let bar = (progress && store.total_bytes() > (256 << 20)).then(|| {
+        let b = indicatif::ProgressBar::new(store.total_bytes());
+        b.set_style(
+            indicatif::ProgressStyle::with_template("loading weights {bar:40} {bytes}/{total_bytes} ({eta})")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b
+    });
+    let mut ld = Loader { store, layout: cfg.layout, upload, progress: bar };
+    let (d, h, hd) = (cfg.hidden, cfg.n_heads, cfg.head_dim);
+    let (hcw, mix, n) = (cfg.hc_width(), cfg.hc_mix(), cfg.hc_mult);
+    let embed = ld.tensor("embed.weight", &[cfg.vocab_size, d])?;
+    let mut layers = Vec::with_capacity(cfg.n_layers());
+    for (l, spec) in cfg.layers.iter().enumerate() {
+        let p = format!("layers.{l}");
+        let hc_attn = ld.hc(&format!("{p}.hc_attn_fn"), &format!("{p}.hc_attn_base"), &format!("{p}.hc_attn_scale"), mix, hcw, 3)?;
+        let hc_ffn = ld.hc(&format!("{p}.hc_ffn_fn"), &format!("{p}.hc_ffn_base"), &format!("{p}.hc_ffn_scale"), mix, hcw, 3)?;
+        let attn_norm = ld.tensor(&format!("{p}.attn_norm.weight"), &[d])?;
+        let ffn_norm = ld.tensor(&format!("{p}.ffn_norm.weight"), &[d])?;
+        let a = format!("{p}.attn");
+        let (compressor, indexer) = match spec.attn {
+            AttnKind::Swa => (None, None),
+            AttnKind::Hca => (Some(ld.compressor(&format!("{a}.compressor"), hd, d, spec.ratio, hd)?), None),
+            AttnKind::Csa => {
+                let c = ld.compressor(&format!("{a}.compressor"), 2 * hd, d, spec.ratio, hd)?;
+                let (ih, id) = (cfg.index_n_heads, cfg.index_head_dim);
+                let ix = Indexer {
+                    wq_b: ld.tensor(&format!("{a}.indexer.wq_b.weight"), &[ih * id, cfg.q_lora_rank])?,
+                    weights_proj: ld.tensor(&format!("{a}.indexer.weights_proj.weight"), &[ih, d])?,
+                    compressor: ld.compressor(&format!("{a}.indexer.compressor"), 2 * id, d, spec.ratio, id)?,
+                };
+                (Some(c), Some(ix))
+            }
+        };
+        let attn = Attention {
+            wq_a: ld.tensor(&format!("{a}.wq_a.weight"), &[cfg.q_lora_rank, d])?,
+            q_norm: ld.tensor(&format!("{a}.q_norm.weight"), &[cfg.q_lora_rank])?,
+            wq_b: ld.tensor(&format!("{a}.wq_b.weight"), &[h * hd, cfg.q_lora_rank])?,
+            wkv: ld.tensor(&format!("{a}.wkv.weight"), &[hd, d])?,
+            kv_norm: ld.tensor(&format!("{a}.kv_norm.weight"), &[hd])?,
+            wo_a: ld.tensor(&format!("{a}.wo_a.weight"), &[cfg.o_groups * cfg.o_lora_rank, h * hd / cfg.o_groups])?,
+            wo_b: ld.tensor(&format!("{a}.wo_b.weight"), &[d, cfg.o_groups * cfg.o_lora_rank])?,
+            sinks: ld.tensor(&format!("{a}.attn_sink"), &[h])?,
+            compressor,
+            indexer,
+        };
+        let f = format!("{p}.ffn");
+        let (ne, k, inter) = (cfg.n_routed_experts, cfg.n_experts_per_tok, cfg.moe_inter);
+        let gate = ld.tensor(&format!("{f}.gate.weight"), &[ne, d])?;
+        let (bias, tid2eid) = if spec.hash_moe {
+            let name = ld.resolve(&format!("{f}.gate.tid2eid"))?;
+            let info = store.info(&name).unwrap();
+            if info.shape != [cfg.vocab_size, k] {
+                return Err(LoadError::Shape { name, expected: vec![cfg.vocab_size, k], found: info.shape.clone() });
+            }
+            let ids = store.i64(&name)?;
+            if let Some((i, bad)) = ids.iter().enumerate().find(|(_, &x)| x < 0 || x as usize >= ne) {
+                return Err(LoadError::Value { name, msg: format!("entry {i} is expert {bad}, outside 0..{ne}") });
+            }
+            (None, Some(ids.into_iter().map(|x| x as u32).collect()))
+        } else {
+            (Some(ld.tensor(&format!("{f}.gate.bias"), &[ne])?), None)
+        };
+        let experts = (0..ne).map(|e| ld.expert(l, e, ne, inter, d)).collect::<Result<Vec<_>, _>>()?;
+        let s = format!("{f}.shared_experts");
+        let shared = Expert {
+            w1: ld.tensor(&format!("{s}.w1.weight"), &[inter, d])?,
+            w2: ld.tensor(&format!("{s}.w2.weight"), &[d, inter])?,
+            w3: ld.tensor(&format!("{s}.w3.weight"), &[inter, d])?,
+        };
+        layers.push(Layer { attn_norm, ffn_norm, hc_attn, hc_ffn, attn, ffn: Moe { gate, bias, tid2eid, experts, shared } });
+    }
+    let norm = ld.tensor("norm.weight", &[d])?;
+    let hc_head = ld.hc("hc_head_fn", "hc_head_base", "hc_head_scale", n, hcw, 1)?;
+    let head = ld.tensor("head.weight", &[cfg.vocab_size, d])?;
+    if let Some(p) = &ld.progress {
+        p.finish_and_clear();
+    }
+    Ok(Weights { embed, head, norm, hc_head, layers })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::hf_name;
+
+    #[test]
+    fn official_to_hf_names() {
+        let cases = [
+            ("embed.weight", "model.embed_tokens.weight"),
+            ("head.weight", "lm_head.weight"),
+            ("hc_head_fn", "model.hc_head.hc_fn"),
+            ("layers.2.attn.compressor.wkv.weight", "model.layers.2.self_attn.compressor.kv_proj.weight"),
+            ("layers.2.attn.indexer.compressor.ape", "model.layers.2.self_attn.compressor.indexer.position_bias"),
+            ("layers.2.attn.indexer.weights_proj.weight", "model.layers.2.self_attn.compressor.indexer.scorer.weights_proj.weight"),
+            ("layers.3.ffn.gate.bias", "model.layers.3.mlp.gate.e_score_correction_bias"),
+            ("layers.0.ffn.gate.tid2eid", "model.layers.0.mlp.gate.tid2eid"),
+            ("layers.0.hc_ffn_base", "model.layers.0.ffn_hc.base"),
+            ("layers.1.attn.attn_sink", "model.layers.1.self_attn.sinks"),
+            ("layers.1.ffn.shared_experts.w2.weight", "model.layers.1.mlp.shared_experts.down_proj.weight"),
+            ("layers.1.attn_norm.weight", "model.layers.1.input_layernorm.weight"),
+        ];
+        for (o, h) in cases {
+            assert_eq!(hf_name(o), h, "{o}");
+        }
+    }
+}
