@@ -4,6 +4,7 @@
 pub mod config;
 pub mod quant;
 pub mod store;
+pub mod synth;
 pub mod weights;
 
 pub use config::{AttnKind, Config, ConfigError, LayerSpec, Layout, Yarn};

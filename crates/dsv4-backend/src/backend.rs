@@ -1,0 +1,114 @@
+//! The `Backend` trait: the operations the forward pass is written in.
+//!
+//! Ops are at the granularity a GPU wants kernels (a matmul, an RMSNorm, the mHC mix, one
+//! attention over window + compressed entries, a compressor step, a MoE dispatch), so the same
+//! [`crate::forward`] drives the CPU oracle and any accelerator. Per-sequence state lives in
+//! the backend's `Cache`, addressed by `(sequence, layer)`.
+
+use crate::batch::Batch;
+use dsv4_model::weights::{Compressor, Expert, Hc};
+use dsv4_model::{Config, HostTensor, LoadError};
+
+/// Which of a CSA layer's two compressors an op addresses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CompSlot {
+    /// The attention KV compressor (CSA or HCA).
+    Kv,
+    /// The lightning indexer's own compressor (CSA only).
+    Index,
+}
+
+pub trait Backend: Send + Sync {
+    /// A weight resident on the backend.
+    type W: Send + Sync;
+    /// An activation matrix `[rows, cols]`.
+    type T;
+    /// Per-sequence, per-layer state (window ring, compressors, indexer).
+    type Cache;
+    /// The batch's row table as the backend needs it (a GPU uploads it once per forward).
+    type Rows;
+    /// Indexer-selected compressed entries per row.
+    type Sel;
+    /// Expert choice and weights per row.
+    type Route;
+
+    fn name(&self) -> &'static str;
+    fn upload(&self, t: HostTensor) -> Result<Self::W, LoadError>;
+    fn new_cache(&self, cfg: &Config, max_seqs: usize) -> Self::Cache;
+    /// Clears one sequence's state (compressor overlap rows become `u = 0, z = −∞`, spec §9.4 #8).
+    fn reset_seq(&self, cache: &mut Self::Cache, seq: usize);
+    fn rows(&self, batch: &Batch) -> Self::Rows;
+
+    fn shape(&self, t: &Self::T) -> (usize, usize);
+    /// Copies a tensor to the host (captures and logits).
+    fn to_host(&self, t: &Self::T) -> Vec<f32>;
+
+    fn embed(&self, table: &Self::W, rows: &Self::Rows) -> Self::T;
+    /// `x · wᵀ` with `w` stored `[out, in]`.
+    fn matmul(&self, x: &Self::T, w: &Self::W) -> Self::T;
+    /// Grouped projection: the columns of `x` split into `groups` blocks, block `g` multiplied by
+    /// rows `g·R..(g+1)·R` of `w` (`wo_a`, spec §5.7). Output `[rows, groups·R]`.
+    fn grouped_matmul(&self, x: &Self::T, w: &Self::W, groups: usize) -> Self::T;
+    /// RMSNorm of every `group`-wide slice of each row (group = row width for a plain norm).
+    fn rms_norm(&self, x: &Self::T, w: Option<&Self::W>, group: usize, eps: f32) -> Self::T;
+    /// Interleaved RoPE on the last `freqs.len()·2` channels of every `head`-wide slice.
+    fn rope(&self, x: &mut Self::T, rows: &Self::Rows, freqs: &[f64], head: usize, inverse: bool);
+    fn add(&self, a: &Self::T, b: &Self::T) -> Self::T;
+    fn select_rows(&self, x: &Self::T, rows: &[usize]) -> Self::T;
+
+    /// `n` identical copies of each row: the mHC streams after the embedding.
+    fn hc_expand(&self, x: &Self::T, n: usize) -> Self::T;
+    /// HC_PRE (spec §4.3): returns `(y [rows, d], post [rows, n], comb [rows, n·n])`.
+    fn hc_pre(&self, x: &Self::T, hc: &Hc<Self::W>, cfg: &Config) -> (Self::T, Self::T, Self::T);
+    /// HC_POST (spec §4.5): `X'[j] = post[j]·f + Σ_i comb[i][j]·X[i]`.
+    fn hc_post(&self, f: &Self::T, x: &Self::T, post: &Self::T, comb: &Self::T) -> Self::T;
+    /// HC_HEAD (spec §4.6).
+    fn hc_head(&self, x: &Self::T, hc: &Hc<Self::W>, cfg: &Config) -> Self::T;
+
+    /// Feeds the rows' compressor projections (`u = Wkv·x`, `z = Wgate·x`) into the sequence
+    /// states; every window that closes emits an entry (spec §9.2).
+    #[allow(clippy::too_many_arguments)]
+    fn compress(
+        &self,
+        cache: &mut Self::Cache,
+        layer: usize,
+        slot: CompSlot,
+        u: &Self::T,
+        z: &Self::T,
+        comp: &Compressor<Self::W>,
+        rows: &Self::Rows,
+        freqs: &[f64],
+        cfg: &Config,
+    );
+    /// Lightning-indexer top-k over each row's visible entries (spec §5.5).
+    fn index_select(
+        &self,
+        cache: &Self::Cache,
+        layer: usize,
+        qi: &Self::T,
+        weights: &Self::T,
+        rows: &Self::Rows,
+        cfg: &Config,
+    ) -> Self::Sel;
+    /// Sink softmax attention over window rows and visible/selected compressed entries (spec
+    /// §5.6), then the chunk's KV rows enter the window ring.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        cache: &mut Self::Cache,
+        layer: usize,
+        q: &Self::T,
+        kv: &Self::T,
+        sel: Option<&Self::Sel>,
+        sinks: &Self::W,
+        rows: &Self::Rows,
+        cfg: &Config,
+    ) -> Self::T;
+
+    /// Router (spec §6.1). `hash` holds the `k` expert ids of each row for hash layers.
+    fn route(&self, logits: &Self::T, bias: Option<&Self::W>, hash: Option<&[u32]>, cfg: &Config) -> Self::Route;
+    /// `Σ_j w_j · Expert_{idx_j}(x)` over the routed experts.
+    fn moe(&self, x: &Self::T, route: &Self::Route, experts: &[Expert<Self::W>], limit: f32) -> Self::T;
+    /// One clamped-SwiGLU expert applied to every row (the shared expert).
+    fn swiglu(&self, x: &Self::T, e: &Expert<Self::W>, limit: f32) -> Self::T;
+}

@@ -1,0 +1,188 @@
+//! The DeepSeek V4 forward pass, written once over [`Backend`].
+//!
+//! One code path for prefill, decode, speculative verify and multi-sequence batches: the input
+//! is always a [`Batch`] of rows. Every intermediate is handed to the optional [`Capture`] under
+//! a [`Stage`] name; capturing only reads.
+
+use crate::backend::{Backend, CompSlot};
+use crate::batch::Batch;
+use dsv4_model::weights::{Layer, Weights};
+use dsv4_model::{AttnKind, Config};
+
+/// The name of an intermediate: `(layer, stage)`; `layer` is `None` outside the decoder layers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Stage {
+    pub layer: Option<usize>,
+    pub name: &'static str,
+}
+
+impl std::fmt::Display for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.layer {
+            Some(l) => write!(f, "layers.{l}.{}", self.name),
+            None => f.write_str(self.name),
+        }
+    }
+}
+
+/// Receives intermediates during a forward.
+pub trait Capture<B: Backend> {
+    fn capture(&mut self, backend: &B, stage: Stage, t: &B::T);
+}
+
+/// Per-layer RoPE frequency tables, computed once per model.
+pub struct RopeTables {
+    pub main: Vec<f64>,
+    pub compress: Vec<f64>,
+}
+
+impl RopeTables {
+    pub fn new(cfg: &Config) -> Self {
+        RopeTables { main: cfg.rope_freqs(AttnKind::Swa), compress: cfg.rope_freqs(AttnKind::Csa) }
+    }
+    fn of(&self, kind: AttnKind) -> &[f64] {
+        if kind == AttnKind::Swa {
+            &self.main
+        } else {
+            &self.compress
+        }
+    }
+}
+
+struct Ctx<'a, 'c, B: Backend> {
+    b: &'a B,
+    cfg: &'a Config,
+    rope: &'a RopeTables,
+    rows: &'a B::Rows,
+    cap: Option<&'a mut (dyn Capture<B> + 'c)>,
+}
+
+impl<B: Backend> Ctx<'_, '_, B> {
+    fn cap(&mut self, layer: Option<usize>, name: &'static str, t: &B::T) {
+        if let Some(c) = self.cap.as_deref_mut() {
+            c.capture(self.b, Stage { layer, name }, t);
+        }
+    }
+}
+
+/// Runs `batch` through the model, updating every sequence's state, and returns the logits of
+/// the rows listed in `out_rows` (`[out_rows.len(), vocab]`).
+///
+/// The caller (see [`crate::model::Model`]) has validated the batch against the sequences' lengths.
+#[allow(clippy::too_many_arguments)]
+pub fn forward<B: Backend>(
+    b: &B,
+    cfg: &Config,
+    w: &Weights<B::W>,
+    rope: &RopeTables,
+    cache: &mut B::Cache,
+    batch: &Batch,
+    out_rows: &[usize],
+    cap: Option<&mut dyn Capture<B>>,
+) -> B::T {
+    let rows = b.rows(batch);
+    let mut cx = Ctx { b, cfg, rope, rows: &rows, cap };
+    let e = b.embed(&w.embed, &rows);
+    cx.cap(None, "embed", &e);
+    let mut x = b.hc_expand(&e, cfg.hc_mult);
+    let tokens = batch.tokens();
+    for (l, lw) in w.layers.iter().enumerate() {
+        let li = Some(l);
+        let (y, post, comb) = b.hc_pre(&x, &lw.hc_attn, cfg);
+        cx.cap(li, "attn.hc_pre", &y);
+        let a = b.rms_norm(&y, Some(&lw.attn_norm), cfg.hidden, cfg.rms_eps);
+        cx.cap(li, "attn.norm", &a);
+        let o = attention(&mut cx, cache, l, lw, &a);
+        x = b.hc_post(&o, &x, &post, &comb);
+        cx.cap(li, "attn.residual", &x);
+
+        let (y, post, comb) = b.hc_pre(&x, &lw.hc_ffn, cfg);
+        cx.cap(li, "ffn.hc_pre", &y);
+        let f = b.rms_norm(&y, Some(&lw.ffn_norm), cfg.hidden, cfg.rms_eps);
+        cx.cap(li, "ffn.norm", &f);
+        let o = moe(&mut cx, l, lw, &f, &tokens);
+        x = b.hc_post(&o, &x, &post, &comb);
+        cx.cap(li, "ffn.residual", &x);
+    }
+    let xs = b.select_rows(&x, out_rows);
+    let h = b.hc_head(&xs, &w.hc_head, cfg);
+    cx.cap(None, "head.hc", &h);
+    let h = b.rms_norm(&h, Some(&w.norm), cfg.hidden, cfg.rms_eps);
+    cx.cap(None, "head.norm", &h);
+    let logits = b.matmul(&h, &w.head);
+    cx.cap(None, "logits", &logits);
+    logits
+}
+
+fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, cache: &mut B::Cache, l: usize, lw: &Layer<B::W>, a: &B::T) -> B::T {
+    let (b, cfg) = (cx.b, cx.cfg);
+    let spec = cfg.layers[l];
+    let aw = &lw.attn;
+    let freqs = cx.rope.of(spec.attn);
+    let li = Some(l);
+    let (d, eps) = (cfg.head_dim, cfg.rms_eps);
+
+    let qr = b.rms_norm(&b.matmul(a, &aw.wq_a), Some(&aw.q_norm), cfg.q_lora_rank, eps);
+    cx.cap(li, "attn.q_a", &qr);
+    let mut q = b.rms_norm(&b.matmul(&qr, &aw.wq_b), None, d, eps);
+    b.rope(&mut q, cx.rows, freqs, d, false);
+    cx.cap(li, "attn.q", &q);
+    let mut kv = b.rms_norm(&b.matmul(a, &aw.wkv), Some(&aw.kv_norm), d, eps);
+    b.rope(&mut kv, cx.rows, freqs, d, false);
+    cx.cap(li, "attn.kv", &kv);
+
+    // Compressors are fed before attention so an entry closing at t is visible to t (§9.4 #6).
+    if let Some(c) = &aw.compressor {
+        let u = b.matmul(a, &c.wkv);
+        let z = b.matmul(a, &c.wgate);
+        cx.cap(li, "attn.compressor.kv", &u);
+        cx.cap(li, "attn.compressor.gate", &z);
+        b.compress(cache, l, CompSlot::Kv, &u, &z, c, cx.rows, freqs, cfg);
+    }
+    let sel = match &aw.indexer {
+        Some(ix) => {
+            let c = &ix.compressor;
+            let u = b.matmul(a, &c.wkv);
+            let z = b.matmul(a, &c.wgate);
+            cx.cap(li, "attn.indexer.compressor.kv", &u);
+            cx.cap(li, "attn.indexer.compressor.gate", &z);
+            b.compress(cache, l, CompSlot::Index, &u, &z, c, cx.rows, freqs, cfg);
+            let mut qi = b.matmul(&qr, &ix.wq_b);
+            b.rope(&mut qi, cx.rows, freqs, cfg.index_head_dim, false);
+            cx.cap(li, "attn.indexer.q", &qi);
+            let wts = b.matmul(a, &ix.weights_proj);
+            cx.cap(li, "attn.indexer.weights", &wts);
+            Some(b.index_select(cache, l, &qi, &wts, cx.rows, cfg))
+        }
+        None => None,
+    };
+    let mut o = b.attention(cache, l, &q, &kv, sel.as_ref(), &aw.sinks, cx.rows, cfg);
+    cx.cap(li, "attn.core", &o);
+    b.rope(&mut o, cx.rows, freqs, d, true);
+    let z = b.grouped_matmul(&o, &aw.wo_a, cfg.o_groups);
+    cx.cap(li, "attn.wo_a", &z);
+    let out = b.matmul(&z, &aw.wo_b);
+    cx.cap(li, "attn.out", &out);
+    out
+}
+
+fn moe<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, f: &B::T, tokens: &[u32]) -> B::T {
+    let (b, cfg) = (cx.b, cx.cfg);
+    let m = &lw.ffn;
+    let li = Some(l);
+    let logits = b.matmul(f, &m.gate);
+    cx.cap(li, "ffn.router", &logits);
+    let k = cfg.n_experts_per_tok;
+    let hash: Option<Vec<u32>> = m
+        .tid2eid
+        .as_ref()
+        .map(|t| tokens.iter().flat_map(|&tok| t[tok as usize * k..(tok as usize + 1) * k].iter().copied()).collect());
+    let route = b.route(&logits, m.bias.as_ref(), hash.as_deref(), cfg);
+    let routed = b.moe(f, &route, &m.experts, cfg.swiglu_limit);
+    cx.cap(li, "ffn.routed", &routed);
+    let shared = b.swiglu(f, &m.shared, cfg.swiglu_limit);
+    cx.cap(li, "ffn.shared", &shared);
+    let out = b.add(&routed, &shared);
+    cx.cap(li, "ffn.out", &out);
+    out
+}

@@ -1,0 +1,183 @@
+//! Random DeepSeek V4 checkpoints in HF layout, for `init-tiny`, tests and benchmarks.
+//!
+//! Every parameter is randomised the way `shared/reference/dsv4_reference.py` does it (HF's own
+//! init zeroes sinks, position biases and the mHC base, which would hide bugs).
+
+use crate::config::{AttnKind, Config};
+use crate::store::DType;
+
+/// A tensor ready for [`crate::store::write_safetensors`].
+pub type RawTensor = (String, DType, Vec<usize>, Vec<u8>);
+
+/// splitmix64 + Box–Muller: reproducible without pulling a RNG crate into the model crate.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f64 {
+        ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+    fn normal(&mut self) -> f32 {
+        let (u1, u2) = (self.uniform(), self.uniform());
+        ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+    }
+}
+
+/// Element encoding of the written weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SynthDType {
+    F32,
+    BF16,
+}
+
+struct Gen {
+    rng: Rng,
+    dtype: SynthDType,
+    out: Vec<RawTensor>,
+}
+
+impl Gen {
+    fn push(&mut self, name: String, shape: Vec<usize>, v: Vec<f32>, keep_f32: bool) {
+        let (dt, bytes) = if keep_f32 || self.dtype == SynthDType::F32 {
+            (DType::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        } else {
+            (DType::BF16, v.iter().flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes()).collect())
+        };
+        self.out.push((name, dt, shape, bytes));
+    }
+    fn normal(&mut self, n: usize, mean: f32, std: f32) -> Vec<f32> {
+        (0..n).map(|_| mean + std * self.rng.normal()).collect()
+    }
+    /// A `[rows, cols]` matrix with std `cols^-1/2` (unit-variance outputs).
+    fn matrix(&mut self, name: String, rows: usize, cols: usize) {
+        let v = self.normal(rows * cols, 0.0, (cols as f32).powf(-0.5));
+        self.push(name, vec![rows, cols], v, false);
+    }
+    fn vector(&mut self, name: String, n: usize, mean: f32, std: f32) {
+        let v = self.normal(n, mean, std);
+        self.push(name, vec![n], v, true);
+    }
+    fn hc(&mut self, p: &str, rows: usize, width: usize, fn_: &str, base: &str, scale: &str, nscale: usize) {
+        self.matrix(format!("{p}{fn_}"), rows, width);
+        self.vector(format!("{p}{base}"), rows, 0.0, 0.5);
+        self.vector(format!("{p}{scale}"), nscale, 1.0, 0.2);
+    }
+    fn compressor(&mut self, p: &str, width: usize, d: usize, ratio: usize, head: usize) {
+        self.matrix(format!("{p}.kv_proj.weight"), width, d);
+        self.matrix(format!("{p}.gate_proj.weight"), width, d);
+        let ape = self.normal(ratio * width, 0.0, 0.5);
+        self.push(format!("{p}.position_bias"), vec![ratio, width], ape, true);
+        self.vector(format!("{p}.kv_norm.weight"), head, 1.0, 0.1);
+    }
+}
+
+/// All tensors of a random model with HF `save_pretrained` names, in load order.
+pub fn random_checkpoint(cfg: &Config, seed: u64, dtype: SynthDType) -> Vec<RawTensor> {
+    let mut g = Gen { rng: Rng(seed ^ 0x5EED_D5F4), dtype, out: Vec::new() };
+    let (d, hd) = (cfg.hidden, cfg.head_dim);
+    let embed = g.normal(cfg.vocab_size * d, 0.0, 1.0);
+    g.push("model.embed_tokens.weight".into(), vec![cfg.vocab_size, d], embed, false);
+    for (l, spec) in cfg.layers.iter().enumerate() {
+        let p = format!("model.layers.{l}");
+        g.hc(&p, cfg.hc_mix(), cfg.hc_width(), ".attn_hc.fn", ".attn_hc.base", ".attn_hc.scale", 3);
+        g.hc(&p, cfg.hc_mix(), cfg.hc_width(), ".ffn_hc.fn", ".ffn_hc.base", ".ffn_hc.scale", 3);
+        g.vector(format!("{p}.input_layernorm.weight"), d, 1.0, 0.1);
+        g.vector(format!("{p}.post_attention_layernorm.weight"), d, 1.0, 0.1);
+        let a = format!("{p}.self_attn");
+        g.matrix(format!("{a}.q_a_proj.weight"), cfg.q_lora_rank, d);
+        g.vector(format!("{a}.q_a_norm.weight"), cfg.q_lora_rank, 1.0, 0.1);
+        g.matrix(format!("{a}.q_b_proj.weight"), cfg.n_heads * hd, cfg.q_lora_rank);
+        g.matrix(format!("{a}.kv_proj.weight"), hd, d);
+        g.vector(format!("{a}.kv_norm.weight"), hd, 1.0, 0.1);
+        g.matrix(format!("{a}.o_a_proj.weight"), cfg.o_groups * cfg.o_lora_rank, cfg.n_heads * hd / cfg.o_groups);
+        g.matrix(format!("{a}.o_b_proj.weight"), d, cfg.o_groups * cfg.o_lora_rank);
+        g.vector(format!("{a}.sinks"), cfg.n_heads, 0.0, 1.0);
+        match spec.attn {
+            AttnKind::Swa => {}
+            AttnKind::Hca => g.compressor(&format!("{a}.compressor"), hd, d, spec.ratio, hd),
+            AttnKind::Csa => {
+                g.compressor(&format!("{a}.compressor"), 2 * hd, d, spec.ratio, hd);
+                let ix = format!("{a}.compressor.indexer");
+                g.compressor(&ix, 2 * cfg.index_head_dim, d, spec.ratio, cfg.index_head_dim);
+                g.matrix(format!("{ix}.q_b_proj.weight"), cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank);
+                g.matrix(format!("{ix}.scorer.weights_proj.weight"), cfg.index_n_heads, d);
+            }
+        }
+        let m = format!("{p}.mlp");
+        let (ne, k, inter) = (cfg.n_routed_experts, cfg.n_experts_per_tok, cfg.moe_inter);
+        g.matrix(format!("{m}.gate.weight"), ne, d);
+        if spec.hash_moe {
+            let mut ids = Vec::with_capacity(cfg.vocab_size * k);
+            for _ in 0..cfg.vocab_size {
+                let mut perm: Vec<i64> = (0..ne as i64).collect();
+                for i in 0..k {
+                    let j = i + (g.rng.next_u64() % (ne - i) as u64) as usize;
+                    perm.swap(i, j);
+                }
+                ids.extend_from_slice(&perm[..k]);
+            }
+            let bytes = ids.iter().flat_map(|x| x.to_le_bytes()).collect();
+            g.out.push((format!("{m}.gate.tid2eid"), DType::I64, vec![cfg.vocab_size, k], bytes));
+        } else {
+            g.vector(format!("{m}.gate.e_score_correction_bias"), ne, 0.0, 0.1);
+        }
+        let gu = g.normal(ne * 2 * inter * d, 0.0, (d as f32).powf(-0.5));
+        g.push(format!("{m}.experts.gate_up_proj"), vec![ne, 2 * inter, d], gu, false);
+        let dn = g.normal(ne * d * inter, 0.0, (inter as f32).powf(-0.5));
+        g.push(format!("{m}.experts.down_proj"), vec![ne, d, inter], dn, false);
+        g.matrix(format!("{m}.shared_experts.gate_proj.weight"), inter, d);
+        g.matrix(format!("{m}.shared_experts.up_proj.weight"), inter, d);
+        g.matrix(format!("{m}.shared_experts.down_proj.weight"), d, inter);
+    }
+    g.vector("model.norm.weight".into(), d, 1.0, 0.1);
+    g.hc("model.hc_head.", cfg.hc_mult, cfg.hc_width(), "hc_fn", "hc_base", "hc_scale", 1);
+    g.matrix("lm_head.weight".into(), cfg.vocab_size, d);
+    g.out
+}
+
+/// The tiny configuration of spec §12.1 (every layer type, hash and learned routing, active
+/// clamp, YaRN), with the given vocabulary size.
+pub fn tiny_config(vocab_size: usize) -> Config {
+    use crate::config::{LayerSpec, Layout, Yarn};
+    let kinds = [(AttnKind::Swa, 0), (AttnKind::Csa, 4), (AttnKind::Hca, 8), (AttnKind::Csa, 4), (AttnKind::Hca, 8), (AttnKind::Swa, 0)];
+    Config {
+        layout: Layout::Hf,
+        vocab_size,
+        hidden: 64,
+        n_heads: 4,
+        head_dim: 32,
+        rope_dim: 8,
+        q_lora_rank: 24,
+        o_groups: 2,
+        o_lora_rank: 16,
+        window: 8,
+        index_n_heads: 4,
+        index_head_dim: 16,
+        index_topk: 2,
+        n_routed_experts: 8,
+        n_experts_per_tok: 2,
+        n_shared_experts: 1,
+        moe_inter: 16,
+        norm_topk_prob: true,
+        routed_scale: 1.5,
+        swiglu_limit: 2.0,
+        hc_mult: 4,
+        hc_sinkhorn_iters: 20,
+        hc_eps: 1e-6,
+        rms_eps: 1e-6,
+        rope_theta: 10000.0,
+        compress_rope_theta: 160000.0,
+        yarn: Some(Yarn { factor: 4.0, original_max_position: 16.0, beta_fast: 32.0, beta_slow: 1.0 }),
+        max_position: 1 << 20,
+        bos_token_id: 0,
+        eos_token_ids: vec![1],
+        n_mtp_layers: 0,
+        layers: kinds.iter().enumerate().map(|(i, &(attn, ratio))| LayerSpec { attn, ratio, hash_moe: i < 3 }).collect(),
+    }
+}
