@@ -334,6 +334,11 @@ impl Tokenizer {
             .map_err(Error::Embedded)
     }
 
+    /// The embedded `tokenizer.json` bytes (`init-tiny` writes them beside a demo checkpoint).
+    pub fn embedded_json() -> Result<Vec<u8>> {
+        zstd::stream::decode_all(EMBEDDED_ZST).map_err(|e| Error::Embedded(format!("zstd decompression failed: {e}")))
+    }
+
     /// Loads a `tokenizer.json` from disk (e.g. the one shipped with a
     /// checkpoint, to check it against the embedded copy).
     pub fn from_file(path: impl AsRef<Path>) -> Result<Tokenizer> {

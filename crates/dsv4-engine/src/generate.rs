@@ -1,0 +1,89 @@
+//! Single-sequence generation: prefill in chunks, then decode one token at a time, on the same
+//! forward path that batches use.
+
+use crate::sampler::{argmax_margin, SampleError, Sampler};
+use dsv4_backend::{Backend, Batch, Model, ModelError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Sample(#[from] SampleError),
+    #[error("empty prompt: at least one token is needed")]
+    EmptyPrompt,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    Length,
+    Eos,
+}
+
+#[derive(Clone, Debug)]
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    /// Top-1 minus top-2 logit at each generated step (how decisive greedy was).
+    pub margins: Vec<f32>,
+    pub stop: StopReason,
+    /// Seconds spent in prefill and in decode.
+    pub prefill_secs: f64,
+    pub decode_secs: f64,
+}
+
+pub struct GenerateOptions<'a> {
+    pub max_new_tokens: usize,
+    pub stop_ids: &'a [u32],
+    /// Longest prefill chunk.
+    pub prefill_chunk: usize,
+}
+
+/// Generates from `prompt` in a fresh sequence slot, which is freed afterwards.
+pub fn generate<B: Backend>(
+    model: &mut Model<B>,
+    prompt: &[u32],
+    sampler: &mut Sampler,
+    opts: &GenerateOptions<'_>,
+) -> Result<Generation, GenerateError> {
+    if prompt.is_empty() {
+        return Err(GenerateError::EmptyPrompt);
+    }
+    let seq = model.alloc_seq()?;
+    let result = run(model, seq, prompt, sampler, opts);
+    model.free_seq(seq);
+    result
+}
+
+fn run<B: Backend>(
+    model: &mut Model<B>,
+    seq: usize,
+    prompt: &[u32],
+    sampler: &mut Sampler,
+    opts: &GenerateOptions<'_>,
+) -> Result<Generation, GenerateError> {
+    let t0 = std::time::Instant::now();
+    let mut logits = Vec::new();
+    for (i, chunk) in prompt.chunks(opts.prefill_chunk.max(1)).enumerate() {
+        let batch = Batch::chunk(seq, i * opts.prefill_chunk.max(1), chunk).map_err(ModelError::from)?;
+        logits = model.forward(&batch, &[chunk.len() - 1])?;
+    }
+    let prefill_secs = t0.elapsed().as_secs_f64();
+    let t1 = std::time::Instant::now();
+    let (mut tokens, mut margins) = (Vec::new(), Vec::new());
+    let mut stop = StopReason::Length;
+    while tokens.len() < opts.max_new_tokens {
+        let tok = sampler.sample(&logits)?;
+        margins.push(argmax_margin(&logits).1);
+        tokens.push(tok);
+        if opts.stop_ids.contains(&tok) {
+            stop = StopReason::Eos;
+            break;
+        }
+        if tokens.len() == opts.max_new_tokens {
+            break;
+        }
+        let pos = prompt.len() + tokens.len() - 1;
+        logits = model.forward(&Batch::chunk(seq, pos, &[tok]).map_err(ModelError::from)?, &[0])?;
+    }
+    Ok(Generation { tokens, margins, stop, prefill_secs, decode_secs: t1.elapsed().as_secs_f64() })
+}

@@ -1,0 +1,107 @@
+//! `dsv4 bench`: prefill and decode throughput on a checkpoint or a synthetic model.
+
+use anyhow::{bail, Result};
+use dsv4_backend::cpu::CpuBackend;
+use dsv4_backend::{Batch, Model};
+use dsv4_model::store::write_safetensors;
+use dsv4_model::synth::{random_checkpoint, tiny_config, SynthDType};
+use dsv4_model::{AttnKind, Config, LayerSpec};
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    /// Checkpoint directory (otherwise --synthetic).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// A random model: `tiny` (spec §12.1 dimensions) or `mid` (hidden 1024, 8 layers).
+    #[arg(long, default_value = "tiny")]
+    synthetic: String,
+    #[arg(long, default_value_t = 512)]
+    prompt_len: usize,
+    #[arg(long, default_value_t = 32)]
+    decode_tokens: usize,
+    /// Longest prefill chunk.
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: usize,
+}
+
+/// Hidden 1024, 8 layers (2 SWA, then CSA 4 / HCA 128), 16 heads of 128, 32 experts top-4.
+pub fn mid_config() -> Config {
+    let mut c = tiny_config(129280);
+    c.hidden = 1024;
+    c.n_heads = 16;
+    c.head_dim = 128;
+    c.rope_dim = 64;
+    c.q_lora_rank = 256;
+    c.o_groups = 4;
+    c.o_lora_rank = 256;
+    c.window = 128;
+    c.index_n_heads = 8;
+    c.index_head_dim = 64;
+    c.index_topk = 64;
+    c.n_routed_experts = 32;
+    c.n_experts_per_tok = 4;
+    c.moe_inter = 256;
+    c.swiglu_limit = 10.0;
+    c.yarn = Some(dsv4_model::Yarn { factor: 16.0, original_max_position: 65536.0, beta_fast: 32.0, beta_slow: 1.0 });
+    c.layers = (0..8)
+        .map(|i| {
+            let (attn, ratio) = match i {
+                0 | 1 => (AttnKind::Swa, 0),
+                i if i % 2 == 0 => (AttnKind::Csa, 4),
+                _ => (AttnKind::Hca, 128),
+            };
+            LayerSpec { attn, ratio, hash_moe: i < 3 }
+        })
+        .collect();
+    c
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    let _tmp;
+    let (dir, label) = match &a.model {
+        Some(d) => (d.clone(), d.display().to_string()),
+        None => {
+            let cfg = match a.synthetic.as_str() {
+                "tiny" => tiny_config(129280),
+                "mid" => mid_config(),
+                other => bail!("unknown --synthetic `{other}` (tiny or mid)"),
+            };
+            _tmp = tempfile::tempdir()?;
+            std::fs::write(_tmp.path().join("config.json"), serde_json::to_string(&cfg.to_hf_json())?)?;
+            write_safetensors(&_tmp.path().join("model.safetensors"), &random_checkpoint(&cfg, 1, SynthDType::BF16))?;
+            (_tmp.path().to_path_buf(), format!("synthetic-{}", a.synthetic))
+        }
+    };
+    let mut m = Model::load(CpuBackend, &dir, 1, true)?;
+    let vocab = m.cfg.vocab_size as u64;
+    let toks: Vec<u32> = (0..a.prompt_len as u64).map(|i| ((i * 2654435761) % vocab) as u32).collect();
+    let seq = m.alloc_seq()?;
+    let t0 = Instant::now();
+    let mut last = 0;
+    for (i, c) in toks.chunks(a.prefill_chunk.max(1)).enumerate() {
+        let logits = m.forward(&Batch::chunk(seq, i * a.prefill_chunk.max(1), c)?, &[c.len() - 1])?;
+        last = dsv4_engine::sampler::argmax_margin(&logits).0;
+    }
+    let prefill = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    for i in 0..a.decode_tokens {
+        let logits = m.forward(&Batch::chunk(seq, a.prompt_len + i, &[last])?, &[0])?;
+        last = dsv4_engine::sampler::argmax_margin(&logits).0;
+    }
+    let decode = t1.elapsed().as_secs_f64();
+    let threads = rayon::current_num_threads();
+    println!(
+        "{}",
+        serde_json::json!({
+            "model": label, "backend": "cpu", "threads": threads,
+            "hidden": m.cfg.hidden, "layers": m.cfg.n_layers(), "vocab": m.cfg.vocab_size,
+            "prompt_len": a.prompt_len, "prefill_chunk": a.prefill_chunk,
+            "prefill_tokens_per_s": a.prompt_len as f64 / prefill,
+            "decode_tokens": a.decode_tokens, "decode_context": a.prompt_len,
+            "decode_tokens_per_s": a.decode_tokens as f64 / decode,
+        })
+    );
+    Ok(())
+}
