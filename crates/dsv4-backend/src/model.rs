@@ -92,9 +92,15 @@ impl<B: Backend> Model<B> {
         self.forward_with(batch, out_rows, None)
     }
 
-    pub fn forward_with(&mut self, batch: &Batch, out_rows: &[usize], cap: Option<&mut dyn Capture<B>>) -> Result<Vec<f32>, ModelError> {
+    pub fn forward_with(
+        &mut self,
+        batch: &Batch,
+        out_rows: &[usize],
+        cap: Option<&mut dyn Capture<B>>,
+    ) -> Result<Vec<f32>, ModelError> {
         self.check(batch)?;
-        let logits = forward(&self.backend, &self.cfg, &self.weights, &self.rope, &mut self.cache, batch, out_rows, cap);
+        let logits =
+            forward(&self.backend, &self.cfg, &self.weights, &self.rope, &mut self.cache, batch, out_rows, cap);
         for s in &batch.segments {
             self.seqs[s.seq] = Some(s.pos0 + s.len);
         }

@@ -18,7 +18,8 @@ fn chunking_invariance_tiny() {
     write_random(dir.path(), &cfg, 7);
     let toks = tokens(41, 97, 1);
     let full = run_chunks(dir.path(), &toks, &[41]);
-    let mut splits: Vec<Vec<usize>> = vec![vec![1; 41], [13].into_iter().chain(std::iter::repeat_n(1, 28)).collect(), vec![6, 7, 3, 9, 16]];
+    let mut splits: Vec<Vec<usize>> =
+        vec![vec![1; 41], [13].into_iter().chain(std::iter::repeat_n(1, 28)).collect(), vec![6, 7, 3, 9, 16]];
     let mut s = 99u64;
     for _ in 0..3 {
         let mut left = 41;

@@ -69,10 +69,8 @@ fn any_chunking_matches_hf() {
     for name in FIXTURES {
         let t = expected(name).ids.len();
         let e = expected(name);
-        let mut splits = vec![
-            vec![1; t],
-            std::iter::once(13).chain(std::iter::repeat_n(1, t - 13)).collect::<Vec<_>>(),
-        ];
+        let mut splits =
+            vec![vec![1; t], std::iter::once(13).chain(std::iter::repeat_n(1, t - 13)).collect::<Vec<_>>()];
         splits.extend((0..3).map(|s| random_chunks(t, s + 11)));
         for sp in splits {
             let got = logits_with_chunks(name, &sp);
@@ -97,7 +95,11 @@ fn greedy_continuation_matches_hf() {
             let err = rel_err(&logits, &e.greedy_logits[i * vocab..(i + 1) * vocab]);
             excused |= (e.margins[i] as f64) < MARGIN;
             if got != want {
-                assert!(excused, "{name}: step {i}: got {got}, HF {want}, margin {} (no small margin before)", e.margins[i]);
+                assert!(
+                    excused,
+                    "{name}: step {i}: got {got}, HF {want}, margin {} (no small margin before)",
+                    e.margins[i]
+                );
                 println!("{name}: diverged at step {i} after a margin < {MARGIN}");
                 break;
             }
@@ -152,4 +154,32 @@ fn sequences_are_independent_back_to_back_and_batched() {
     let v = m.cfg.vocab_size;
     assert_eq!(&out[..e.ids.len() * v], &long_alone[..]);
     assert_eq!(&out[e.ids.len() * v..], &short_alone[..]);
+}
+
+/// FP8 block-scaled and FP4 packed weights dequantise exactly to what the fixture generator
+/// (torch float8_e4m3fn and its own E2M1 table) produced.
+#[test]
+fn official_fp8_fp4_dequantise_exactly() {
+    let dir = fixtures_dir().join("official_fp8");
+    let cfg = dsv4_model::Config::from_dir(&dir).unwrap();
+    assert_eq!(cfg.layout, dsv4_model::Layout::Official);
+    let store = TensorStore::open(&dir.join("model.safetensors")).unwrap();
+    let want = TensorStore::open(&dir.join("expected.safetensors")).unwrap();
+    let names = [
+        "layers.1.attn.wq_b.weight",
+        "layers.0.attn.wo_a.weight",
+        "layers.3.ffn.experts.0.w1.weight",
+        "layers.3.ffn.experts.0.w2.weight",
+    ];
+    let mut seen = 0;
+    dsv4_model::load_weights(&store, &cfg, false, |t| {
+        if names.contains(&t.name.as_str()) {
+            let w = want.f32(&format!("dequant/{}", t.name)).unwrap();
+            assert_eq!(t.data, w, "{}", t.name);
+            seen += 1;
+        }
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(seen, names.len());
 }

@@ -85,7 +85,8 @@ impl Sampler {
         if p.temperature == 0.0 {
             return Ok(argmax_margin(logits).0);
         }
-        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &v)| (i as u32, v / p.temperature)).collect();
+        let mut cand: Vec<(u32, f32)> =
+            logits.iter().enumerate().map(|(i, &v)| (i as u32, v / p.temperature)).collect();
         cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         if p.top_k > 0 {
             cand.truncate(p.top_k);

@@ -188,13 +188,14 @@ fn yarn_from(obj: &Map<String, Value>, field: &str) -> Result<Option<Yarn>, Conf
         "default" => Ok(None),
         "yarn" => Ok(Some(Yarn {
             factor: f.f64_or("factor", None).map_err(|e| prefix(e, field))?,
-            original_max_position: f
-                .f64_or("original_max_position_embeddings", None)
-                .map_err(|e| prefix(e, field))?,
+            original_max_position: f.f64_or("original_max_position_embeddings", None).map_err(|e| prefix(e, field))?,
             beta_fast: f.f64_or("beta_fast", Some(32.0)).map_err(|e| prefix(e, field))?,
             beta_slow: f.f64_or("beta_slow", Some(1.0)).map_err(|e| prefix(e, field))?,
         })),
-        other => Err(field_err(format!("{field}.rope_type"), format!("unsupported RoPE type `{other}` (DeepSeek V4 uses yarn)"))),
+        other => Err(field_err(
+            format!("{field}.rope_type"),
+            format!("unsupported RoPE type `{other}` (DeepSeek V4 uses yarn)"),
+        )),
     }
 }
 
@@ -251,10 +252,9 @@ impl Config {
         let mut hca_ratio = 128usize;
         if let Some(Value::Object(rates)) = f.get("compress_rates") {
             for (k, v) in rates {
-                let r = v
-                    .as_u64()
-                    .ok_or_else(|| field_err(format!("compress_rates.{k}"), format!("expected an integer, found {v}")))?
-                    as usize;
+                let r = v.as_u64().ok_or_else(|| {
+                    field_err(format!("compress_rates.{k}"), format!("expected an integer, found {v}"))
+                })? as usize;
                 match k.as_str() {
                     "compressed_sparse_attention" => csa_ratio = r,
                     "heavily_compressed_attention" => hca_ratio = r,
@@ -278,22 +278,34 @@ impl Config {
         } else if let Some(r) = f.usize_list("compress_ratios")? {
             ratios_to_kinds(&r, "compress_ratios")?.into_iter().map(|(k, _)| k).collect()
         } else {
-            return Err(field_err("layer_types", "missing (and no compress_ratios): the layer schedule must come from the checkpoint"));
+            return Err(field_err(
+                "layer_types",
+                "missing (and no compress_ratios): the layer schedule must come from the checkpoint",
+            ));
         };
         if types.len() < n_layers {
-            return Err(field_err("layer_types", format!("has {} entries, num_hidden_layers is {n_layers}", types.len())));
+            return Err(field_err(
+                "layer_types",
+                format!("has {} entries, num_hidden_layers is {n_layers}", types.len()),
+            ));
         }
         let n_hash = f.usize_or("num_hash_layers", Some(3))?;
         let mlp: Vec<bool> = if let Some(m) = f.str_list("mlp_layer_types")? {
             if m.len() < n_layers {
-                return Err(field_err("mlp_layer_types", format!("has {} entries, num_hidden_layers is {n_layers}", m.len())));
+                return Err(field_err(
+                    "mlp_layer_types",
+                    format!("has {} entries, num_hidden_layers is {n_layers}", m.len()),
+                ));
             }
             m.iter()
                 .enumerate()
                 .map(|(i, t)| match t.as_str() {
                     "hash_moe" => Ok(true),
                     "moe" => Ok(false),
-                    other => Err(field_err(format!("mlp_layer_types[{i}]"), format!("unknown MLP type `{other}` (expected hash_moe or moe)"))),
+                    other => Err(field_err(
+                        format!("mlp_layer_types[{i}]"),
+                        format!("unknown MLP type `{other}` (expected hash_moe or moe)"),
+                    )),
                 })
                 .collect::<Result<_, _>>()?
         } else {
@@ -336,7 +348,10 @@ impl Config {
         }
         let scoring = f.str_or("scoring_func", "sqrtsoftplus")?;
         if scoring != "sqrtsoftplus" {
-            return Err(field_err("scoring_func", format!("`{scoring}` is not supported (DeepSeek V4 uses sqrtsoftplus)")));
+            return Err(field_err(
+                "scoring_func",
+                format!("`{scoring}` is not supported (DeepSeek V4 uses sqrtsoftplus)"),
+            ));
         }
         Ok(Config {
             layout: Layout::Hf,
@@ -382,7 +397,11 @@ impl Config {
         if ratios.len() != n_layers && ratios.len() != n_layers + n_mtp {
             return Err(field_err(
                 "compress_ratios",
-                format!("has {} entries, expected n_layers ({n_layers}) or n_layers + n_mtp_layers ({})", ratios.len(), n_layers + n_mtp),
+                format!(
+                    "has {} entries, expected n_layers ({n_layers}) or n_layers + n_mtp_layers ({})",
+                    ratios.len(),
+                    n_layers + n_mtp
+                ),
             ));
         }
         let kinds = ratios_to_kinds(&ratios[..n_layers], "compress_ratios")?;
@@ -470,23 +489,39 @@ impl Config {
         if self.layers.is_empty() {
             return Err(field_err("num_hidden_layers", "must be > 0"));
         }
-        if self.rope_dim == 0 || self.rope_dim % 2 != 0 || self.rope_dim > self.head_dim {
-            return Err(field_err("qk_rope_head_dim", format!("{} must be even, > 0 and <= head_dim {}", self.rope_dim, self.head_dim)));
+        if self.rope_dim == 0 || !self.rope_dim.is_multiple_of(2) || self.rope_dim > self.head_dim {
+            return Err(field_err(
+                "qk_rope_head_dim",
+                format!("{} must be even, > 0 and <= head_dim {}", self.rope_dim, self.head_dim),
+            ));
         }
-        if (self.n_heads * self.head_dim) % self.o_groups != 0 || self.n_heads % self.o_groups != 0 {
-            return Err(field_err("o_groups", format!("{} must divide num_attention_heads {}", self.o_groups, self.n_heads)));
+        if !(self.n_heads * self.head_dim).is_multiple_of(self.o_groups) || !self.n_heads.is_multiple_of(self.o_groups)
+        {
+            return Err(field_err(
+                "o_groups",
+                format!("{} must divide num_attention_heads {}", self.o_groups, self.n_heads),
+            ));
         }
         if self.n_experts_per_tok > self.n_routed_experts {
-            return Err(field_err("num_experts_per_tok", format!("{} > n_routed_experts {}", self.n_experts_per_tok, self.n_routed_experts)));
+            return Err(field_err(
+                "num_experts_per_tok",
+                format!("{} > n_routed_experts {}", self.n_experts_per_tok, self.n_routed_experts),
+            ));
         }
         if self.n_shared_experts != 1 {
-            return Err(field_err("n_shared_experts", format!("{} is not supported (DeepSeek V4 has exactly 1)", self.n_shared_experts)));
+            return Err(field_err(
+                "n_shared_experts",
+                format!("{} is not supported (DeepSeek V4 has exactly 1)", self.n_shared_experts),
+            ));
         }
         if self.layers.iter().any(|l| l.attn == AttnKind::Csa) {
             pos("index_n_heads", self.index_n_heads)?;
             pos("index_topk", self.index_topk)?;
             if self.rope_dim > self.index_head_dim {
-                return Err(field_err("index_head_dim", format!("{} must be >= qk_rope_head_dim {}", self.index_head_dim, self.rope_dim)));
+                return Err(field_err(
+                    "index_head_dim",
+                    format!("{} must be >= qk_rope_head_dim {}", self.index_head_dim, self.rope_dim),
+                ));
             }
         }
         for (i, l) in self.layers.iter().enumerate() {
@@ -494,7 +529,7 @@ impl Config {
                 return Err(field_err(format!("compress ratio of layer {i}"), format!("{} must be >= 2", l.ratio)));
             }
         }
-        if !(self.rms_eps > 0.0) {
+        if self.rms_eps.is_nan() || self.rms_eps <= 0.0 {
             return Err(field_err("rms_norm_eps", "must be > 0"));
         }
         Ok(())
@@ -522,7 +557,9 @@ impl Config {
         let mut f: Vec<f64> = (0..self.rope_dim / 2).map(|i| base.powf(-(2.0 * i as f64) / r)).collect();
         if attn != AttnKind::Swa {
             if let Some(y) = self.yarn {
-                let corr = |nrot: f64| r * (y.original_max_position / (nrot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln());
+                let corr = |nrot: f64| {
+                    r * (y.original_max_position / (nrot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln())
+                };
                 let lo = corr(y.beta_fast).floor().max(0.0);
                 let mut hi = corr(y.beta_slow).ceil().min(r - 1.0);
                 if lo == hi {
@@ -695,7 +732,10 @@ fn ratios_to_kinds(r: &[usize], field: &str) -> Result<Vec<(AttnKind, usize)>, C
             0 => Ok((AttnKind::Swa, 0)),
             4 => Ok((AttnKind::Csa, 4)),
             x if x > 4 => Ok((AttnKind::Hca, x)),
-            x => Err(field_err(format!("{field}[{i}]"), format!("ratio {x} is not a DeepSeek V4 layer (expected 0, 4 or 128)"))),
+            x => Err(field_err(
+                format!("{field}[{i}]"),
+                format!("ratio {x} is not a DeepSeek V4 layer (expected 0, 4 or 128)"),
+            )),
         })
         .collect()
 }
@@ -709,11 +749,38 @@ mod tests {
         let c = Config::flash();
         let f = c.rope_freqs(AttnKind::Csa);
         let expect = [
-            1.000000e+00, 6.876560e-01, 4.728708e-01, 3.251725e-01, 2.236068e-01, 1.537646e-01, 1.057371e-01,
-            7.271077e-02, 5.000000e-02, 3.438280e-02, 2.364354e-02, 1.625862e-02, 1.118034e-02, 7.688228e-03,
-            5.286856e-03, 3.635539e-03, 2.265625e-03, 1.396801e-03, 8.496897e-04, 5.080820e-04, 2.969778e-04,
-            1.681800e-04, 9.086784e-05, 4.544423e-05, 1.953125e-05, 5.372313e-06, 3.694303e-06, 2.540410e-06,
-            1.746928e-06, 1.201286e-06, 8.260713e-07, 5.680529e-07,
+            1.000000e+00,
+            6.876560e-01,
+            4.728708e-01,
+            3.251725e-01,
+            2.236068e-01,
+            1.537646e-01,
+            1.057371e-01,
+            7.271077e-02,
+            5.000000e-02,
+            3.438280e-02,
+            2.364354e-02,
+            1.625862e-02,
+            1.118034e-02,
+            7.688228e-03,
+            5.286856e-03,
+            3.635539e-03,
+            2.265625e-03,
+            1.396801e-03,
+            8.496897e-04,
+            5.080820e-04,
+            2.969778e-04,
+            1.681800e-04,
+            9.086784e-05,
+            4.544423e-05,
+            1.953125e-05,
+            5.372313e-06,
+            3.694303e-06,
+            2.540410e-06,
+            1.746928e-06,
+            1.201286e-06,
+            8.260713e-07,
+            5.680529e-07,
         ];
         assert_eq!(f.len(), 32);
         for (i, (a, b)) in f.iter().zip(expect).enumerate() {
@@ -755,7 +822,8 @@ mod tests {
 
     #[test]
     fn official_layout_parses() {
-        let ratios: Vec<usize> = [0, 0].into_iter().chain((2..43).map(|i| if i % 2 == 0 { 4 } else { 128 })).chain([0]).collect();
+        let ratios: Vec<usize> =
+            [0, 0].into_iter().chain((2..43).map(|i| if i % 2 == 0 { 4 } else { 128 })).chain([0]).collect();
         let j = serde_json::json!({
             "vocab_size": 129280, "dim": 4096, "moe_inter_dim": 2048, "n_layers": 43, "n_hash_layers": 3,
             "n_mtp_layers": 1, "n_heads": 64, "n_routed_experts": 256, "n_shared_experts": 1,

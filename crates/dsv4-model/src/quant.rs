@@ -4,9 +4,8 @@
 //! E2M1 codes packed two per byte, low nibble first.
 
 /// E2M1 code → value; bit 3 is the sign (spec §8.5).
-pub const E2M1_TABLE: [f32; 16] = [
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-];
+pub const E2M1_TABLE: [f32; 16] =
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
 
 /// Decodes one FP8 E4M3FN byte.
 pub fn e4m3_to_f32(b: u8) -> f32 {

@@ -164,7 +164,10 @@ impl TensorStore {
             names.dedup();
             for n in &names {
                 if n.contains('/') || n.contains("..") {
-                    return Err(LoadError::Header { path: ip.display().to_string(), msg: format!("shard name `{n}` leaves the directory") });
+                    return Err(LoadError::Header {
+                        path: ip.display().to_string(),
+                        msg: format!("shard name `{n}` leaves the directory"),
+                    });
                 }
             }
             names.into_iter().map(|n| dir.join(n)).collect()
@@ -221,7 +224,13 @@ impl TensorStore {
                     _ => return Err(bad("bad data_offsets")),
                 };
                 if e > data_len {
-                    return Err(LoadError::Truncated { path: pstr.clone(), tensor: name.clone(), start: s, end: e, file_len: data_len });
+                    return Err(LoadError::Truncated {
+                        path: pstr.clone(),
+                        tensor: name.clone(),
+                        start: s,
+                        end: e,
+                        file_len: data_len,
+                    });
                 }
                 let numel: usize = shape.iter().product();
                 if (e - s) as usize != numel * dtype.size() {
@@ -281,25 +290,30 @@ impl TensorStore {
     pub fn f32_range(&self, name: &str, start: usize, len: usize) -> Result<Vec<f32>, LoadError> {
         let t = self.get(name)?;
         if start + len > t.numel() {
-            return Err(LoadError::Value { name: name.into(), msg: format!("range {start}+{len} beyond {} elements", t.numel()) });
+            return Err(LoadError::Value {
+                name: name.into(),
+                msg: format!("range {start}+{len} beyond {} elements", t.numel()),
+            });
         }
         let sz = t.dtype.size();
         let b = &self.raw(name)?[start * sz..(start + len) * sz];
         let out = match t.dtype {
             DType::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(),
             DType::F64 => b.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap()) as f32).collect(),
-            DType::F16 => b
-                .chunks_exact(2)
-                .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-                .collect(),
-            DType::BF16 => b
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-                .collect(),
+            DType::F16 => {
+                b.chunks_exact(2).map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()).collect()
+            }
+            DType::BF16 => {
+                b.chunks_exact(2).map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()).collect()
+            }
             DType::F8E4M3 => b.iter().map(|&x| e4m3_to_f32(x)).collect(),
             DType::F8E8M0 => b.iter().map(|&x| e8m0_to_f32(x)).collect(),
             other => {
-                return Err(LoadError::DType { name: name.into(), expected: "a float type".into(), found: other.name().into() })
+                return Err(LoadError::DType {
+                    name: name.into(),
+                    expected: "a float type".into(),
+                    found: other.name().into(),
+                })
             }
         };
         Ok(out)
@@ -316,7 +330,11 @@ impl TensorStore {
             DType::I8 => b.iter().map(|&x| x as i8 as i64).collect(),
             DType::U8 => b.iter().map(|&x| x as i64).collect(),
             other => {
-                return Err(LoadError::DType { name: name.into(), expected: "an integer type".into(), found: other.name().into() })
+                return Err(LoadError::DType {
+                    name: name.into(),
+                    expected: "an integer type".into(),
+                    found: other.name().into(),
+                })
             }
         })
     }

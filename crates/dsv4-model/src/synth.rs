@@ -63,10 +63,11 @@ impl Gen {
         let v = self.normal(n, mean, std);
         self.push(name, vec![n], v, true);
     }
-    fn hc(&mut self, p: &str, rows: usize, width: usize, fn_: &str, base: &str, scale: &str, nscale: usize) {
-        self.matrix(format!("{p}{fn_}"), rows, width);
-        self.vector(format!("{p}{base}"), rows, 0.0, 0.5);
-        self.vector(format!("{p}{scale}"), nscale, 1.0, 0.2);
+    /// mHC parameters; `names` are the (fn, base, scale) suffixes after `p`.
+    fn hc(&mut self, p: &str, rows: usize, width: usize, names: [&str; 3], nscale: usize) {
+        self.matrix(format!("{p}{}", names[0]), rows, width);
+        self.vector(format!("{p}{}", names[1]), rows, 0.0, 0.5);
+        self.vector(format!("{p}{}", names[2]), nscale, 1.0, 0.2);
     }
     fn compressor(&mut self, p: &str, width: usize, d: usize, ratio: usize, head: usize) {
         self.matrix(format!("{p}.kv_proj.weight"), width, d);
@@ -85,8 +86,8 @@ pub fn random_checkpoint(cfg: &Config, seed: u64, dtype: SynthDType) -> Vec<RawT
     g.push("model.embed_tokens.weight".into(), vec![cfg.vocab_size, d], embed, false);
     for (l, spec) in cfg.layers.iter().enumerate() {
         let p = format!("model.layers.{l}");
-        g.hc(&p, cfg.hc_mix(), cfg.hc_width(), ".attn_hc.fn", ".attn_hc.base", ".attn_hc.scale", 3);
-        g.hc(&p, cfg.hc_mix(), cfg.hc_width(), ".ffn_hc.fn", ".ffn_hc.base", ".ffn_hc.scale", 3);
+        g.hc(&p, cfg.hc_mix(), cfg.hc_width(), [".attn_hc.fn", ".attn_hc.base", ".attn_hc.scale"], 3);
+        g.hc(&p, cfg.hc_mix(), cfg.hc_width(), [".ffn_hc.fn", ".ffn_hc.base", ".ffn_hc.scale"], 3);
         g.vector(format!("{p}.input_layernorm.weight"), d, 1.0, 0.1);
         g.vector(format!("{p}.post_attention_layernorm.weight"), d, 1.0, 0.1);
         let a = format!("{p}.self_attn");
@@ -136,7 +137,7 @@ pub fn random_checkpoint(cfg: &Config, seed: u64, dtype: SynthDType) -> Vec<RawT
         g.matrix(format!("{m}.shared_experts.down_proj.weight"), d, inter);
     }
     g.vector("model.norm.weight".into(), d, 1.0, 0.1);
-    g.hc("model.hc_head.", cfg.hc_mult, cfg.hc_width(), "hc_fn", "hc_base", "hc_scale", 1);
+    g.hc("model.hc_head.", cfg.hc_mult, cfg.hc_width(), ["hc_fn", "hc_base", "hc_scale"], 1);
     g.matrix("lm_head.weight".into(), cfg.vocab_size, d);
     g.out
 }
@@ -145,7 +146,14 @@ pub fn random_checkpoint(cfg: &Config, seed: u64, dtype: SynthDType) -> Vec<RawT
 /// clamp, YaRN), with the given vocabulary size.
 pub fn tiny_config(vocab_size: usize) -> Config {
     use crate::config::{LayerSpec, Layout, Yarn};
-    let kinds = [(AttnKind::Swa, 0), (AttnKind::Csa, 4), (AttnKind::Hca, 8), (AttnKind::Csa, 4), (AttnKind::Hca, 8), (AttnKind::Swa, 0)];
+    let kinds = [
+        (AttnKind::Swa, 0),
+        (AttnKind::Csa, 4),
+        (AttnKind::Hca, 8),
+        (AttnKind::Csa, 4),
+        (AttnKind::Hca, 8),
+        (AttnKind::Swa, 0),
+    ];
     Config {
         layout: Layout::Hf,
         vocab_size,
@@ -178,6 +186,10 @@ pub fn tiny_config(vocab_size: usize) -> Config {
         bos_token_id: 0,
         eos_token_ids: vec![1],
         n_mtp_layers: 0,
-        layers: kinds.iter().enumerate().map(|(i, &(attn, ratio))| LayerSpec { attn, ratio, hash_moe: i < 3 }).collect(),
+        layers: kinds
+            .iter()
+            .enumerate()
+            .map(|(i, &(attn, ratio))| LayerSpec { attn, ratio, hash_moe: i < 3 })
+            .collect(),
     }
 }

@@ -204,7 +204,10 @@ impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
                     return Err(LoadError::Shape { name: name.into(), expected: shape.to_vec(), found });
                 }
                 let Some(sn) = scale_name else {
-                    return Err(LoadError::Missing { name: format!("{name} scale"), tried: format!("{}.scale", name.trim_end_matches(".weight")) });
+                    return Err(LoadError::Missing {
+                        name: format!("{name} scale"),
+                        tried: format!("{}.scale", name.trim_end_matches(".weight")),
+                    });
                 };
                 let sshape = vec![rows.div_ceil(128), cols.div_ceil(128)];
                 let sinfo = self.store.info(&sn).unwrap();
@@ -221,7 +224,10 @@ impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
                     return Err(LoadError::Shape { name: name.into(), expected: packed, found });
                 }
                 let Some(sn) = scale_name else {
-                    return Err(LoadError::Missing { name: format!("{name} scale"), tried: format!("{}.scale", name.trim_end_matches(".weight")) });
+                    return Err(LoadError::Missing {
+                        name: format!("{name} scale"),
+                        tried: format!("{}.scale", name.trim_end_matches(".weight")),
+                    });
                 };
                 let sshape = vec![rows, cols.div_ceil(32)];
                 let sinfo = self.store.info(&sn).unwrap();
@@ -238,7 +244,11 @@ impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
                 }
                 self.store.f32(name)
             }
-            dt => Err(LoadError::DType { name: name.into(), expected: "a float type (F32, BF16, F16, F8_E4M3 + scale)".into(), found: dt.name().into() }),
+            dt => Err(LoadError::DType {
+                name: name.into(),
+                expected: "a float type (F32, BF16, F16, F8_E4M3 + scale)".into(),
+                found: dt.name().into(),
+            }),
         }
     }
 
@@ -248,11 +258,30 @@ impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
         (self.upload)(HostTensor { name: official.to_string(), shape: shape.to_vec(), data })
     }
 
-    fn hc(&mut self, fn_: &str, base: &str, scale: &str, rows: usize, width: usize, nscale: usize) -> Result<Hc<W>, LoadError> {
-        Ok(Hc { fn_: self.tensor(fn_, &[rows, width])?, base: self.tensor(base, &[rows])?, scale: self.tensor(scale, &[nscale])? })
+    fn hc(
+        &mut self,
+        fn_: &str,
+        base: &str,
+        scale: &str,
+        rows: usize,
+        width: usize,
+        nscale: usize,
+    ) -> Result<Hc<W>, LoadError> {
+        Ok(Hc {
+            fn_: self.tensor(fn_, &[rows, width])?,
+            base: self.tensor(base, &[rows])?,
+            scale: self.tensor(scale, &[nscale])?,
+        })
     }
 
-    fn compressor(&mut self, p: &str, width: usize, d: usize, ratio: usize, head: usize) -> Result<Compressor<W>, LoadError> {
+    fn compressor(
+        &mut self,
+        p: &str,
+        width: usize,
+        d: usize,
+        ratio: usize,
+        head: usize,
+    ) -> Result<Compressor<W>, LoadError> {
         Ok(Compressor {
             wkv: self.tensor(&format!("{p}.wkv.weight"), &[width, d])?,
             wgate: self.tensor(&format!("{p}.wgate.weight"), &[width, d])?,
@@ -269,17 +298,24 @@ impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
         let per_expert = self.store.contains(&off("w1"));
         if !per_expert && self.store.contains(&fused_gu) {
             for (n, shape) in [(&fused_gu, vec![n_exp, 2 * inter, d]), (&fused_dn, vec![n_exp, d, inter])] {
-                let info = self.store.info(n).ok_or_else(|| LoadError::Missing { name: n.clone(), tried: n.clone() })?;
+                let info =
+                    self.store.info(n).ok_or_else(|| LoadError::Missing { name: n.clone(), tried: n.clone() })?;
                 if info.shape != shape {
                     return Err(LoadError::Shape { name: n.clone(), expected: shape, found: info.shape.clone() });
                 }
                 if !info.dtype.is_float() {
-                    return Err(LoadError::DType { name: n.clone(), expected: "a float type".into(), found: info.dtype.name().into() });
+                    return Err(LoadError::DType {
+                        name: n.clone(),
+                        expected: "a float type".into(),
+                        found: info.dtype.name().into(),
+                    });
                 }
             }
             let gu = self.store.f32_range(&fused_gu, e * 2 * inter * d, 2 * inter * d)?;
             let dn = self.store.f32_range(&fused_dn, e * d * inter, d * inter)?;
-            if let (Some(p), Some(a), Some(b)) = (&self.progress, self.store.info(&fused_gu), self.store.info(&fused_dn)) {
+            if let (Some(p), Some(a), Some(b)) =
+                (&self.progress, self.store.info(&fused_gu), self.store.info(&fused_dn))
+            {
                 p.inc(((a.numel() * a.dtype.size() + b.numel() * b.dtype.size()) / n_exp) as u64);
             }
             let (g, u) = gu.split_at(inter * d);
@@ -325,8 +361,16 @@ pub fn load_weights<W>(
     let mut layers = Vec::with_capacity(cfg.n_layers());
     for (l, spec) in cfg.layers.iter().enumerate() {
         let p = format!("layers.{l}");
-        let hc_attn = ld.hc(&format!("{p}.hc_attn_fn"), &format!("{p}.hc_attn_base"), &format!("{p}.hc_attn_scale"), mix, hcw, 3)?;
-        let hc_ffn = ld.hc(&format!("{p}.hc_ffn_fn"), &format!("{p}.hc_ffn_base"), &format!("{p}.hc_ffn_scale"), mix, hcw, 3)?;
+        let hc_attn = ld.hc(
+            &format!("{p}.hc_attn_fn"),
+            &format!("{p}.hc_attn_base"),
+            &format!("{p}.hc_attn_scale"),
+            mix,
+            hcw,
+            3,
+        )?;
+        let hc_ffn =
+            ld.hc(&format!("{p}.hc_ffn_fn"), &format!("{p}.hc_ffn_base"), &format!("{p}.hc_ffn_scale"), mix, hcw, 3)?;
         let attn_norm = ld.tensor(&format!("{p}.attn_norm.weight"), &[d])?;
         let ffn_norm = ld.tensor(&format!("{p}.ffn_norm.weight"), &[d])?;
         let a = format!("{p}.attn");
@@ -380,7 +424,14 @@ pub fn load_weights<W>(
             w2: ld.tensor(&format!("{s}.w2.weight"), &[d, inter])?,
             w3: ld.tensor(&format!("{s}.w3.weight"), &[inter, d])?,
         };
-        layers.push(Layer { attn_norm, ffn_norm, hc_attn, hc_ffn, attn, ffn: Moe { gate, bias, tid2eid, experts, shared } });
+        layers.push(Layer {
+            attn_norm,
+            ffn_norm,
+            hc_attn,
+            hc_ffn,
+            attn,
+            ffn: Moe { gate, bias, tid2eid, experts, shared },
+        });
     }
     let norm = ld.tensor("norm.weight", &[d])?;
     let hc_head = ld.hc("hc_head_fn", "hc_head_base", "hc_head_scale", n, hcw, 1)?;
@@ -403,7 +454,10 @@ mod tests {
             ("hc_head_fn", "model.hc_head.hc_fn"),
             ("layers.2.attn.compressor.wkv.weight", "model.layers.2.self_attn.compressor.kv_proj.weight"),
             ("layers.2.attn.indexer.compressor.ape", "model.layers.2.self_attn.compressor.indexer.position_bias"),
-            ("layers.2.attn.indexer.weights_proj.weight", "model.layers.2.self_attn.compressor.indexer.scorer.weights_proj.weight"),
+            (
+                "layers.2.attn.indexer.weights_proj.weight",
+                "model.layers.2.self_attn.compressor.indexer.scorer.weights_proj.weight",
+            ),
             ("layers.3.ffn.gate.bias", "model.layers.3.mlp.gate.e_score_correction_bias"),
             ("layers.0.ffn.gate.tid2eid", "model.layers.0.mlp.gate.tid2eid"),
             ("layers.0.hc_ffn_base", "model.layers.0.ffn_hc.base"),

@@ -244,17 +244,12 @@ impl SpecialTokens {
 
     fn resolve(inner: &tokenizers::Tokenizer) -> Result<Self> {
         let id = |token: &'static str| -> Result<u32> {
-            let id = inner
-                .token_to_id(token)
-                .ok_or(Error::MissingSpecialToken(token))?;
+            let id = inner.token_to_id(token).ok_or(Error::MissingSpecialToken(token))?;
             // The chat encoder renders prompts as text, so each marker must be
             // split out as one added token rather than BPE-merged from pieces.
             let encoded = inner
                 .encode_fast(token, false)
-                .map_err(|source| Error::Tokenizers {
-                    context: "encoding a special token",
-                    source,
-                })?
+                .map_err(|source| Error::Tokenizers { context: "encoding a special token", source })?
                 .get_ids()
                 .to_vec();
             if encoded != [id] {
@@ -326,8 +321,8 @@ impl Tokenizer {
         static CACHE: OnceLock<std::result::Result<Tokenizer, String>> = OnceLock::new();
         CACHE
             .get_or_init(|| {
-                let json = zstd::stream::decode_all(EMBEDDED_ZST)
-                    .map_err(|e| format!("zstd decompression failed: {e}"))?;
+                let json =
+                    zstd::stream::decode_all(EMBEDDED_ZST).map_err(|e| format!("zstd decompression failed: {e}"))?;
                 Tokenizer::from_bytes(&json).map_err(|e| e.to_string())
             })
             .clone()
@@ -343,10 +338,7 @@ impl Tokenizer {
     /// checkpoint, to check it against the embedded copy).
     pub fn from_file(path: impl AsRef<Path>) -> Result<Tokenizer> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|source| Error::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let bytes = std::fs::read(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
         Tokenizer::from_bytes(&bytes)
     }
 
@@ -355,10 +347,8 @@ impl Tokenizer {
     /// Fails if any of the [`SpecialTokens`] is missing or would not be
     /// encoded as a single id.
     pub fn from_bytes(json: &[u8]) -> Result<Tokenizer> {
-        let hf = tokenizers::Tokenizer::from_bytes(json).map_err(|source| Error::Tokenizers {
-            context: "cannot parse tokenizer.json",
-            source,
-        })?;
+        let hf = tokenizers::Tokenizer::from_bytes(json)
+            .map_err(|source| Error::Tokenizers { context: "cannot parse tokenizer.json", source })?;
         Tokenizer::from_hf(hf)
     }
 
@@ -368,10 +358,7 @@ impl Tokenizer {
         // call, so compute it once. Added tokens that share an id with a model
         // token (ids 0..=2 here) are counted once.
         let vocab_size = hf.get_vocab_size(true);
-        Ok(Tokenizer {
-            inner: Arc::new(Inner { hf, vocab_size }),
-            special,
-        })
+        Ok(Tokenizer { inner: Arc::new(Inner { hf, vocab_size }), special })
     }
 
     /// Encodes `text` into token ids.
@@ -384,14 +371,11 @@ impl Tokenizer {
     /// already starts with `<｜begin▁of▁sentence｜>`, or BOS will be doubled.
     pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>> {
         // `encode_fast` skips offset tracking, which we never expose.
-        let encoding =
-            self.inner
-                .hf
-                .encode_fast(text, false)
-                .map_err(|source| Error::Tokenizers {
-                    context: "encode failed",
-                    source,
-                })?;
+        let encoding = self
+            .inner
+            .hf
+            .encode_fast(text, false)
+            .map_err(|source| Error::Tokenizers { context: "encode failed", source })?;
         let ids = encoding.get_ids();
         let mut out = Vec::with_capacity(ids.len() + usize::from(add_bos));
         if add_bos {
@@ -415,13 +399,7 @@ impl Tokenizer {
         for &id in ids {
             self.check_id(id)?;
         }
-        self.inner
-            .hf
-            .decode(ids, skip_special)
-            .map_err(|source| Error::Tokenizers {
-                context: "decode failed",
-                source,
-            })
+        self.inner.hf.decode(ids, skip_special).map_err(|source| Error::Tokenizers { context: "decode failed", source })
     }
 
     /// Returns a streaming detokeniser; see [`StreamDecoder`].
@@ -456,10 +434,7 @@ impl Tokenizer {
         if (id as usize) < self.inner.vocab_size {
             Ok(())
         } else {
-            Err(Error::UnknownId {
-                id,
-                vocab_size: self.inner.vocab_size,
-            })
+            Err(Error::UnknownId { id, vocab_size: self.inner.vocab_size })
         }
     }
 }

@@ -38,12 +38,7 @@ impl StreamDecoder {
     /// A decoder with nothing pending. `skip_special` has the meaning of
     /// [`Tokenizer::decode`]'s argument.
     pub fn new(tokenizer: &Tokenizer, skip_special: bool) -> StreamDecoder {
-        StreamDecoder {
-            tokenizer: tokenizer.clone(),
-            skip_special,
-            window: Vec::new(),
-            read: 0,
-        }
+        StreamDecoder { tokenizer: tokenizer.clone(), skip_special, window: Vec::new(), read: 0 }
     }
 
     /// Feeds one id and returns the text that became complete (possibly

@@ -75,14 +75,9 @@ fn encode_matches_python_package_where_it_agrees_with_hf() {
             // The package's hand-written pre-tokenizer mishandles `\s+(?!\S)`:
             // the only disagreements are whitespace runs followed by text.
             let chars: Vec<char> = c.text.chars().collect();
-            let has_ws_run_before_text = chars
-                .windows(3)
-                .any(|w| w[0].is_whitespace() && w[1].is_whitespace() && !w[2].is_whitespace());
-            assert!(
-                has_ws_run_before_text,
-                "unexpected package disagreement in {}",
-                c.name
-            );
+            let has_ws_run_before_text =
+                chars.windows(3).any(|w| w[0].is_whitespace() && w[1].is_whitespace() && !w[2].is_whitespace());
+            assert!(has_ws_run_before_text, "unexpected package disagreement in {}", c.name);
         }
     }
 }
@@ -123,11 +118,7 @@ fn stream_decoder_concatenation_equals_decode() {
             let mut out = String::new();
             for &id in &ids {
                 let chunk = stream.push(id).unwrap();
-                assert!(
-                    !chunk.contains(char::REPLACEMENT_CHARACTER),
-                    "{}: chunk {chunk:?} has U+FFFD",
-                    c.name
-                );
+                assert!(!chunk.contains(char::REPLACEMENT_CHARACTER), "{}: chunk {chunk:?} has U+FFFD", c.name);
                 out.push_str(&chunk);
             }
             out.push_str(&stream.finish().unwrap());

@@ -37,11 +37,7 @@ fn special_tokens_are_single_distinct_ids_anywhere_in_text() {
         assert_eq!(tok.encode(text, false).unwrap(), vec![id], "{text}");
         // Embedded between ordinary text with no separating spaces.
         let ids = tok.encode(&format!("abc{text}def"), false).unwrap();
-        assert_eq!(
-            ids.iter().filter(|&&x| x == id).count(),
-            1,
-            "{text}: {ids:?}"
-        );
+        assert_eq!(ids.iter().filter(|&&x| x == id).count(), 1, "{text}: {ids:?}");
         assert_eq!(tok.decode(&ids, false).unwrap(), format!("abc{text}def"));
     }
 }
@@ -60,13 +56,7 @@ fn ascii_lookalikes_are_not_special() {
 #[test]
 fn chat_prompt_encoding() {
     let tok = tok();
-    let prompt = format!(
-        "{}{}hello{}{}",
-        tokens::BOS,
-        tokens::USER,
-        tokens::ASSISTANT,
-        tokens::THINK_END
-    );
+    let prompt = format!("{}{}hello{}{}", tokens::BOS, tokens::USER, tokens::ASSISTANT, tokens::THINK_END);
     let ids = tok.encode(&prompt, false).unwrap();
     let s = tok.special;
     assert_eq!(ids.first(), Some(&s.bos));
@@ -80,10 +70,7 @@ fn chat_prompt_encoding() {
 fn digits_split_in_groups_of_three() {
     let tok = tok();
     let ids = tok.encode("12345678", false).unwrap();
-    let pieces: Vec<String> = ids
-        .iter()
-        .map(|&i| tok.decode(&[i], false).unwrap())
-        .collect();
+    let pieces: Vec<String> = ids.iter().map(|&i| tok.decode(&[i], false).unwrap()).collect();
     assert_eq!(pieces, ["123", "456", "78"]);
 }
 
@@ -101,10 +88,7 @@ fn skip_special_drops_only_flagged_tokens() {
     let s = tok.special;
     let ids = [s.bos, s.user, s.assistant, s.think_begin, s.eos, s.pad];
     // BOS/EOS/PAD are `special: true`; the chat markers are not (HF semantics).
-    assert_eq!(
-        tok.decode(&ids, true).unwrap(),
-        "<｜User｜><｜Assistant｜><think>"
-    );
+    assert_eq!(tok.decode(&ids, true).unwrap(), "<｜User｜><｜Assistant｜><think>");
     assert_eq!(
         tok.decode(&ids, false).unwrap(),
         "<｜begin▁of▁sentence｜><｜User｜><｜Assistant｜><think><｜end▁of▁sentence｜><｜▁pad▁｜>"
@@ -115,20 +99,11 @@ fn skip_special_drops_only_flagged_tokens() {
 fn unknown_ids_are_rejected() {
     let tok = tok();
     let err = tok.decode(&[5, 200_000], false).unwrap_err();
-    assert!(matches!(
-        err,
-        Error::UnknownId {
-            id: 200_000,
-            vocab_size: 129_280
-        }
-    ));
+    assert!(matches!(err, Error::UnknownId { id: 200_000, vocab_size: 129_280 }));
     let mut stream = tok.stream_decoder(false);
     assert!(stream.push(u32::MAX).is_err());
     // A rejected id leaves the stream usable.
-    assert_eq!(
-        stream.push(tok.token_to_id("Hello").unwrap()).unwrap(),
-        "Hello"
-    );
+    assert_eq!(stream.push(tok.token_to_id("Hello").unwrap()).unwrap(), "Hello");
 }
 
 /// Streams `ids` and returns the chunks (the last one from `finish`).
@@ -201,30 +176,17 @@ fn from_file_and_from_bytes() {
     let tok = tok();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tokenizer.json");
-    let zst = std::fs::read(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/data/deepseek-v4-tokenizer.json.zst"
-    ))
-    .unwrap();
+    let zst = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/data/deepseek-v4-tokenizer.json.zst")).unwrap();
     let json = zstd::stream::decode_all(&zst[..]).unwrap();
     std::fs::write(&path, &json).unwrap();
     let from_file = Tokenizer::from_file(&path).unwrap();
     assert_eq!(from_file.special, tok.special);
     assert_eq!(from_file.vocab_size(), tok.vocab_size());
     let text = "<｜User｜>def f():\n    return '深度求索' 🦀<｜Assistant｜>";
-    assert_eq!(
-        from_file.encode(text, true).unwrap(),
-        tok.encode(text, true).unwrap()
-    );
+    assert_eq!(from_file.encode(text, true).unwrap(), tok.encode(text, true).unwrap());
 
-    assert!(matches!(
-        Tokenizer::from_file(dir.path().join("missing.json")),
-        Err(Error::Io { .. })
-    ));
-    assert!(matches!(
-        Tokenizer::from_bytes(b"not json"),
-        Err(Error::Tokenizers { .. })
-    ));
+    assert!(matches!(Tokenizer::from_file(dir.path().join("missing.json")), Err(Error::Io { .. })));
+    assert!(matches!(Tokenizer::from_bytes(b"not json"), Err(Error::Tokenizers { .. })));
     let tiny = br#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
         "normalizer":null,"pre_tokenizer":null,"post_processor":null,"decoder":null,
         "model":{"type":"BPE","vocab":{"a":0},"merges":[]}}"#;

@@ -21,9 +21,7 @@ pub fn parse_tokens(s: &str) -> Result<Vec<u32>> {
     } else {
         parse_list(s).context("--tokens")?
     };
-    v.into_iter()
-        .map(|x| u32::try_from(x).map_err(|_| anyhow::anyhow!("token id {x} is too large")))
-        .collect()
+    v.into_iter().map(|x| u32::try_from(x).map_err(|_| anyhow::anyhow!("token id {x} is too large"))).collect()
 }
 
 /// Writes a float32 .npy file of shape `[rows, cols]` (format version 1.0).
@@ -37,7 +35,8 @@ pub fn write_npy(path: &Path, data: &[f32], rows: usize, cols: usize) -> Result<
         header.push(' ');
     }
     header.push('\n');
-    let mut f = std::io::BufWriter::new(std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?);
+    let mut f =
+        std::io::BufWriter::new(std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?);
     f.write_all(b"\x93NUMPY\x01\x00")?;
     f.write_all(&(header.len() as u16).to_le_bytes())?;
     f.write_all(header.as_bytes())?;

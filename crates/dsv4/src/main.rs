@@ -102,7 +102,11 @@ fn load_cpu(dir: &std::path::Path, max_seqs: usize) -> Result<Model<CpuBackend>>
 
 fn tokenizer_for(dir: &std::path::Path) -> Result<dsv4_tokenizer::Tokenizer> {
     let local = dir.join("tokenizer.json");
-    Ok(if local.exists() { dsv4_tokenizer::Tokenizer::from_file(&local)? } else { dsv4_tokenizer::Tokenizer::deepseek_v4()? })
+    Ok(if local.exists() {
+        dsv4_tokenizer::Tokenizer::from_file(&local)?
+    } else {
+        dsv4_tokenizer::Tokenizer::deepseek_v4()?
+    })
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -157,7 +161,12 @@ fn run(cli: Cli) -> Result<()> {
             }
             let mut sampler = Sampler::new(SamplingParams { temperature, top_p, top_k, min_p, seed })?;
             let stop: Vec<u32> = if ignore_eos { Vec::new() } else { m.cfg.eos_token_ids.clone() };
-            let g = generate(&mut m, &ids, &mut sampler, &GenerateOptions { max_new_tokens, stop_ids: &stop, prefill_chunk })?;
+            let g = generate(
+                &mut m,
+                &ids,
+                &mut sampler,
+                &GenerateOptions { max_new_tokens, stop_ids: &stop, prefill_chunk },
+            )?;
             let text = tok.decode(&g.tokens, true)?;
             if json {
                 let out = serde_json::json!({

@@ -33,7 +33,16 @@ fn read_npy(p: &Path) -> (Vec<usize>, Vec<f32>) {
     let hl = u16::from_le_bytes([b[8], b[9]]) as usize;
     let h = std::str::from_utf8(&b[10..10 + hl]).unwrap();
     assert!(h.contains("'descr': '<f4'"), "{h}");
-    let shape: Vec<usize> = h.split("'shape': (").nth(1).unwrap().split(')').next().unwrap().split(',').filter_map(|x| x.trim().parse().ok()).collect();
+    let shape: Vec<usize> = h
+        .split("'shape': (")
+        .nth(1)
+        .unwrap()
+        .split(')')
+        .next()
+        .unwrap()
+        .split(',')
+        .filter_map(|x| x.trim().parse().ok())
+        .collect();
     let data = b[10 + hl..].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
     (shape, data)
 }
@@ -61,12 +70,16 @@ fn logits_command_matches_hf_on_every_fixture() {
         // Through a JSON token file, once whole and once in [13, 1, 1, ...] chunks.
         let tok_file = dir.path().join(format!("{name}.json"));
         std::fs::write(&tok_file, serde_json::to_string(&ids).unwrap()).unwrap();
-        let chunks = std::iter::once("13".to_string()).chain(std::iter::repeat_n("1".to_string(), ids.len() - 13)).collect::<Vec<_>>().join(",");
+        let chunks = std::iter::once("13".to_string())
+            .chain(std::iter::repeat_n("1".to_string(), ids.len() - 13))
+            .collect::<Vec<_>>()
+            .join(",");
         for ch in [None, Some(chunks)] {
             let out = dir.path().join(format!("{name}.npy"));
             let model = fixtures().join(name);
             let tokens = format!("@{}", tok_file.display());
-            let mut args = vec!["logits", "--model", model.to_str().unwrap(), "--tokens", &tokens, "--out", out.to_str().unwrap()];
+            let mut args =
+                vec!["logits", "--model", model.to_str().unwrap(), "--tokens", &tokens, "--out", out.to_str().unwrap()];
             if let Some(c) = &ch {
                 args.extend(["--chunks", c.as_str()]);
             }
@@ -87,13 +100,26 @@ fn generate_greedy_reproduces_hf() {
         let margins = e.f32("greedy_margins").unwrap();
         let model = fixtures().join(name);
         let n = want.len().to_string();
-        let out = ok(&["generate", "--model", model.to_str().unwrap(), "--tokens", &ids_csv(&e.i64("input_ids").unwrap()), "--max-new-tokens", &n, "--ignore-eos", "--json"]);
+        let out = ok(&[
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--tokens",
+            &ids_csv(&e.i64("input_ids").unwrap()),
+            "--max-new-tokens",
+            &n,
+            "--ignore-eos",
+            "--json",
+        ]);
         let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
         let got: Vec<u64> = v["tokens"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
         assert_eq!(got.len(), want.len());
         let first_diff = got.iter().zip(&want).position(|(a, b)| a != b);
         if let Some(i) = first_diff {
-            assert!(margins[..=i].iter().any(|&m| m < 1e-3), "{name}: diverged at step {i} with no HF margin < 1e-3 before it");
+            assert!(
+                margins[..=i].iter().any(|&m| m < 1e-3),
+                "{name}: diverged at step {i} with no HF margin < 1e-3 before it"
+            );
         }
         assert!(first_diff.is_none_or(|i| i >= 32), "{name}: only {first_diff:?} tokens agree");
     }
@@ -117,7 +143,8 @@ fn edited_fixture(dst: &Path, edit: impl FnOnce(&mut Vec<(String, DType, Vec<usi
 
 fn logits_err(model: &Path, tokens: &str, chunks: Option<&str>) -> String {
     let out = model.join("out.npy");
-    let mut args = vec!["logits", "--model", model.to_str().unwrap(), "--tokens", tokens, "--out", out.to_str().unwrap()];
+    let mut args =
+        vec!["logits", "--model", model.to_str().unwrap(), "--tokens", tokens, "--out", out.to_str().unwrap()];
     if let Some(c) = chunks {
         args.extend(["--chunks", c]);
     }
@@ -140,7 +167,10 @@ fn wrong_shape_names_expected_and_found() {
         t.2 = vec![t.2[1], t.2[0]];
     });
     let e = logits_err(d.path(), "1,2,3", None);
-    assert!(e.contains("q_b_proj.weight") && e.contains("expected shape [128, 24]") && e.contains("found [24, 128]"), "{e}");
+    assert!(
+        e.contains("q_b_proj.weight") && e.contains("expected shape [128, 24]") && e.contains("found [24, 128]"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -177,7 +207,8 @@ fn bad_tokens_and_chunks_are_rejected() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("o.npy");
     let run = |tokens: &str, chunks: Option<&str>| {
-        let mut a = vec!["logits", "--model", model.to_str().unwrap(), "--tokens", tokens, "--out", out.to_str().unwrap()];
+        let mut a =
+            vec!["logits", "--model", model.to_str().unwrap(), "--tokens", tokens, "--out", out.to_str().unwrap()];
         if let Some(c) = chunks {
             a.extend(["--chunks", c]);
         }
@@ -203,12 +234,38 @@ fn init_tiny_writes_a_model_that_generates_text() {
     for f in ["config.json", "model.safetensors", "tokenizer.json"] {
         assert!(m.join(f).exists(), "{f}");
     }
-    let out = ok(&["generate", "--model", m.to_str().unwrap(), "--prompt", "Hello", "--max-new-tokens", "5", "--ignore-eos", "--json"]);
+    let out = ok(&[
+        "generate",
+        "--model",
+        m.to_str().unwrap(),
+        "--prompt",
+        "Hello",
+        "--max-new-tokens",
+        "5",
+        "--ignore-eos",
+        "--json",
+    ]);
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(v["tokens"].as_array().unwrap().len(), 5);
     assert!(v["text"].is_string());
     // Seeded sampling is reproducible.
-    let args = ["generate", "--model", m.to_str().unwrap(), "--prompt", "Hi", "--max-new-tokens", "6", "--temperature", "0.9", "--top-p", "0.9", "--seed", "7", "--ignore-eos", "--json"];
+    let args = [
+        "generate",
+        "--model",
+        m.to_str().unwrap(),
+        "--prompt",
+        "Hi",
+        "--max-new-tokens",
+        "6",
+        "--temperature",
+        "0.9",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "7",
+        "--ignore-eos",
+        "--json",
+    ];
     let (a, b) = (ok(&args), ok(&args));
     let tok = |s: &str| serde_json::from_str::<serde_json::Value>(s.trim()).unwrap()["tokens"].clone();
     assert_eq!(tok(&a), tok(&b));

@@ -92,7 +92,14 @@ pub fn compress_rows(
 
 /// Lightning-indexer top-k: for each row, the indices of the selected visible entries, ordered
 /// by score (descending), ties broken by the lower entry index.
-pub fn index_select(cache: &CpuCache, layer: usize, qi: &Tensor, wts: &Tensor, batch: &Batch, cfg: &Config) -> Vec<Vec<u32>> {
+pub fn index_select(
+    cache: &CpuCache,
+    layer: usize,
+    qi: &Tensor,
+    wts: &Tensor,
+    batch: &Batch,
+    cfg: &Config,
+) -> Vec<Vec<u32>> {
     let (nh, hd) = (cfg.index_n_heads, cfg.index_head_dim);
     let (qs, ws) = ((hd as f32).powf(-0.5), (nh as f32).powf(-0.5));
     batch
@@ -128,6 +135,7 @@ pub fn index_select(cache: &CpuCache, layer: usize, qi: &Tensor, wts: &Tensor, b
 
 /// Sink-softmax attention of every row over its window rows and compressed entries; afterwards
 /// the chunk's KV rows are written into the window ring.
+#[allow(clippy::too_many_arguments)]
 pub fn attend(
     cache: &mut CpuCache,
     layer: usize,
@@ -140,7 +148,8 @@ pub fn attend(
 ) -> Tensor {
     let (h, d, win) = (cfg.n_heads, cfg.head_dim, cfg.window);
     let scale = (d as f32).powf(-0.5);
-    let seg_of: Vec<usize> = batch.segments.iter().enumerate().flat_map(|(i, s)| std::iter::repeat_n(i, s.len)).collect();
+    let seg_of: Vec<usize> =
+        batch.segments.iter().enumerate().flat_map(|(i, s)| std::iter::repeat_n(i, s.len)).collect();
     let cache_ro: &CpuCache = cache;
     let out: Vec<Vec<f32>> = batch
         .rows

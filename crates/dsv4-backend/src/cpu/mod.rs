@@ -292,7 +292,15 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn index_select(&self, cache: &CpuCache, layer: usize, qi: &Tensor, w: &Tensor, rows: &Batch, cfg: &Config) -> Vec<Vec<u32>> {
+    fn index_select(
+        &self,
+        cache: &CpuCache,
+        layer: usize,
+        qi: &Tensor,
+        w: &Tensor,
+        rows: &Batch,
+        cfg: &Config,
+    ) -> Vec<Vec<u32>> {
         attention::index_select(cache, layer, qi, w, rows, cfg)
     }
 
@@ -322,7 +330,9 @@ impl Backend for CpuBackend {
                     let b = &bias.expect("learned routing needs a bias").data;
                     let mut order: Vec<u32> = (0..e as u32).collect();
                     // Highest biased score first; ties go to the lower expert id.
-                    order.sort_by(|&a, &c| (s[c as usize] + b[c as usize]).total_cmp(&(s[a as usize] + b[a as usize])).then(a.cmp(&c)));
+                    order.sort_by(|&a, &c| {
+                        (s[c as usize] + b[c as usize]).total_cmp(&(s[a as usize] + b[a as usize])).then(a.cmp(&c))
+                    });
                     order.truncate(k);
                     order
                 }
@@ -350,7 +360,11 @@ impl Backend for CpuBackend {
             .enumerate()
             .filter(|(_, s)| !s.is_empty())
             .map(|(e, slots)| {
-                let xe = Tensor::new(slots.len(), x.cols, slots.iter().flat_map(|&s| x.row(s / k).iter().copied()).collect());
+                let xe = Tensor::new(
+                    slots.len(),
+                    x.cols,
+                    slots.iter().flat_map(|&s| x.row(s / k).iter().copied()).collect(),
+                );
                 let y = swiglu_rows(&xe, &experts[e], limit);
                 (slots, y)
             })

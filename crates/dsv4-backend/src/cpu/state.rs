@@ -29,7 +29,16 @@ impl CompState {
         } else {
             (Vec::new(), Vec::new())
         };
-        CompState { ratio, head, overlap, open_u: Vec::new(), open_z: Vec::new(), prev_u: pu, prev_z: pz, entries: Vec::new() }
+        CompState {
+            ratio,
+            head,
+            overlap,
+            open_u: Vec::new(),
+            open_z: Vec::new(),
+            prev_u: pu,
+            prev_z: pz,
+            entries: Vec::new(),
+        }
     }
     /// Projection width: `2·head` with overlap, else `head`.
     pub fn width(&self) -> usize {
