@@ -34,7 +34,7 @@ fn chunking_invariance_tiny() {
     }
     for sp in splits {
         let got = run_chunks(dir.path(), &toks, &sp);
-        let e = rel_err(&got, &full);
-        assert!(e < 1e-5, "chunks {sp:?}: rel err {e}");
+        // Every op is per row with a fixed summation order, so chunking changes no bit.
+        assert_eq!(got, full, "chunks {sp:?}: rel err {}", rel_err(&got, &full));
     }
 }

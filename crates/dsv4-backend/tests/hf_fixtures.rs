@@ -183,3 +183,29 @@ fn official_fp8_fp4_dequantise_exactly() {
     .unwrap();
     assert_eq!(seen, names.len());
 }
+
+/// The same weights under the names HF's `save_pretrained` actually writes (which depend on how
+/// the model was built; see tools/gen_name_fixtures.py) give the same logits.
+#[test]
+fn hf_save_pretrained_name_variants_load() {
+    let e = expected("tiny_mixed");
+    for variant in ["default_save", "resave"] {
+        let mut m = load(&fixtures_dir().join("names").join(variant), 1);
+        let s = m.alloc_seq().unwrap();
+        let got = m.prefill_chunks(s, &e.ids, &[e.ids.len()]).unwrap();
+        let err = rel_err(&got, &e.logits);
+        assert!(err <= TOL, "{variant}: rel err {err}");
+    }
+}
+
+/// Multi-block FP8 (three row blocks, two column blocks, one partial) and FP4 with round-half-even
+/// ties: the dequantisation kernels against torch's decoding.
+#[test]
+fn quant_unit_blocks_dequantise_exactly() {
+    use dsv4_model::quant::{dequant_fp4, dequant_fp8_blocks};
+    let st = TensorStore::open(&fixtures_dir().join("official_fp8/quant_unit.safetensors")).unwrap();
+    let fp8 = dequant_fp8_blocks(st.raw("fp8.weight").unwrap(), &st.f32("fp8.scale").unwrap(), 260, 136, 128);
+    assert_eq!(fp8, st.f32("fp8.dequant").unwrap());
+    let fp4 = dequant_fp4(st.raw("fp4.weight").unwrap(), &st.f32("fp4.scale").unwrap(), 6, 128, 32);
+    assert_eq!(fp4, st.f32("fp4.dequant").unwrap());
+}

@@ -1,8 +1,13 @@
-//! Sequences, sampling and generation on top of the forward pass. (The continuous-batching
-//! scheduler grows here.)
+//! Sequences, sampling, generation and the continuous-batching engine on top of the forward pass.
 
+pub mod engine;
 pub mod generate;
+pub mod metrics;
 pub mod sampler;
+pub mod sequence;
 
+pub use engine::{spawn, AdmitError, EngineConfig, EngineHandle, Submission};
 pub use generate::{generate, GenerateError, GenerateOptions, Generation, StopReason};
+pub use metrics::Metrics;
 pub use sampler::{SampleError, Sampler, SamplingParams};
+pub use sequence::{CancelToken, Event, FinishReason, Request, TokenEvent};

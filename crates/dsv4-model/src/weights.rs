@@ -163,21 +163,33 @@ pub struct Loader<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> {
 }
 
 impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
-    /// Candidate names of a logical tensor, the config's layout first.
-    fn candidates(&self, official: &str) -> [String; 2] {
+    /// Candidate names of a logical tensor, the config's layout first. HF `save_pretrained`
+    /// reverses its key conversion on save, so checkpoints it wrote may also carry the official
+    /// name under a `model.` prefix, and `norm` where the module says `kv_norm`.
+    fn candidates(&self, official: &str) -> Vec<String> {
         let hf = hf_name(official);
-        match self.layout {
-            Layout::Official => [official.to_string(), hf],
-            Layout::Hf => [hf, official.to_string()],
+        let prefixed = format!("model.{official}");
+        let mut v = match self.layout {
+            Layout::Official => vec![official.to_string(), hf.clone()],
+            Layout::Hf => vec![hf.clone(), official.to_string()],
+        };
+        v.push(prefixed.clone());
+        for n in [&hf, &prefixed] {
+            if n.contains(".kv_norm.") {
+                v.push(n.replace(".kv_norm.", ".norm."));
+            }
         }
+        let mut seen = std::collections::HashSet::new();
+        v.retain(|n| seen.insert(n.clone()));
+        v
     }
 
     fn resolve(&self, official: &str) -> Result<String, LoadError> {
         let c = self.candidates(official);
-        c.iter().find(|n| self.store.contains(n)).cloned().ok_or_else(|| LoadError::Missing {
-            name: official.to_string(),
-            tried: if c[0] == c[1] { c[0].clone() } else { format!("{}, {}", c[0], c[1]) },
-        })
+        c.iter()
+            .find(|n| self.store.contains(n))
+            .cloned()
+            .ok_or_else(|| LoadError::Missing { name: official.to_string(), tried: c.join(", ") })
     }
 
     fn tick(&self, name: &str) {
@@ -292,7 +304,8 @@ impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
 
     /// One routed expert, from official per-expert tensors or HF's fused `[E, 2I, d]`/`[E, d, I]`.
     fn expert(&mut self, l: usize, e: usize, n_exp: usize, inter: usize, d: usize) -> Result<Expert<W>, LoadError> {
-        let off = |w: &str| format!("layers.{l}.ffn.experts.{e}.{w}.weight");
+        let prefix = if self.store.contains(&format!("model.layers.{l}.ffn.experts.{e}.w1.weight")) { "model." } else { "" };
+        let off = |w: &str| format!("{prefix}layers.{l}.ffn.experts.{e}.{w}.weight");
         let fused_gu = format!("model.layers.{l}.mlp.experts.gate_up_proj");
         let fused_dn = format!("model.layers.{l}.mlp.experts.down_proj");
         let per_expert = self.store.contains(&off("w1"));

@@ -1,0 +1,382 @@
+//! The continuous-batching engine: one thread owns the model; requests are admitted and retired
+//! between steps; each step is one forward over decode rows of running sequences plus prefill
+//! chunks of new ones, under a token budget.
+
+use crate::metrics::Metrics;
+use crate::sampler::{argmax_margin, Sampler};
+use crate::sequence::{CancelToken, Event, FinishReason, Request, Sequence, TokenEvent};
+use dsv4_backend::{Backend, Batch, Model, Row};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Tokens per step (decode rows + prefill chunks).
+    pub token_budget: usize,
+    /// Longest prefill chunk of one sequence in one step.
+    pub prefill_chunk: usize,
+    /// Requests allowed to wait for a slot before new ones are refused.
+    pub max_waiting: usize,
+    /// Longest sequence (prompt + max_tokens) accepted.
+    pub max_context: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig { token_budget: 512, prefill_chunk: 256, max_waiting: 256, max_context: 65536 }
+    }
+}
+
+/// Why a request was refused at the door.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum AdmitError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("max_tokens must be at least 1")]
+    NoTokens,
+    #[error("prompt ({prompt} tokens) + max_tokens ({max_tokens}) exceeds the context limit of {limit} tokens")]
+    ContextTooLong { prompt: usize, max_tokens: usize, limit: usize },
+    #[error("token id {token} is outside the vocabulary (size {vocab})")]
+    BadToken { token: u32, vocab: usize },
+    #[error("the server is at capacity ({waiting} requests waiting); retry later")]
+    QueueFull { waiting: usize },
+    #[error("invalid sampling parameters: {0}")]
+    Sampling(String),
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
+/// A submitted request's stream of events and its cancel switch.
+pub struct Submission {
+    pub id: u64,
+    pub events: UnboundedReceiver<Event>,
+    pub cancel: CancelToken,
+}
+
+/// Cheap to clone; talks to the engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: Sender<Sequence>,
+    next_id: Arc<AtomicU64>,
+    pub metrics: Arc<Metrics>,
+    pub config: EngineConfig,
+    pub vocab_size: usize,
+    pub eos_ids: Vec<u32>,
+}
+
+impl EngineHandle {
+    /// Checks a request and queues it; refusals are typed so the server can map them to 4xx/5xx.
+    pub fn submit(&self, req: Request) -> Result<Submission, AdmitError> {
+        let m = &self.metrics;
+        let refuse = |e: AdmitError| {
+            m.requests_rejected.fetch_add(1, Ordering::Relaxed);
+            Err(e)
+        };
+        if req.prompt.is_empty() {
+            return refuse(AdmitError::EmptyPrompt);
+        }
+        if req.max_tokens == 0 {
+            return refuse(AdmitError::NoTokens);
+        }
+        if let Some(&token) = req.prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
+            return refuse(AdmitError::BadToken { token, vocab: self.vocab_size });
+        }
+        if req.prompt.len() + req.max_tokens > self.config.max_context {
+            return refuse(AdmitError::ContextTooLong {
+                prompt: req.prompt.len(),
+                max_tokens: req.max_tokens,
+                limit: self.config.max_context,
+            });
+        }
+        let waiting = Metrics::get(&m.queue_depth) as usize;
+        if waiting >= self.config.max_waiting {
+            return refuse(AdmitError::QueueFull { waiting });
+        }
+        let sampler = match Sampler::new(req.sampling.clone()) {
+            Ok(s) => s,
+            Err(e) => return refuse(AdmitError::Sampling(e.to_string())),
+        };
+        let (etx, erx) = unbounded_channel();
+        let cancel = CancelToken::default();
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let seq = Sequence {
+            id,
+            req,
+            sampler,
+            slot: None,
+            prefilled: 0,
+            generated: Vec::new(),
+            events: etx,
+            cancel: cancel.clone(),
+            arrived: Instant::now(),
+            last_token_at: None,
+        };
+        m.queue_depth.fetch_add(1, Ordering::Relaxed);
+        if self.tx.send(seq).is_err() {
+            m.queue_depth.fetch_sub(1, Ordering::Relaxed);
+            return Err(AdmitError::Stopped);
+        }
+        Ok(Submission { id, events: erx, cancel })
+    }
+}
+
+/// Starts the engine thread; it runs until every handle is dropped.
+pub fn spawn<B>(model: Model<B>, mut config: EngineConfig, max_seqs: usize) -> EngineHandle
+where
+    B: Backend + 'static,
+    Model<B>: Send,
+{
+    // Positions beyond the model's limit would fail in the forward: refuse them at the door.
+    config.max_context = config.max_context.min(model.cfg.max_position);
+    let (tx, rx) = channel();
+    let metrics = Arc::new(Metrics::default());
+    metrics.pool_capacity.store(max_seqs as u64, Ordering::Relaxed);
+    let handle = EngineHandle {
+        tx,
+        next_id: Arc::new(AtomicU64::new(1)),
+        metrics: metrics.clone(),
+        vocab_size: model.cfg.vocab_size,
+        eos_ids: model.cfg.eos_token_ids.clone(),
+        config: config.clone(),
+    };
+    std::thread::Builder::new()
+        .name("dsv4-engine".into())
+        .spawn(move || Engine { model, config, rx, waiting: VecDeque::new(), running: Vec::new(), metrics }.run())
+        .expect("spawning the engine thread");
+    handle
+}
+
+struct Engine<B: Backend> {
+    model: Model<B>,
+    config: EngineConfig,
+    rx: Receiver<Sequence>,
+    waiting: VecDeque<Sequence>,
+    running: Vec<Sequence>,
+    metrics: Arc<Metrics>,
+}
+
+/// Where a logits row of the step goes.
+struct Out {
+    seq: usize,
+    /// The row completes the prompt (first token) rather than continuing decode.
+    first: bool,
+}
+
+impl<B: Backend> Engine<B> {
+    fn run(mut self) {
+        loop {
+            // Block only when idle; otherwise take whatever has arrived.
+            if self.waiting.is_empty() && self.running.is_empty() {
+                match self.rx.recv() {
+                    Ok(s) => self.waiting.push_back(s),
+                    Err(_) => return,
+                }
+            }
+            loop {
+                match self.rx.try_recv() {
+                    Ok(s) => self.waiting.push_back(s),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        if self.waiting.is_empty() && self.running.is_empty() {
+                            return;
+                        }
+                        break;
+                    }
+                }
+            }
+            self.drop_cancelled();
+            self.admit();
+            self.step();
+            self.metrics.queue_depth.store(self.waiting.len() as u64, Ordering::Relaxed);
+            self.metrics.running.store(self.running.len() as u64, Ordering::Relaxed);
+        }
+    }
+
+    fn drop_cancelled(&mut self) {
+        let mut i = 0;
+        while i < self.waiting.len() {
+            if self.waiting[i].cancel.is_cancelled() || self.waiting[i].events.is_closed() {
+                let s = self.waiting.remove(i).expect("index in range");
+                self.finish(s, FinishReason::Cancelled);
+            } else {
+                i += 1;
+            }
+        }
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].cancel.is_cancelled() || self.running[i].events.is_closed() {
+                let s = self.running.remove(i);
+                self.finish(s, FinishReason::Cancelled);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    fn admit(&mut self) {
+        while !self.waiting.is_empty() {
+            match self.model.alloc_seq() {
+                Ok(slot) => {
+                    let mut s = self.waiting.pop_front().expect("not empty");
+                    s.slot = Some(slot);
+                    self.running.push(s);
+                }
+                Err(_) => break, // pool full: wait for a slot to be freed
+            }
+        }
+    }
+
+    /// Frees the sequence's slot and tells the client.
+    fn finish(&mut self, s: Sequence, reason: FinishReason) {
+        if let Some(slot) = s.slot {
+            self.model.free_seq(slot);
+        }
+        if reason == FinishReason::Cancelled {
+            self.metrics.requests_cancelled.fetch_add(1, Ordering::Relaxed);
+        }
+        let _ = s.events.send(Event::Done {
+            reason,
+            prompt_tokens: s.req.prompt.len(),
+            completion_tokens: s.generated.len(),
+        });
+    }
+
+    fn fail(&mut self, s: Sequence, msg: String) {
+        tracing::error!(id = s.id, "{msg}");
+        if let Some(slot) = s.slot {
+            self.model.free_seq(slot);
+        }
+        let _ = s.events.send(Event::Error(msg));
+    }
+
+    /// Builds one batch: a decode row for each running sequence that has a token to feed, then
+    /// prefill chunks in arrival order while the budget lasts.
+    fn plan(&self) -> (Vec<Row>, Vec<usize>, Vec<Out>) {
+        let (mut rows, mut out_rows, mut outs) = (Vec::new(), Vec::new(), Vec::new());
+        let mut budget = self.config.token_budget.max(1);
+        for (i, s) in self.running.iter().enumerate() {
+            if s.prefill_done() && !s.generated.is_empty() && budget > 0 {
+                let token = *s.generated.last().expect("non-empty");
+                out_rows.push(rows.len());
+                rows.push(Row { seq: s.slot.expect("admitted"), pos: s.len(), token });
+                outs.push(Out { seq: i, first: false });
+                budget -= 1;
+            }
+        }
+        for (i, s) in self.running.iter().enumerate() {
+            if budget == 0 {
+                break;
+            }
+            if s.prefill_done() {
+                continue;
+            }
+            let n = (s.req.prompt.len() - s.prefilled).min(budget).min(self.config.prefill_chunk.max(1));
+            for k in 0..n {
+                let p = s.prefilled + k;
+                rows.push(Row { seq: s.slot.expect("admitted"), pos: p, token: s.req.prompt[p] });
+            }
+            budget -= n;
+            if s.prefilled + n == s.req.prompt.len() {
+                out_rows.push(rows.len() - 1);
+                outs.push(Out { seq: i, first: true });
+            }
+        }
+        (rows, out_rows, outs)
+    }
+
+    fn step(&mut self) {
+        let (rows, out_rows, outs) = self.plan();
+        if rows.is_empty() {
+            return;
+        }
+        // Account the prefill rows now: they enter the state whatever the outcome.
+        let mut fed = vec![0usize; self.running.len()];
+        for r in &rows {
+            if let Some(i) = self.running.iter().position(|s| s.slot == Some(r.seq)) {
+                if !self.running[i].prefill_done() {
+                    fed[i] += 1;
+                }
+            }
+        }
+        let result = Batch::new(rows).map_err(|e| e.to_string()).and_then(|b| {
+            self.model.forward(&b, &out_rows).map_err(|e| e.to_string())
+        });
+        self.metrics.steps_total.fetch_add(1, Ordering::Relaxed);
+        let logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                // A failed forward leaves the batch's states unusable: fail those sequences only.
+                let ids: Vec<usize> = (0..self.running.len()).filter(|&i| fed[i] > 0 || outs.iter().any(|o| o.seq == i)).collect();
+                for i in ids.into_iter().rev() {
+                    let s = self.running.remove(i);
+                    self.fail(s, format!("forward failed: {e}"));
+                }
+                return;
+            }
+        };
+        for (i, n) in fed.iter().enumerate() {
+            self.running[i].prefilled += n;
+            self.metrics.prompt_tokens_total.fetch_add(*n as u64, Ordering::Relaxed);
+        }
+        let vocab = self.model.cfg.vocab_size;
+        let mut done: Vec<(usize, Result<FinishReason, String>)> = Vec::new();
+        for (k, o) in outs.iter().enumerate() {
+            let l = &logits[k * vocab..(k + 1) * vocab];
+            let s = &mut self.running[o.seq];
+            let tok = match s.sampler.sample(l) {
+                Ok(t) => t,
+                Err(e) => {
+                    done.push((o.seq, Err(e.to_string())));
+                    continue;
+                }
+            };
+            let now = Instant::now();
+            if o.first {
+                self.metrics.ttft.observe(now.duration_since(s.arrived).as_secs_f64());
+            } else if let Some(prev) = s.last_token_at {
+                self.metrics.itl.observe(now.duration_since(prev).as_secs_f64());
+            }
+            s.last_token_at = Some(now);
+            s.generated.push(tok);
+            self.metrics.generated_tokens_total.fetch_add(1, Ordering::Relaxed);
+            let (logprob, top) = match s.req.top_logprobs {
+                Some(n) => logprobs(l, tok, n),
+                None => (None, Vec::new()),
+            };
+            if s.events.send(Event::Token(TokenEvent { id: tok, logprob, top })).is_err() {
+                done.push((o.seq, Ok(FinishReason::Cancelled)));
+            } else if s.req.stop_ids.contains(&tok) {
+                done.push((o.seq, Ok(FinishReason::Stop)));
+            } else if s.generated.len() >= s.req.max_tokens {
+                done.push((o.seq, Ok(FinishReason::Length)));
+            }
+        }
+        done.sort_by_key(|d| std::cmp::Reverse(d.0));
+        for (i, r) in done {
+            let s = self.running.remove(i);
+            match r {
+                Ok(reason) => self.finish(s, reason),
+                Err(msg) => self.fail(s, msg),
+            }
+        }
+    }
+}
+
+/// Log-softmax of the raw logits: the sampled token's logprob and the `n` best alternatives.
+fn logprobs(l: &[f32], tok: u32, n: usize) -> (Option<f32>, Vec<(u32, f32)>) {
+    let (best, _) = argmax_margin(l);
+    let m = l[best as usize];
+    let lse = m + l.iter().map(|v| ((v - m) as f64).exp()).sum::<f64>().ln() as f32;
+    let mut idx: Vec<u32> = (0..l.len() as u32).collect();
+    let n = n.min(l.len());
+    if n > 0 {
+        idx.select_nth_unstable_by(n - 1, |a, b| l[*b as usize].total_cmp(&l[*a as usize]).then(a.cmp(b)));
+    }
+    let mut top: Vec<(u32, f32)> = idx[..n].iter().map(|&i| (i, l[i as usize] - lse)).collect();
+    top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    (Some(l[tok as usize] - lse), top)
+}

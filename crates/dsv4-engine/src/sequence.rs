@@ -1,0 +1,87 @@
+//! A request as the engine sees it, and the live sequence it becomes.
+
+use crate::sampler::{Sampler, SamplingParams};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc::UnboundedSender;
+
+/// What a client asks the engine for (already tokenised).
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    /// Generation ends after emitting one of these ids (it is included in the output).
+    pub stop_ids: Vec<u32>,
+    /// Return the sampled token's logprob and this many top alternatives (None: no logprobs).
+    pub top_logprobs: Option<usize>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token was generated.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// The client went away or asked to stop.
+    Cancelled,
+}
+
+/// A generated token with optional log-probabilities.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenEvent {
+    pub id: u32,
+    pub logprob: Option<f32>,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What the engine streams back for one request.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    Token(TokenEvent),
+    Done { reason: FinishReason, prompt_tokens: usize, completion_tokens: usize },
+    Error(String),
+}
+
+/// Lets the API layer stop a sequence (stop strings, disconnects).
+#[derive(Clone, Debug, Default)]
+pub struct CancelToken(Arc<AtomicBool>);
+
+impl CancelToken {
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// A request in flight.
+pub struct Sequence {
+    pub id: u64,
+    pub req: Request,
+    pub sampler: Sampler,
+    /// Slot in the model's state pool once admitted.
+    pub slot: Option<usize>,
+    /// Prompt tokens already fed.
+    pub prefilled: usize,
+    pub generated: Vec<u32>,
+    pub events: UnboundedSender<Event>,
+    pub cancel: CancelToken,
+    pub arrived: Instant,
+    pub last_token_at: Option<Instant>,
+}
+
+impl Sequence {
+    /// Tokens the model state holds once everything scheduled so far has run.
+    pub fn len(&self) -> usize {
+        self.prefilled + self.generated.len().saturating_sub(1)
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn prefill_done(&self) -> bool {
+        self.prefilled == self.req.prompt.len()
+    }
+}
