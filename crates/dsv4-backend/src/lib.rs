@@ -6,6 +6,8 @@
 pub mod backend;
 pub mod batch;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod forward;
 pub mod model;
 

@@ -116,6 +116,7 @@ impl EngineHandle {
             last_token_at: None,
         };
         m.queue_depth.fetch_add(1, Ordering::Relaxed);
+        m.requests_total.fetch_add(1, Ordering::Relaxed);
         if self.tx.send(seq).is_err() {
             m.queue_depth.fetch_sub(1, Ordering::Relaxed);
             return Err(AdmitError::Stopped);
@@ -302,15 +303,16 @@ impl<B: Backend> Engine<B> {
                 }
             }
         }
-        let result = Batch::new(rows).map_err(|e| e.to_string()).and_then(|b| {
-            self.model.forward(&b, &out_rows).map_err(|e| e.to_string())
-        });
+        let result = Batch::new(rows)
+            .map_err(|e| e.to_string())
+            .and_then(|b| self.model.forward(&b, &out_rows).map_err(|e| e.to_string()));
         self.metrics.steps_total.fetch_add(1, Ordering::Relaxed);
         let logits = match result {
             Ok(l) => l,
             Err(e) => {
                 // A failed forward leaves the batch's states unusable: fail those sequences only.
-                let ids: Vec<usize> = (0..self.running.len()).filter(|&i| fed[i] > 0 || outs.iter().any(|o| o.seq == i)).collect();
+                let ids: Vec<usize> =
+                    (0..self.running.len()).filter(|&i| fed[i] > 0 || outs.iter().any(|o| o.seq == i)).collect();
                 for i in ids.into_iter().rev() {
                     let s = self.running.remove(i);
                     self.fail(s, format!("forward failed: {e}"));

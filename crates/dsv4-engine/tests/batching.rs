@@ -29,7 +29,7 @@ fn prompt(i: usize) -> Vec<u32> {
 }
 
 fn params(i: usize) -> SamplingParams {
-    if i % 2 == 0 {
+    if i.is_multiple_of(2) {
         SamplingParams::default()
     } else {
         SamplingParams { temperature: 0.8, top_p: 0.95, seed: i as u64, ..Default::default() }
@@ -65,8 +65,14 @@ fn parallel_requests_equal_their_sequential_runs() {
     let h = spawn(load(dir.path(), 6), cfg, 6);
     let subs: Vec<_> = (0..n)
         .map(|i| {
-            h.submit(Request { prompt: prompt(i), sampling: params(i), max_tokens: 12, stop_ids: vec![], top_logprobs: None })
-                .unwrap()
+            h.submit(Request {
+                prompt: prompt(i),
+                sampling: params(i),
+                max_tokens: 12,
+                stop_ids: vec![],
+                top_logprobs: None,
+            })
+            .unwrap()
         })
         .collect();
     for (i, s) in subs.into_iter().enumerate() {
@@ -126,7 +132,13 @@ fn bad_requests_get_typed_refusals() {
     let dir = tiny_dir();
     let cfg = EngineConfig { max_context: 64, max_waiting: 1, ..Default::default() };
     let h = spawn(load(dir.path(), 1), cfg, 1);
-    let base = Request { prompt: vec![1, 2, 3], sampling: SamplingParams::default(), max_tokens: 4, stop_ids: vec![], top_logprobs: None };
+    let base = Request {
+        prompt: vec![1, 2, 3],
+        sampling: SamplingParams::default(),
+        max_tokens: 4,
+        stop_ids: vec![],
+        top_logprobs: None,
+    };
     let with = |f: &dyn Fn(&mut Request)| {
         let mut r = base.clone();
         f(&mut r);

@@ -304,7 +304,8 @@ impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
 
     /// One routed expert, from official per-expert tensors or HF's fused `[E, 2I, d]`/`[E, d, I]`.
     fn expert(&mut self, l: usize, e: usize, n_exp: usize, inter: usize, d: usize) -> Result<Expert<W>, LoadError> {
-        let prefix = if self.store.contains(&format!("model.layers.{l}.ffn.experts.{e}.w1.weight")) { "model." } else { "" };
+        let prefix =
+            if self.store.contains(&format!("model.layers.{l}.ffn.experts.{e}.w1.weight")) { "model." } else { "" };
         let off = |w: &str| format!("{prefix}layers.{l}.ffn.experts.{e}.{w}.weight");
         let fused_gu = format!("model.layers.{l}.mlp.experts.gate_up_proj");
         let fused_dn = format!("model.layers.{l}.mlp.experts.down_proj");

@@ -1,8 +1,7 @@
 //! `dsv4 bench`: prefill and decode throughput on a checkpoint or a synthetic model.
 
 use anyhow::{bail, Result};
-use dsv4_backend::cpu::CpuBackend;
-use dsv4_backend::{Batch, Model};
+use dsv4_backend::{Backend, Batch, Model};
 use dsv4_model::store::write_safetensors;
 use dsv4_model::synth::{random_checkpoint, tiny_config, SynthDType};
 use dsv4_model::{AttnKind, Config, LayerSpec};
@@ -24,6 +23,8 @@ pub struct BenchArgs {
     /// Longest prefill chunk.
     #[arg(long, default_value_t = 512)]
     prefill_chunk: usize,
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub backend: crate::BackendKind,
 }
 
 /// Hidden 1024, 8 layers (2 SWA, then CSA 4 / HCA 128), 16 heads of 128, 32 experts top-4.
@@ -58,7 +59,7 @@ pub fn mid_config() -> Config {
     c
 }
 
-pub fn run(a: BenchArgs) -> Result<()> {
+pub fn run<B: Backend>(backend: B, a: BenchArgs) -> Result<()> {
     let _tmp;
     let (dir, label) = match &a.model {
         Some(d) => (d.clone(), d.display().to_string()),
@@ -74,7 +75,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
             (_tmp.path().to_path_buf(), format!("synthetic-{}", a.synthetic))
         }
     };
-    let mut m = Model::load(CpuBackend, &dir, 1, true)?;
+    let name = backend.name();
+    let mut m = Model::load(backend, &dir, 1, true)?;
     let vocab = m.cfg.vocab_size as u64;
     let toks: Vec<u32> = (0..a.prompt_len as u64).map(|i| ((i * 2654435761) % vocab) as u32).collect();
     let seq = m.alloc_seq()?;
@@ -95,7 +97,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     println!(
         "{}",
         serde_json::json!({
-            "model": label, "backend": "cpu", "threads": threads,
+            "model": label, "backend": name, "threads": threads,
             "hidden": m.cfg.hidden, "layers": m.cfg.n_layers(), "vocab": m.cfg.vocab_size,
             "prompt_len": a.prompt_len, "prefill_chunk": a.prefill_chunk,
             "prefill_tokens_per_s": a.prompt_len as f64 / prefill,

@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use cli_util::{parse_list, parse_tokens, write_npy};
 use dsv4_backend::cpu::CpuBackend;
-use dsv4_backend::Model;
+use dsv4_backend::{Backend, Model};
 use dsv4_engine::{generate, GenerateOptions, Sampler, SamplingParams, StopReason};
 use std::path::PathBuf;
 
@@ -22,58 +22,29 @@ struct Cli {
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
 enum BackendKind {
     Cpu,
+    /// NVIDIA GPU (build with `--features cuda`).
+    Cuda,
+}
+
+/// Runs `$f(backend, args...)` with the backend the user chose.
+macro_rules! with_backend {
+    ($kind:expr, $f:ident($($arg:expr),*)) => {
+        match $kind {
+            BackendKind::Cpu => $f(CpuBackend, $($arg),*),
+            #[cfg(feature = "cuda")]
+            BackendKind::Cuda => $f(dsv4_backend::cuda::CudaBackend::new(0).context("starting the CUDA backend")?, $($arg),*),
+            #[cfg(not(feature = "cuda"))]
+            BackendKind::Cuda => bail!("this dsv4 was built without CUDA; rebuild with `--features cuda`"),
+        }
+    };
 }
 
 #[derive(Subcommand)]
 enum Cmd {
     /// Logits at every input position, fed in the given chunks, as a float32 .npy [T, vocab].
-    Logits {
-        #[arg(long)]
-        model: PathBuf,
-        /// Comma-separated ids, or @file.json holding a JSON list.
-        #[arg(long)]
-        tokens: String,
-        /// Chunk sizes, comma-separated; must sum to the number of tokens (default: one chunk).
-        #[arg(long)]
-        chunks: Option<String>,
-        #[arg(long, value_enum, default_value = "cpu")]
-        backend: BackendKind,
-        #[arg(long)]
-        out: PathBuf,
-    },
+    Logits(LogitsArgs),
     /// Generate a continuation (greedy when --temperature is 0).
-    Generate {
-        /// Checkpoint directory; without it the built-in demo model (random weights) is used.
-        #[arg(long)]
-        model: Option<PathBuf>,
-        #[arg(long, conflicts_with = "tokens")]
-        prompt: Option<String>,
-        #[arg(long)]
-        tokens: Option<String>,
-        #[arg(long, default_value_t = 32)]
-        max_new_tokens: usize,
-        #[arg(long, default_value_t = 0.0)]
-        temperature: f32,
-        #[arg(long, default_value_t = 1.0)]
-        top_p: f32,
-        #[arg(long, default_value_t = 0)]
-        top_k: usize,
-        #[arg(long, default_value_t = 0.0)]
-        min_p: f32,
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
-        /// Keep generating past end-of-sequence tokens.
-        #[arg(long)]
-        ignore_eos: bool,
-        /// Longest prefill chunk.
-        #[arg(long, default_value_t = 512)]
-        prefill_chunk: usize,
-        #[arg(long, value_enum, default_value = "cpu")]
-        backend: BackendKind,
-        /// Print {"tokens":[...],"text":"...",...} instead of the text.
-        #[arg(long)]
-        json: bool,
-    },
+    Generate(GenerateArgs),
     /// Write a small random DeepSeek V4 checkpoint with every layer type.
     InitTiny {
         #[arg(long)]
@@ -83,6 +54,95 @@ enum Cmd {
     },
     /// Measure prefill and decode speed.
     Bench(bench::BenchArgs),
+    /// OpenAI- and Anthropic-compatible HTTP server with continuous batching.
+    Serve(ServeArgs),
+}
+
+#[derive(clap::Args)]
+struct LogitsArgs {
+    #[arg(long)]
+    model: PathBuf,
+    /// Comma-separated ids, or @file.json holding a JSON list.
+    #[arg(long)]
+    tokens: String,
+    /// Chunk sizes, comma-separated; must sum to the number of tokens (default: one chunk).
+    #[arg(long)]
+    chunks: Option<String>,
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: BackendKind,
+    #[arg(long)]
+    out: PathBuf,
+}
+
+#[derive(clap::Args)]
+struct GenerateArgs {
+    /// Checkpoint directory; without it the built-in demo model (random weights) is used.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    #[arg(long, conflicts_with = "tokens")]
+    prompt: Option<String>,
+    #[arg(long)]
+    tokens: Option<String>,
+    #[arg(long, default_value_t = 32)]
+    max_new_tokens: usize,
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Keep generating past end-of-sequence tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Longest prefill chunk.
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: usize,
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: BackendKind,
+    /// Print {"tokens":[...],"text":"...",...} instead of the text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Checkpoint directory; without it the built-in demo model (random weights) is served.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: BackendKind,
+    /// Require this key (`Authorization: Bearer KEY` or `x-api-key: KEY`).
+    #[arg(long, env = "DSV4_API_KEY")]
+    api_key: Option<String>,
+    /// Name served under /v1/models (default: the model directory's name, or `dsv4-demo`).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// More names accepted as this model (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    model_alias: Vec<String>,
+    /// Sequence slots (concurrent sequences holding state).
+    #[arg(long, default_value_t = 16)]
+    max_seqs: usize,
+    /// Tokens per engine step (decode rows + prefill chunks).
+    #[arg(long, default_value_t = 512)]
+    token_budget: usize,
+    /// Longest prompt + completion accepted.
+    #[arg(long, default_value_t = 32768)]
+    max_context: usize,
+    /// Requests allowed to wait for a slot before new ones get 429.
+    #[arg(long, default_value_t = 256)]
+    max_waiting: usize,
+    /// Largest request body in MiB.
+    #[arg(long, default_value_t = 16)]
+    max_body_mb: usize,
 }
 
 fn main() {
@@ -96,8 +156,42 @@ fn main() {
     }
 }
 
-fn load_cpu(dir: &std::path::Path, max_seqs: usize) -> Result<Model<CpuBackend>> {
-    Model::load(CpuBackend, dir, max_seqs, true).with_context(|| format!("loading {}", dir.display()))
+fn serve<B: Backend + 'static>(backend: B, a: ServeArgs) -> Result<()>
+where
+    Model<B>: Send,
+{
+    let (dir, default_name) = match &a.model {
+        Some(d) => (d.clone(), d.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or("dsv4".into())),
+        None => (demo::demo_model_dir()?, "dsv4-demo".to_string()),
+    };
+    let model = load(backend, &dir, a.max_seqs)?;
+    let tok = tokenizer_for(&dir)?;
+    let cfg = dsv4_engine::EngineConfig {
+        token_budget: a.token_budget,
+        prefill_chunk: a.token_budget,
+        max_waiting: a.max_waiting,
+        max_context: a.max_context,
+    };
+    let engine = dsv4_engine::spawn(model, cfg, a.max_seqs);
+    let state = std::sync::Arc::new(dsv4_server::AppState {
+        engine,
+        tok,
+        model_name: a.served_model_name.unwrap_or(default_name),
+        aliases: a.model_alias,
+        api_key: a.api_key,
+        max_body: a.max_body_mb << 20,
+        default_max_tokens: 4096,
+    });
+    if a.model.is_none() {
+        eprintln!("dsv4: serving the built-in DEMO model (random weights); pass --model DIR for a real checkpoint");
+    }
+    let addr: std::net::SocketAddr = format!("{}:{}", a.host, a.port).parse().context("--host/--port")?;
+    tokio::runtime::Runtime::new()?.block_on(dsv4_server::serve(state, addr))?;
+    Ok(())
+}
+
+fn load<B: Backend>(backend: B, dir: &std::path::Path, max_seqs: usize) -> Result<Model<B>> {
+    Model::load(backend, dir, max_seqs, true).with_context(|| format!("loading {}", dir.display()))
 }
 
 fn tokenizer_for(dir: &std::path::Path) -> Result<dsv4_tokenizer::Tokenizer> {
@@ -111,83 +205,77 @@ fn tokenizer_for(dir: &std::path::Path) -> Result<dsv4_tokenizer::Tokenizer> {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
-        Cmd::Logits { model, tokens, chunks, backend: BackendKind::Cpu, out } => {
-            let toks = parse_tokens(&tokens)?;
-            if toks.is_empty() {
-                bail!("--tokens is empty");
-            }
-            let chunks = match chunks {
-                Some(c) => parse_list(&c).context("--chunks")?,
-                None => vec![toks.len()],
-            };
-            let sum: usize = chunks.iter().sum();
-            if sum != toks.len() {
-                bail!("--chunks {chunks:?} sum to {sum}, but --tokens has {} ids", toks.len());
-            }
-            let mut m = load_cpu(&model, 1)?;
-            let seq = m.alloc_seq()?;
-            let logits = m.prefill_chunks(seq, &toks, &chunks)?;
-            write_npy(&out, &logits, toks.len(), m.cfg.vocab_size)?;
-            eprintln!("wrote {} [{} x {}]", out.display(), toks.len(), m.cfg.vocab_size);
-        }
-        Cmd::Generate {
-            model,
-            prompt,
-            tokens,
-            max_new_tokens,
-            temperature,
-            top_p,
-            top_k,
-            min_p,
-            seed,
-            ignore_eos,
-            prefill_chunk,
-            backend: BackendKind::Cpu,
-            json,
-        } => {
-            let dir = match model {
-                Some(d) => d,
-                None => demo::demo_model_dir()?,
-            };
-            let mut m = load_cpu(&dir, 1)?;
-            let tok = tokenizer_for(&dir)?;
-            let ids = match (prompt, tokens) {
-                (Some(p), None) => tok.encode(&p, true)?,
-                (None, Some(t)) => parse_tokens(&t)?,
-                _ => bail!("give --prompt TEXT or --tokens IDS"),
-            };
-            if let Some(&bad) = ids.iter().find(|&&t| t as usize >= m.cfg.vocab_size) {
-                bail!("token id {bad} is outside the model's vocabulary (size {})", m.cfg.vocab_size);
-            }
-            let mut sampler = Sampler::new(SamplingParams { temperature, top_p, top_k, min_p, seed })?;
-            let stop: Vec<u32> = if ignore_eos { Vec::new() } else { m.cfg.eos_token_ids.clone() };
-            let g = generate(
-                &mut m,
-                &ids,
-                &mut sampler,
-                &GenerateOptions { max_new_tokens, stop_ids: &stop, prefill_chunk },
-            )?;
-            let text = tok.decode(&g.tokens, true)?;
-            if json {
-                let out = serde_json::json!({
-                    "tokens": g.tokens,
-                    "text": text,
-                    "prompt_tokens": ids.len(),
-                    "margins": g.margins,
-                    "finish_reason": if g.stop == StopReason::Eos { "stop" } else { "length" },
-                    "prefill_tokens_per_s": ids.len() as f64 / g.prefill_secs.max(1e-9),
-                    "decode_tokens_per_s": g.tokens.len().saturating_sub(1) as f64 / g.decode_secs.max(1e-9),
-                });
-                println!("{out}");
-            } else {
-                println!("{text}");
-            }
-        }
+        Cmd::Logits(a) => with_backend!(a.backend, logits(a))?,
+        Cmd::Generate(a) => with_backend!(a.backend, generate_cmd(a))?,
         Cmd::InitTiny { out, seed } => {
             demo::init_tiny(&out, seed)?;
             eprintln!("wrote a random tiny DeepSeek V4 checkpoint to {}", out.display());
         }
-        Cmd::Bench(args) => bench::run(args)?,
+        Cmd::Bench(a) => with_backend!(a.backend, bench_run(a))?,
+        Cmd::Serve(a) => with_backend!(a.backend, serve(a))?,
+    }
+    Ok(())
+}
+
+fn bench_run<B: Backend>(backend: B, a: bench::BenchArgs) -> Result<()> {
+    bench::run(backend, a)
+}
+
+fn logits<B: Backend>(backend: B, a: LogitsArgs) -> Result<()> {
+    let toks = parse_tokens(&a.tokens)?;
+    if toks.is_empty() {
+        bail!("--tokens is empty");
+    }
+    let chunks = match a.chunks {
+        Some(c) => parse_list(&c).context("--chunks")?,
+        None => vec![toks.len()],
+    };
+    let sum: usize = chunks.iter().sum();
+    if sum != toks.len() {
+        bail!("--chunks {chunks:?} sum to {sum}, but --tokens has {} ids", toks.len());
+    }
+    let mut m = load(backend, &a.model, 1)?;
+    let seq = m.alloc_seq()?;
+    let logits = m.prefill_chunks(seq, &toks, &chunks)?;
+    write_npy(&a.out, &logits, toks.len(), m.cfg.vocab_size)?;
+    eprintln!("wrote {} [{} x {}]", a.out.display(), toks.len(), m.cfg.vocab_size);
+    Ok(())
+}
+
+fn generate_cmd<B: Backend>(backend: B, a: GenerateArgs) -> Result<()> {
+    let dir = match a.model {
+        Some(d) => d,
+        None => demo::demo_model_dir()?,
+    };
+    let mut m = load(backend, &dir, 1)?;
+    let tok = tokenizer_for(&dir)?;
+    let ids = match (a.prompt, a.tokens) {
+        (Some(p), None) => tok.encode(&p, true)?,
+        (None, Some(t)) => parse_tokens(&t)?,
+        _ => bail!("give --prompt TEXT or --tokens IDS"),
+    };
+    if let Some(&bad) = ids.iter().find(|&&t| t as usize >= m.cfg.vocab_size) {
+        bail!("token id {bad} is outside the model's vocabulary (size {})", m.cfg.vocab_size);
+    }
+    let (temperature, top_p, top_k, min_p, seed) = (a.temperature, a.top_p, a.top_k, a.min_p, a.seed);
+    let mut sampler = Sampler::new(SamplingParams { temperature, top_p, top_k, min_p, seed })?;
+    let stop: Vec<u32> = if a.ignore_eos { Vec::new() } else { m.cfg.eos_token_ids.clone() };
+    let opts = GenerateOptions { max_new_tokens: a.max_new_tokens, stop_ids: &stop, prefill_chunk: a.prefill_chunk };
+    let g = generate(&mut m, &ids, &mut sampler, &opts)?;
+    let text = tok.decode(&g.tokens, true)?;
+    if a.json {
+        let out = serde_json::json!({
+            "tokens": g.tokens,
+            "text": text,
+            "prompt_tokens": ids.len(),
+            "margins": g.margins,
+            "finish_reason": if g.stop == StopReason::Eos { "stop" } else { "length" },
+            "prefill_tokens_per_s": ids.len() as f64 / g.prefill_secs.max(1e-9),
+            "decode_tokens_per_s": g.tokens.len().saturating_sub(1) as f64 / g.decode_secs.max(1e-9),
+        });
+        println!("{out}");
+    } else {
+        println!("{text}");
     }
     Ok(())
 }

@@ -1,0 +1,255 @@
+//! Launchers of `kernels/attention.cu`: the compressor (spec §9.2), the lightning indexer (§5.5)
+//! and sink-softmax attention over window + compressed entries (§5.6).
+
+use super::state::CudaCache;
+use super::{block_for, cfg1d, ck, CudaBackend, CudaRows, CudaSel, CudaTensor};
+use crate::backend::CompSlot;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use dsv4_model::weights::Compressor;
+use dsv4_model::Config;
+
+/// Feeds the rows' projections into the compressor state: windows closing in the chunk are
+/// pooled into entries (`comp_pool`), then the overlap rows (`comp_prev`) and the open rows
+/// (`comp_open`) are updated, each after the previous kernel has read them.
+#[allow(clippy::too_many_arguments)]
+pub fn compress(
+    b: &CudaBackend,
+    cache: &mut CudaCache,
+    layer: usize,
+    slot: CompSlot,
+    u: &CudaTensor,
+    z: &CudaTensor,
+    comp: &Compressor<CudaTensor>,
+    rows: &CudaRows,
+    freqs: &[f64],
+    cfg: &Config,
+) {
+    let slots = cache.slots;
+    let ls = &mut cache.layers[layer];
+    let st = match slot {
+        CompSlot::Kv => ls.comp.as_mut(),
+        CompSlot::Index => ls.index.as_mut(),
+    }
+    .expect("compressor state missing for this layer");
+    let (m, hd, w) = (st.ratio, st.head, st.width());
+    assert_eq!(u.cols, w, "compressor projection width");
+    let need = rows.batch.segments.iter().map(|s| (s.pos0 + s.len) / m).max().unwrap_or(0);
+    st.reserve(b, slots, need);
+    let n = rows.len() as i32;
+    let f = b.freqs(freqs);
+    let (mi, hdi, wi, ov) = (m as i32, hd as i32, w as i32, st.overlap as i32);
+    let cap = st.cap as i32;
+    let pool_cfg = LaunchConfig {
+        grid_dim: (rows.len() as u32, 1, 1),
+        block_dim: (block_for(hd), 1, 1),
+        shared_mem_bytes: (hd * 4) as u32,
+    };
+    // SAFETY (all three launches): argument types and buffer sizes match the kernels.
+    ck(
+        unsafe {
+            b.stream
+                .launch_builder(&b.k.comp_pool)
+                .arg(&mut st.entries)
+                .arg(&cap)
+                .arg(&u.data)
+                .arg(&z.data)
+                .arg(&st.open_u)
+                .arg(&st.open_z)
+                .arg(&st.prev_u)
+                .arg(&st.prev_z)
+                .arg(&comp.ape.data)
+                .arg(&comp.norm.data)
+                .arg(f.as_ref())
+                .arg(&(freqs.len() as i32))
+                .arg(&rows.dev)
+                .arg(&n)
+                .arg(&mi)
+                .arg(&hdi)
+                .arg(&ov)
+                .arg(&cfg.rms_eps)
+                .launch(pool_cfg)
+        },
+        "comp_pool",
+    );
+    if st.overlap {
+        let lc =
+            LaunchConfig { grid_dim: (rows.len() as u32, 1, 1), block_dim: (block_for(hd), 1, 1), shared_mem_bytes: 0 };
+        ck(
+            unsafe {
+                b.stream
+                    .launch_builder(&b.k.comp_prev)
+                    .arg(&mut st.prev_u)
+                    .arg(&mut st.prev_z)
+                    .arg(&u.data)
+                    .arg(&z.data)
+                    .arg(&st.open_u)
+                    .arg(&st.open_z)
+                    .arg(&comp.ape.data)
+                    .arg(&rows.dev)
+                    .arg(&n)
+                    .arg(&mi)
+                    .arg(&hdi)
+                    .launch(lc)
+            },
+            "comp_prev",
+        );
+    }
+    ck(
+        unsafe {
+            b.stream
+                .launch_builder(&b.k.comp_open)
+                .arg(&mut st.open_u)
+                .arg(&mut st.open_z)
+                .arg(&u.data)
+                .arg(&z.data)
+                .arg(&comp.ape.data)
+                .arg(&rows.dev)
+                .arg(&n)
+                .arg(&mi)
+                .arg(&wi)
+                .launch(cfg1d(rows.len() * w, 256))
+        },
+        "comp_open",
+    );
+}
+
+/// Lightning-indexer top-k: scores of every visible entry (`index_score`), then k rounds of
+/// block argmax per row (`index_topk`).
+pub fn index_select(
+    b: &CudaBackend,
+    cache: &CudaCache,
+    layer: usize,
+    qi: &CudaTensor,
+    wts: &CudaTensor,
+    rows: &CudaRows,
+    cfg: &Config,
+) -> CudaSel {
+    let st = cache.layers[layer].index.as_ref().expect("CSA layer without indexer state");
+    let (nh, hd, m) = (cfg.index_n_heads, cfg.index_head_dim, st.ratio);
+    let topk = cfg.index_topk.max(1);
+    let n = rows.len();
+    let mut sel = b.alloc::<u32>(n * topk);
+    let maxvis = rows.batch.rows.iter().map(|r| (r.pos + 1) / m).max().unwrap_or(0);
+    if maxvis == 0 || cfg.index_topk == 0 {
+        return CudaSel { topk, idx: sel };
+    }
+    let mut scores = b.alloc::<f32>(n * maxvis);
+    let (qs, ws) = ((hd as f32).powf(-0.5), (nh as f32).powf(-0.5));
+    let (ni, mi, mv) = (n as i32, m as i32, maxvis as i32);
+    let lc = LaunchConfig {
+        grid_dim: (n as u32, maxvis.div_ceil(8) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY (both launches): argument types and buffer sizes match the kernels.
+    ck(
+        unsafe {
+            b.stream
+                .launch_builder(&b.k.index_score)
+                .arg(&mut scores)
+                .arg(&mv)
+                .arg(&qi.data)
+                .arg(&wts.data)
+                .arg(&st.entries)
+                .arg(&(st.cap as i32))
+                .arg(&rows.dev)
+                .arg(&ni)
+                .arg(&mi)
+                .arg(&(nh as i32))
+                .arg(&(hd as i32))
+                .arg(&qs)
+                .arg(&ws)
+                .launch(lc)
+        },
+        "index_score",
+    );
+    let lc = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    ck(
+        unsafe {
+            b.stream
+                .launch_builder(&b.k.index_topk)
+                .arg(&mut sel)
+                .arg(&(topk as i32))
+                .arg(&mut scores)
+                .arg(&mv)
+                .arg(&rows.dev)
+                .arg(&ni)
+                .arg(&mi)
+                .launch(lc)
+        },
+        "index_topk",
+    );
+    CudaSel { topk, idx: sel }
+}
+
+/// Attention of every (row, head), then the chunk's KV rows enter the window ring.
+#[allow(clippy::too_many_arguments)]
+pub fn attend(
+    b: &CudaBackend,
+    cache: &mut CudaCache,
+    layer: usize,
+    q: &CudaTensor,
+    kv: &CudaTensor,
+    sel: Option<&CudaSel>,
+    sinks: &CudaTensor,
+    rows: &CudaRows,
+    cfg: &Config,
+) -> CudaTensor {
+    let (h, d, win) = (cfg.n_heads, cfg.head_dim, cache.window);
+    assert!(d <= 512, "attention kernel supports head_dim <= 512, got {d}");
+    let n = rows.len();
+    let mut out = b.tensor(n, h * d);
+    let ls = &mut cache.layers[layer];
+    let (entries, cap, m) = match &ls.comp {
+        Some(c) => (&c.entries, c.cap, c.ratio),
+        None => (&b.dummy_f32, 0, 0),
+    };
+    let (seli, has_sel, topk) = match sel {
+        Some(s) => (&s.idx, 1i32, s.topk),
+        None => (&b.dummy_u32, 0, 0),
+    };
+    let scale = (d as f32).powf(-0.5);
+    let (ni, di, wi) = (n as i32, d as i32, win as i32);
+    let lc = LaunchConfig { grid_dim: (n as u32, h as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY (both launches): argument types and buffer sizes match the kernels.
+    ck(
+        unsafe {
+            b.stream
+                .launch_builder(&b.k.attention)
+                .arg(&mut out.data)
+                .arg(&q.data)
+                .arg(&kv.data)
+                .arg(&ls.ring)
+                .arg(&wi)
+                .arg(entries)
+                .arg(&(cap as i32))
+                .arg(&(m as i32))
+                .arg(seli)
+                .arg(&has_sel)
+                .arg(&(topk as i32))
+                .arg(&sinks.data)
+                .arg(&rows.dev)
+                .arg(&ni)
+                .arg(&(h as i32))
+                .arg(&di)
+                .arg(&scale)
+                .launch(lc)
+        },
+        "attention",
+    );
+    ck(
+        unsafe {
+            b.stream
+                .launch_builder(&b.k.ring_write)
+                .arg(&mut ls.ring)
+                .arg(&wi)
+                .arg(&kv.data)
+                .arg(&rows.dev)
+                .arg(&ni)
+                .arg(&di)
+                .launch(cfg1d(n * d, 256))
+        },
+        "ring_write",
+    );
+    out
+}

@@ -1,0 +1,274 @@
+// Compressor (spec §9.2), lightning indexer (§5.5) and sink-softmax attention (§5.6).
+// Launchers: cuda/attention.rs. Device state per layer (cuda/state.rs), for S sequence slots:
+//   open_u/open_z [S, m, w]   rows of the open window at slot pos mod m (z already + ape)
+//   prev_u/prev_z [S, m, hd]  A-halves of the last closed window (CSA overlap only)
+//   entries       [S, cap, hd]
+//   ring          [S, window, d]  KV rows at slot pos mod window
+
+// The (u, z) row of position q of row t's sequence while a chunk is fed: rows at or after the
+// segment's first position come from this batch (z + ape), earlier ones from the open buffer.
+struct CompSrc {
+    const float *u, *z, *open_u, *open_z, *ape;
+    int m, w;
+};
+
+__device__ __forceinline__ void comp_row(const CompSrc& s, const unsigned* rows, int n, int t, long long q,
+                                         const float** ur, const float** zr, const float** ar) {
+    long long pos0 = ROW_POS0(t);
+    if (q >= pos0) {
+        long long r = ROW_START(t) + (q - pos0);
+        *ur = s.u + r * s.w;
+        *zr = s.z + r * s.w;
+        *ar = s.ape + (q % s.m) * s.w;
+    } else {
+        long long o = ((long long)ROW_SEQ(t) * s.m + q % s.m) * s.w;
+        *ur = s.open_u + o;
+        *zr = s.open_z + o;
+        *ar = 0;
+    }
+}
+
+// One block per batch row; rows that close a window pool it (per-channel softmax over the gate),
+// RMSNorm it, rotate it at position win·m and store entry `win`. Dynamic shared memory: hd floats.
+extern "C" __global__ void comp_pool(float* entries, int cap, const float* u, const float* z, const float* open_u,
+                                     const float* open_z, const float* prev_u, const float* prev_z, const float* ape,
+                                     const float* norm, const double* freqs, int npairs, const unsigned* rows, int n,
+                                     int m, int hd, int overlap, float eps) {
+    extern __shared__ float buf[];
+    __shared__ float sh[32];
+    int t = blockIdx.x;
+    long long p = ROW_POS(t);
+    if ((p + 1) % m != 0) return;
+    long long win = (p + 1) / m - 1, seq = ROW_SEQ(t);
+    CompSrc s = {u, z, open_u, open_z, ape, m, overlap ? 2 * hd : hd};
+    // The previous window's A-halves: the saved ones if it closed before this chunk.
+    bool saved_prev = win * m <= (long long)ROW_POS0(t);
+    for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+        float mx = -INFINITY;
+        for (int pass = 0; pass < 2; pass++) {
+            float den = 0.f, num = 0.f;
+            if (overlap) {
+                for (int r = 0; r < m; r++) {
+                    float zv, uv;
+                    if (saved_prev) {
+                        long long o = (seq * m + r) * hd + c;
+                        zv = prev_z[o];
+                        uv = prev_u[o];
+                    } else {
+                        const float *ur, *zr, *ar;
+                        comp_row(s, rows, n, t, (win - 1) * m + r, &ur, &zr, &ar);
+                        zv = ar ? zr[c] + ar[c] : zr[c];
+                        uv = ur[c];
+                    }
+                    if (pass == 0) mx = fmaxf(mx, zv);
+                    else { float e = expf(zv - mx); den += e; num += e * uv; }
+                }
+            }
+            int off = overlap ? hd : 0;
+            for (int r = 0; r < m; r++) {
+                const float *ur, *zr, *ar;
+                comp_row(s, rows, n, t, win * m + r, &ur, &zr, &ar);
+                float zv = ar ? zr[off + c] + ar[off + c] : zr[off + c];
+                if (pass == 0) mx = fmaxf(mx, zv);
+                else { float e = expf(zv - mx); den += e; num += e * ur[off + c]; }
+            }
+            if (pass == 1) buf[c] = num / den;
+        }
+    }
+    __syncthreads();
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < hd; c += blockDim.x) ss += buf[c] * buf[c];
+    ss = block_sum(ss, sh);
+    float r = 1.0f / sqrtf(ss / (float)hd + eps);
+    for (int c = threadIdx.x; c < hd; c += blockDim.x) buf[c] = buf[c] * r * norm[c];
+    __syncthreads();
+    float* out = entries + (seq * cap + win) * hd;
+    int rb = hd - 2 * npairs;
+    for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+        if (c < rb) { out[c] = buf[c]; continue; }
+        int j = (c - rb) / 2;
+        double th = (double)(win * m) * freqs[j];
+        float sn = (float)sin(th), cs = (float)cos(th);
+        float a = buf[rb + 2 * j], b = buf[rb + 2 * j + 1];
+        out[c] = ((c - rb) & 1) ? a * sn + b * cs : a * cs - b * sn;
+    }
+}
+
+// After comp_pool (CSA): the row closing a segment's last window saves that window's A-halves.
+extern "C" __global__ void comp_prev(float* prev_u, float* prev_z, const float* u, const float* z, const float* open_u,
+                                     const float* open_z, const float* ape, const unsigned* rows, int n, int m, int hd) {
+    int t = blockIdx.x;
+    long long p = ROW_POS(t), end = (long long)ROW_POS0(t) + ROW_LEN(t);
+    if ((p + 1) % m != 0 || p + m < end) return;
+    long long win = (p + 1) / m - 1, seq = ROW_SEQ(t);
+    CompSrc s = {u, z, open_u, open_z, ape, m, 2 * hd};
+    for (int r = 0; r < m; r++) {
+        const float *ur, *zr, *ar;
+        comp_row(s, rows, n, t, win * m + r, &ur, &zr, &ar);
+        for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+            long long o = (seq * m + r) * hd + c;
+            prev_u[o] = ur[c];
+            prev_z[o] = ar ? zr[c] + ar[c] : zr[c];
+        }
+    }
+}
+
+// After comp_pool/comp_prev: rows after a segment's last closed window become the open rows.
+extern "C" __global__ void comp_open(float* open_u, float* open_z, const float* u, const float* z, const float* ape,
+                                     const unsigned* rows, int n, int m, int w) {
+    GRID_STRIDE(e, (long long)n * w) {
+        int t = (int)(e / w), c = (int)(e % w);
+        long long p = ROW_POS(t), end = (long long)ROW_POS0(t) + ROW_LEN(t);
+        if (p < end / m * m) continue;
+        long long o = ((long long)ROW_SEQ(t) * m + p % m) * w + c;
+        open_u[o] = u[(long long)t * w + c];
+        open_z[o] = z[(long long)t * w + c] + ape[(p % m) * w + c];
+    }
+}
+
+// Indexer scores: one warp per (row, entry); score = Σ_h w_h·ws·max(q_h·k, 0)·qs.
+extern "C" __global__ void index_score(float* scores, int maxvis, const float* q, const float* wts,
+                                       const float* entries, int cap, const unsigned* rows, int n, int m, int nh,
+                                       int hd, float qs, float ws) {
+    int t = blockIdx.x, lane = threadIdx.x & 31;
+    int s = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    long long vis = ((long long)ROW_POS(t) + 1) / m;
+    if (s >= vis) return;
+    const float* k = entries + ((long long)ROW_SEQ(t) * cap + s) * hd;
+    const float* qr = q + (long long)t * nh * hd;
+    float acc = 0.f;
+    for (int h = 0; h < nh; h++) {
+        float d = 0.f;
+        for (int c = lane; c < hd; c += 32) d += qr[h * hd + c] * k[c];
+        d = warp_sum(d);
+        float v = fmaxf(d, 0.f) * qs;
+        acc += wts[(long long)t * nh + h] * ws * v;
+    }
+    if (lane == 0) scores[(long long)t * maxvis + s] = acc;
+}
+
+// Top-k per row (score descending, ties to the lower entry index) by k rounds of block argmax.
+// Consumes `scores`. sel[t, j] for j < min(topk, vis).
+extern "C" __global__ void index_topk(unsigned* sel, int topk, float* scores, int maxvis, const unsigned* rows, int n,
+                                      int m) {
+    __shared__ float bv[1024];
+    __shared__ int bi[1024];
+    int t = blockIdx.x;
+    int vis = (int)(((long long)ROW_POS(t) + 1) / m);
+    int k = min(topk, vis);
+    float* sc = scores + (long long)t * maxvis;
+    for (int it = 0; it < k; it++) {
+        float v = -INFINITY;
+        int i = -1;
+        for (int s = threadIdx.x; s < vis; s += blockDim.x) {
+            float x = sc[s];
+            if (i < 0 || x > v) { v = x; i = s; }  // strided ascending: first max keeps lower index
+        }
+        bv[threadIdx.x] = v;
+        bi[threadIdx.x] = i;
+        __syncthreads();
+        for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+            if (threadIdx.x < o) {
+                float v2 = bv[threadIdx.x + o];
+                int i2 = bi[threadIdx.x + o];
+                int i1 = bi[threadIdx.x];
+                float v1 = bv[threadIdx.x];
+                if (i2 >= 0 && (i1 < 0 || v2 > v1 || (v2 == v1 && i2 < i1))) {
+                    bv[threadIdx.x] = v2;
+                    bi[threadIdx.x] = i2;
+                }
+            }
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) {
+            sel[(long long)t * topk + it] = (unsigned)bi[0];
+            sc[bi[0]] = -INFINITY;
+        }
+        __syncthreads();
+    }
+}
+
+#define ATT_WARPS 4
+#define MAX_D 512
+
+// Sink-softmax attention of one (row, head) per block over the row's window rows (ring before the
+// chunk, this batch's kv from the chunk on) and its compressed entries (selected, or all visible).
+// Each warp runs an online softmax over every ATT_WARPS-th key; the warps are merged at the end.
+extern "C" __global__ void attention(float* out, const float* q, const float* kv, const float* ring, int win,
+                                     const float* entries, int cap, int m, const unsigned* sel, int has_sel, int topk,
+                                     const float* sinks, const unsigned* rows, int n, int heads, int d, float scale) {
+    __shared__ float wm[ATT_WARPS], wl[ATT_WARPS];
+    __shared__ float wo[ATT_WARPS][MAX_D];
+    int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
+    long long p = ROW_POS(t), pos0 = ROW_POS0(t), seq = ROW_SEQ(t);
+    long long lo = p + 1 > win ? p + 1 - win : 0;
+    int nwin = (int)(p - lo + 1);
+    int ncomp = 0;
+    if (m > 0) {
+        int vis = (int)((p + 1) / m);
+        ncomp = has_sel ? min(topk, vis) : vis;
+    }
+    const float* qr = q + ((long long)t * heads + h) * d;
+    float qv[MAX_D / 32], o[MAX_D / 32];
+#pragma unroll
+    for (int i = 0; i < MAX_D / 32; i++) {
+        int c = lane + 32 * i;
+        qv[i] = c < d ? qr[c] : 0.f;
+        o[i] = 0.f;
+    }
+    float mx = -INFINITY, l = 0.f;
+    for (int j = wp; j < nwin + ncomp; j += ATT_WARPS) {
+        const float* k;
+        if (j < nwin) {
+            long long pp = lo + j;
+            k = pp < pos0 ? ring + (seq * win + pp % win) * d : kv + (ROW_START(t) + (pp - pos0)) * d;
+        } else {
+            long long e = has_sel ? sel[(long long)t * topk + (j - nwin)] : (j - nwin);
+            k = entries + (seq * cap + e) * d;
+        }
+        float dot = 0.f;
+#pragma unroll
+        for (int i = 0; i < MAX_D / 32; i++) {
+            int c = lane + 32 * i;
+            if (c < d) dot += qv[i] * k[c];
+        }
+        float sc = warp_sum(dot) * scale;
+        float nm = fmaxf(mx, sc);
+        float corr = expf(mx - nm), pw = expf(sc - nm);
+        l = l * corr + pw;
+#pragma unroll
+        for (int i = 0; i < MAX_D / 32; i++) {
+            int c = lane + 32 * i;
+            if (c < d) o[i] = o[i] * corr + pw * k[c];
+        }
+        mx = nm;
+    }
+    if (lane == 0) { wm[wp] = mx; wl[wp] = l; }
+#pragma unroll
+    for (int i = 0; i < MAX_D / 32; i++) {
+        int c = lane + 32 * i;
+        if (c < d) wo[wp][c] = o[i];
+    }
+    __syncthreads();
+    float M = sinks[h];
+    for (int w = 0; w < ATT_WARPS; w++) M = fmaxf(M, wm[w]);
+    float den = expf(sinks[h] - M);
+    for (int w = 0; w < ATT_WARPS; w++) den += wl[w] * expf(wm[w] - M);
+    float* orow = out + ((long long)t * heads + h) * d;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float acc = 0.f;
+        for (int w = 0; w < ATT_WARPS; w++) acc += wo[w][c] * expf(wm[w] - M);
+        orow[c] = acc / den;
+    }
+}
+
+// After attention: the last min(len, win) rows of each segment enter the window ring.
+extern "C" __global__ void ring_write(float* ring, int win, const float* kv, const unsigned* rows, int n, int d) {
+    GRID_STRIDE(e, (long long)n * d) {
+        int t = (int)(e / d), c = (int)(e % d);
+        long long i = t - (long long)ROW_START(t), len = ROW_LEN(t);
+        if (i < len - min(len, (long long)win)) continue;
+        long long p = ROW_POS(t);
+        ring[((long long)ROW_SEQ(t) * win + p % win) * d + c] = kv[(long long)t * d + c];
+    }
+}

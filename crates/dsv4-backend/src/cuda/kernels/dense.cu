@@ -1,0 +1,73 @@
+// Row gathers, elementwise ops, RMSNorm and RoPE. Launchers: cuda/mod.rs.
+
+// out[i, :] = src[idx[i], :] (embedding lookup with token ids; select_rows).
+extern "C" __global__ void gather_rows(float* out, const float* src, const unsigned* idx, int n, int cols) {
+    GRID_STRIDE(e, (long long)n * cols) {
+        long long i = e / cols, c = e % cols;
+        out[e] = src[(long long)idx[i] * cols + c];
+    }
+}
+
+extern "C" __global__ void add(float* out, const float* a, const float* b, long long len) {
+    GRID_STRIDE(e, len) out[e] = a[e] + b[e];
+}
+
+extern "C" __global__ void fill(float* out, float v, long long len) {
+    GRID_STRIDE(e, len) out[e] = v;
+}
+
+// dst[s, 0..len] = src[s, 0..len] for `count` blocks of strides sstride / dstride.
+extern "C" __global__ void copy_blocks(float* dst, const float* src, int count, long long len, long long dstride,
+                                       long long sstride) {
+    GRID_STRIDE(e, (long long)count * len) {
+        long long s = e / len, i = e % len;
+        dst[s * dstride + i] = src[s * sstride + i];
+    }
+}
+
+// out[i, s*d + c] = x[i, c] for every mHC stream s.
+extern "C" __global__ void hc_expand(float* out, const float* x, int rows, int d, int nstreams) {
+    GRID_STRIDE(e, (long long)rows * nstreams * d) {
+        long long i = e / ((long long)nstreams * d), c = e % d;
+        out[e] = x[i * d + c];
+    }
+}
+
+// Clamped SwiGLU activation: h = min(g, L)·σ(min(g, L))·clamp(u, −L, L).
+extern "C" __global__ void swiglu_act(float* h, const float* g, const float* u, long long len, float limit) {
+    GRID_STRIDE(e, len) {
+        float gv = fminf(g[e], limit);
+        float uv = fminf(fmaxf(u[e], -limit), limit);
+        h[e] = gv * sigmoid_(gv) * uv;
+    }
+}
+
+// RMSNorm of one `group`-wide slice per block; w (when has_w) is `group` wide.
+extern "C" __global__ void rms_norm(float* out, const float* x, const float* w, int has_w, int group, float eps) {
+    __shared__ float sh[32];
+    const float* g = x + (long long)blockIdx.x * group;
+    float* o = out + (long long)blockIdx.x * group;
+    float s = 0.f;
+    for (int c = threadIdx.x; c < group; c += blockDim.x) s += g[c] * g[c];
+    s = block_sum(s, sh);
+    float r = 1.0f / sqrtf(s / (float)group + eps);
+    for (int c = threadIdx.x; c < group; c += blockDim.x) o[c] = has_w ? g[c] * r * w[c] : g[c] * r;
+}
+
+// Interleaved RoPE on the last 2·npairs channels of every `head`-wide slice of each row; the
+// angle pos·freq is formed and its sine/cosine taken in double, as the CPU oracle does.
+extern "C" __global__ void rope(float* x, const unsigned* rows, int n, const double* freqs, int npairs, int cols,
+                                int head, int inverse) {
+    int heads = cols / head;
+    GRID_STRIDE(e, (long long)n * heads * npairs) {
+        long long i = e / ((long long)heads * npairs);
+        int h = (int)(e / npairs % heads), j = (int)(e % npairs);
+        double th = (double)ROW_POS(i) * freqs[j];
+        if (inverse) th = -th;
+        float s = (float)sin(th), c = (float)cos(th);
+        float* v = x + i * cols + (long long)h * head + head - 2 * npairs + 2 * j;
+        float a = v[0], b = v[1];
+        v[0] = a * c - b * s;
+        v[1] = a * s + b * c;
+    }
+}

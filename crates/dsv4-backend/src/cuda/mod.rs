@@ -1,0 +1,786 @@
+//! The CUDA backend (feature `cuda`): every op of [`Backend`] on one NVIDIA GPU, f32 throughout.
+//!
+//! Weights live on the device in f32; dense products go through cuBLAS SGEMM (true f32, no
+//! TF32); everything else is small CUDA C kernels in `kernels/*.cu`, compiled at start by NVRTC
+//! for `compute_90a` (JIT-compiled by the driver to sm_90a) with `--fmad=false`, so that each
+//! kernel rounds like the CPU oracle it replaces. All work is queued on one stream; nothing
+//! synchronises except [`Backend::to_host`]. Per-sequence state lives on the device
+//! ([`state::CudaCache`]).
+//!
+//! Layout: this file holds the backend, the row table and the dense ops (`dense.cu`, `hc.cu`);
+//! [`attention`] the compressor, indexer and attention (`attention.cu`); [`moe`] the router and
+//! experts (`moe.cu`).
+
+pub mod attention;
+pub mod moe;
+pub mod state;
+
+use crate::backend::{Backend, CompSlot};
+use crate::batch::Batch;
+use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice,
+    PushKernelArg,
+};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use dsv4_model::weights::{Compressor, Expert, Hc};
+use dsv4_model::{Config, HostTensor, LoadError};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+pub use state::CudaCache;
+
+/// A row-major f32 matrix on the device (1-D weights are one row).
+pub struct CudaTensor {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: CudaSlice<f32>,
+}
+
+/// The batch's row table on the device: six `u32` arrays of `n` (sequence, position, token,
+/// segment start, segment first position, segment length), plus the host batch for host-side
+/// bookkeeping (state growth).
+pub struct CudaRows {
+    pub batch: Batch,
+    dev: CudaSlice<u32>,
+}
+
+impl CudaRows {
+    pub fn len(&self) -> usize {
+        self.batch.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.batch.is_empty()
+    }
+}
+
+/// Indexer selection: `[rows, topk]` entry ids; row `t` uses the first `min(topk, visible)`.
+pub struct CudaSel {
+    pub topk: usize,
+    pub idx: CudaSlice<u32>,
+}
+
+/// Expert ids and weights, `[rows, k]` each.
+pub struct CudaRoute {
+    pub k: usize,
+    pub ids: CudaSlice<u32>,
+    pub weights: CudaSlice<f32>,
+}
+
+/// Why the backend could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaInitError {
+    #[error("no CUDA driver library could be loaded")]
+    NoDriver,
+    #[error("the {0} library could not be loaded")]
+    NoLibrary(&'static str),
+    #[error("no CUDA device")]
+    NoDevice,
+    #[error("CUDA driver: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+    #[error("cuBLAS: {0}")]
+    Blas(#[from] cudarc::cublas::result::CublasError),
+    #[error("NVRTC compiling {file}: {msg}")]
+    Compile { file: &'static str, msg: String },
+}
+
+/// A pinned host buffer for stream-ordered uploads; `done` is recorded after the copy that
+/// read it, and the buffer is written again only once that event has completed.
+struct Staging {
+    buf: PinnedHostSlice<u32>,
+    done: CudaEvent,
+}
+
+/// The kernels, one field per `extern "C"` function.
+pub(crate) struct Kernels {
+    pub gather_rows: CudaFunction,
+    pub add: CudaFunction,
+    pub fill: CudaFunction,
+    pub copy_blocks: CudaFunction,
+    pub hc_expand: CudaFunction,
+    pub swiglu_act: CudaFunction,
+    pub rms_norm: CudaFunction,
+    pub rope: CudaFunction,
+    pub hc_pre: CudaFunction,
+    pub hc_post: CudaFunction,
+    pub hc_head: CudaFunction,
+    pub comp_pool: CudaFunction,
+    pub comp_prev: CudaFunction,
+    pub comp_open: CudaFunction,
+    pub index_score: CudaFunction,
+    pub index_topk: CudaFunction,
+    pub attention: CudaFunction,
+    pub ring_write: CudaFunction,
+    pub route: CudaFunction,
+    pub moe_up: CudaFunction,
+    pub moe_down: CudaFunction,
+    pub moe_combine: CudaFunction,
+}
+
+const COMMON: &str = include_str!("kernels/common.cuh");
+
+/// Compiles every kernel file with NVRTC (no device needed); the PTX is kept for later backends.
+pub fn compile_kernels() -> Result<(), CudaInitError> {
+    // SAFETY: only tries to dlopen the library.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(CudaInitError::NoLibrary("NVRTC"));
+    }
+    for (file, src) in SOURCES {
+        ptx(file, src)?;
+    }
+    Ok(())
+}
+
+const SOURCES: [(&str, &str); 4] = [
+    ("dense.cu", include_str!("kernels/dense.cu")),
+    ("hc.cu", include_str!("kernels/hc.cu")),
+    ("attention.cu", include_str!("kernels/attention.cu")),
+    ("moe.cu", include_str!("kernels/moe.cu")),
+];
+
+/// PTX of each kernel file, compiled once per process (later backends only load it).
+static PTX: Mutex<Vec<(&'static str, cudarc::nvrtc::Ptx)>> = Mutex::new(Vec::new());
+
+fn ptx(file: &'static str, src: &str) -> Result<cudarc::nvrtc::Ptx, CudaInitError> {
+    let mut cache = PTX.lock().unwrap();
+    if let Some((_, p)) = cache.iter().find(|(f, _)| *f == file) {
+        return Ok(p.clone());
+    }
+    let opts = CompileOptions {
+        arch: Some("compute_90a"),
+        fmad: Some(false),
+        name: Some(file.into()),
+        options: vec!["--std=c++17".into()],
+        ..Default::default()
+    };
+    let p = compile_ptx_with_opts(format!("{COMMON}\n{src}"), opts)
+        .map_err(|e| CudaInitError::Compile { file, msg: e.to_string() })?;
+    cache.push((file, p.clone()));
+    Ok(p)
+}
+
+fn compile(ctx: &Arc<CudaContext>, idx: usize, names: &[&str]) -> Result<Vec<CudaFunction>, CudaInitError> {
+    let (file, src) = SOURCES[idx];
+    let module = ctx.load_module(ptx(file, src)?)?;
+    names.iter().map(|n| Ok(module.load_function(n)?)).collect()
+}
+
+impl Kernels {
+    fn load(ctx: &Arc<CudaContext>) -> Result<Self, CudaInitError> {
+        let d = compile(
+            ctx,
+            0,
+            &["gather_rows", "add", "fill", "copy_blocks", "hc_expand", "swiglu_act", "rms_norm", "rope"],
+        )?;
+        let h = compile(ctx, 1, &["hc_pre", "hc_post", "hc_head"])?;
+        let a = compile(
+            ctx,
+            2,
+            &["comp_pool", "comp_prev", "comp_open", "index_score", "index_topk", "attention", "ring_write"],
+        )?;
+        let m = compile(ctx, 3, &["route", "moe_up", "moe_down", "moe_combine"])?;
+        let mut d = d.into_iter();
+        let mut h = h.into_iter();
+        let mut a = a.into_iter();
+        let mut m = m.into_iter();
+        let n = |it: &mut std::vec::IntoIter<CudaFunction>| it.next().unwrap();
+        Ok(Kernels {
+            gather_rows: n(&mut d),
+            add: n(&mut d),
+            fill: n(&mut d),
+            copy_blocks: n(&mut d),
+            hc_expand: n(&mut d),
+            swiglu_act: n(&mut d),
+            rms_norm: n(&mut d),
+            rope: n(&mut d),
+            hc_pre: n(&mut h),
+            hc_post: n(&mut h),
+            hc_head: n(&mut h),
+            comp_pool: n(&mut a),
+            comp_prev: n(&mut a),
+            comp_open: n(&mut a),
+            index_score: n(&mut a),
+            index_topk: n(&mut a),
+            attention: n(&mut a),
+            ring_write: n(&mut a),
+            route: n(&mut m),
+            moe_up: n(&mut m),
+            moe_down: n(&mut m),
+            moe_combine: n(&mut m),
+        })
+    }
+}
+
+/// The CUDA backend on one device.
+pub struct CudaBackend {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    pub(crate) k: Kernels,
+    staging: Mutex<Vec<Staging>>,
+    freqs: Mutex<HashMap<Vec<u64>, Arc<CudaSlice<f64>>>>,
+    pub(crate) expert_tables: Mutex<HashMap<Vec<u64>, Arc<CudaSlice<u64>>>>,
+    /// A one-element buffer passed where a kernel's optional pointer is absent.
+    pub(crate) dummy_f32: CudaSlice<f32>,
+    pub(crate) dummy_u32: CudaSlice<u32>,
+}
+
+/// `⌈total / block⌉` blocks of `block` threads (at least one block).
+pub(crate) fn cfg1d(total: usize, block: u32) -> LaunchConfig {
+    let grid = total.div_ceil(block as usize).clamp(1, 1 << 20) as u32;
+    LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// A block size for reducing over `width` elements: a multiple of 32, at most 256.
+pub(crate) fn block_for(width: usize) -> u32 {
+    (width.div_ceil(32) * 32).clamp(32, 256) as u32
+}
+
+pub(crate) fn ck<T, E: std::fmt::Debug>(r: Result<T, E>, what: &str) -> T {
+    r.unwrap_or_else(|e| panic!("CUDA {what}: {e:?}"))
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal`, compiles the kernels and creates the stream and cuBLAS handle.
+    pub fn new(ordinal: usize) -> Result<Self, CudaInitError> {
+        // SAFETY: these only try to dlopen the libraries.
+        unsafe {
+            if !cudarc::driver::sys::is_culib_present() {
+                return Err(CudaInitError::NoDriver);
+            }
+            if !cudarc::nvrtc::sys::is_culib_present() {
+                return Err(CudaInitError::NoLibrary("NVRTC"));
+            }
+            if !cudarc::cublas::sys::is_culib_present() {
+                return Err(CudaInitError::NoLibrary("cuBLAS"));
+            }
+        }
+        if CudaContext::device_count().map_err(|_| CudaInitError::NoDevice)? <= ordinal as i32 {
+            return Err(CudaInitError::NoDevice);
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        // One stream: ordering is the stream's, so cudarc's per-buffer event tracking is not needed.
+        // SAFETY: every buffer of this backend is used on `stream` only.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
+        let blas = CudaBlas::new(stream.clone())?;
+        let k = Kernels::load(&ctx)?;
+        let dummy_f32 = stream.alloc_zeros::<f32>(1)?;
+        let dummy_u32 = stream.alloc_zeros::<u32>(1)?;
+        Ok(CudaBackend {
+            ctx,
+            stream,
+            blas,
+            k,
+            staging: Mutex::new(Vec::new()),
+            freqs: Mutex::new(HashMap::new()),
+            expert_tables: Mutex::new(HashMap::new()),
+            dummy_f32,
+            dummy_u32,
+        })
+    }
+
+    /// The device's name.
+    pub fn device_name(&self) -> String {
+        self.ctx.name().unwrap_or_default()
+    }
+
+    /// Waits for all queued work.
+    pub fn synchronize(&self) {
+        ck(self.stream.synchronize(), "synchronize");
+    }
+
+    /// An uninitialised device buffer of `n` elements (at least one).
+    pub(crate) fn alloc<T: cudarc::driver::DeviceRepr>(&self, n: usize) -> CudaSlice<T> {
+        // SAFETY: every caller writes the elements it later reads.
+        ck(unsafe { self.stream.alloc::<T>(n.max(1)) }, "alloc")
+    }
+
+    pub(crate) fn tensor(&self, rows: usize, cols: usize) -> CudaTensor {
+        CudaTensor { rows, cols, data: self.alloc(rows * cols) }
+    }
+
+    /// Copies `data` to a new device buffer through a pinned staging buffer, ordered on the
+    /// stream; the staging buffer is not written again until the stream has passed the copy.
+    pub(crate) fn upload_u32(&self, data: &[u32]) -> CudaSlice<u32> {
+        let mut pool = self.staging.lock().unwrap();
+        let ready = pool.iter().position(|s| s.buf.len() >= data.len() && s.done.is_complete());
+        let mut st = match ready {
+            Some(i) => pool.swap_remove(i),
+            None => Staging {
+                // SAFETY: the buffer is written below before it is read.
+                buf: ck(unsafe { self.ctx.alloc_pinned::<u32>(data.len().max(256).next_power_of_two()) }, "pin"),
+                done: ck(self.ctx.new_event(None), "event"),
+            },
+        };
+        // `as_mut_slice` also waits for the buffer's last copy (already complete here).
+        ck(st.buf.as_mut_slice(), "staging")[..data.len()].copy_from_slice(data);
+        let mut dst = self.alloc::<u32>(st.buf.len());
+        ck(self.stream.memcpy_htod(&st.buf, &mut dst), "upload");
+        ck(st.done.record(&self.stream), "record");
+        pool.push(st);
+        dst
+    }
+
+    /// The RoPE frequency table on the device (uploaded once per distinct table).
+    pub(crate) fn freqs(&self, freqs: &[f64]) -> Arc<CudaSlice<f64>> {
+        let key: Vec<u64> = freqs.iter().map(|f| f.to_bits()).collect();
+        let mut m = self.freqs.lock().unwrap();
+        if let Some(f) = m.get(&key) {
+            return f.clone();
+        }
+        let mut v = freqs.to_vec();
+        v.push(0.0); // never empty
+        let f = Arc::new(ck(self.stream.clone_htod(&v), "upload freqs"));
+        m.insert(key, f.clone());
+        f
+    }
+
+    pub(crate) fn dev_ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        let (p, _sync) = s.device_ptr(&self.stream);
+        p
+    }
+
+    /// `out[n, m] = x[n, k] · w[m, k]ᵀ` through cuBLAS (column-major: `outᵀ = w · xᵀ`).
+    pub(crate) fn gemm_xwt(
+        &self,
+        x: &CudaSlice<f32>,
+        n: usize,
+        k: usize,
+        w: &CudaSlice<f32>,
+        m: usize,
+    ) -> CudaSlice<f32> {
+        let mut out = self.alloc::<f32>(n * m);
+        if n == 0 || m == 0 {
+            return out;
+        }
+        let cfg = GemmConfig {
+            transa: cublasOperation_t::CUBLAS_OP_T,
+            transb: cublasOperation_t::CUBLAS_OP_N,
+            m: m as i32,
+            n: n as i32,
+            k: k as i32,
+            alpha: 1.0f32,
+            lda: k as i32,
+            ldb: k as i32,
+            beta: 0.0f32,
+            ldc: m as i32,
+        };
+        // SAFETY: the shapes above match the buffers' lengths.
+        ck(unsafe { self.blas.gemm(cfg, w, x, &mut out) }, "sgemm");
+        out
+    }
+}
+
+impl Backend for CudaBackend {
+    type W = CudaTensor;
+    type T = CudaTensor;
+    type Cache = CudaCache;
+    type Rows = CudaRows;
+    type Sel = CudaSel;
+    type Route = CudaRoute;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn upload(&self, t: HostTensor) -> Result<CudaTensor, LoadError> {
+        let (rows, cols) = match t.shape.as_slice() {
+            [c] => (1, *c),
+            [r, c] => (*r, *c),
+            other => return Err(LoadError::Value { name: t.name, msg: format!("unexpected rank {}", other.len()) }),
+        };
+        let data = self
+            .stream
+            .clone_htod(&t.data)
+            .map_err(|e| LoadError::Value { name: t.name.clone(), msg: format!("CUDA upload: {e:?}") })?;
+        Ok(CudaTensor { rows, cols, data })
+    }
+
+    fn new_cache(&self, cfg: &Config, max_seqs: usize) -> CudaCache {
+        CudaCache::new(self, cfg, max_seqs)
+    }
+
+    fn reset_seq(&self, cache: &mut CudaCache, seq: usize) {
+        cache.reset(self, seq);
+    }
+
+    fn rows(&self, batch: &Batch) -> CudaRows {
+        let n = batch.len();
+        let mut v = vec![0u32; 6 * n];
+        for s in &batch.segments {
+            for i in s.start..s.start + s.len {
+                let r = batch.rows[i];
+                v[i] = r.seq as u32;
+                v[n + i] = r.pos as u32;
+                v[2 * n + i] = r.token;
+                v[3 * n + i] = s.start as u32;
+                v[4 * n + i] = s.pos0 as u32;
+                v[5 * n + i] = s.len as u32;
+            }
+        }
+        CudaRows { batch: batch.clone(), dev: self.upload_u32(&v) }
+    }
+
+    fn shape(&self, t: &CudaTensor) -> (usize, usize) {
+        (t.rows, t.cols)
+    }
+
+    fn to_host(&self, t: &CudaTensor) -> Vec<f32> {
+        let mut v = ck(self.stream.clone_dtoh(&t.data), "download");
+        ck(self.stream.synchronize(), "synchronize");
+        v.truncate(t.rows * t.cols);
+        v
+    }
+
+    fn embed(&self, table: &CudaTensor, rows: &CudaRows) -> CudaTensor {
+        let n = rows.len();
+        let out = self.tensor(n, table.cols);
+        let tokens = rows.dev.slice(2 * n..3 * n);
+        self.gather(&out, &table.data, &tokens, n, table.cols);
+        out
+    }
+
+    fn matmul(&self, x: &CudaTensor, w: &CudaTensor) -> CudaTensor {
+        assert_eq!(x.cols, w.cols, "matmul: input width {} vs weight [{}, {}]", x.cols, w.rows, w.cols);
+        CudaTensor { rows: x.rows, cols: w.rows, data: self.gemm_xwt(&x.data, x.rows, x.cols, &w.data, w.rows) }
+    }
+
+    fn grouped_matmul(&self, x: &CudaTensor, w: &CudaTensor, groups: usize) -> CudaTensor {
+        let inw = x.cols / groups;
+        let r = w.rows / groups;
+        assert_eq!(w.cols, inw);
+        let mut out = self.tensor(x.rows, groups * r);
+        let cfg = StridedBatchedConfig {
+            gemm: GemmConfig {
+                transa: cublasOperation_t::CUBLAS_OP_T,
+                transb: cublasOperation_t::CUBLAS_OP_N,
+                m: r as i32,
+                n: x.rows as i32,
+                k: inw as i32,
+                alpha: 1.0f32,
+                lda: inw as i32,
+                ldb: (groups * inw) as i32,
+                beta: 0.0f32,
+                ldc: (groups * r) as i32,
+            },
+            batch_size: groups as i32,
+            stride_a: (r * inw) as i64,
+            stride_b: inw as i64,
+            stride_c: r as i64,
+        };
+        // SAFETY: group g reads w rows g·r.., x columns g·inw.. and writes out columns g·r...
+        ck(unsafe { self.blas.gemm_strided_batched(cfg, &w.data, &x.data, &mut out.data) }, "sgemm batched");
+        out
+    }
+
+    fn rms_norm(&self, x: &CudaTensor, w: Option<&CudaTensor>, group: usize, eps: f32) -> CudaTensor {
+        let mut out = self.tensor(x.rows, x.cols);
+        let groups = x.rows * x.cols / group;
+        if groups == 0 {
+            return out;
+        }
+        let (wd, has_w) = match w {
+            Some(w) => (&w.data, 1i32),
+            None => (&self.dummy_f32, 0),
+        };
+        let cfg =
+            LaunchConfig { grid_dim: (groups as u32, 1, 1), block_dim: (block_for(group), 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: argument types and sizes match the kernel's signature.
+        ck(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.k.rms_norm)
+                    .arg(&mut out.data)
+                    .arg(&x.data)
+                    .arg(wd)
+                    .arg(&has_w)
+                    .arg(&(group as i32))
+                    .arg(&eps)
+                    .launch(cfg)
+            },
+            "rms_norm",
+        );
+        out
+    }
+
+    fn rope(&self, x: &mut CudaTensor, rows: &CudaRows, freqs: &[f64], head: usize, inverse: bool) {
+        let np = freqs.len();
+        if np == 0 || x.rows == 0 {
+            return;
+        }
+        let f = self.freqs(freqs);
+        let (n, cols) = (x.rows as i32, x.cols as i32);
+        // SAFETY: argument types and sizes match the kernel's signature.
+        ck(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.k.rope)
+                    .arg(&mut x.data)
+                    .arg(&rows.dev)
+                    .arg(&n)
+                    .arg(f.as_ref())
+                    .arg(&(np as i32))
+                    .arg(&cols)
+                    .arg(&(head as i32))
+                    .arg(&(inverse as i32))
+                    .launch(cfg1d(x.rows * (x.cols / head) * np, 256))
+            },
+            "rope",
+        );
+    }
+
+    fn add(&self, a: &CudaTensor, b: &CudaTensor) -> CudaTensor {
+        assert_eq!((a.rows, a.cols), (b.rows, b.cols));
+        let mut out = self.tensor(a.rows, a.cols);
+        let len = a.rows * a.cols;
+        if len > 0 {
+            // SAFETY: argument types and sizes match the kernel's signature.
+            ck(
+                unsafe {
+                    self.stream
+                        .launch_builder(&self.k.add)
+                        .arg(&mut out.data)
+                        .arg(&a.data)
+                        .arg(&b.data)
+                        .arg(&(len as i64))
+                        .launch(cfg1d(len, 256))
+                },
+                "add",
+            );
+        }
+        out
+    }
+
+    fn select_rows(&self, x: &CudaTensor, rows: &[usize]) -> CudaTensor {
+        let out = self.tensor(rows.len(), x.cols);
+        if !rows.is_empty() {
+            let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+            let dev = self.upload_u32(&idx);
+            self.gather(&out, &x.data, &dev.slice(..), rows.len(), x.cols);
+        }
+        out
+    }
+
+    fn hc_expand(&self, x: &CudaTensor, n: usize) -> CudaTensor {
+        let mut out = self.tensor(x.rows, n * x.cols);
+        // SAFETY: argument types and sizes match the kernel's signature.
+        ck(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.k.hc_expand)
+                    .arg(&mut out.data)
+                    .arg(&x.data)
+                    .arg(&(x.rows as i32))
+                    .arg(&(x.cols as i32))
+                    .arg(&(n as i32))
+                    .launch(cfg1d(x.rows * n * x.cols, 256))
+            },
+            "hc_expand",
+        );
+        out
+    }
+
+    fn hc_pre(&self, x: &CudaTensor, hc: &Hc<CudaTensor>, cfg: &Config) -> (CudaTensor, CudaTensor, CudaTensor) {
+        let (n, d) = (cfg.hc_mult, cfg.hidden);
+        assert!(n <= 8, "hc_mult {n} > 8");
+        let m = self.matmul(x, &hc.fn_);
+        let mut y = self.tensor(x.rows, d);
+        let mut post = self.tensor(x.rows, n);
+        let mut comb = self.tensor(x.rows, n * n);
+        let lc = LaunchConfig { grid_dim: (x.rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: argument types and sizes match the kernel's signature.
+        ck(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.k.hc_pre)
+                    .arg(&mut y.data)
+                    .arg(&mut post.data)
+                    .arg(&mut comb.data)
+                    .arg(&x.data)
+                    .arg(&m.data)
+                    .arg(&hc.base.data)
+                    .arg(&hc.scale.data)
+                    .arg(&(n as i32))
+                    .arg(&(d as i32))
+                    .arg(&(cfg.hc_sinkhorn_iters as i32))
+                    .arg(&cfg.rms_eps)
+                    .arg(&cfg.hc_eps)
+                    .launch(lc)
+            },
+            "hc_pre",
+        );
+        (y, post, comb)
+    }
+
+    fn hc_post(&self, f: &CudaTensor, x: &CudaTensor, post: &CudaTensor, comb: &CudaTensor) -> CudaTensor {
+        let (n, d) = (post.cols, f.cols);
+        let mut out = self.tensor(x.rows, n * d);
+        // SAFETY: argument types and sizes match the kernel's signature.
+        ck(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.k.hc_post)
+                    .arg(&mut out.data)
+                    .arg(&f.data)
+                    .arg(&x.data)
+                    .arg(&post.data)
+                    .arg(&comb.data)
+                    .arg(&(x.rows as i32))
+                    .arg(&(n as i32))
+                    .arg(&(d as i32))
+                    .launch(cfg1d(x.rows * n * d, 256))
+            },
+            "hc_post",
+        );
+        out
+    }
+
+    fn hc_head(&self, x: &CudaTensor, hc: &Hc<CudaTensor>, cfg: &Config) -> CudaTensor {
+        let (n, d) = (cfg.hc_mult, cfg.hidden);
+        assert!(n <= 8, "hc_mult {n} > 8");
+        let mut y = self.tensor(x.rows, d);
+        if x.rows == 0 {
+            return y;
+        }
+        let m = self.matmul(x, &hc.fn_);
+        let lc = LaunchConfig { grid_dim: (x.rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: argument types and sizes match the kernel's signature.
+        ck(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.k.hc_head)
+                    .arg(&mut y.data)
+                    .arg(&x.data)
+                    .arg(&m.data)
+                    .arg(&hc.base.data)
+                    .arg(&hc.scale.data)
+                    .arg(&(n as i32))
+                    .arg(&(d as i32))
+                    .arg(&cfg.rms_eps)
+                    .arg(&cfg.hc_eps)
+                    .launch(lc)
+            },
+            "hc_head",
+        );
+        y
+    }
+
+    fn compress(
+        &self,
+        cache: &mut CudaCache,
+        layer: usize,
+        slot: CompSlot,
+        u: &CudaTensor,
+        z: &CudaTensor,
+        comp: &Compressor<CudaTensor>,
+        rows: &CudaRows,
+        freqs: &[f64],
+        cfg: &Config,
+    ) {
+        attention::compress(self, cache, layer, slot, u, z, comp, rows, freqs, cfg);
+    }
+
+    fn index_select(
+        &self,
+        cache: &CudaCache,
+        layer: usize,
+        qi: &CudaTensor,
+        weights: &CudaTensor,
+        rows: &CudaRows,
+        cfg: &Config,
+    ) -> CudaSel {
+        attention::index_select(self, cache, layer, qi, weights, rows, cfg)
+    }
+
+    fn attention(
+        &self,
+        cache: &mut CudaCache,
+        layer: usize,
+        q: &CudaTensor,
+        kv: &CudaTensor,
+        sel: Option<&CudaSel>,
+        sinks: &CudaTensor,
+        rows: &CudaRows,
+        cfg: &Config,
+    ) -> CudaTensor {
+        attention::attend(self, cache, layer, q, kv, sel, sinks, rows, cfg)
+    }
+
+    fn route(&self, logits: &CudaTensor, bias: Option<&CudaTensor>, hash: Option<&[u32]>, cfg: &Config) -> CudaRoute {
+        moe::route(self, logits, bias, hash, cfg)
+    }
+
+    fn moe(&self, x: &CudaTensor, route: &CudaRoute, experts: &[Expert<CudaTensor>], limit: f32) -> CudaTensor {
+        moe::moe(self, x, route, experts, limit)
+    }
+
+    fn swiglu(&self, x: &CudaTensor, e: &Expert<CudaTensor>, limit: f32) -> CudaTensor {
+        let g = self.matmul(x, &e.w1);
+        let u = self.matmul(x, &e.w3);
+        let mut h = self.tensor(g.rows, g.cols);
+        let len = g.rows * g.cols;
+        // SAFETY: argument types and sizes match the kernel's signature.
+        ck(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.k.swiglu_act)
+                    .arg(&mut h.data)
+                    .arg(&g.data)
+                    .arg(&u.data)
+                    .arg(&(len as i64))
+                    .arg(&limit)
+                    .launch(cfg1d(len, 256))
+            },
+            "swiglu_act",
+        );
+        self.matmul(&h, &e.w2)
+    }
+}
+
+impl CudaBackend {
+    /// `out[i, :] = src[idx[i], :]`.
+    fn gather(
+        &self,
+        out: &CudaTensor,
+        src: &CudaSlice<f32>,
+        idx: &cudarc::driver::CudaView<'_, u32>,
+        n: usize,
+        cols: usize,
+    ) {
+        // SAFETY: argument types and sizes match the kernel's signature.
+        ck(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.k.gather_rows)
+                    .arg(&out.data)
+                    .arg(src)
+                    .arg(idx)
+                    .arg(&(n as i32))
+                    .arg(&(cols as i32))
+                    .launch(cfg1d(n * cols, 256))
+            },
+            "gather_rows",
+        );
+    }
+
+    /// Fills `len` floats of `buf` from element `off` with `v`.
+    pub(crate) fn fill(&self, buf: &mut CudaSlice<f32>, off: usize, len: usize, v: f32) {
+        if len == 0 {
+            return;
+        }
+        let mut view = buf.slice_mut(off..off + len);
+        // SAFETY: argument types and sizes match the kernel's signature.
+        ck(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.k.fill)
+                    .arg(&mut view)
+                    .arg(&v)
+                    .arg(&(len as i64))
+                    .launch(cfg1d(len, 256))
+            },
+            "fill",
+        );
+    }
+}

@@ -1,0 +1,141 @@
+//! Launchers of `kernels/moe.cu`: the router (spec §6.1) and the routed experts.
+
+use super::{cfg1d, ck, CudaBackend, CudaRoute, CudaTensor};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use dsv4_model::weights::Expert;
+use dsv4_model::Config;
+use std::sync::Arc;
+
+pub fn route(
+    b: &CudaBackend,
+    logits: &CudaTensor,
+    bias: Option<&CudaTensor>,
+    hash: Option<&[u32]>,
+    cfg: &Config,
+) -> CudaRoute {
+    let (n, e, k) = (logits.rows, logits.cols, cfg.n_experts_per_tok);
+    assert!(k <= 16, "n_experts_per_tok {k} > 16");
+    let mut ids = b.alloc::<u32>(n * k);
+    let mut weights = b.alloc::<f32>(n * k);
+    let hash_dev = hash.map(|h| b.upload_u32(h));
+    let hd = hash_dev.as_ref().unwrap_or(&b.dummy_u32);
+    let bd = match (bias, hash) {
+        (_, Some(_)) => &b.dummy_f32,
+        (Some(bias), None) => &bias.data,
+        (None, None) => panic!("learned routing needs a bias"),
+    };
+    // SAFETY: argument types and buffer sizes match the kernel.
+    ck(
+        unsafe {
+            b.stream
+                .launch_builder(&b.k.route)
+                .arg(&mut ids)
+                .arg(&mut weights)
+                .arg(&logits.data)
+                .arg(bd)
+                .arg(hd)
+                .arg(&(hash.is_some() as i32))
+                .arg(&(n as i32))
+                .arg(&(e as i32))
+                .arg(&(k as i32))
+                .arg(&(cfg.norm_topk_prob as i32))
+                .arg(&cfg.routed_scale)
+                .launch(cfg1d(n, 64))
+        },
+        "route",
+    );
+    CudaRoute { k, ids, weights }
+}
+
+/// The device table `[w1 of each expert, w3 of each, w2 of each]` of weight pointers (built once
+/// per expert set).
+fn expert_table(b: &CudaBackend, experts: &[Expert<CudaTensor>]) -> Arc<CudaSlice<u64>> {
+    let mut ptrs: Vec<u64> = experts.iter().map(|e| b.dev_ptr(&e.w1.data)).collect();
+    ptrs.extend(experts.iter().map(|e| b.dev_ptr(&e.w3.data)));
+    ptrs.extend(experts.iter().map(|e| b.dev_ptr(&e.w2.data)));
+    let mut m = b.expert_tables.lock().unwrap();
+    if let Some(t) = m.get(&ptrs) {
+        return t.clone();
+    }
+    let t = Arc::new(ck(b.stream.clone_htod(&ptrs), "upload expert table"));
+    m.insert(ptrs, t.clone());
+    t
+}
+
+/// `Σ_j w_j · Expert_{id_j}(x)`: per (row, slot) up-projection + activation, down-projection,
+/// then a weighted sum in routing order. Three launches whatever the batch.
+pub fn moe(
+    b: &CudaBackend,
+    x: &CudaTensor,
+    route: &CudaRoute,
+    experts: &[Expert<CudaTensor>],
+    limit: f32,
+) -> CudaTensor {
+    let (n, d, k) = (x.rows, x.cols, route.k);
+    let inter = experts[0].w1.rows;
+    let ne = experts.len() as i32;
+    let slots = n * k;
+    let table = expert_table(b, experts);
+    let mut h = b.alloc::<f32>(slots * inter);
+    let mut y = b.alloc::<f32>(slots * d);
+    let mut out = b.tensor(n, d);
+    if n == 0 {
+        return out;
+    }
+    let up = LaunchConfig {
+        grid_dim: (slots as u32, inter.div_ceil(8) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let down =
+        LaunchConfig { grid_dim: (slots as u32, d.div_ceil(8) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let (ki, di, ii) = (k as i32, d as i32, inter as i32);
+    // SAFETY (all three launches): argument types and buffer sizes match the kernels.
+    ck(
+        unsafe {
+            b.stream
+                .launch_builder(&b.k.moe_up)
+                .arg(&mut h)
+                .arg(&x.data)
+                .arg(&route.ids)
+                .arg(table.as_ref())
+                .arg(&ne)
+                .arg(&ki)
+                .arg(&di)
+                .arg(&ii)
+                .arg(&limit)
+                .launch(up)
+        },
+        "moe_up",
+    );
+    ck(
+        unsafe {
+            b.stream
+                .launch_builder(&b.k.moe_down)
+                .arg(&mut y)
+                .arg(&h)
+                .arg(&route.ids)
+                .arg(table.as_ref())
+                .arg(&ne)
+                .arg(&di)
+                .arg(&ii)
+                .launch(down)
+        },
+        "moe_down",
+    );
+    ck(
+        unsafe {
+            b.stream
+                .launch_builder(&b.k.moe_combine)
+                .arg(&mut out.data)
+                .arg(&y)
+                .arg(&route.weights)
+                .arg(&(n as i32))
+                .arg(&ki)
+                .arg(&di)
+                .launch(cfg1d(n * d, 256))
+        },
+        "moe_combine",
+    );
+    out
+}

@@ -1,0 +1,72 @@
+"""Starts `dsv4 serve` on the demo model (loopback only) for the API tests."""
+import json
+import os
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+BIN = os.environ.get("DSV4_BIN", os.path.join(ROOT, "target", "release", "dsv4"))
+API_KEY = "test-key"
+MODEL = "dsv4-test"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, base, proc, model_dir):
+        self.base = base
+        self.proc = proc
+        self.model_dir = model_dir
+
+    def url(self, path):
+        return self.base + path
+
+    def metrics(self):
+        with urllib.request.urlopen(self.url("/metrics"), timeout=10) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#") and "{" not in line:
+                k, v = line.split()
+                out[k] = float(v)
+        return out
+
+
+@pytest.fixture(scope="session")
+def server():
+    tmp = tempfile.mkdtemp(prefix="dsv4-api-")
+    model_dir = os.path.join(tmp, "tiny")
+    subprocess.run([BIN, "init-tiny", "--out", model_dir, "--seed", "1"], check=True)
+    port = free_port()
+    log = open(os.path.join(tmp, "server.log"), "w")
+    proc = subprocess.Popen(
+        [BIN, "serve", "--model", model_dir, "--port", str(port), "--api-key", API_KEY,
+         "--served-model-name", MODEL, "--max-seqs", "8", "--max-context", "4096", "--max-body-mb", "1"],
+        stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=1) as r:
+                if json.loads(r.read())["status"] == "ok":
+                    break
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError("dsv4 serve exited; see " + log.name)
+            time.sleep(0.1)
+    else:
+        raise RuntimeError("dsv4 serve did not come up")
+    yield Server(base, proc, model_dir)
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
