@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Bounded load generator for `dsv4 serve` on loopback (standard library only).
+
+Streams /v1/completions requests at several concurrency levels and reports throughput and
+time-to-first-token / inter-token latency percentiles. Each level sends a fixed number of
+requests and stops; nothing runs unbounded.
+
+  python3 tools/bench_serve.py --spawn target/release/dsv4 --model /tmp/tiny   # starts a server
+  python3 tools/bench_serve.py --url http://127.0.0.1:8000                      # an existing one
+"""
+import argparse
+import http.client
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+import urllib.parse
+import urllib.request
+
+
+def pct(xs, p):
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, int(round(p / 100 * (len(xs) - 1)))))
+    return xs[k]
+
+
+def one_request(url, prompt, max_tokens, key, out):
+    u = urllib.parse.urlparse(url)
+    c = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}})
+    headers = {"content-type": "application/json"}
+    if key:
+        headers["authorization"] = "Bearer " + key
+    t0 = time.perf_counter()
+    c.request("POST", "/v1/completions", body=body, headers=headers)
+    r = c.getresponse()
+    if r.status != 200:
+        out.append({"error": r.status})
+        return
+    times, tokens = [], 0
+    for line in r:
+        line = line.strip()
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:]
+        if data == b"[DONE]":
+            break
+        ev = json.loads(data)
+        if ev.get("usage"):
+            tokens = ev["usage"]["completion_tokens"]
+        elif ev["choices"] and ev["choices"][0]["text"]:
+            times.append(time.perf_counter())
+    c.close()
+    end = time.perf_counter()
+    out.append({"ttft": times[0] - t0 if times else end - t0,
+                "itl": [b - a for a, b in zip(times, times[1:])], "tokens": tokens, "latency": end - t0})
+
+
+def run_level(url, conc, n_requests, max_tokens, key):
+    results, lock_out = [], []
+    prompts = [f"Request {i}: the quick brown fox jumps over the lazy dog " * (1 + i % 3) for i in range(n_requests)]
+    queue = list(range(n_requests))
+    qlock = threading.Lock()
+
+    def worker():
+        while True:
+            with qlock:
+                if not queue:
+                    return
+                i = queue.pop()
+            one_request(url, prompts[i], max_tokens, key, results)
+
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=worker) for _ in range(conc)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    ttft = [r["ttft"] for r in ok]
+    itl = [x for r in ok for x in r["itl"]]
+    toks = sum(r["tokens"] for r in ok)
+    return {"concurrency": conc, "requests": len(results), "errors": len(results) - len(ok),
+            "completion_tokens": toks, "wall_s": round(wall, 3), "tokens_per_s": round(toks / wall, 1),
+            "requests_per_s": round(len(ok) / wall, 2),
+            "ttft_ms": {p: round(pct(ttft, p) * 1e3, 1) for p in (50, 90, 99)},
+            "itl_ms": {p: round(pct(itl, p) * 1e3, 2) for p in (50, 90, 99)}}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--url")
+    ap.add_argument("--spawn", help="path of the dsv4 binary: start `dsv4 serve` on a free loopback port")
+    ap.add_argument("--model", help="checkpoint for --spawn (default: the built-in demo model)")
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--concurrency", default="1,4,16,64")
+    ap.add_argument("--requests-per-level", type=int, default=0, help="default: max(8, 2 x concurrency)")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--api-key")
+    a = ap.parse_args()
+    proc = None
+    url = a.url
+    if a.spawn:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        levels = [int(x) for x in a.concurrency.split(",")]
+        cmd = [a.spawn, "serve", "--port", str(port), "--backend", a.backend, "--max-seqs", str(max(levels)),
+               "--max-waiting", "4096"]
+        if a.model:
+            cmd += ["--model", a.model]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(1200):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1).read()
+                break
+            except OSError:
+                time.sleep(0.1)
+    u = urllib.parse.urlparse(url)
+    assert u.hostname in ("127.0.0.1", "localhost", "::1"), "loopback only"
+    try:
+        one_request(url, "warm up", 4, a.api_key, [])
+        for conc in [int(x) for x in a.concurrency.split(",")]:
+            n = a.requests_per_level or max(8, 2 * conc)
+            print(json.dumps(run_level(url, conc, n, a.max_tokens, a.api_key)), flush=True)
+    finally:
+        if proc:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+if __name__ == "__main__":
+    main()
