@@ -41,16 +41,14 @@ class Server:
         return out
 
 
-@pytest.fixture(scope="session")
-def server():
-    tmp = tempfile.mkdtemp(prefix="dsv4-api-")
-    model_dir = os.path.join(tmp, "tiny")
-    subprocess.run([BIN, "init-tiny", "--out", model_dir, "--seed", "1"], check=True)
+def start_server(model_dir, extra=(), tag="server"):
+    """Starts `dsv4 serve` and waits for /health; returns a Server."""
     port = free_port()
-    log = open(os.path.join(tmp, "server.log"), "w")
+    log = open(os.path.join(os.path.dirname(model_dir), f"{tag}-{port}.log"), "w")
     proc = subprocess.Popen(
         [BIN, "serve", "--model", model_dir, "--port", str(port), "--api-key", API_KEY,
-         "--served-model-name", MODEL, "--max-seqs", "8", "--max-context", "4096", "--max-body-mb", "1"],
+         "--served-model-name", MODEL, "--max-seqs", "8", "--max-context", "4096", "--max-body-mb", "1",
+         *extra],
         stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -64,9 +62,29 @@ def server():
             time.sleep(0.1)
     else:
         raise RuntimeError("dsv4 serve did not come up")
-    yield Server(base, proc, model_dir)
-    proc.terminate()
+    return Server(base, proc, model_dir)
+
+
+def stop_server(srv, sig=None):
+    """Stops a server; SIGINT is the graceful stop that persists the KV cache."""
+    import signal
+    srv.proc.send_signal(sig or signal.SIGTERM)
     try:
-        proc.wait(timeout=10)
+        srv.proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        srv.proc.kill()
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    tmp = tempfile.mkdtemp(prefix="dsv4-api-")
+    d = os.path.join(tmp, "tiny")
+    subprocess.run([BIN, "init-tiny", "--out", d, "--seed", "1"], check=True)
+    return d
+
+
+@pytest.fixture(scope="session")
+def server(model_dir):
+    srv = start_server(model_dir)
+    yield srv
+    stop_server(srv)

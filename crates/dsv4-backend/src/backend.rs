@@ -6,6 +6,7 @@
 //! the backend's `Cache`, addressed by `(sequence, layer)`.
 
 use crate::batch::Batch;
+use crate::cpu::state::SeqState;
 use dsv4_model::weights::{Compressor, Expert, Hc};
 use dsv4_model::{Config, HostTensor, LoadError};
 
@@ -37,6 +38,19 @@ pub trait Backend: Send + Sync {
     fn new_cache(&self, cfg: &Config, max_seqs: usize) -> Self::Cache;
     /// Clears one sequence's state (compressor overlap rows become `u = 0, z = −∞`, spec §9.4 #8).
     fn reset_seq(&self, cache: &mut Self::Cache, seq: usize);
+    /// Copies one sequence's whole state (spec §9.1) to the host, for the prefix and disk
+    /// caches. `None` where the backend cannot (yet).
+    fn save_seq(&self, _cache: &Self::Cache, _seq: usize) -> Option<SeqState> {
+        None
+    }
+    /// Cuts a sequence holding `have` tokens back to `len` (speculative rollback, no replay).
+    fn truncate_seq(&self, _cache: &mut Self::Cache, _seq: usize, have: usize, len: usize) -> Result<(), String> {
+        Err(format!("{} cannot roll sequences back (yet): {have} -> {len}", self.name()))
+    }
+    /// Replaces a sequence's state with a saved one; `false` where the backend cannot (yet).
+    fn load_seq(&self, _cache: &mut Self::Cache, _seq: usize, _state: &SeqState) -> bool {
+        false
+    }
     fn rows(&self, batch: &Batch) -> Self::Rows;
 
     fn shape(&self, t: &Self::T) -> (usize, usize);
@@ -111,4 +125,13 @@ pub trait Backend: Send + Sync {
     fn moe(&self, x: &Self::T, route: &Self::Route, experts: &[Expert<Self::W>], limit: f32) -> Self::T;
     /// One clamped-SwiGLU expert applied to every row (the shared expert).
     fn swiglu(&self, x: &Self::T, e: &Expert<Self::W>, limit: f32) -> Self::T;
+
+    /// Clears the cache's nonfinite probes (start of a checked forward).
+    fn reset_probes(&self, cache: &mut Self::Cache);
+    /// Records in probe `slot`, without synchronising (a GPU queues it on its stream), whether
+    /// `t` holds a NaN or ±∞, and the first row that does.
+    fn probe_finite(&self, cache: &mut Self::Cache, t: &Self::T, slot: usize);
+    /// The first `n` probes since the last reset: `Some(first nonfinite row)` or `None` when the
+    /// stage was finite. Read once after a forward (one synchronisation on a GPU).
+    fn read_probes(&self, cache: &Self::Cache, n: usize) -> Vec<Option<usize>>;
 }

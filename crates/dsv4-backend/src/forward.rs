@@ -54,13 +54,22 @@ struct Ctx<'a, 'c, B: Backend> {
     cfg: &'a Config,
     rope: &'a RopeTables,
     rows: &'a B::Rows,
+    cache: &'a mut B::Cache,
     cap: Option<&'a mut (dyn Capture<B> + 'c)>,
+    /// The probed stages in forward order (probe slot `i` is `probes[i]`); `None`: no probes.
+    probes: Option<Vec<Stage>>,
 }
 
 impl<B: Backend> Ctx<'_, '_, B> {
+    /// A named stage: probed for nonfinite values (checked forwards) and handed to the capture.
     fn cap(&mut self, layer: Option<usize>, name: &'static str, t: &B::T) {
+        let stage = Stage { layer, name };
+        if let Some(p) = self.probes.as_mut() {
+            self.b.probe_finite(self.cache, t, p.len());
+            p.push(stage);
+        }
         if let Some(c) = self.cap.as_deref_mut() {
-            c.capture(self.b, Stage { layer, name }, t);
+            c.capture(self.b, stage, t);
         }
     }
 }
@@ -80,8 +89,45 @@ pub fn forward<B: Backend>(
     out_rows: &[usize],
     cap: Option<&mut dyn Capture<B>>,
 ) -> B::T {
+    run(b, cfg, w, rope, cache, batch, out_rows, cap, false).0
+}
+
+/// [`forward`] that also probes every named stage for nonfinite values
+/// ([`Backend::probe_finite`], no synchronisation): returns the logits and the probed stages
+/// in forward order; probe slot `i` of the cache belongs to stage `i`
+/// (read them with [`Backend::read_probes`]).
+#[allow(clippy::too_many_arguments)]
+pub fn forward_checked<B: Backend>(
+    b: &B,
+    cfg: &Config,
+    w: &Weights<B::W>,
+    rope: &RopeTables,
+    cache: &mut B::Cache,
+    batch: &Batch,
+    out_rows: &[usize],
+    cap: Option<&mut dyn Capture<B>>,
+) -> (B::T, Vec<Stage>) {
+    run(b, cfg, w, rope, cache, batch, out_rows, cap, true)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run<B: Backend>(
+    b: &B,
+    cfg: &Config,
+    w: &Weights<B::W>,
+    rope: &RopeTables,
+    cache: &mut B::Cache,
+    batch: &Batch,
+    out_rows: &[usize],
+    cap: Option<&mut dyn Capture<B>>,
+    probe: bool,
+) -> (B::T, Vec<Stage>) {
     let rows = b.rows(batch);
-    let mut cx = Ctx { b, cfg, rope, rows: &rows, cap };
+    if probe {
+        b.reset_probes(cache);
+    }
+    let probes = probe.then(Vec::new);
+    let mut cx = Ctx { b, cfg, rope, rows: &rows, cache, cap, probes };
     let e = b.embed(&w.embed, &rows);
     cx.cap(None, "embed", &e);
     let mut x = b.hc_expand(&e, cfg.hc_mult);
@@ -92,7 +138,7 @@ pub fn forward<B: Backend>(
         cx.cap(li, "attn.hc_pre", &y);
         let a = b.rms_norm(&y, Some(&lw.attn_norm), cfg.hidden, cfg.rms_eps);
         cx.cap(li, "attn.norm", &a);
-        let o = attention(&mut cx, cache, l, lw, &a);
+        let o = attention(&mut cx, l, lw, &a);
         x = b.hc_post(&o, &x, &post, &comb);
         cx.cap(li, "attn.residual", &x);
 
@@ -111,10 +157,10 @@ pub fn forward<B: Backend>(
     cx.cap(None, "head.norm", &h);
     let logits = b.matmul(&h, &w.head);
     cx.cap(None, "logits", &logits);
-    logits
+    (logits, cx.probes.unwrap_or_default())
 }
 
-fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, cache: &mut B::Cache, l: usize, lw: &Layer<B::W>, a: &B::T) -> B::T {
+fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a: &B::T) -> B::T {
     let (b, cfg) = (cx.b, cx.cfg);
     let spec = cfg.layers[l];
     let aw = &lw.attn;
@@ -137,7 +183,7 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, cache: &mut B::Cache, l: usize
         let z = b.matmul(a, &c.wgate);
         cx.cap(li, "attn.compressor.kv", &u);
         cx.cap(li, "attn.compressor.gate", &z);
-        b.compress(cache, l, CompSlot::Kv, &u, &z, c, cx.rows, freqs, cfg);
+        b.compress(cx.cache, l, CompSlot::Kv, &u, &z, c, cx.rows, freqs, cfg);
     }
     let sel = match &aw.indexer {
         Some(ix) => {
@@ -146,17 +192,17 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, cache: &mut B::Cache, l: usize
             let z = b.matmul(a, &c.wgate);
             cx.cap(li, "attn.indexer.compressor.kv", &u);
             cx.cap(li, "attn.indexer.compressor.gate", &z);
-            b.compress(cache, l, CompSlot::Index, &u, &z, c, cx.rows, freqs, cfg);
+            b.compress(cx.cache, l, CompSlot::Index, &u, &z, c, cx.rows, freqs, cfg);
             let mut qi = b.matmul(&qr, &ix.wq_b);
             b.rope(&mut qi, cx.rows, freqs, cfg.index_head_dim, false);
             cx.cap(li, "attn.indexer.q", &qi);
             let wts = b.matmul(a, &ix.weights_proj);
             cx.cap(li, "attn.indexer.weights", &wts);
-            Some(b.index_select(cache, l, &qi, &wts, cx.rows, cfg))
+            Some(b.index_select(cx.cache, l, &qi, &wts, cx.rows, cfg))
         }
         None => None,
     };
-    let mut o = b.attention(cache, l, &q, &kv, sel.as_ref(), &aw.sinks, cx.rows, cfg);
+    let mut o = b.attention(cx.cache, l, &q, &kv, sel.as_ref(), &aw.sinks, cx.rows, cfg);
     cx.cap(li, "attn.core", &o);
     b.rope(&mut o, cx.rows, freqs, d, true);
     let z = b.grouped_matmul(&o, &aw.wo_a, cfg.o_groups);

@@ -5,13 +5,17 @@
 
 pub mod backend;
 pub mod batch;
+pub mod bf16;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod diff;
 pub mod forward;
 pub mod model;
+pub mod synth;
 
 pub use backend::{Backend, CompSlot};
 pub use batch::{Batch, BatchError, Row, Segment};
+pub use cpu::state::{SeqState, StateFormatError, TruncateError, MAX_ROLLBACK};
 pub use forward::{Capture, Stage};
-pub use model::{Model, ModelError};
+pub use model::{Model, ModelError, Snapshot};

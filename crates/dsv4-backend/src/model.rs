@@ -3,8 +3,9 @@
 
 use crate::backend::Backend;
 use crate::batch::{Batch, BatchError};
-use crate::forward::{forward, Capture, RopeTables};
-use dsv4_model::{load_weights, Config, LoadError, TensorStore, Weights};
+use crate::cpu::state::SeqState;
+use crate::forward::{forward_checked, Capture, RopeTables, Stage};
+use dsv4_model::{load_weights, Config, HostTensor, LoadError, TensorStore, Weights};
 use std::path::Path;
 
 #[derive(Debug, thiserror::Error)]
@@ -19,6 +20,38 @@ pub enum ModelError {
     Chunks { chunks: Vec<usize>, sum: usize, tokens: usize },
     #[error("a chunk size of 0 is not allowed")]
     EmptyChunk,
+    #[error("rollback failed: {0}")]
+    Truncate(String),
+    /// A stage of the forward produced a NaN or ±∞ (the first such stage in forward order).
+    #[error("nonfinite value in {} (batch row {row})", stage_name(*.layer, .stage))]
+    NonFinite {
+        layer: Option<usize>,
+        stage: &'static str,
+        /// The first batch row holding one (for the head stages: the batch row of that output row).
+        row: usize,
+    },
+}
+
+fn stage_name(layer: Option<usize>, name: &'static str) -> String {
+    Stage { layer, name }.to_string()
+}
+
+impl ModelError {
+    /// The stage named by a [`ModelError::NonFinite`] (`layers.3.attn.kv`).
+    pub fn stage(&self) -> Option<Stage> {
+        match self {
+            ModelError::NonFinite { layer, stage, .. } => Some(Stage { layer: *layer, name: stage }),
+            _ => None,
+        }
+    }
+}
+
+/// A sequence's state after `len` tokens (spec §9.1: window ring, compressed entries,
+/// compressor open and overlap rows, indexer state), held on the host.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Snapshot {
+    pub len: usize,
+    pub state: SeqState,
 }
 
 pub struct Model<B: Backend> {
@@ -34,9 +67,24 @@ pub struct Model<B: Backend> {
 impl<B: Backend> Model<B> {
     /// Loads `dir` (config.json + safetensors) onto `backend` with room for `max_seqs` sequences.
     pub fn load(backend: B, dir: &Path, max_seqs: usize, progress: bool) -> Result<Self, ModelError> {
+        Self::load_with(backend, dir, max_seqs, progress, |_| {})
+    }
+
+    /// [`Model::load`] with `edit` applied to every tensor before upload (tests: planting a NaN,
+    /// rounding to bf16 with [`crate::bf16::round_weight`]).
+    pub fn load_with(
+        backend: B,
+        dir: &Path,
+        max_seqs: usize,
+        progress: bool,
+        mut edit: impl FnMut(&mut HostTensor),
+    ) -> Result<Self, ModelError> {
         let cfg = Config::from_dir(dir).map_err(LoadError::from)?;
         let store = TensorStore::open(dir)?;
-        let weights = load_weights(&store, &cfg, progress, |t| backend.upload(t))?;
+        let weights = load_weights(&store, &cfg, progress, |mut t| {
+            edit(&mut t);
+            backend.upload(t)
+        })?;
         Ok(Self::new(backend, cfg, weights, max_seqs))
     }
 
@@ -67,6 +115,32 @@ impl<B: Backend> Model<B> {
         &self.cache
     }
 
+    /// The sequence's whole state and length, on the host; `None` if the backend cannot save.
+    pub fn snapshot(&self, seq: usize) -> Option<Snapshot> {
+        let len = self.seq_len(seq)?;
+        self.backend.save_seq(&self.cache, seq).map(|state| Snapshot { len, state })
+    }
+
+    /// Cuts the sequence back to its first `len` tokens without replaying anything (rejected
+    /// speculative tokens): window rows, compressed entries, compressor open and overlap rows
+    /// and the indexer state all return to what a plain run to `len` holds.
+    pub fn truncate(&mut self, seq: usize, len: usize) -> Result<(), ModelError> {
+        let have = self.seq_len(seq).ok_or(BatchError::NoSequence { seq })?;
+        self.backend.truncate_seq(&mut self.cache, seq, have, len).map_err(ModelError::Truncate)?;
+        self.seqs[seq] = Some(len);
+        Ok(())
+    }
+
+    /// Puts a snapshot into an allocated slot: the sequence continues exactly as if it had
+    /// prefilled the snapshot's tokens itself. `false` if the backend cannot restore.
+    pub fn restore(&mut self, seq: usize, snap: &Snapshot) -> bool {
+        if self.seq_len(seq).is_none() || !self.backend.load_seq(&mut self.cache, seq, &snap.state) {
+            return false;
+        }
+        self.seqs[seq] = Some(snap.len);
+        true
+    }
+
     /// Checks the batch against the sequences it continues.
     fn check(&self, batch: &Batch) -> Result<(), BatchError> {
         for (i, r) in batch.rows.iter().enumerate() {
@@ -88,6 +162,10 @@ impl<B: Backend> Model<B> {
     }
 
     /// Runs a batch and returns the logits of `out_rows` as `[out_rows.len() × vocab]` on the host.
+    ///
+    /// Every named stage is probed for nonfinite values on the backend (no synchronisation per
+    /// stage); the first one found fails the call with [`ModelError::NonFinite`]. The sequences'
+    /// states have then advanced over the batch and should be freed.
     pub fn forward(&mut self, batch: &Batch, out_rows: &[usize]) -> Result<Vec<f32>, ModelError> {
         self.forward_with(batch, out_rows, None)
     }
@@ -99,12 +177,20 @@ impl<B: Backend> Model<B> {
         cap: Option<&mut dyn Capture<B>>,
     ) -> Result<Vec<f32>, ModelError> {
         self.check(batch)?;
-        let logits =
-            forward(&self.backend, &self.cfg, &self.weights, &self.rope, &mut self.cache, batch, out_rows, cap);
+        let (logits, stages) =
+            forward_checked(&self.backend, &self.cfg, &self.weights, &self.rope, &mut self.cache, batch, out_rows, cap);
         for s in &batch.segments {
             self.seqs[s.seq] = Some(s.pos0 + s.len);
         }
-        Ok(self.backend.to_host(&logits))
+        let out = self.backend.to_host(&logits);
+        let probes = self.backend.read_probes(&self.cache, stages.len());
+        if let Some((i, row)) = probes.iter().enumerate().find_map(|(i, p)| p.map(|r| (i, r))) {
+            let st = stages[i];
+            let head = st.layer.is_none() && st.name != "embed";
+            let row = if head { out_rows.get(row).copied().unwrap_or(row) } else { row };
+            return Err(ModelError::NonFinite { layer: st.layer, stage: st.name, row });
+        }
+        Ok(out)
     }
 
     /// Feeds `tokens` to `seq` in the given chunks and returns the logits at every position

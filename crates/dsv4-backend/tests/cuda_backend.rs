@@ -1,14 +1,22 @@
 //! The CUDA backend against the CPU oracle (built only with `--features cuda`; each test prints
 //! "skipping: no CUDA device" and passes where no driver or device is present).
 //!
-//! Tolerance: max |cuda − cpu| / max |cpu| over the logits ≤ 1e-4. Both sides are f32; the GPU
-//! sums in other orders (cuBLAS tiles, tree reductions, online softmax), so each op differs from
-//! the CPU by a few ulp (~1e-7 relative) and a forward of a few layers compounds that to ~1e-6;
-//! 1e-4 leaves two orders of margin while any indexing or state bug shows as O(1).
+//! The backend stores matrix weights in bf16 (`dsv4_backend::bf16::is_bf16_weight`); the CPU
+//! side of every comparison loads the same weights rounded to bf16 (`round_weight`), so both
+//! compute with identical weight values.
+//!
+//! Tolerance (exact mode, `set_exact(true)`: f32 activations in every bf16 product): max
+//! |cuda − cpu| / max |cpu| over the logits ≤ 1e-4. Both sides then compute in f32 and differ
+//! only in summation order (cuBLAS tiles, warp reductions, FMA, online softmax): a few ulp per
+//! op, ~1e-6 after a few layers; 1e-4 leaves two orders of margin while any indexing or state
+//! bug shows as O(1). The f32-weight backend is held to the same 1e-4 against the plain CPU.
+//! The fast path (bf16 activations through cuBLAS above 8 rows, per-expert cuBLAS above 64)
+//! rounds activations to bf16 (2^-9 relative) and is held to [`FAST_TOL`] per row.
 #![cfg(feature = "cuda")]
 
 mod common;
 use common::{rel_err, tokens, write_random};
+use dsv4_backend::bf16::round_weight;
 use dsv4_backend::cpu::CpuBackend;
 use dsv4_backend::cuda::{CudaBackend, CudaInitError};
 use dsv4_backend::forward::{forward, RopeTables};
@@ -18,6 +26,18 @@ use dsv4_model::{AttnKind, Config, LayerSpec, TensorStore};
 use std::path::{Path, PathBuf};
 
 const TOL: f64 = 1e-4;
+/// Fast path, per row: the row's max |cuda − cpu| / max |cpu|. Measured on the H200 over 701
+/// rows: median 3.7e-3, 13 rows above 2e-2 (max 0.40): bf16 activations (2^-9) flip near-tied
+/// top-2 choices of this 8-expert router in a few rows, which moves those rows' outputs. Held
+/// to: median ≤ [`FAST_MEDIAN`], 95% of rows ≤ [`FAST_TOL`], every row ≤ [`FAST_TOL_ALL`].
+const FAST_MEDIAN: f64 = 1e-2;
+const FAST_TOL: f64 = 2e-2;
+const FAST_TOL_ALL: f64 = 0.5;
+
+/// The CPU oracle on the weights the bf16 backend holds.
+fn cpu_bf16(dir: &Path, max_seqs: usize) -> Model<CpuBackend> {
+    Model::load_with(CpuBackend, dir, max_seqs, false, round_weight).unwrap()
+}
 
 /// The kernels compile with NVRTC wherever NVRTC is found (no device needed).
 #[test]
@@ -28,9 +48,13 @@ fn cuda_kernels_compile() {
     }
 }
 
+/// The bf16 backend in exact mode.
 fn gpu() -> Option<CudaBackend> {
     match CudaBackend::new(0) {
-        Ok(b) => Some(b),
+        Ok(b) => {
+            b.set_exact(true);
+            Some(b)
+        }
         Err(e @ (CudaInitError::NoDriver | CudaInitError::NoDevice | CudaInitError::NoLibrary(_))) => {
             println!("skipping: no CUDA device ({e})");
             None
@@ -125,7 +149,7 @@ fn cuda_fixtures_match_cpu() {
         let st = TensorStore::open(&dir.join("expected.safetensors")).unwrap();
         let ids: Vec<u32> = st.i64("input_ids").unwrap().into_iter().map(|x| x as u32).collect();
         let t = ids.len();
-        let mut cpu = Model::load(CpuBackend, &dir, 1, false).unwrap();
+        let mut cpu = cpu_bf16(&dir, 1);
         let mut gpu = Model::load(gpu().unwrap(), &dir, 1, false).unwrap();
         let splits = [
             vec![t],
@@ -186,7 +210,7 @@ fn cuda_real_shapes_match_cpu() {
         return;
     }
     let dir = real_model_dir();
-    let mut cpu = Model::load(CpuBackend, dir.path(), 1, false).unwrap();
+    let mut cpu = cpu_bf16(dir.path(), 1);
     let mut gpu = Model::load(gpu().unwrap(), dir.path(), 1, false).unwrap();
     let vocab = cpu.cfg.vocab_size;
     let mut worst = 0f64;
@@ -216,7 +240,7 @@ fn cuda_batches_back_to_back_match_cpu() {
     let rope = RopeTables::new(&cfg);
     let nseq = 4;
     let mut cache = b.new_cache(&cfg, nseq);
-    let mut cpu = Model::load(CpuBackend, dir.path(), nseq, false).unwrap();
+    let mut cpu = cpu_bf16(dir.path(), nseq);
     for s in 0..nseq {
         b.reset_seq(&mut cache, s);
         assert_eq!(cpu.alloc_seq().unwrap(), s);
@@ -321,7 +345,7 @@ fn cuda_stages_match_cpu() {
     let dir = real_model_dir();
     let toks = tokens(300, 512, 9);
     let chunks = [100, 1, 57, 142];
-    let mut cpu = Model::load(CpuBackend, dir.path(), 1, false).unwrap();
+    let mut cpu = cpu_bf16(dir.path(), 1);
     let mut gpu = Model::load(gpu().unwrap(), dir.path(), 1, false).unwrap();
     let (sc, sg) = (cpu.alloc_seq().unwrap(), gpu.alloc_seq().unwrap());
     let mut off = 0;
@@ -340,4 +364,75 @@ fn cuda_stages_match_cpu() {
         off += n;
     }
     println!("all stages of 4 chunks: worst rel err {worst:.2e}");
+}
+
+/// f32 weights (the first backend's numerics) against the plain CPU oracle.
+#[test]
+fn cuda_f32_weights_match_cpu() {
+    if gpu().is_none() {
+        return;
+    }
+    let root = fixtures_dir();
+    for name in ["tiny_mixed", "csa4_hca128_long"] {
+        let dir = root.join(name);
+        let st = TensorStore::open(&dir.join("expected.safetensors")).unwrap();
+        let ids: Vec<u32> = st.i64("input_ids").unwrap().into_iter().map(|x| x as u32).collect();
+        let t = ids.len();
+        let mut cpu = Model::load(CpuBackend, &dir, 1, false).unwrap();
+        let mut gpu = Model::load(CudaBackend::new_f32(0).unwrap(), &dir, 1, false).unwrap();
+        let err = compare_run(&mut cpu, &mut gpu, &ids, &random_chunks(t, 3, 37), 8);
+        println!("{name} (f32 weights): rel err {err:.2e}");
+        assert!(err <= TOL, "{name}: rel err {err}");
+    }
+}
+
+/// Per-row relative errors: each row's max |a − b| over the whole reference's max |b|.
+fn row_errs(a: &[f32], b: &[f32], cols: usize) -> Vec<f64> {
+    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
+    a.chunks(cols)
+        .zip(b.chunks(cols))
+        .map(|(x, y)| x.iter().zip(y).fold(0f64, |m, (p, q)| m.max((*p as f64 - *q as f64).abs())) / scale)
+        .collect()
+}
+
+/// The fast path (bf16 activations in cuBLAS products above 8 rows, grouped experts up to 64
+/// rows, per-expert cuBLAS above) against the CPU on bf16-rounded weights.
+#[test]
+fn cuda_bf16_fast_path_close_to_cpu() {
+    let Some(b) = gpu() else { return };
+    b.set_exact(false);
+    let dir = real_model_dir();
+    let mut cpu = cpu_bf16(dir.path(), 1);
+    let mut gpu = Model::load(b, dir.path(), 1, false).unwrap();
+    let vocab = cpu.cfg.vocab_size;
+    let toks = tokens(720, vocab, 4242);
+    let (sc, sg) = (cpu.alloc_seq().unwrap(), gpu.alloc_seq().unwrap());
+    let mut errs = Vec::new();
+    let mut off = 0;
+    // 300 rows: per-expert cuBLAS; 40: grouped experts with cuBLAS dense; 5 and 1: GEMV paths.
+    for n in [300, 40, 5, 1, 1, 200, 64, 8, 9, 1, 72] {
+        let all: Vec<usize> = (0..n).collect();
+        let a = cpu.forward(&Batch::chunk(sc, off, &toks[off..off + n]).unwrap(), &all).unwrap();
+        let g = gpu.forward(&Batch::chunk(sg, off, &toks[off..off + n]).unwrap(), &all).unwrap();
+        let e = row_errs(&g, &a, vocab);
+        let mut srt = e.clone();
+        srt.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        println!(
+            "chunk of {n} at {off}: row rel err median {:.2e}, max {:.2e}, {} rows > {FAST_TOL:.0e}",
+            srt[srt.len() / 2],
+            srt[srt.len() - 1],
+            srt.iter().filter(|&&v| v > FAST_TOL).count()
+        );
+        errs.extend(e);
+        off += n;
+    }
+    let mut sorted = errs.clone();
+    sorted.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let p50 = sorted[sorted.len() / 2];
+    let p95 = sorted[sorted.len() * 95 / 100];
+    let max = *sorted.last().unwrap();
+    println!("fast path over {} rows: median {p50:.2e}, p95 {p95:.2e}, max {max:.2e}", sorted.len());
+    assert!(p50 <= FAST_MEDIAN, "median row rel err {p50}");
+    assert!(p95 <= FAST_TOL, "p95 row rel err {p95}");
+    assert!(max <= FAST_TOL_ALL, "max row rel err {max}");
 }

@@ -3,6 +3,7 @@
 //! chunks of new ones, under a token budget.
 
 use crate::metrics::Metrics;
+use crate::prefix_cache::{PrefixCache, PrefixCacheConfig};
 use crate::sampler::{argmax_margin, Sampler};
 use crate::sequence::{CancelToken, Event, FinishReason, Request, Sequence, TokenEvent};
 use dsv4_backend::{Backend, Batch, Model, Row};
@@ -23,11 +24,13 @@ pub struct EngineConfig {
     pub max_waiting: usize,
     /// Longest sequence (prompt + max_tokens) accepted.
     pub max_context: usize,
+    /// Reuse of earlier sequences' states (None: off).
+    pub prefix_cache: Option<PrefixCacheConfig>,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { token_budget: 512, prefill_chunk: 256, max_waiting: 256, max_context: 65536 }
+        EngineConfig { token_budget: 512, prefill_chunk: 256, max_waiting: 256, max_context: 65536, prefix_cache: None }
     }
 }
 
@@ -58,9 +61,16 @@ pub struct Submission {
 }
 
 /// Cheap to clone; talks to the engine thread.
+/// What the engine thread receives.
+enum Msg {
+    Seq(Box<Sequence>),
+    /// Write the prefix cache to disk, answer, and stop.
+    Shutdown(Sender<()>),
+}
+
 #[derive(Clone)]
 pub struct EngineHandle {
-    tx: Sender<Sequence>,
+    tx: Sender<Msg>,
     next_id: Arc<AtomicU64>,
     pub metrics: Arc<Metrics>,
     pub config: EngineConfig,
@@ -114,15 +124,71 @@ impl EngineHandle {
             cancel: cancel.clone(),
             arrived: Instant::now(),
             last_token_at: None,
+            cached: 0,
         };
         m.queue_depth.fetch_add(1, Ordering::Relaxed);
         m.requests_total.fetch_add(1, Ordering::Relaxed);
-        if self.tx.send(seq).is_err() {
+        if self.tx.send(Msg::Seq(Box::new(seq))).is_err() {
             m.queue_depth.fetch_sub(1, Ordering::Relaxed);
             return Err(AdmitError::Stopped);
         }
         Ok(Submission { id, events: erx, cancel })
     }
+
+    /// Persists the prefix cache and stops the engine; waits up to `timeout`.
+    pub fn shutdown(&self, timeout: std::time::Duration) {
+        let (tx, rx) = channel();
+        if self.tx.send(Msg::Shutdown(tx)).is_ok() {
+            let _ = rx.recv_timeout(timeout);
+        }
+    }
+}
+
+/// A stand-in engine for tests of the layers above: every request streams `script` (stopping
+/// after a stop id, or at `max_tokens`), whatever its prompt. No model is involved.
+pub fn scripted(vocab_size: usize, eos_ids: Vec<u32>, script: Vec<u32>) -> EngineHandle {
+    let (tx, rx) = channel::<Msg>();
+    let metrics = Arc::new(Metrics::default());
+    let handle = EngineHandle {
+        tx,
+        next_id: Arc::new(AtomicU64::new(1)),
+        metrics: metrics.clone(),
+        vocab_size,
+        eos_ids,
+        config: EngineConfig::default(),
+    };
+    std::thread::spawn(move || {
+        while let Ok(m) = rx.recv() {
+            let s = match m {
+                Msg::Seq(s) => s,
+                Msg::Shutdown(r) => {
+                    let _ = r.send(());
+                    return;
+                }
+            };
+            metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+            let mut n = 0;
+            let mut reason = FinishReason::Length;
+            for &id in script.iter().take(s.req.max_tokens) {
+                n += 1;
+                let _ = s.events.send(Event::Token(TokenEvent { id, logprob: None, top: Vec::new() }));
+                if s.req.stop_ids.contains(&id) {
+                    reason = FinishReason::Stop;
+                    break;
+                }
+            }
+            if n < s.req.max_tokens && reason == FinishReason::Length {
+                reason = FinishReason::Stop;
+            }
+            let _ = s.events.send(Event::Done {
+                reason,
+                prompt_tokens: s.req.prompt.len(),
+                completion_tokens: n,
+                cached_tokens: 0,
+            });
+        }
+    });
+    handle
 }
 
 /// Starts the engine thread; it runs until every handle is dropped.
@@ -136,6 +202,7 @@ where
     let (tx, rx) = channel();
     let metrics = Arc::new(Metrics::default());
     metrics.pool_capacity.store(max_seqs as u64, Ordering::Relaxed);
+    let prefix = config.prefix_cache.clone().map(|pc| PrefixCache::new(pc, &model.cfg));
     let handle = EngineHandle {
         tx,
         next_id: Arc::new(AtomicU64::new(1)),
@@ -146,7 +213,9 @@ where
     };
     std::thread::Builder::new()
         .name("dsv4-engine".into())
-        .spawn(move || Engine { model, config, rx, waiting: VecDeque::new(), running: Vec::new(), metrics }.run())
+        .spawn(move || {
+            Engine { model, config, rx, waiting: VecDeque::new(), running: Vec::new(), metrics, prefix }.run()
+        })
         .expect("spawning the engine thread");
     handle
 }
@@ -154,7 +223,8 @@ where
 struct Engine<B: Backend> {
     model: Model<B>,
     config: EngineConfig,
-    rx: Receiver<Sequence>,
+    prefix: Option<PrefixCache>,
+    rx: Receiver<Msg>,
     waiting: VecDeque<Sequence>,
     running: Vec<Sequence>,
     metrics: Arc<Metrics>,
@@ -173,17 +243,25 @@ impl<B: Backend> Engine<B> {
             // Block only when idle; otherwise take whatever has arrived.
             if self.waiting.is_empty() && self.running.is_empty() {
                 match self.rx.recv() {
-                    Ok(s) => self.waiting.push_back(s),
-                    Err(_) => return,
+                    Ok(m) => {
+                        if self.receive(m) {
+                            return;
+                        }
+                    }
+                    Err(_) => return self.stop(None),
                 }
             }
             loop {
                 match self.rx.try_recv() {
-                    Ok(s) => self.waiting.push_back(s),
+                    Ok(m) => {
+                        if self.receive(m) {
+                            return;
+                        }
+                    }
                     Err(TryRecvError::Empty) => break,
                     Err(TryRecvError::Disconnected) => {
                         if self.waiting.is_empty() && self.running.is_empty() {
-                            return;
+                            return self.stop(None);
                         }
                         break;
                     }
@@ -192,8 +270,47 @@ impl<B: Backend> Engine<B> {
             self.drop_cancelled();
             self.admit();
             self.step();
-            self.metrics.queue_depth.store(self.waiting.len() as u64, Ordering::Relaxed);
-            self.metrics.running.store(self.running.len() as u64, Ordering::Relaxed);
+            self.publish();
+        }
+    }
+
+    /// Handles one message; true when the engine must stop.
+    fn receive(&mut self, m: Msg) -> bool {
+        match m {
+            Msg::Seq(s) => {
+                self.waiting.push_back(*s);
+                false
+            }
+            Msg::Shutdown(reply) => {
+                self.stop(Some(reply));
+                true
+            }
+        }
+    }
+
+    fn stop(&mut self, reply: Option<Sender<()>>) {
+        if let Some(pc) = &mut self.prefix {
+            pc.persist_all();
+        }
+        self.publish();
+        if let Some(r) = reply {
+            let _ = r.send(());
+        }
+    }
+
+    fn publish(&self) {
+        let m = &self.metrics;
+        m.queue_depth.store(self.waiting.len() as u64, Ordering::Relaxed);
+        m.running.store(self.running.len() as u64, Ordering::Relaxed);
+        if let Some(pc) = &self.prefix {
+            m.prefix_cache_bytes.store(pc.memory_bytes() as u64, Ordering::Relaxed);
+            m.prefix_cache_entries.store(pc.len() as u64, Ordering::Relaxed);
+            if let Some(d) = &pc.disk {
+                m.disk_cache_bytes.store(d.bytes(), Ordering::Relaxed);
+                m.disk_cache_files.store(d.files() as u64, Ordering::Relaxed);
+                m.disk_cache_writes.store(d.writes, Ordering::Relaxed);
+                m.disk_cache_rejected.store(d.rejected, Ordering::Relaxed);
+            }
         }
     }
 
@@ -224,6 +341,19 @@ impl<B: Backend> Engine<B> {
                 Ok(slot) => {
                     let mut s = self.waiting.pop_front().expect("not empty");
                     s.slot = Some(slot);
+                    if let Some(pc) = &mut self.prefix {
+                        match pc.lookup(&s.req.prompt) {
+                            Some(hit) if self.model.restore(slot, &hit.snap) => {
+                                s.prefilled = hit.len;
+                                s.cached = hit.len;
+                                self.metrics.prefix_hits.fetch_add(1, Ordering::Relaxed);
+                                self.metrics.prefix_tokens_reused.fetch_add(hit.len as u64, Ordering::Relaxed);
+                            }
+                            _ => {
+                                self.metrics.prefix_misses.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
                     self.running.push(s);
                 }
                 Err(_) => break, // pool full: wait for a slot to be freed
@@ -234,6 +364,13 @@ impl<B: Backend> Engine<B> {
     /// Frees the sequence's slot and tells the client.
     fn finish(&mut self, s: Sequence, reason: FinishReason) {
         if let Some(slot) = s.slot {
+            // The state holds the prompt and every generated token but the last: a later turn
+            // that repeats them (an agent resending the conversation) starts from here.
+            if reason != FinishReason::Cancelled && s.generated.len() > 1 && s.prefill_done() {
+                let mut toks = s.req.prompt.clone();
+                toks.extend_from_slice(&s.generated[..s.generated.len() - 1]);
+                self.save_prefix(slot, &toks);
+            }
             self.model.free_seq(slot);
         }
         if reason == FinishReason::Cancelled {
@@ -243,6 +380,7 @@ impl<B: Backend> Engine<B> {
             reason,
             prompt_tokens: s.req.prompt.len(),
             completion_tokens: s.generated.len(),
+            cached_tokens: s.cached,
         });
     }
 
@@ -252,6 +390,42 @@ impl<B: Backend> Engine<B> {
             self.model.free_seq(slot);
         }
         let _ = s.events.send(Event::Error(msg));
+    }
+
+    /// Where the sequence's prefill should pause for a snapshot: the positions the request asked
+    /// for (e.g. before a chat prompt's trailing thinking marker, which the next turn renders
+    /// differently) and multiples of the cache interval.
+    fn next_snapshot_point(&self, s: &Sequence) -> Option<usize> {
+        let pc = self.prefix.as_ref()?;
+        let after = s.prefilled;
+        let end = s.req.prompt.len();
+        let mut best = s.req.snapshot_at.iter().copied().filter(|&p| p > after && p < end).min();
+        if pc.interval() > 0 {
+            let k = (after / pc.interval() + 1) * pc.interval();
+            if k < end {
+                best = Some(best.map_or(k, |b| b.min(k)));
+            }
+        }
+        best
+    }
+
+    fn is_snapshot_point(&self, s: &Sequence, p: usize) -> bool {
+        let Some(pc) = &self.prefix else { return false };
+        p == s.req.prompt.len()
+            || s.req.snapshot_at.contains(&p)
+            || (pc.interval() > 0 && p.is_multiple_of(pc.interval()))
+    }
+
+    fn save_prefix(&mut self, slot: usize, tokens: &[u32]) {
+        if self.prefix.is_none() {
+            return;
+        }
+        if let Some(snap) = self.model.snapshot(slot) {
+            debug_assert_eq!(snap.len, tokens.len());
+            if let Some(pc) = &mut self.prefix {
+                pc.insert(tokens, snap);
+            }
+        }
     }
 
     /// Builds one batch: a decode row for each running sequence that has a token to feed, then
@@ -275,7 +449,10 @@ impl<B: Backend> Engine<B> {
             if s.prefill_done() {
                 continue;
             }
-            let n = (s.req.prompt.len() - s.prefilled).min(budget).min(self.config.prefill_chunk.max(1));
+            let mut n = (s.req.prompt.len() - s.prefilled).min(budget).min(self.config.prefill_chunk.max(1));
+            if let Some(p) = self.next_snapshot_point(s) {
+                n = n.min(p - s.prefilled);
+            }
             for k in 0..n {
                 let p = s.prefilled + k;
                 rows.push(Row { seq: s.slot.expect("admitted"), pos: p, token: s.req.prompt[p] });
@@ -323,6 +500,11 @@ impl<B: Backend> Engine<B> {
         for (i, n) in fed.iter().enumerate() {
             self.running[i].prefilled += n;
             self.metrics.prompt_tokens_total.fetch_add(*n as u64, Ordering::Relaxed);
+            let p = self.running[i].prefilled;
+            if *n > 0 && self.is_snapshot_point(&self.running[i], p) {
+                let (slot, toks) = (self.running[i].slot.expect("admitted"), self.running[i].req.prompt[..p].to_vec());
+                self.save_prefix(slot, &toks);
+            }
         }
         let vocab = self.model.cfg.vocab_size;
         let mut done: Vec<(usize, Result<FinishReason, String>)> = Vec::new();

@@ -1,13 +1,16 @@
 //! Sequences, sampling, generation and the continuous-batching engine on top of the forward pass.
 
+pub mod disk_cache;
 pub mod engine;
 pub mod generate;
 pub mod metrics;
+pub mod prefix_cache;
 pub mod sampler;
 pub mod sequence;
 
-pub use engine::{spawn, AdmitError, EngineConfig, EngineHandle, Submission};
+pub use engine::{scripted, spawn, AdmitError, EngineConfig, EngineHandle, Submission};
 pub use generate::{generate, GenerateError, GenerateOptions, Generation, StopReason};
 pub use metrics::Metrics;
+pub use prefix_cache::PrefixCacheConfig;
 pub use sampler::{SampleError, Sampler, SamplingParams};
 pub use sequence::{CancelToken, Event, FinishReason, Request, TokenEvent};

@@ -46,6 +46,15 @@ pub struct Metrics {
     pub prompt_tokens_total: AtomicU64,
     pub generated_tokens_total: AtomicU64,
     pub steps_total: AtomicU64,
+    pub prefix_hits: AtomicU64,
+    pub prefix_misses: AtomicU64,
+    pub prefix_tokens_reused: AtomicU64,
+    pub prefix_cache_bytes: AtomicU64,
+    pub prefix_cache_entries: AtomicU64,
+    pub disk_cache_bytes: AtomicU64,
+    pub disk_cache_files: AtomicU64,
+    pub disk_cache_writes: AtomicU64,
+    pub disk_cache_rejected: AtomicU64,
     pub ttft: Histogram,
     pub itl: Histogram,
     started: std::time::Instant,
@@ -63,6 +72,15 @@ impl Default for Metrics {
             prompt_tokens_total: AtomicU64::new(0),
             generated_tokens_total: AtomicU64::new(0),
             steps_total: AtomicU64::new(0),
+            prefix_hits: AtomicU64::new(0),
+            prefix_misses: AtomicU64::new(0),
+            prefix_tokens_reused: AtomicU64::new(0),
+            prefix_cache_bytes: AtomicU64::new(0),
+            prefix_cache_entries: AtomicU64::new(0),
+            disk_cache_bytes: AtomicU64::new(0),
+            disk_cache_files: AtomicU64::new(0),
+            disk_cache_writes: AtomicU64::new(0),
+            disk_cache_rejected: AtomicU64::new(0),
             ttft: Histogram::new(LATENCY_BOUNDS),
             itl: Histogram::new(LATENCY_BOUNDS),
             started: std::time::Instant::now(),
@@ -92,6 +110,35 @@ impl Metrics {
         gauge("dsv4_prompt_tokens_total", "counter", "Prompt tokens prefilled.", g(&self.prompt_tokens_total));
         gauge("dsv4_generated_tokens_total", "counter", "Tokens generated.", g(&self.generated_tokens_total));
         gauge("dsv4_engine_steps_total", "counter", "Forward steps run.", g(&self.steps_total));
+        gauge(
+            "dsv4_prefix_cache_hits_total",
+            "counter",
+            "Requests that restored a cached prefix.",
+            g(&self.prefix_hits),
+        );
+        gauge(
+            "dsv4_prefix_cache_misses_total",
+            "counter",
+            "Requests that found no cached prefix.",
+            g(&self.prefix_misses),
+        );
+        gauge(
+            "dsv4_prefix_cache_tokens_reused_total",
+            "counter",
+            "Prompt tokens restored instead of prefilled.",
+            g(&self.prefix_tokens_reused),
+        );
+        gauge("dsv4_prefix_cache_bytes", "gauge", "Bytes of snapshots in memory.", g(&self.prefix_cache_bytes));
+        gauge("dsv4_prefix_cache_entries", "gauge", "Snapshots in memory.", g(&self.prefix_cache_entries));
+        gauge("dsv4_kv_disk_bytes", "gauge", "Bytes of snapshots on disk.", g(&self.disk_cache_bytes));
+        gauge("dsv4_kv_disk_files", "gauge", "Snapshot files on disk.", g(&self.disk_cache_files));
+        gauge("dsv4_kv_disk_writes_total", "counter", "Snapshot files written.", g(&self.disk_cache_writes));
+        gauge(
+            "dsv4_kv_disk_rejected_total",
+            "counter",
+            "Snapshot files ignored as invalid.",
+            g(&self.disk_cache_rejected),
+        );
         let up = self.started.elapsed().as_secs_f64().max(1e-9);
         gauge(
             "dsv4_generated_tokens_per_second",

@@ -16,6 +16,8 @@ pub struct Request {
     pub stop_ids: Vec<u32>,
     /// Return the sampled token's logprob and this many top alternatives (None: no logprobs).
     pub top_logprobs: Option<usize>,
+    /// Prompt positions after which the prefix cache should keep a snapshot.
+    pub snapshot_at: Vec<usize>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,7 +42,13 @@ pub struct TokenEvent {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
     Token(TokenEvent),
-    Done { reason: FinishReason, prompt_tokens: usize, completion_tokens: usize },
+    /// `cached_tokens` prompt tokens came from the prefix cache instead of being prefilled.
+    Done {
+        reason: FinishReason,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+        cached_tokens: usize,
+    },
     Error(String),
 }
 
@@ -71,6 +79,8 @@ pub struct Sequence {
     pub cancel: CancelToken,
     pub arrived: Instant,
     pub last_token_at: Option<Instant>,
+    /// Prompt tokens restored from the prefix cache.
+    pub cached: usize,
 }
 
 impl Sequence {

@@ -71,6 +71,7 @@ fn parallel_requests_equal_their_sequential_runs() {
                 max_tokens: 12,
                 stop_ids: vec![],
                 top_logprobs: None,
+                snapshot_at: vec![],
             })
             .unwrap()
         })
@@ -93,6 +94,7 @@ fn cancelled_and_dropped_requests_free_their_slots() {
         max_tokens: max,
         stop_ids: vec![],
         top_logprobs: Some(3),
+        snapshot_at: vec![],
     };
     let a = h.submit(req(4000)).unwrap();
     let mut b = h.submit(req(4000)).unwrap();
@@ -138,6 +140,7 @@ fn bad_requests_get_typed_refusals() {
         max_tokens: 4,
         stop_ids: vec![],
         top_logprobs: None,
+        snapshot_at: vec![],
     };
     let with = |f: &dyn Fn(&mut Request)| {
         let mut r = base.clone();

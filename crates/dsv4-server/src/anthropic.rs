@@ -199,12 +199,13 @@ async fn inner(s: Shared, headers: HeaderMap, body: Body) -> Result<Response, Ap
             let input: Value = serde_json::from_str(args).unwrap_or(json!({}));
             content.push(json!({"type": "tool_use", "id": tid, "name": name, "input": input}));
         }
-        let u = r.usage.unwrap_or(Usage { prompt_tokens: 0, completion_tokens: 0 });
+        let u = r.usage.unwrap_or(Usage { prompt_tokens: 0, completion_tokens: 0, cached_tokens: 0 });
         let (reason, seq) = stop_reason(&r.finish.unwrap_or(Finish::Stop), r.tool_calls.len());
         return Ok(axum::Json(json!({
             "id": id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": reason, "stop_sequence": seq,
-            "usage": {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens},
+            "usage": {"input_tokens": u.prompt_tokens - u.cached_tokens, "output_tokens": u.completion_tokens,
+                      "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0},
         }))
         .into_response());
     }

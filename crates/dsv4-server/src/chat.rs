@@ -111,6 +111,18 @@ pub fn text_content(flavor: Flavor, v: Option<&Value>, field: &str) -> Result<St
     }
 }
 
+/// The prompt ids of a conversation, with DeepSeek V4's encoding (BOS is in the text).
+pub fn encode_prompt(s: &Shared, conv: &Conversation, flavor: Flavor) -> Result<Vec<u32>, ApiError> {
+    let opts = EncodeOptions {
+        thinking: conv.thinking,
+        reasoning_effort: conv.reasoning_effort.clone(),
+        ..Default::default()
+    };
+    let text = encode_chat(&conv.messages, &conv.tools, &opts)
+        .map_err(|e| ApiError::bad(flavor, e.to_string()).param("messages"))?;
+    s.tok.encode(&text, false).map_err(|e| ApiError::bad(flavor, e.to_string()))
+}
+
 /// Encodes the conversation and starts generation.
 pub fn start_chat(
     s: &Shared,
@@ -129,7 +141,10 @@ pub fn start_chat(
     let text = encode_chat(&conv.messages, &conv.tools, &opts)
         .map_err(|e| ApiError::bad(f.flavor, e.to_string()).param("messages"))?;
     let prompt = s.tok.encode(&text, false).map_err(|e| ApiError::bad(f.flavor, e.to_string()))?;
-    let gen = crate::openai::start(s, prompt, f, max_tokens, stop, top_logprobs, id)?;
+    // The prompt's last token opens or closes the thinking block of the new turn; the next turn
+    // renders this turn's assistant message differently from there, so snapshot just before it.
+    let snapshot_at = vec![prompt.len().saturating_sub(1)];
+    let gen = crate::openai::start(s, prompt, f, max_tokens, stop, top_logprobs, snapshot_at, id)?;
     Ok(ChatGen { gen, parser: OutputParser::new(conv.thinking), queue: VecDeque::new(), tools: 0, done: false })
 }
 

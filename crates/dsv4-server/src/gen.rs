@@ -19,6 +19,8 @@ pub enum Finish {
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Prompt tokens restored from the prefix cache (not prefilled).
+    pub cached_tokens: usize,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -38,6 +40,7 @@ pub struct Gen {
     out: VecDeque<Piece>,
     completion_tokens: usize,
     prompt_tokens: usize,
+    cached_tokens: usize,
     done: bool,
 }
 
@@ -65,12 +68,17 @@ impl Gen {
             out: VecDeque::new(),
             completion_tokens: 0,
             prompt_tokens,
+            cached_tokens: 0,
             done: false,
         }
     }
 
     fn usage(&self) -> Usage {
-        Usage { prompt_tokens: self.prompt_tokens, completion_tokens: self.completion_tokens }
+        Usage {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.completion_tokens,
+            cached_tokens: self.cached_tokens,
+        }
     }
 
     /// Releases pending text, except what might still become a stop string (unless `all`).
@@ -117,7 +125,8 @@ impl Gen {
                     self.pending_tokens.push(t);
                     self.release(false);
                 }
-                Some(Event::Done { reason, prompt_tokens, completion_tokens }) => {
+                Some(Event::Done { reason, prompt_tokens, completion_tokens, cached_tokens }) => {
+                    self.cached_tokens = cached_tokens;
                     if let Ok(s) = self.dec.finish() {
                         self.pending.push_str(&s);
                     }

@@ -124,6 +124,7 @@ pub fn router(state: Shared) -> Router {
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/responses", post(openai::responses))
         .route("/v1/messages", post(anthropic::messages))
+        .route("/tokenize", post(openai::tokenize))
         .fallback(not_found)
         .with_state(state)
 }

@@ -36,9 +36,10 @@ fn finish_reason(f: &Finish) -> &'static str {
     }
 }
 
-fn usage_json(u: &Usage) -> Value {
+pub fn usage_json(u: &Usage) -> Value {
     json!({"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-           "total_tokens": u.prompt_tokens + u.completion_tokens})
+           "total_tokens": u.prompt_tokens + u.completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": u.cached_tokens}})
 }
 
 /// Completions-style logprobs of a list of tokens.
@@ -71,6 +72,7 @@ pub fn chat_logprobs(s: &Shared, toks: &[TokenEvent]) -> Value {
 }
 
 /// Submits a tokenised request to the engine.
+#[allow(clippy::too_many_arguments)]
 pub fn start(
     s: &Shared,
     prompt: Vec<u32>,
@@ -78,11 +80,13 @@ pub fn start(
     max_tokens: usize,
     stop: Vec<String>,
     top_logprobs: Option<usize>,
+    snapshot_at: Vec<usize>,
     id: u64,
 ) -> Result<Gen, ApiError> {
     let sampling = f.sampling(id)?;
     let n = prompt.len();
-    let req = Request { prompt, sampling, max_tokens, stop_ids: s.engine.eos_ids.clone(), top_logprobs };
+    let stop_ids = s.engine.eos_ids.clone();
+    let req = Request { prompt, sampling, max_tokens, stop_ids, top_logprobs, snapshot_at };
     let sub = s.engine.submit(req).map_err(|e| ApiError::from_admit(f.flavor, e))?;
     Ok(Gen::new(sub, &s.tok, stop, n))
 }
@@ -130,7 +134,7 @@ async fn completions_inner(s: Shared, headers: HeaderMap, body: Body) -> Result<
     let stream = f.bool("stream")?;
     let include_usage = v.pointer("/stream_options/include_usage").and_then(Value::as_bool).unwrap_or(false);
     let id_n = next_id();
-    let gen = start(&s, prompt, &f, max_tokens, stop, logprobs, id_n)?;
+    let gen = start(&s, prompt, &f, max_tokens, stop, logprobs, Vec::new(), id_n)?;
     let id = format!("cmpl-{id_n}");
     let model = s.model_name.clone();
     let created = now_secs();
@@ -197,6 +201,13 @@ pub async fn chat_completions(State(s): State<Shared>, headers: HeaderMap, body:
 
 pub async fn responses(State(s): State<Shared>, headers: HeaderMap, body: Body) -> Response {
     match crate::openai_chat::responses_inner(s, headers, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+pub async fn tokenize(State(s): State<Shared>, headers: HeaderMap, body: Body) -> Response {
+    match crate::openai_chat::tokenize_inner(s, headers, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }

@@ -1,6 +1,6 @@
 //! `/v1/chat/completions` and `/v1/responses`.
 
-use crate::chat::{effort, start_chat, text_content, tool_from, ChatEvent, Conversation};
+use crate::chat::{effort, encode_prompt, start_chat, text_content, tool_from, ChatEvent, Conversation};
 use crate::error::{ApiError, Flavor};
 use crate::gen::Finish;
 use crate::openai::{chat_logprobs, data, next_id, server_error, sse};
@@ -137,7 +137,7 @@ pub async fn chat_inner(s: Shared, headers: HeaderMap, body: Body) -> Result<Res
     if !stream {
         let r = g.collect().await.map_err(|e| server_error(FL, e))?;
         let fin = r.finish.unwrap_or(Finish::Stop);
-        let usage = r.usage.unwrap_or(crate::gen::Usage { prompt_tokens: 0, completion_tokens: 0 });
+        let usage = r.usage.unwrap_or(crate::gen::Usage { prompt_tokens: 0, completion_tokens: 0, cached_tokens: 0 });
         let mut msg = json!({"role": "assistant", "content": r.content});
         if thinking {
             msg["reasoning_content"] = json!(r.reasoning);
@@ -154,8 +154,7 @@ pub async fn chat_inner(s: Shared, headers: HeaderMap, body: Body) -> Result<Res
         return Ok(axum::Json(json!({
             "id": id, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": msg, "logprobs": lp, "finish_reason": finish_str(&fin, r.tool_calls.len())}],
-            "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                      "total_tokens": usage.prompt_tokens + usage.completion_tokens},
+            "usage": crate::openai::usage_json(&usage),
         }))
         .into_response());
     }
@@ -193,8 +192,7 @@ pub async fn chat_inner(s: Shared, headers: HeaderMap, body: Body) -> Result<Res
                     if include_usage {
                         let mut u = chunk(json!({}), Value::Null, Value::Null);
                         u["choices"] = json!([]);
-                        u["usage"] = json!({"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                                            "total_tokens": usage.prompt_tokens + usage.completion_tokens});
+                        u["usage"] = crate::openai::usage_json(&usage);
                         v.push(data(&u));
                     }
                     v.push(SseEvent::default().data("[DONE]"));
@@ -329,13 +327,13 @@ pub async fn responses_inner(s: Shared, headers: HeaderMap, body: Body) -> Resul
             output.push(json!({"type": "function_call", "id": format!("fc_{idn}_{i}"), "call_id": id, "name": name,
                                "arguments": args, "status": "completed"}));
         }
-        let u = r.usage.unwrap_or(crate::gen::Usage { prompt_tokens: 0, completion_tokens: 0 });
+        let u = r.usage.unwrap_or(crate::gen::Usage { prompt_tokens: 0, completion_tokens: 0, cached_tokens: 0 });
         let status = if r.finish == Some(Finish::Length) { "incomplete" } else { "completed" };
         let mut resp = envelope(
             status,
             json!(output),
             json!({"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens}),
+            "total_tokens": u.prompt_tokens + u.completion_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens}}),
         );
         if status == "incomplete" {
             resp["incomplete_details"] = json!({"reason": "max_output_tokens"});
@@ -404,7 +402,7 @@ pub async fn responses_inner(s: Shared, headers: HeaderMap, body: Body) -> Resul
                 }
                 let status = if finish == Finish::Length { "incomplete" } else { "completed" };
                 let mut resp = envelope(status, json!(output), json!({"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
-                    "total_tokens": usage.prompt_tokens + usage.completion_tokens}));
+                    "total_tokens": usage.prompt_tokens + usage.completion_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens}}));
                 if status == "incomplete" {
                     resp["incomplete_details"] = json!({"reason": "max_output_tokens"});
                 }
@@ -421,4 +419,20 @@ pub async fn responses_inner(s: Shared, headers: HeaderMap, body: Body) -> Resul
     })
     .flatten();
     Ok(sse(stream::iter(head).chain(rest)))
+}
+
+/// `POST /tokenize`: the prompt ids the server would run for a chat request (`messages`, with
+/// the same tools and thinking options) or a raw `prompt`; lets clients and tests count tokens.
+pub async fn tokenize_inner(s: Shared, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let v = s.body(&headers, body, FL).await?;
+    let tokens = if v.get("messages").is_some() {
+        let (thinking, reasoning_effort) = chat_thinking(&v)?;
+        let conv = Conversation { messages: chat_messages(&v)?, tools: chat_tools(&v)?, thinking, reasoning_effort };
+        encode_prompt(&s, &conv, FL)?
+    } else {
+        let p = Fields::new(&v, FL).str("prompt")?.ok_or_else(|| ApiError::bad(FL, "give `messages` or `prompt`"))?;
+        s.tok.encode(p, false).map_err(|e| ApiError::bad(FL, e.to_string()))?
+    };
+    Ok(axum::Json(json!({"count": tokens.len(), "tokens": tokens, "max_model_len": s.engine.config.max_context}))
+        .into_response())
 }

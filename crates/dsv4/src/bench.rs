@@ -13,16 +13,29 @@ pub struct BenchArgs {
     /// Checkpoint directory (otherwise --synthetic).
     #[arg(long)]
     model: Option<PathBuf>,
-    /// A random model: `tiny` (spec §12.1 dimensions) or `mid` (hidden 1024, 8 layers).
+    /// A random model: `tiny` (spec §12.1 dimensions), `mid` (hidden 1024, 8 layers), or
+    /// `flash` (full V4-Flash dimensions, `--layers` of them, drawn on the GPU; `--backend cuda`).
     #[arg(long, default_value = "tiny")]
-    synthetic: String,
+    pub synthetic: String,
+    /// `--synthetic flash`: decoder layers (SWA, then CSA/HCA alternating).
+    #[arg(long, default_value_t = 4)]
+    pub layers: usize,
+    /// `--synthetic flash`: prefill contexts to time (comma-separated).
+    #[arg(long, default_value = "1024,8192,32768")]
+    pub contexts: String,
+    /// `--synthetic flash`: decode batch sizes to time (comma-separated).
+    #[arg(long, default_value = "1,16,64")]
+    pub decode_batches: String,
+    /// `--synthetic flash`: context each decode sequence holds before timing.
+    #[arg(long, default_value_t = 4096)]
+    pub decode_context: usize,
     #[arg(long, default_value_t = 512)]
-    prompt_len: usize,
+    pub prompt_len: usize,
     #[arg(long, default_value_t = 32)]
-    decode_tokens: usize,
+    pub decode_tokens: usize,
     /// Longest prefill chunk.
     #[arg(long, default_value_t = 512)]
-    prefill_chunk: usize,
+    pub prefill_chunk: usize,
     #[arg(long, value_enum, default_value = "cpu")]
     pub backend: crate::BackendKind,
 }
@@ -67,7 +80,7 @@ pub fn run<B: Backend>(backend: B, a: BenchArgs) -> Result<()> {
             let cfg = match a.synthetic.as_str() {
                 "tiny" => tiny_config(129280),
                 "mid" => mid_config(),
-                other => bail!("unknown --synthetic `{other}` (tiny or mid)"),
+                other => bail!("unknown --synthetic `{other}` (tiny, mid or flash)"),
             };
             _tmp = tempfile::tempdir()?;
             std::fs::write(_tmp.path().join("config.json"), serde_json::to_string(&cfg.to_hf_json())?)?;

@@ -2,7 +2,10 @@
 
 mod bench;
 mod cli_util;
+mod debug;
 mod demo;
+#[cfg(feature = "cuda")]
+mod flash_bench;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
@@ -56,6 +59,9 @@ enum Cmd {
     Bench(bench::BenchArgs),
     /// OpenAI- and Anthropic-compatible HTTP server with continuous batching.
     Serve(ServeArgs),
+    /// Debugging tools (`debug diff`: CPU vs CUDA stage by stage).
+    #[command(subcommand)]
+    Debug(debug::DebugCmd),
 }
 
 #[derive(clap::Args)]
@@ -143,6 +149,18 @@ struct ServeArgs {
     /// Largest request body in MiB.
     #[arg(long, default_value_t = 16)]
     max_body_mb: usize,
+    /// Memory for the prefix cache (snapshots of earlier sequences' states), MiB; 0 turns it off.
+    #[arg(long, default_value_t = 2048)]
+    prefix_cache_mb: usize,
+    /// Keep snapshots on disk here too (written on eviction, on shutdown and every
+    /// --kv-snapshot-interval tokens of long prompts); found again after a restart.
+    #[arg(long)]
+    kv_disk_dir: Option<PathBuf>,
+    #[arg(long, default_value_t = 8192)]
+    kv_disk_budget_mb: usize,
+    /// Snapshot long prefills every this many tokens.
+    #[arg(long, default_value_t = 4096)]
+    kv_snapshot_interval: usize,
 }
 
 fn main() {
@@ -166,15 +184,23 @@ where
     };
     let model = load(backend, &dir, a.max_seqs)?;
     let tok = tokenizer_for(&dir)?;
+    let prefix_cache = (a.prefix_cache_mb > 0 || a.kv_disk_dir.is_some()).then(|| dsv4_engine::PrefixCacheConfig {
+        memory_budget: a.prefix_cache_mb << 20,
+        disk_dir: a.kv_disk_dir.clone(),
+        disk_budget: a.kv_disk_budget_mb << 20,
+        fingerprint: demo::model_fingerprint(&dir),
+        interval: a.kv_snapshot_interval,
+    });
     let cfg = dsv4_engine::EngineConfig {
         token_budget: a.token_budget,
         prefill_chunk: a.token_budget,
         max_waiting: a.max_waiting,
         max_context: a.max_context,
+        prefix_cache,
     };
     let engine = dsv4_engine::spawn(model, cfg, a.max_seqs);
     let state = std::sync::Arc::new(dsv4_server::AppState {
-        engine,
+        engine: engine.clone(),
         tok,
         model_name: a.served_model_name.unwrap_or(default_name),
         aliases: a.model_alias,
@@ -187,6 +213,8 @@ where
     }
     let addr: std::net::SocketAddr = format!("{}:{}", a.host, a.port).parse().context("--host/--port")?;
     tokio::runtime::Runtime::new()?.block_on(dsv4_server::serve(state, addr))?;
+    // Graceful stop: the prefix cache goes to disk before the process exits.
+    engine.shutdown(std::time::Duration::from_secs(60));
     Ok(())
 }
 
@@ -211,10 +239,29 @@ fn run(cli: Cli) -> Result<()> {
             demo::init_tiny(&out, seed)?;
             eprintln!("wrote a random tiny DeepSeek V4 checkpoint to {}", out.display());
         }
+        Cmd::Bench(a) if a.synthetic == "flash" => flash(a)?,
         Cmd::Bench(a) => with_backend!(a.backend, bench_run(a))?,
+        Cmd::Debug(c) => {
+            if !debug::run(c)? {
+                std::process::exit(1);
+            }
+        }
         Cmd::Serve(a) => with_backend!(a.backend, serve(a))?,
     }
     Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn flash(a: bench::BenchArgs) -> Result<()> {
+    if !matches!(a.backend, BackendKind::Cuda) {
+        bail!("--synthetic flash draws full-size weights on the GPU: use --backend cuda");
+    }
+    flash_bench::run(a)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn flash(_a: bench::BenchArgs) -> Result<()> {
+    bail!("--synthetic flash needs the CUDA backend; rebuild with `--features cuda` and pass --backend cuda")
 }
 
 fn bench_run<B: Backend>(backend: B, a: bench::BenchArgs) -> Result<()> {

@@ -55,8 +55,11 @@ pub fn compress_rows(
     let (m, d, w) = (st.ratio, st.head, st.width());
     for (i, p) in positions.enumerate() {
         debug_assert_eq!(st.n_open(), p % m, "compressor state does not continue at position {p}");
+        let zr: Vec<f32> =
+            z[i * w..(i + 1) * w].iter().zip(&ape[(p % m) * w..(p % m + 1) * w]).map(|(a, b)| a + b).collect();
+        st.record(&u[i * w..(i + 1) * w], &zr);
         st.open_u.extend_from_slice(&u[i * w..(i + 1) * w]);
-        st.open_z.extend(z[i * w..(i + 1) * w].iter().zip(&ape[(p % m) * w..(p % m + 1) * w]).map(|(a, b)| a + b));
+        st.open_z.extend_from_slice(&zr);
         if (p + 1) % m != 0 {
             continue;
         }

@@ -129,6 +129,20 @@ impl Backend for CpuBackend {
         cache.reset(seq);
     }
 
+    fn save_seq(&self, cache: &CpuCache, seq: usize) -> Option<state::SeqState> {
+        Some(cache.seq(seq).clone())
+    }
+
+    fn truncate_seq(&self, cache: &mut CpuCache, seq: usize, have: usize, len: usize) -> Result<(), String> {
+        let window = cache.window();
+        cache.seq_mut(seq).truncate(have, len, window).map_err(|e| e.to_string())
+    }
+
+    fn load_seq(&self, cache: &mut CpuCache, seq: usize, st: &state::SeqState) -> bool {
+        *cache.seq_mut(seq) = st.clone();
+        true
+    }
+
     fn rows(&self, batch: &Batch) -> Batch {
         batch.clone()
     }
@@ -391,6 +405,22 @@ impl Backend for CpuBackend {
 
     fn swiglu(&self, x: &Tensor, e: &Expert<Tensor>, limit: f32) -> Tensor {
         swiglu_rows(x, e, limit)
+    }
+
+    fn reset_probes(&self, cache: &mut CpuCache) {
+        cache.probes.clear();
+    }
+
+    fn probe_finite(&self, cache: &mut CpuCache, t: &Tensor, slot: usize) {
+        if cache.probes.len() <= slot {
+            cache.probes.resize(slot + 1, None);
+        }
+        let bad = t.data.iter().position(|v| !v.is_finite()).map(|i| i / t.cols.max(1));
+        cache.probes[slot] = bad;
+    }
+
+    fn read_probes(&self, cache: &CpuCache, n: usize) -> Vec<Option<usize>> {
+        (0..n).map(|i| cache.probes.get(i).copied().flatten()).collect()
     }
 }
 

@@ -2,7 +2,7 @@
 //! and sink-softmax attention over window + compressed entries (§5.6).
 
 use super::state::CudaCache;
-use super::{block_for, cfg1d, ck, CudaBackend, CudaRows, CudaSel, CudaTensor};
+use super::{block_for, cfg1d, ck, CudaBackend, CudaRows, CudaSel, CudaTensor, CudaWeight};
 use crate::backend::CompSlot;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use dsv4_model::weights::Compressor;
@@ -19,7 +19,7 @@ pub fn compress(
     slot: CompSlot,
     u: &CudaTensor,
     z: &CudaTensor,
-    comp: &Compressor<CudaTensor>,
+    comp: &Compressor<CudaWeight>,
     rows: &CudaRows,
     freqs: &[f64],
     cfg: &Config,
@@ -191,7 +191,7 @@ pub fn attend(
     q: &CudaTensor,
     kv: &CudaTensor,
     sel: Option<&CudaSel>,
-    sinks: &CudaTensor,
+    sinks: &CudaWeight,
     rows: &CudaRows,
     cfg: &Config,
 ) -> CudaTensor {

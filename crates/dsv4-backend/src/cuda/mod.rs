@@ -12,6 +12,7 @@
 //! experts (`moe.cu`).
 
 pub mod attention;
+pub mod bf16;
 pub mod moe;
 pub mod state;
 
@@ -35,6 +36,15 @@ pub struct CudaTensor {
     pub rows: usize,
     pub cols: usize,
     pub data: CudaSlice<f32>,
+}
+
+/// A weight on the device: f32 (`data`), or bf16 (`bf`, with `data` a one-element placeholder)
+/// for the matrices [`crate::bf16::is_bf16_weight`] selects when the backend stores bf16.
+pub struct CudaWeight {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: CudaSlice<f32>,
+    pub bf: Option<CudaSlice<u16>>,
 }
 
 /// The batch's row table on the device: six `u32` arrays of `n` (sequence, position, token,
@@ -115,6 +125,16 @@ pub(crate) struct Kernels {
     pub moe_up: CudaFunction,
     pub moe_down: CudaFunction,
     pub moe_combine: CudaFunction,
+    pub gemv_bf16: CudaFunction,
+    pub cast_bf16: CudaFunction,
+    pub moe_sort: CudaFunction,
+    pub moe_up_g: CudaFunction,
+    pub moe_down_g: CudaFunction,
+    pub moe_gather_bf16: CudaFunction,
+    pub swiglu_bf16: CudaFunction,
+    pub moe_combine_sorted: CudaFunction,
+    pub probe_finite: CudaFunction,
+    pub rand_normal: CudaFunction,
 }
 
 const COMMON: &str = include_str!("kernels/common.cuh");
@@ -131,11 +151,12 @@ pub fn compile_kernels() -> Result<(), CudaInitError> {
     Ok(())
 }
 
-const SOURCES: [(&str, &str); 4] = [
+const SOURCES: [(&str, &str); 5] = [
     ("dense.cu", include_str!("kernels/dense.cu")),
     ("hc.cu", include_str!("kernels/hc.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
     ("moe.cu", include_str!("kernels/moe.cu")),
+    ("bf16.cu", include_str!("kernels/bf16.cu")),
 ];
 
 /// PTX of each kernel file, compiled once per process (later backends only load it).
@@ -148,7 +169,8 @@ fn ptx(file: &'static str, src: &str) -> Result<cudarc::nvrtc::Ptx, CudaInitErro
     }
     let opts = CompileOptions {
         arch: Some("compute_90a"),
-        fmad: Some(false),
+        // bf16.cu is not an f32 oracle twin: contraction on for its dot products.
+        fmad: Some(file == "bf16.cu"),
         name: Some(file.into()),
         options: vec!["--std=c++17".into()],
         ..Default::default()
@@ -179,6 +201,23 @@ impl Kernels {
             &["comp_pool", "comp_prev", "comp_open", "index_score", "index_topk", "attention", "ring_write"],
         )?;
         let m = compile(ctx, 3, &["route", "moe_up", "moe_down", "moe_combine"])?;
+        let mut bf = compile(
+            ctx,
+            4,
+            &[
+                "gemv_bf16",
+                "cast_bf16",
+                "moe_sort",
+                "moe_up_g",
+                "moe_down_g",
+                "moe_gather_bf16",
+                "swiglu_bf16",
+                "moe_combine_sorted",
+                "probe_finite",
+                "rand_normal",
+            ],
+        )?
+        .into_iter();
         let mut d = d.into_iter();
         let mut h = h.into_iter();
         let mut a = a.into_iter();
@@ -207,6 +246,16 @@ impl Kernels {
             moe_up: n(&mut m),
             moe_down: n(&mut m),
             moe_combine: n(&mut m),
+            gemv_bf16: n(&mut bf),
+            cast_bf16: n(&mut bf),
+            moe_sort: n(&mut bf),
+            moe_up_g: n(&mut bf),
+            moe_down_g: n(&mut bf),
+            moe_gather_bf16: n(&mut bf),
+            swiglu_bf16: n(&mut bf),
+            moe_combine_sorted: n(&mut bf),
+            probe_finite: n(&mut bf),
+            rand_normal: n(&mut bf),
         })
     }
 }
@@ -223,6 +272,11 @@ pub struct CudaBackend {
     /// A one-element buffer passed where a kernel's optional pointer is absent.
     pub(crate) dummy_f32: CudaSlice<f32>,
     pub(crate) dummy_u32: CudaSlice<u32>,
+    /// Matrix weights in bf16 (see [`CudaWeight`]); f32 otherwise.
+    pub bf16: bool,
+    /// f32 activations in every bf16 product (the small-batch kernels at any batch size): the
+    /// results then differ from a CPU run on bf16-rounded weights only by summation order.
+    exact: std::sync::atomic::AtomicBool,
 }
 
 /// `⌈total / block⌉` blocks of `block` threads (at least one block).
@@ -241,8 +295,27 @@ pub(crate) fn ck<T, E: std::fmt::Debug>(r: Result<T, E>, what: &str) -> T {
 }
 
 impl CudaBackend {
-    /// Opens device `ordinal`, compiles the kernels and creates the stream and cuBLAS handle.
+    /// Opens device `ordinal` with bf16 matrix weights (see [`CudaWeight`]).
     pub fn new(ordinal: usize) -> Result<Self, CudaInitError> {
+        Self::with_weights(ordinal, true)
+    }
+
+    /// Opens device `ordinal` with f32 weights throughout (the first backend's numerics).
+    pub fn new_f32(ordinal: usize) -> Result<Self, CudaInitError> {
+        Self::with_weights(ordinal, false)
+    }
+
+    /// f32 activations in every bf16 product, whatever the batch (tests; slower prefill).
+    pub fn set_exact(&self, on: bool) {
+        self.exact.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn exact(&self) -> bool {
+        self.exact.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Opens device `ordinal`, compiles the kernels and creates the stream and cuBLAS handle.
+    pub fn with_weights(ordinal: usize, bf16: bool) -> Result<Self, CudaInitError> {
         // SAFETY: these only try to dlopen the libraries.
         unsafe {
             if !cudarc::driver::sys::is_culib_present() {
@@ -277,6 +350,8 @@ impl CudaBackend {
             expert_tables: Mutex::new(HashMap::new()),
             dummy_f32,
             dummy_u32,
+            bf16,
+            exact: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -373,7 +448,7 @@ impl CudaBackend {
 }
 
 impl Backend for CudaBackend {
-    type W = CudaTensor;
+    type W = CudaWeight;
     type T = CudaTensor;
     type Cache = CudaCache;
     type Rows = CudaRows;
@@ -384,17 +459,23 @@ impl Backend for CudaBackend {
         "cuda"
     }
 
-    fn upload(&self, t: HostTensor) -> Result<CudaTensor, LoadError> {
+    fn upload(&self, t: HostTensor) -> Result<CudaWeight, LoadError> {
         let (rows, cols) = match t.shape.as_slice() {
             [c] => (1, *c),
             [r, c] => (*r, *c),
             other => return Err(LoadError::Value { name: t.name, msg: format!("unexpected rank {}", other.len()) }),
         };
-        let data = self
-            .stream
-            .clone_htod(&t.data)
-            .map_err(|e| LoadError::Value { name: t.name.clone(), msg: format!("CUDA upload: {e:?}") })?;
-        Ok(CudaTensor { rows, cols, data })
+        let err = |e: cudarc::driver::DriverError| LoadError::Value {
+            name: t.name.clone(),
+            msg: format!("CUDA upload: {e:?}"),
+        };
+        if self.bf16 && crate::bf16::is_bf16_weight(&t.name, &t.shape) {
+            let h: Vec<u16> = t.data.iter().map(|&v| crate::bf16::to_bf16_bits(v)).collect();
+            let bf = self.stream.clone_htod(&h).map_err(err)?;
+            return Ok(CudaWeight { rows, cols, data: self.alloc(1), bf: Some(bf) });
+        }
+        let data = self.stream.clone_htod(&t.data).map_err(err)?;
+        Ok(CudaWeight { rows, cols, data, bf: None })
     }
 
     fn new_cache(&self, cfg: &Config, max_seqs: usize) -> CudaCache {
@@ -433,7 +514,7 @@ impl Backend for CudaBackend {
         v
     }
 
-    fn embed(&self, table: &CudaTensor, rows: &CudaRows) -> CudaTensor {
+    fn embed(&self, table: &CudaWeight, rows: &CudaRows) -> CudaTensor {
         let n = rows.len();
         let out = self.tensor(n, table.cols);
         let tokens = rows.dev.slice(2 * n..3 * n);
@@ -441,15 +522,21 @@ impl Backend for CudaBackend {
         out
     }
 
-    fn matmul(&self, x: &CudaTensor, w: &CudaTensor) -> CudaTensor {
+    fn matmul(&self, x: &CudaTensor, w: &CudaWeight) -> CudaTensor {
         assert_eq!(x.cols, w.cols, "matmul: input width {} vs weight [{}, {}]", x.cols, w.rows, w.cols);
+        if let Some(bf) = &w.bf {
+            return self.matmul_bf16(x, bf, w.rows, w.cols, 1);
+        }
         CudaTensor { rows: x.rows, cols: w.rows, data: self.gemm_xwt(&x.data, x.rows, x.cols, &w.data, w.rows) }
     }
 
-    fn grouped_matmul(&self, x: &CudaTensor, w: &CudaTensor, groups: usize) -> CudaTensor {
+    fn grouped_matmul(&self, x: &CudaTensor, w: &CudaWeight, groups: usize) -> CudaTensor {
         let inw = x.cols / groups;
         let r = w.rows / groups;
         assert_eq!(w.cols, inw);
+        if let Some(bf) = &w.bf {
+            return self.matmul_bf16(x, bf, w.rows, w.cols, groups);
+        }
         let mut out = self.tensor(x.rows, groups * r);
         let cfg = StridedBatchedConfig {
             gemm: GemmConfig {
@@ -474,7 +561,7 @@ impl Backend for CudaBackend {
         out
     }
 
-    fn rms_norm(&self, x: &CudaTensor, w: Option<&CudaTensor>, group: usize, eps: f32) -> CudaTensor {
+    fn rms_norm(&self, x: &CudaTensor, w: Option<&CudaWeight>, group: usize, eps: f32) -> CudaTensor {
         let mut out = self.tensor(x.rows, x.cols);
         let groups = x.rows * x.cols / group;
         if groups == 0 {
@@ -581,7 +668,7 @@ impl Backend for CudaBackend {
         out
     }
 
-    fn hc_pre(&self, x: &CudaTensor, hc: &Hc<CudaTensor>, cfg: &Config) -> (CudaTensor, CudaTensor, CudaTensor) {
+    fn hc_pre(&self, x: &CudaTensor, hc: &Hc<CudaWeight>, cfg: &Config) -> (CudaTensor, CudaTensor, CudaTensor) {
         let (n, d) = (cfg.hc_mult, cfg.hidden);
         assert!(n <= 8, "hc_mult {n} > 8");
         let m = self.matmul(x, &hc.fn_);
@@ -636,7 +723,7 @@ impl Backend for CudaBackend {
         out
     }
 
-    fn hc_head(&self, x: &CudaTensor, hc: &Hc<CudaTensor>, cfg: &Config) -> CudaTensor {
+    fn hc_head(&self, x: &CudaTensor, hc: &Hc<CudaWeight>, cfg: &Config) -> CudaTensor {
         let (n, d) = (cfg.hc_mult, cfg.hidden);
         assert!(n <= 8, "hc_mult {n} > 8");
         let mut y = self.tensor(x.rows, d);
@@ -673,7 +760,7 @@ impl Backend for CudaBackend {
         slot: CompSlot,
         u: &CudaTensor,
         z: &CudaTensor,
-        comp: &Compressor<CudaTensor>,
+        comp: &Compressor<CudaWeight>,
         rows: &CudaRows,
         freqs: &[f64],
         cfg: &Config,
@@ -700,22 +787,22 @@ impl Backend for CudaBackend {
         q: &CudaTensor,
         kv: &CudaTensor,
         sel: Option<&CudaSel>,
-        sinks: &CudaTensor,
+        sinks: &CudaWeight,
         rows: &CudaRows,
         cfg: &Config,
     ) -> CudaTensor {
         attention::attend(self, cache, layer, q, kv, sel, sinks, rows, cfg)
     }
 
-    fn route(&self, logits: &CudaTensor, bias: Option<&CudaTensor>, hash: Option<&[u32]>, cfg: &Config) -> CudaRoute {
+    fn route(&self, logits: &CudaTensor, bias: Option<&CudaWeight>, hash: Option<&[u32]>, cfg: &Config) -> CudaRoute {
         moe::route(self, logits, bias, hash, cfg)
     }
 
-    fn moe(&self, x: &CudaTensor, route: &CudaRoute, experts: &[Expert<CudaTensor>], limit: f32) -> CudaTensor {
+    fn moe(&self, x: &CudaTensor, route: &CudaRoute, experts: &[Expert<CudaWeight>], limit: f32) -> CudaTensor {
         moe::moe(self, x, route, experts, limit)
     }
 
-    fn swiglu(&self, x: &CudaTensor, e: &Expert<CudaTensor>, limit: f32) -> CudaTensor {
+    fn swiglu(&self, x: &CudaTensor, e: &Expert<CudaWeight>, limit: f32) -> CudaTensor {
         let g = self.matmul(x, &e.w1);
         let u = self.matmul(x, &e.w3);
         let mut h = self.tensor(g.rows, g.cols);
@@ -735,6 +822,20 @@ impl Backend for CudaBackend {
             "swiglu_act",
         );
         self.matmul(&h, &e.w2)
+    }
+
+    fn reset_probes(&self, cache: &mut CudaCache) {
+        ck(self.stream.memset_zeros(&mut cache.probes), "reset probes");
+    }
+
+    fn probe_finite(&self, cache: &mut CudaCache, t: &CudaTensor, slot: usize) {
+        bf16::probe(self, cache, t, slot);
+    }
+
+    fn read_probes(&self, cache: &CudaCache, n: usize) -> Vec<Option<usize>> {
+        let v = ck(self.stream.clone_dtoh(&cache.probes), "read probes");
+        ck(self.stream.synchronize(), "synchronize");
+        (0..n).map(|i| v.get(i).and_then(|&f| (f != 0).then(|| (u32::MAX - f) as usize))).collect()
     }
 }
 

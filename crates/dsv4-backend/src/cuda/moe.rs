@@ -1,6 +1,6 @@
 //! Launchers of `kernels/moe.cu`: the router (spec §6.1) and the routed experts.
 
-use super::{cfg1d, ck, CudaBackend, CudaRoute, CudaTensor};
+use super::{cfg1d, ck, CudaBackend, CudaRoute, CudaTensor, CudaWeight};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use dsv4_model::weights::Expert;
 use dsv4_model::Config;
@@ -9,7 +9,7 @@ use std::sync::Arc;
 pub fn route(
     b: &CudaBackend,
     logits: &CudaTensor,
-    bias: Option<&CudaTensor>,
+    bias: Option<&CudaWeight>,
     hash: Option<&[u32]>,
     cfg: &Config,
 ) -> CudaRoute {
@@ -49,10 +49,14 @@ pub fn route(
 
 /// The device table `[w1 of each expert, w3 of each, w2 of each]` of weight pointers (built once
 /// per expert set).
-fn expert_table(b: &CudaBackend, experts: &[Expert<CudaTensor>]) -> Arc<CudaSlice<u64>> {
-    let mut ptrs: Vec<u64> = experts.iter().map(|e| b.dev_ptr(&e.w1.data)).collect();
-    ptrs.extend(experts.iter().map(|e| b.dev_ptr(&e.w3.data)));
-    ptrs.extend(experts.iter().map(|e| b.dev_ptr(&e.w2.data)));
+pub(crate) fn expert_table(b: &CudaBackend, experts: &[Expert<CudaWeight>]) -> Arc<CudaSlice<u64>> {
+    let p = |w: &CudaWeight| match &w.bf {
+        Some(bf) => b.dev_ptr(bf),
+        None => b.dev_ptr(&w.data),
+    };
+    let mut ptrs: Vec<u64> = experts.iter().map(|e| p(&e.w1)).collect();
+    ptrs.extend(experts.iter().map(|e| p(&e.w3)));
+    ptrs.extend(experts.iter().map(|e| p(&e.w2)));
     let mut m = b.expert_tables.lock().unwrap();
     if let Some(t) = m.get(&ptrs) {
         return t.clone();
@@ -68,9 +72,12 @@ pub fn moe(
     b: &CudaBackend,
     x: &CudaTensor,
     route: &CudaRoute,
-    experts: &[Expert<CudaTensor>],
+    experts: &[Expert<CudaWeight>],
     limit: f32,
 ) -> CudaTensor {
+    if experts[0].w1.bf.is_some() {
+        return super::bf16::moe(b, x, route, experts, limit);
+    }
     let (n, d, k) = (x.rows, x.cols, route.k);
     let inter = experts[0].w1.rows;
     let ne = experts.len() as i32;

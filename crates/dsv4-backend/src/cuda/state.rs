@@ -89,6 +89,8 @@ pub struct CudaCache {
     pub slots: usize,
     pub window: usize,
     pub layers: Vec<LayerDev>,
+    /// Nonfinite probe flags, one per probed stage of a forward (see `bf16.cu: probe_finite`).
+    pub probes: CudaSlice<u32>,
 }
 
 impl CudaCache {
@@ -108,7 +110,9 @@ impl CudaCache {
                 LayerDev { ring: b.alloc(slots * cfg.window * cfg.head_dim), comp, index }
             })
             .collect();
-        CudaCache { slots, window: cfg.window, layers }
+        // 22 named stages per layer at most (CSA), plus embed and the head's three.
+        let probes = ck(b.stream.alloc_zeros::<u32>(16 + 24 * cfg.layers.len()), "alloc probes");
+        CudaCache { slots, window: cfg.window, layers, probes }
     }
 
     /// Fresh state for slot `seq`: only the overlap rows need values (`u = 0, z = −∞`); the

@@ -1,0 +1,410 @@
+//! Launchers of `kernels/bf16.cu`: products with bf16 weights, the grouped routed experts, the
+//! nonfinite probe and on-device random weights.
+//!
+//! A product with at most [`GEMV_ROWS`] rows (decode), or any product in exact mode, runs the
+//! `gemv_bf16` kernel: f32 activations, bf16 weights read once with 16-byte loads, f32
+//! accumulation. Larger products cast the activations to bf16 and run cuBLAS `gemmEx` (bf16
+//! inputs, f32 compute and output). Routed experts: the (row, slot) pairs are grouped by expert
+//! on the device; up to [`GROUPED_MAX_ROWS`] rows (or in exact mode) one launch each for the
+//! up and down projections covers every active expert with no host synchronisation; above
+//! that the expert offsets are read back (one sync per MoE layer) and each active expert runs
+//! two cuBLAS bf16 products over its gathered rows.
+
+use super::moe::expert_table;
+use super::{cfg1d, ck, CudaBackend, CudaCache, CudaRoute, CudaTensor, CudaWeight};
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use dsv4_model::weights::Expert;
+use std::ffi::c_void;
+
+/// Largest row count of a dense product that uses the bf16 GEMV kernel.
+pub const GEMV_ROWS: usize = 8;
+/// Largest row count of a MoE call that uses the grouped expert kernels (fast mode).
+pub const GROUPED_MAX_ROWS: usize = 64;
+
+impl CudaBackend {
+    /// `out[n, m] = x · wᵀ` for a bf16 `w` `[m, k]`; with `groups > 1` the grouped projection
+    /// of [`crate::Backend::grouped_matmul`] (`x` is `groups·k` wide).
+    pub(crate) fn matmul_bf16(
+        &self,
+        x: &CudaTensor,
+        w: &CudaSlice<u16>,
+        m: usize,
+        k: usize,
+        groups: usize,
+    ) -> CudaTensor {
+        let n = x.rows;
+        assert_eq!(x.cols, groups * k, "bf16 product: input width {} vs {groups} × {k}", x.cols);
+        let mut out = self.tensor(n, m);
+        if n == 0 || m == 0 {
+            return out;
+        }
+        if n <= GEMV_ROWS || self.exact() {
+            self.gemv(&mut out.data, &x.data, w, n, k, m, x.cols, m / groups);
+            return out;
+        }
+        let xb = self.cast_bf16(&x.data, n * x.cols);
+        let r = m / groups;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: column-major outᵀ[m', n] = w_gᵀ · xb_gᵀ per group; the shapes, leading
+        // dimensions and strides match the buffers' lengths.
+        unsafe {
+            let (wp, xp, op) = (self.dev_ptr(w), self.dev_ptr(&xb), self.dev_ptr(&out.data));
+            let r = cudarc::cublas::result::gemm_strided_batched_ex(
+                *self.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                r as i32,
+                n as i32,
+                k as i32,
+                &alpha as *const f32 as *const c_void,
+                wp as *const c_void,
+                cudaDataType::CUDA_R_16BF,
+                k as i32,
+                (r * k) as i64,
+                xp as *const c_void,
+                cudaDataType::CUDA_R_16BF,
+                (groups * k) as i32,
+                k as i64,
+                &beta as *const f32 as *const c_void,
+                op as *mut c_void,
+                cudaDataType::CUDA_R_32F,
+                m as i32,
+                r as i64,
+                groups as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            );
+            ck(r, "gemmEx bf16");
+        }
+        out
+    }
+
+    /// `out[n, m]` (row stride m) `= x[r, g(o)·k..] · w[o, :]` with `g(o) = o / rpg`.
+    #[allow(clippy::too_many_arguments)]
+    fn gemv(
+        &self,
+        out: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<u16>,
+        n: usize,
+        k: usize,
+        m: usize,
+        ldx: usize,
+        rpg: usize,
+    ) {
+        let warps_per_block = 8usize;
+        let cfg = LaunchConfig {
+            grid_dim: (m.div_ceil(warps_per_block) as u32, 1, 1),
+            block_dim: (32 * warps_per_block as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types and buffer sizes match the kernel.
+        ck(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.k.gemv_bf16)
+                    .arg(out)
+                    .arg(x)
+                    .arg(w)
+                    .arg(&(n as i32))
+                    .arg(&(k as i32))
+                    .arg(&(m as i32))
+                    .arg(&(ldx as i32))
+                    .arg(&(rpg as i32))
+                    .launch(cfg)
+            },
+            "gemv_bf16",
+        );
+    }
+
+    fn cast_bf16(&self, x: &CudaSlice<f32>, len: usize) -> CudaSlice<u16> {
+        let mut out = self.alloc::<u16>(len);
+        // SAFETY: argument types and buffer sizes match the kernel.
+        ck(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.k.cast_bf16)
+                    .arg(&mut out)
+                    .arg(x)
+                    .arg(&(len as i64))
+                    .launch(cfg1d(len, 256))
+            },
+            "cast_bf16",
+        );
+        out
+    }
+
+    /// One cuBLAS product `c[n, m] = a[n, k] · w[m, k]ᵀ`, bf16 inputs and f32 output, on raw
+    /// device addresses (inside larger buffers).
+    fn gemm_bf16_raw(&self, c: u64, a: u64, w: u64, n: usize, k: usize, m: usize) {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: the callers pass addresses of buffers holding these shapes.
+        unsafe {
+            let r = cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                m as i32,
+                n as i32,
+                k as i32,
+                &alpha as *const f32 as *const c_void,
+                w as *const c_void,
+                cudaDataType::CUDA_R_16BF,
+                k as i32,
+                a as *const c_void,
+                cudaDataType::CUDA_R_16BF,
+                k as i32,
+                &beta as *const f32 as *const c_void,
+                c as *mut c_void,
+                cudaDataType::CUDA_R_32F,
+                m as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            );
+            ck(r, "gemmEx bf16");
+        }
+    }
+
+    /// A new weight of `shape` filled on the device with Normal(mean, std) (seeded by `seed`),
+    /// stored bf16 when this backend would store a loaded tensor `name` so.
+    pub fn upload_random(&self, name: &str, shape: &[usize], mean: f32, std: f32, seed: u64) -> CudaWeight {
+        let (rows, cols) = match shape {
+            [c] => (1, *c),
+            [r, c] => (*r, *c),
+            _ => panic!("{name}: rank {}", shape.len()),
+        };
+        let len = rows * cols;
+        let bf = self.bf16 && crate::bf16::is_bf16_weight(name, shape);
+        let cfg = cfg1d(len, 256);
+        let launch = |ptr: u64| {
+            // SAFETY: `ptr` holds `len` elements of the kind `bf` says.
+            ck(
+                unsafe {
+                    self.stream
+                        .launch_builder(&self.k.rand_normal)
+                        .arg(&ptr)
+                        .arg(&(bf as i32))
+                        .arg(&(len as i64))
+                        .arg(&mean)
+                        .arg(&std)
+                        .arg(&seed)
+                        .launch(cfg)
+                },
+                "rand_normal",
+            )
+        };
+        if bf {
+            let w = self.alloc::<u16>(len);
+            launch(self.dev_ptr(&w));
+            CudaWeight { rows, cols, data: self.alloc(1), bf: Some(w) }
+        } else {
+            let w = self.alloc::<f32>(len);
+            launch(self.dev_ptr(&w));
+            CudaWeight { rows, cols, data: w, bf: None }
+        }
+    }
+
+    /// Free device memory in bytes.
+    pub fn mem_free(&self) -> usize {
+        cudarc::driver::result::mem_get_info().map(|(f, _)| f).unwrap_or(0)
+    }
+}
+
+pub(crate) fn probe(b: &CudaBackend, cache: &mut CudaCache, t: &CudaTensor, slot: usize) {
+    assert!(slot < cache.probes.len(), "probe slot {slot} beyond {}", cache.probes.len());
+    let len = t.rows * t.cols;
+    if len == 0 {
+        return;
+    }
+    let blocks = len.div_ceil(256).min(528) as u32;
+    let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: argument types and buffer sizes match the kernel.
+    ck(
+        unsafe {
+            b.stream
+                .launch_builder(&b.k.probe_finite)
+                .arg(&mut cache.probes)
+                .arg(&(slot as i32))
+                .arg(&t.data)
+                .arg(&(len as i64))
+                .arg(&(t.cols.max(1) as i32))
+                .launch(cfg)
+        },
+        "probe_finite",
+    );
+}
+
+/// Routed experts with bf16 weights (see the module docs).
+pub(crate) fn moe(
+    b: &CudaBackend,
+    x: &CudaTensor,
+    route: &CudaRoute,
+    experts: &[Expert<CudaWeight>],
+    limit: f32,
+) -> CudaTensor {
+    let (n, d, k) = (x.rows, x.cols, route.k);
+    let inter = experts[0].w1.rows;
+    let ne = experts.len();
+    assert!(ne <= 1024, "{ne} experts > 1024");
+    let nk = n * k;
+    let mut out = b.tensor(n, d);
+    if n == 0 {
+        return out;
+    }
+    let table = expert_table(b, experts);
+    let mut order = b.alloc::<u32>(nk);
+    let mut off = b.alloc::<u32>(ne + 1);
+    let mut active = b.alloc::<u32>(ne + 1);
+    let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY (every launch below): argument types and buffer sizes match the kernels.
+    ck(
+        unsafe {
+            b.stream
+                .launch_builder(&b.k.moe_sort)
+                .arg(&mut order)
+                .arg(&mut off)
+                .arg(&mut active)
+                .arg(&route.ids)
+                .arg(&(nk as i32))
+                .arg(&(ne as i32))
+                .launch(one)
+        },
+        "moe_sort",
+    );
+    let (ki, di, ii, nei) = (k as i32, d as i32, inter as i32, ne as i32);
+    if n <= GROUPED_MAX_ROWS || b.exact() {
+        let mut h = b.alloc::<f32>(nk * inter);
+        let mut y = b.alloc::<f32>(nk * d);
+        let blocks = nk.min(ne) as u32;
+        let up = LaunchConfig {
+            grid_dim: (blocks, inter.div_ceil(8) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let down =
+            LaunchConfig { grid_dim: (blocks, d.div_ceil(8) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        ck(
+            unsafe {
+                b.stream
+                    .launch_builder(&b.k.moe_up_g)
+                    .arg(&mut h)
+                    .arg(&x.data)
+                    .arg(&order)
+                    .arg(&off)
+                    .arg(&active)
+                    .arg(table.as_ref())
+                    .arg(&nei)
+                    .arg(&ki)
+                    .arg(&di)
+                    .arg(&ii)
+                    .arg(&limit)
+                    .launch(up)
+            },
+            "moe_up_g",
+        );
+        ck(
+            unsafe {
+                b.stream
+                    .launch_builder(&b.k.moe_down_g)
+                    .arg(&mut y)
+                    .arg(&h)
+                    .arg(&order)
+                    .arg(&off)
+                    .arg(&active)
+                    .arg(table.as_ref())
+                    .arg(&nei)
+                    .arg(&di)
+                    .arg(&ii)
+                    .launch(down)
+            },
+            "moe_down_g",
+        );
+        ck(
+            unsafe {
+                b.stream
+                    .launch_builder(&b.k.moe_combine)
+                    .arg(&mut out.data)
+                    .arg(&y)
+                    .arg(&route.weights)
+                    .arg(&(n as i32))
+                    .arg(&ki)
+                    .arg(&di)
+                    .launch(cfg1d(n * d, 256))
+            },
+            "moe_combine",
+        );
+        return out;
+    }
+    // Large batches: per-expert cuBLAS over the gathered rows (offsets read back once).
+    let offs = ck(b.stream.clone_dtoh(&off), "read expert offsets");
+    ck(b.stream.synchronize(), "synchronize");
+    let mut xs = b.alloc::<u16>(nk * d);
+    let mut inv = b.alloc::<u32>(nk);
+    ck(
+        unsafe {
+            b.stream
+                .launch_builder(&b.k.moe_gather_bf16)
+                .arg(&mut xs)
+                .arg(&mut inv)
+                .arg(&x.data)
+                .arg(&order)
+                .arg(&(nk as i32))
+                .arg(&ki)
+                .arg(&di)
+                .launch(cfg1d(nk * d, 256))
+        },
+        "moe_gather_bf16",
+    );
+    let g = b.alloc::<f32>(nk * inter);
+    let u = b.alloc::<f32>(nk * inter);
+    let mut hb = b.alloc::<u16>(nk * inter);
+    let y = b.alloc::<f32>(nk * d);
+    let (xp, gp, up, hp, yp) = (b.dev_ptr(&xs), b.dev_ptr(&g), b.dev_ptr(&u), b.dev_ptr(&hb), b.dev_ptr(&y));
+    let wptr = |w: &CudaWeight| b.dev_ptr(w.bf.as_ref().expect("bf16 expert"));
+    for (e, ex) in experts.iter().enumerate() {
+        let (o, c) = (offs[e] as usize, (offs[e + 1] - offs[e]) as usize);
+        if c == 0 {
+            continue;
+        }
+        b.gemm_bf16_raw(gp + (o * inter * 4) as u64, xp + (o * d * 2) as u64, wptr(&ex.w1), c, d, inter);
+        b.gemm_bf16_raw(up + (o * inter * 4) as u64, xp + (o * d * 2) as u64, wptr(&ex.w3), c, d, inter);
+    }
+    let len = nk * inter;
+    ck(
+        unsafe {
+            b.stream
+                .launch_builder(&b.k.swiglu_bf16)
+                .arg(&mut hb)
+                .arg(&g)
+                .arg(&u)
+                .arg(&(len as i64))
+                .arg(&limit)
+                .launch(cfg1d(len, 256))
+        },
+        "swiglu_bf16",
+    );
+    for (e, ex) in experts.iter().enumerate() {
+        let (o, c) = (offs[e] as usize, (offs[e + 1] - offs[e]) as usize);
+        if c == 0 {
+            continue;
+        }
+        b.gemm_bf16_raw(yp + (o * d * 4) as u64, hp + (o * inter * 2) as u64, wptr(&ex.w2), c, inter, d);
+    }
+    ck(
+        unsafe {
+            b.stream
+                .launch_builder(&b.k.moe_combine_sorted)
+                .arg(&mut out.data)
+                .arg(&y)
+                .arg(&inv)
+                .arg(&route.weights)
+                .arg(&(n as i32))
+                .arg(&ki)
+                .arg(&di)
+                .launch(cfg1d(n * d, 256))
+        },
+        "moe_combine_sorted",
+    );
+    out
+}

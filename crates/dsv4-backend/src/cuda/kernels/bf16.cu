@@ -1,0 +1,248 @@
+// bf16 weights: the small-batch product (f32 activations × bf16 weights, f32 accumulation), the
+// grouped routed-expert kernels, casts, the nonfinite probe and on-device random init.
+// Launchers: cuda/bf16.rs. Compiled with FMA contraction on (unlike the other files).
+//
+// bf16 values are carried as `unsigned short` (no cuda_bf16.h under NVRTC): the f32 value is
+// the 16 bits shifted up.
+
+#define GV_ROWS 8
+
+__device__ __forceinline__ float bf2f(unsigned short h) { return __uint_as_float(((unsigned)h) << 16); }
+
+__device__ __forceinline__ unsigned short f2bf(float f) {
+    unsigned b = __float_as_uint(f);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((b >> 16) | 0x40u);
+    b += 0x7fffu + ((b >> 16) & 1u);
+    return (unsigned short)(b >> 16);
+}
+
+__device__ __forceinline__ void unpack8(uint4 v, float* f) {
+    f[0] = __uint_as_float(v.x << 16); f[1] = __uint_as_float(v.x & 0xffff0000u);
+    f[2] = __uint_as_float(v.y << 16); f[3] = __uint_as_float(v.y & 0xffff0000u);
+    f[4] = __uint_as_float(v.z << 16); f[5] = __uint_as_float(v.z & 0xffff0000u);
+    f[6] = __uint_as_float(v.w << 16); f[7] = __uint_as_float(v.w & 0xffff0000u);
+}
+
+__device__ __forceinline__ uint4 ldg_stream(const unsigned short* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ float dot8(const float* w, const float* __restrict__ x) {
+    float4 a = *(const float4*)x, b = *(const float4*)(x + 4);
+    float s = w[0] * a.x;
+    s += w[1] * a.y; s += w[2] * a.z; s += w[3] * a.w;
+    s += w[4] * b.x; s += w[5] * b.y; s += w[6] * b.z; s += w[7] * b.w;
+    return s;
+}
+
+// acc[j] += w_row · x_row(j) for the `nr` rows given by `xrow[j]` (each `k` wide, 16-byte
+// aligned when vec). One warp; lane-strided 8-element chunks.
+__device__ __forceinline__ void warp_rows_dot(float* acc, const unsigned short* __restrict__ wr,
+                                              const float* const* xrow, int nr, int k, bool vec, int lane) {
+    if (vec) {
+#pragma unroll 2
+        for (int c = lane * 8; c < k; c += 256) {
+            float wf[8];
+            unpack8(ldg_stream(wr + c), wf);
+#pragma unroll
+            for (int j = 0; j < GV_ROWS; j++)
+                if (j < nr) acc[j] += dot8(wf, xrow[j] + c);
+        }
+    } else {
+        for (int c = lane; c < k; c += 32) {
+            float wf = bf2f(wr[c]);
+#pragma unroll
+            for (int j = 0; j < GV_ROWS; j++)
+                if (j < nr) acc[j] += wf * xrow[j][c];
+        }
+    }
+}
+
+// out[r, o] = x[r, (o / rpg)·k .. +k] · w[o, :] for r < n, o < m; x rows are ldx apart (a plain
+// product has rpg = m). One warp per output column o, rows in groups of 8.
+extern "C" __global__ void gemv_bf16(float* __restrict__ out, const float* __restrict__ x,
+                                     const unsigned short* __restrict__ w, int n, int k, int m, int ldx, int rpg) {
+    int o = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
+    if (o >= m) return;
+    const unsigned short* wr = w + (long long)o * k;
+    long long xoff = (long long)(o / rpg) * k;
+    bool vec = (k & 7) == 0 && (ldx & 3) == 0 && (xoff & 3) == 0;
+    for (int r0 = 0; r0 < n; r0 += GV_ROWS) {
+        int nr = min(GV_ROWS, n - r0);
+        float acc[GV_ROWS];
+        const float* xrow[GV_ROWS];
+#pragma unroll
+        for (int j = 0; j < GV_ROWS; j++) {
+            acc[j] = 0.f;
+            xrow[j] = x + (long long)(r0 + min(j, nr - 1)) * ldx + xoff;
+        }
+        warp_rows_dot(acc, wr, xrow, nr, k, vec, lane);
+#pragma unroll
+        for (int j = 0; j < GV_ROWS; j++) {
+            float v = warp_sum(acc[j]);
+            if (j < nr && lane == 0) out[(long long)(r0 + j) * m + o] = v;
+        }
+    }
+}
+
+extern "C" __global__ void cast_bf16(unsigned short* out, const float* x, long long len) {
+    GRID_STRIDE(e, len) out[e] = f2bf(x[e]);
+}
+
+// Groups the n·k (row, slot) pairs by expert (one block): off[e]..off[e+1] of `order` are the
+// slots routed to expert e; active[0..active[ne]] lists the experts with any slot.
+extern "C" __global__ void moe_sort(unsigned* order, unsigned* off, unsigned* active, const unsigned* ids, int nk,
+                                    int ne) {
+    __shared__ unsigned cnt[1024];
+    __shared__ unsigned pos[1024];
+    for (int e = threadIdx.x; e < ne; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    for (int s = threadIdx.x; s < nk; s += blockDim.x) atomicAdd(&cnt[ids[s]], 1u);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned acc = 0, na = 0;
+        for (int e = 0; e < ne; e++) {
+            off[e] = acc;
+            pos[e] = acc;
+            if (cnt[e]) active[na++] = (unsigned)e;
+            acc += cnt[e];
+        }
+        off[ne] = acc;
+        active[ne] = na;
+    }
+    __syncthreads();
+    for (int s = threadIdx.x; s < nk; s += blockDim.x) {
+        unsigned p = atomicAdd(&pos[ids[s]], 1u);
+        order[p] = (unsigned)s;
+    }
+}
+
+__device__ __forceinline__ float swiglu1(float g, float u, float limit) {
+    g = fminf(g, limit);
+    u = fminf(fmaxf(u, -limit), limit);
+    return g * sigmoid_(g) * u;
+}
+
+// h[slot, o] = act(w1[e][o]·x[row], w3[e][o]·x[row]) for every slot routed to the block's expert
+// e = active[blockIdx.x]; grid (≥ active experts, ⌈inter/8⌉), 8 warps, one output per warp.
+// ptrs: 3·E bf16 weight pointers (w1 of each expert, then w3, then w2).
+extern "C" __global__ void moe_up_g(float* __restrict__ h, const float* __restrict__ x, const unsigned* order,
+                                    const unsigned* off, const unsigned* active, const unsigned long long* ptrs,
+                                    int nexp, int k, int d, int inter, float limit) {
+    if (blockIdx.x >= active[nexp]) return;
+    unsigned e = active[blockIdx.x];
+    int o = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (o >= inter) return;
+    const unsigned short* w1 = (const unsigned short*)ptrs[e] + (long long)o * d;
+    const unsigned short* w3 = (const unsigned short*)ptrs[nexp + e] + (long long)o * d;
+    bool vec = (d & 7) == 0;
+    unsigned b0 = off[e], b1 = off[e + 1];
+    for (unsigned s0 = b0; s0 < b1; s0 += GV_ROWS) {
+        int nr = min(GV_ROWS, (int)(b1 - s0));
+        float ag[GV_ROWS], au[GV_ROWS];
+        const float* xrow[GV_ROWS];
+        unsigned slot[GV_ROWS];
+#pragma unroll
+        for (int j = 0; j < GV_ROWS; j++) {
+            ag[j] = au[j] = 0.f;
+            slot[j] = order[s0 + min(j, nr - 1)];
+            xrow[j] = x + (long long)(slot[j] / k) * d;
+        }
+        warp_rows_dot(ag, w1, xrow, nr, d, vec, lane);
+        warp_rows_dot(au, w3, xrow, nr, d, vec, lane);
+#pragma unroll
+        for (int j = 0; j < GV_ROWS; j++) {
+            float g = warp_sum(ag[j]), u = warp_sum(au[j]);
+            if (j < nr && lane == 0) h[(long long)slot[j] * inter + o] = swiglu1(g, u, limit);
+        }
+    }
+}
+
+// y[slot, c] = w2[e][c]·h[slot] for every slot of the block's expert; grid (≥ active, ⌈d/8⌉).
+extern "C" __global__ void moe_down_g(float* __restrict__ y, const float* __restrict__ h, const unsigned* order,
+                                      const unsigned* off, const unsigned* active, const unsigned long long* ptrs,
+                                      int nexp, int d, int inter) {
+    if (blockIdx.x >= active[nexp]) return;
+    unsigned e = active[blockIdx.x];
+    int c = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (c >= d) return;
+    const unsigned short* w2 = (const unsigned short*)ptrs[2 * nexp + e] + (long long)c * inter;
+    bool vec = (inter & 7) == 0;
+    unsigned b0 = off[e], b1 = off[e + 1];
+    for (unsigned s0 = b0; s0 < b1; s0 += GV_ROWS) {
+        int nr = min(GV_ROWS, (int)(b1 - s0));
+        float acc[GV_ROWS];
+        const float* hrow[GV_ROWS];
+        unsigned slot[GV_ROWS];
+#pragma unroll
+        for (int j = 0; j < GV_ROWS; j++) {
+            acc[j] = 0.f;
+            slot[j] = order[s0 + min(j, nr - 1)];
+            hrow[j] = h + (long long)slot[j] * inter;
+        }
+        warp_rows_dot(acc, w2, hrow, nr, inter, vec, lane);
+#pragma unroll
+        for (int j = 0; j < GV_ROWS; j++) {
+            float v = warp_sum(acc[j]);
+            if (j < nr && lane == 0) y[(long long)slot[j] * d + c] = v;
+        }
+    }
+}
+
+// xs[p, :] = bf16(x[order[p] / k, :]); inv[order[p]] = p (the large-batch expert path).
+extern "C" __global__ void moe_gather_bf16(unsigned short* xs, unsigned* inv, const float* x, const unsigned* order,
+                                           int nk, int k, int d) {
+    GRID_STRIDE(e, (long long)nk * d) {
+        long long p = e / d, c = e % d;
+        unsigned s = order[p];
+        xs[e] = f2bf(x[(long long)(s / k) * d + c]);
+        if (c == 0) inv[s] = (unsigned)p;
+    }
+}
+
+// hb = bf16(act(g, u)) elementwise.
+extern "C" __global__ void swiglu_bf16(unsigned short* hb, const float* g, const float* u, long long len, float limit) {
+    GRID_STRIDE(e, len) hb[e] = f2bf(swiglu1(g[e], u[e], limit));
+}
+
+// out[r, c] = Σ_j wts[r, j]·y[inv[r·k + j], c], in routing order.
+extern "C" __global__ void moe_combine_sorted(float* out, const float* y, const unsigned* inv, const float* wts, int n,
+                                              int k, int d) {
+    GRID_STRIDE(e, (long long)n * d) {
+        long long r = e / d, c = e % d;
+        float acc = 0.f;
+        for (int j = 0; j < k; j++) acc += wts[r * k + j] * y[(long long)inv[r * k + j] * d + c];
+        out[e] = acc;
+    }
+}
+
+// flags[slot] = max(flags[slot], 0xffffffff − first row holding a NaN/±∞) (0: all finite).
+extern "C" __global__ void probe_finite(unsigned* flags, int slot, const float* x, long long len, int cols) {
+    GRID_STRIDE(e, len) {
+        if ((__float_as_uint(x[e]) & 0x7f800000u) == 0x7f800000u)
+            atomicMax(flags + slot, 0xffffffffu - (unsigned)(e / cols));
+    }
+}
+
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// Normal(mean, std) from a counter-based hash (Box–Muller), as bf16 (bf != 0) or f32.
+extern "C" __global__ void rand_normal(void* out, int bf, long long len, float mean, float std,
+                                       unsigned long long seed) {
+    GRID_STRIDE(e, len) {
+        unsigned long long a = mix64(seed * 0x9E3779B97F4A7C15ull + 2 * e + 1);
+        unsigned long long b = mix64(a ^ 0xD1B54A32D192ED03ull);
+        float u1 = ((a >> 40) + 0.5f) * (1.0f / 16777216.0f);
+        float u2 = ((b >> 40) + 0.5f) * (1.0f / 16777216.0f);
+        float v = mean + std * sqrtf(-2.0f * logf(u1)) * cosf(6.2831853f * u2);
+        if (bf) ((unsigned short*)out)[e] = f2bf(v);
+        else ((float*)out)[e] = v;
+    }
+}

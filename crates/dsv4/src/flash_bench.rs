@@ -1,0 +1,203 @@
+//! `dsv4 bench --backend cuda --synthetic flash --layers N`: full V4-Flash dimensions, N decoder
+//! layers drawn on the device (no host copy of the weights), prefill and decode throughput,
+//! per layer and extrapolated to the 43 layers of V4-Flash, and the memory bandwidth decode uses.
+
+use crate::bench::BenchArgs;
+use crate::cli_util::parse_list;
+use anyhow::{bail, Context, Result};
+use dsv4_backend::cuda::CudaBackend;
+use dsv4_backend::synth::synth_weights;
+use dsv4_backend::{Batch, Model, Row};
+use dsv4_model::{AttnKind, Config};
+use std::time::Instant;
+
+/// HBM bandwidth of the H200 as measured here (device-to-device copy, read + write).
+const HBM_BYTES_PER_S: f64 = 4.3e12;
+const FLASH_LAYERS: usize = 43;
+
+/// Layer 0 (SWA) and layers 2.. of V4-Flash: SWA, CSA, HCA, CSA, HCA, ...
+pub fn flash_layers(n: usize) -> Config {
+    let mut c = Config::flash();
+    let mut layers = vec![c.layers[0]];
+    layers.extend(c.layers[2..].iter().copied().take(n.saturating_sub(1)));
+    c.layers = layers;
+    c
+}
+
+fn toks(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 33) % vocab as u64) as u32
+        })
+        .collect()
+}
+
+/// Bytes one decode step reads: every weight the batch touches once, plus the KV it attends.
+fn decode_bytes(cfg: &Config, batch: usize, ctx: usize) -> (f64, f64) {
+    let (d, hd, inter, ne, k) = (cfg.hidden, cfg.head_dim, cfg.moe_inter, cfg.n_routed_experts, cfg.n_experts_per_tok);
+    let bf = 2.0;
+    let mut w = cfg.vocab_size as f64 * d as f64 * bf; // head
+    let mut kv = 0.0;
+    for spec in &cfg.layers {
+        let h = cfg.n_heads;
+        let mut attn = cfg.q_lora_rank * d
+            + h * hd * cfg.q_lora_rank
+            + hd * d
+            + cfg.o_lora_rank * cfg.o_groups * (h * hd / cfg.o_groups)
+            + d * cfg.o_groups * cfg.o_lora_rank;
+        match spec.attn {
+            AttnKind::Swa => {}
+            AttnKind::Hca => attn += 2 * hd * d,
+            AttnKind::Csa => {
+                attn += 2 * 2 * hd * d
+                    + 2 * 2 * cfg.index_head_dim * d
+                    + cfg.index_n_heads * cfg.index_head_dim * cfg.q_lora_rank
+                    + cfg.index_n_heads * d
+            }
+        }
+        // Expected distinct routed experts over the batch (uniform routing), plus the shared one.
+        let distinct = ne as f64 * (1.0 - (1.0 - k as f64 / ne as f64).powi(batch as i32));
+        let experts = (distinct + 1.0) * 3.0 * (inter * d) as f64;
+        let f32s = (2 * cfg.hc_mix() * cfg.hc_width() + ne * d) as f64 * 4.0; // mHC, router
+        w += (attn as f64 + experts) * bf + f32s;
+        // KV read per sequence (f32 state): window ring, compressed entries.
+        let win = ctx.min(cfg.window) * hd;
+        let comp = match spec.attn {
+            AttnKind::Swa => 0,
+            AttnKind::Hca => ctx / spec.ratio * hd,
+            AttnKind::Csa => ctx / spec.ratio * cfg.index_head_dim + (ctx / spec.ratio).min(cfg.index_topk) * hd,
+        };
+        kv += batch as f64 * (win + comp) as f64 * 4.0;
+    }
+    (w, kv)
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    if a.layers == 0 {
+        bail!("--layers must be at least 1");
+    }
+    let contexts = parse_list(&a.contexts).context("--contexts")?;
+    let batches = parse_list(&a.decode_batches).context("--decode-batches")?;
+    let cfg = flash_layers(a.layers);
+    let kinds: Vec<String> = cfg.layers.iter().map(|l| format!("{:?}", l.attn)).collect();
+    let b = CudaBackend::new(0).context("starting the CUDA backend")?;
+    let dev = b.device_name();
+    let free0 = b.mem_free();
+    let t0 = Instant::now();
+    let w = synth_weights(&cfg, 1, |name, shape, mean, std, seed| b.upload_random(name, shape, mean, std, seed));
+    b.synchronize();
+    let free1 = b.mem_free();
+    eprintln!(
+        "flash bench on {dev}: {} layers {kinds:?} drawn on the device in {:.1} s, {:.1} GB of weights, {:.1} GB free",
+        cfg.n_layers(),
+        t0.elapsed().as_secs_f64(),
+        (free0 - free1) as f64 / 1e9,
+        free1 as f64 / 1e9
+    );
+    let max_b = batches.iter().copied().max().unwrap_or(1);
+    let mut m = Model::new(b, cfg.clone(), w, max_b.max(1));
+    let vocab = cfg.vocab_size;
+    let chunk = a.prefill_chunk.max(1);
+    let nl = cfg.n_layers() as f64;
+    let mut results = Vec::new();
+
+    // Warm-up: kernels load, cuBLAS picks algorithms.
+    {
+        let s = m.alloc_seq()?;
+        let t = toks(chunk.min(2048), 99, vocab);
+        m.forward(&Batch::chunk(s, 0, &t)?, &[t.len() - 1])?;
+        m.forward(&Batch::chunk(s, t.len(), &[1])?, &[0])?;
+        m.free_seq(s);
+    }
+
+    for &ctx in &contexts {
+        let s = m.alloc_seq()?;
+        let t = toks(ctx, ctx as u64, vocab);
+        let t0 = Instant::now();
+        for (i, c) in t.chunks(chunk).enumerate() {
+            m.forward(&Batch::chunk(s, i * chunk, c)?, &[c.len() - 1])?;
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        m.free_seq(s);
+        let tps = ctx as f64 / secs;
+        let tps43 = tps * nl / FLASH_LAYERS as f64;
+        println!(
+            "prefill {ctx:>6} tokens (chunks of {chunk}): {secs:8.3} s  {tps:10.0} tok/s with {} layers  {:8.2} ms/layer per 1K tokens  -> {tps43:8.0} tok/s extrapolated to {FLASH_LAYERS} layers",
+            cfg.n_layers(),
+            secs / nl * 1000.0 / (ctx as f64 / 1000.0)
+        );
+        results.push(serde_json::json!({"kind": "prefill", "context": ctx, "chunk": chunk, "secs": secs,
+            "tokens_per_s": tps, "tokens_per_s_43_layers": tps43}));
+    }
+
+    // Decode: max_b sequences prefilled to --decode-context (several per forward), then steps
+    // with the first B sequences in one batch.
+    let dctx = a.decode_context;
+    let seqs: Vec<usize> = (0..max_b).map(|_| m.alloc_seq()).collect::<Result<_, _>>()?;
+    let streams: Vec<Vec<u32>> = seqs.iter().map(|&s| toks(dctx + 1, 1000 + s as u64, vocab)).collect();
+    let t0 = Instant::now();
+    if dctx > 0 {
+        let per = (chunk / dctx.min(chunk)).max(1);
+        for group in seqs.chunks(per) {
+            let mut off = 0;
+            while off < dctx {
+                let n = (dctx - off).min(chunk);
+                let rows: Vec<Row> = group
+                    .iter()
+                    .flat_map(|&s| (off..off + n).map(move |p| (s, p)))
+                    .map(|(s, p)| Row { seq: s, pos: p, token: streams[s][p] })
+                    .collect();
+                let last = rows.len() - 1;
+                m.forward(&Batch::new(rows)?, &[last])?;
+                off += n;
+            }
+        }
+    }
+    eprintln!("decode: {max_b} sequences prefilled to {dctx} in {:.1} s", t0.elapsed().as_secs_f64());
+    let mut pos = vec![dctx; max_b];
+    for &bs in &batches {
+        let steps = a.decode_tokens.max(1);
+        let step = |m: &mut Model<CudaBackend>, pos: &mut Vec<usize>| -> Result<()> {
+            let rows: Vec<Row> = (0..bs)
+                .map(|i| Row {
+                    seq: seqs[i],
+                    pos: pos[i],
+                    token: ((streams[i][dctx] as usize + pos[i]) % vocab) as u32,
+                })
+                .collect();
+            let all: Vec<usize> = (0..bs).collect();
+            m.forward(&Batch::new(rows)?, &all)?;
+            for p in pos.iter_mut().take(bs) {
+                *p += 1;
+            }
+            Ok(())
+        };
+        step(&mut m, &mut pos)?;
+        step(&mut m, &mut pos)?;
+        let t0 = Instant::now();
+        for _ in 0..steps {
+            step(&mut m, &mut pos)?;
+        }
+        let st = t0.elapsed().as_secs_f64() / steps as f64;
+        let (wb, kvb) = decode_bytes(&cfg, bs, dctx);
+        let frac = (wb + kvb) / st / HBM_BYTES_PER_S;
+        let tps = bs as f64 / st;
+        let tps43 = tps * nl / FLASH_LAYERS as f64;
+        println!(
+            "decode batch {bs:>3} at context {dctx}: {:8.3} ms/step  {tps:9.1} tok/s  {:7.3} ms/layer  -> {tps43:8.1} tok/s extrapolated to {FLASH_LAYERS} layers;  {:.2} GB weights + {:.3} GB KV per step = {:.1}% of {:.1} TB/s",
+            st * 1e3,
+            st * 1e3 / nl,
+            wb / 1e9,
+            kvb / 1e9,
+            frac * 100.0,
+            HBM_BYTES_PER_S / 1e12
+        );
+        results.push(serde_json::json!({"kind": "decode", "batch": bs, "context": dctx, "ms_per_step": st * 1e3,
+            "tokens_per_s": tps, "tokens_per_s_43_layers": tps43, "weight_bytes": wb, "kv_bytes": kvb,
+            "hbm_fraction": frac}));
+    }
+    println!("{}", serde_json::json!({"device": dev, "layers": kinds, "prefill_chunk": chunk, "results": results}));
+    Ok(())
+}
