@@ -28,7 +28,7 @@ def pct(xs, p):
     return xs[k]
 
 
-def one_request(url, prompt, max_tokens, key, out):
+def one_request(url, prompt, max_tokens, key, out, index=None):
     u = urllib.parse.urlparse(url)
     c = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -42,7 +42,7 @@ def one_request(url, prompt, max_tokens, key, out):
     if r.status != 200:
         out.append({"error": r.status})
         return
-    times, tokens = [], 0
+    times, tokens, text = [], 0, ""
     for line in r:
         line = line.strip()
         if not line.startswith(b"data: "):
@@ -55,9 +55,10 @@ def one_request(url, prompt, max_tokens, key, out):
             tokens = ev["usage"]["completion_tokens"]
         elif ev["choices"] and ev["choices"][0]["text"]:
             times.append(time.perf_counter())
+            text += ev["choices"][0]["text"]
     c.close()
     end = time.perf_counter()
-    out.append({"ttft": times[0] - t0 if times else end - t0,
+    out.append({"index": index, "text": text, "ttft": times[0] - t0 if times else end - t0,
                 "itl": [b - a for a, b in zip(times, times[1:])], "tokens": tokens, "latency": end - t0})
 
 
@@ -73,7 +74,7 @@ def run_level(url, conc, n_requests, max_tokens, key):
                 if not queue:
                     return
                 i = queue.pop()
-            one_request(url, prompts[i], max_tokens, key, results)
+            one_request(url, prompts[i], max_tokens, key, results, i)
 
     t0 = time.perf_counter()
     ts = [threading.Thread(target=worker) for _ in range(conc)]
@@ -86,7 +87,8 @@ def run_level(url, conc, n_requests, max_tokens, key):
     ttft = [r["ttft"] for r in ok]
     itl = [x for r in ok for x in r["itl"]]
     toks = sum(r["tokens"] for r in ok)
-    return {"concurrency": conc, "requests": len(results), "errors": len(results) - len(ok),
+    texts = {r["index"]: r["text"] for r in ok}
+    return texts, {"concurrency": conc, "requests": len(results), "errors": len(results) - len(ok),
             "completion_tokens": toks, "wall_s": round(wall, 3), "tokens_per_s": round(toks / wall, 1),
             "requests_per_s": round(len(ok) / wall, 2),
             "ttft_ms": {p: round(pct(ttft, p) * 1e3, 1) for p in (50, 90, 99)},
@@ -103,6 +105,7 @@ def main():
     ap.add_argument("--requests-per-level", type=int, default=0, help="default: max(8, 2 x concurrency)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--api-key")
+    ap.add_argument("--extra", default="", help="more `dsv4 serve` arguments for --spawn, space-separated")
     a = ap.parse_args()
     proc = None
     url = a.url
@@ -115,9 +118,10 @@ def main():
                "--max-waiting", "4096"]
         if a.model:
             cmd += ["--model", a.model]
+        cmd += a.extra.split()
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
-        for _ in range(1200):
+        for _ in range(3000):
             try:
                 urllib.request.urlopen(url + "/health", timeout=1).read()
                 break
@@ -127,9 +131,15 @@ def main():
     assert u.hostname in ("127.0.0.1", "localhost", "::1"), "loopback only"
     try:
         one_request(url, "warm up", 4, a.api_key, [])
+        first = None
         for conc in [int(x) for x in a.concurrency.split(",")]:
             n = a.requests_per_level or max(8, 2 * conc)
-            print(json.dumps(run_level(url, conc, n, a.max_tokens, a.api_key)), flush=True)
+            texts, row = run_level(url, conc, n, a.max_tokens, a.api_key)
+            # Batch invariance: greedy outputs of the same prompts at every concurrency level.
+            if first is None:
+                first = texts
+            row["differs_from_first_level"] = sum(1 for i, t in first.items() if i in texts and texts[i] != t)
+            print(json.dumps(row), flush=True)
     finally:
         if proc:
             proc.terminate()

@@ -161,6 +161,14 @@ struct ServeArgs {
     /// Snapshot long prefills every this many tokens.
     #[arg(long, default_value_t = 4096)]
     kv_snapshot_interval: usize,
+    /// Serve random weights at full V4-Flash dimensions with this many layers, drawn on the GPU
+    /// (benchmarks only; needs `--features cuda`).
+    #[arg(long)]
+    synthetic_flash_layers: Option<usize>,
+    /// CUDA: f32 activations into every bf16 product, one kernel path for any batch size (each
+    /// row's result independent of the batch; slower prefill).
+    #[arg(long)]
+    cuda_exact: bool,
 }
 
 fn main() {
@@ -184,11 +192,29 @@ where
     };
     let model = load(backend, &dir, a.max_seqs)?;
     let tok = tokenizer_for(&dir)?;
+    if a.model.is_none() {
+        eprintln!("dsv4: serving the built-in DEMO model (random weights); pass --model DIR for a real checkpoint");
+    }
+    let fingerprint = demo::model_fingerprint(&dir);
+    serve_model(model, tok, a, default_name, fingerprint)
+}
+
+/// Serves a loaded model until ctrl-c, then writes the prefix cache to disk.
+fn serve_model<B: Backend + 'static>(
+    model: Model<B>,
+    tok: dsv4_tokenizer::Tokenizer,
+    a: ServeArgs,
+    default_name: String,
+    fingerprint: u64,
+) -> Result<()>
+where
+    Model<B>: Send,
+{
     let prefix_cache = (a.prefix_cache_mb > 0 || a.kv_disk_dir.is_some()).then(|| dsv4_engine::PrefixCacheConfig {
         memory_budget: a.prefix_cache_mb << 20,
         disk_dir: a.kv_disk_dir.clone(),
         disk_budget: a.kv_disk_budget_mb << 20,
-        fingerprint: demo::model_fingerprint(&dir),
+        fingerprint,
         interval: a.kv_snapshot_interval,
     });
     let cfg = dsv4_engine::EngineConfig {
@@ -208,14 +234,32 @@ where
         max_body: a.max_body_mb << 20,
         default_max_tokens: 4096,
     });
-    if a.model.is_none() {
-        eprintln!("dsv4: serving the built-in DEMO model (random weights); pass --model DIR for a real checkpoint");
-    }
     let addr: std::net::SocketAddr = format!("{}:{}", a.host, a.port).parse().context("--host/--port")?;
     tokio::runtime::Runtime::new()?.block_on(dsv4_server::serve(state, addr))?;
     // Graceful stop: the prefix cache goes to disk before the process exits.
     engine.shutdown(std::time::Duration::from_secs(60));
     Ok(())
+}
+
+/// `serve --synthetic-flash-layers N`: random weights at full V4-Flash dimensions drawn on the
+/// GPU (no checkpoint), for serving benchmarks.
+#[cfg(feature = "cuda")]
+fn serve_flash(a: ServeArgs, layers: usize) -> Result<()> {
+    use dsv4_backend::cuda::CudaBackend;
+    let cfg = flash_bench::flash_layers(layers);
+    let b = CudaBackend::new(0).context("starting the CUDA backend")?;
+    b.set_exact(a.cuda_exact);
+    let w = dsv4_backend::synth::synth_weights(&cfg, 1, |name, shape, mean, std, seed| {
+        b.upload_random(name, shape, mean, std, seed)
+    });
+    let model = Model::new(b, cfg, w, a.max_seqs);
+    eprintln!("dsv4: serving SYNTHETIC V4-Flash weights ({layers} layers, random) for benchmarks");
+    serve_model(model, dsv4_tokenizer::Tokenizer::deepseek_v4()?, a, format!("synthetic-flash-{layers}l"), 0)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn serve_flash(_a: ServeArgs, _layers: usize) -> Result<()> {
+    bail!("--synthetic-flash-layers draws full-size weights on the GPU: rebuild with `--features cuda`")
 }
 
 fn load<B: Backend>(backend: B, dir: &std::path::Path, max_seqs: usize) -> Result<Model<B>> {
@@ -246,7 +290,10 @@ fn run(cli: Cli) -> Result<()> {
                 std::process::exit(1);
             }
         }
-        Cmd::Serve(a) => with_backend!(a.backend, serve(a))?,
+        Cmd::Serve(a) => match a.synthetic_flash_layers {
+            Some(n) => serve_flash(a, n)?,
+            None => with_backend!(a.backend, serve(a))?,
+        },
     }
     Ok(())
 }
