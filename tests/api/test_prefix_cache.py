@@ -68,6 +68,7 @@ def check_warm(turns):
         assert usage.prompt_tokens == len(ids)
         # Only new tokens are prefilled (the previous completion, when the model's own tokens
         # re-encode identically, may be reused too).
+        print("turn", k, "prompt", len(ids), "new", new, "prefilled", prefilled, "cached", cached)
         assert new - prev_completion <= prefilled <= new, (k, prefilled, new, cached)
 
 

@@ -140,3 +140,20 @@ def test_errors_come_in_each_apis_format(oai, ant):
     bad = openai.OpenAI(base_url=oai.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def test_stop_token_ids_and_stop_strings(oai):
+    base = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0, logprobs=0)
+    toks = base.choices[0].logprobs.tokens
+    # Stop at the third generated token's id: generation ends there with finish_reason "stop".
+    ids = oai.post("/tokenize", body={"prompt": base.choices[0].text}, cast_to=object)["tokens"]
+    r = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0,
+                               extra_body={"stop_token_ids": [ids[0]]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
+    # A stop string cuts the text before it.
+    if len(base.choices[0].text) > 3:
+        stop = base.choices[0].text[2:4]
+        r = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0, stop=[stop])
+        assert r.choices[0].text == base.choices[0].text[:base.choices[0].text.index(stop)]
+        assert r.choices[0].finish_reason == "stop"
+    assert len(toks) == 8

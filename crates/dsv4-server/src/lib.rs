@@ -125,6 +125,7 @@ pub fn router(state: Shared) -> Router {
         .route("/v1/responses", post(openai::responses))
         .route("/v1/messages", post(anthropic::messages))
         .route("/tokenize", post(openai::tokenize))
+        .route("/v1/tokenize", post(openai::tokenize))
         .fallback(not_found)
         .with_state(state)
 }

@@ -85,7 +85,25 @@ pub fn start(
 ) -> Result<Gen, ApiError> {
     let sampling = f.sampling(id)?;
     let n = prompt.len();
-    let stop_ids = s.engine.eos_ids.clone();
+    // End of sequence, plus any `stop_token_ids` (vLLM's extension) the client adds.
+    let mut stop_ids = s.engine.eos_ids.clone();
+    match f.v.get("stop_token_ids") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(a)) => {
+            for x in a {
+                match x.as_u64() {
+                    Some(id) if (id as usize) < s.engine.vocab_size => stop_ids.push(id as u32),
+                    _ => {
+                        return Err(ApiError::bad(f.flavor, format!("`stop_token_ids` entries must be token ids, found {x}"))
+                            .param("stop_token_ids"))
+                    }
+                }
+            }
+        }
+        Some(other) => {
+            return Err(ApiError::bad(f.flavor, format!("`stop_token_ids` must be a list, found {other}")).param("stop_token_ids"))
+        }
+    }
     let req = Request { prompt, sampling, max_tokens, stop_ids, top_logprobs, snapshot_at };
     let sub = s.engine.submit(req).map_err(|e| ApiError::from_admit(f.flavor, e))?;
     Ok(Gen::new(sub, &s.tok, stop, n))
