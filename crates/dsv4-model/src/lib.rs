@@ -2,6 +2,7 @@
 //! (safetensors with FP8/FP4), and the logical weight layout. No compute lives here.
 
 pub mod config;
+pub mod gguf;
 pub mod quant;
 pub mod store;
 pub mod synth;

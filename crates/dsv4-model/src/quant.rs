@@ -61,6 +61,631 @@ pub fn dequant_fp4(packed: &[u8], scale: &[f32], rows: usize, cols: usize, group
     out
 }
 
+// ---------------------------------------------------------------------------------------------
+// GGML block formats (GGUF checkpoints such as antirez/ds4's). Every block stores its scales as
+// little-endian IEEE f16; values are reconstructed in f32 in the order ggml's reference
+// `dequantize_row_*` uses, so results are bitwise equal to ggml and to the `gguf` Python package.
+// ---------------------------------------------------------------------------------------------
+
+/// Values per K-quant / i-quant super-block.
+pub const QK_K: usize = 256;
+/// Values per Q8_0 block.
+pub const QK8_0: usize = 32;
+/// Bytes of one Q8_0 block.
+pub const Q8_0_BYTES: usize = 34;
+/// Bytes of one Q4_K block.
+pub const Q4_K_BYTES: usize = 144;
+/// Bytes of one Q2_K block.
+pub const Q2_K_BYTES: usize = 84;
+/// Bytes of one IQ2_XXS block.
+pub const IQ2_XXS_BYTES: usize = 66;
+
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32()
+}
+
+fn f16_bytes(x: f32) -> [u8; 2] {
+    half::f16::from_f32(x).to_bits().to_le_bytes()
+}
+
+fn check_blocks(what: &str, src: &[u8], out: &[f32], bytes: usize, values: usize) {
+    assert!(
+        src.len().is_multiple_of(bytes) && out.len() == src.len() / bytes * values,
+        "{what}: {} bytes do not hold {} values",
+        src.len(),
+        out.len()
+    );
+}
+
+/// Q8_0, 32 values in 34 bytes: `d: f16`, then `qs: [i8; 32]`; `y[i] = d · qs[i]`.
+pub fn dequant_q8_0(src: &[u8], out: &mut [f32]) {
+    check_blocks("Q8_0", src, out, Q8_0_BYTES, QK8_0);
+    for (b, y) in src.chunks_exact(Q8_0_BYTES).zip(out.chunks_exact_mut(QK8_0)) {
+        let d = f16_at(b, 0);
+        for (yi, &q) in y.iter_mut().zip(&b[2..]) {
+            *yi = q as i8 as f32 * d;
+        }
+    }
+}
+
+/// The 6-bit scale and min of sub-block `j` (0..8) of a Q4_K block's 12 packed bytes: bytes 0..4
+/// hold scales 0..4 in their low 6 bits, bytes 4..8 mins 0..4; sub-blocks 4..8 keep their low
+/// 4 bits in bytes 8..12 (scale low nibble, min high nibble) and their top 2 bits in the top 2
+/// bits of bytes 0..4 (scales) and 4..8 (mins).
+pub fn q4_k_scale_min(sc: &[u8], j: usize) -> (u8, u8) {
+    if j < 4 {
+        (sc[j] & 63, sc[j + 4] & 63)
+    } else {
+        ((sc[j + 4] & 0x0f) | ((sc[j - 4] >> 6) << 4), (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4))
+    }
+}
+
+/// Q4_K, 256 values in 144 bytes: `d: f16`, `dmin: f16`, 12 bytes of eight 6-bit scales and mins
+/// ([`q4_k_scale_min`]), then 128 bytes of 4-bit quants. Value `i` lies in sub-block `j = i/32`;
+/// quants come in four 32-byte groups, group `g` holding sub-block `2g` in its low nibbles and
+/// `2g+1` in its high nibbles; `y = (d·scale_j)·q − dmin·min_j`.
+pub fn dequant_q4_k(src: &[u8], out: &mut [f32]) {
+    check_blocks("Q4_K", src, out, Q4_K_BYTES, QK_K);
+    for (b, y) in src.chunks_exact(Q4_K_BYTES).zip(out.chunks_exact_mut(QK_K)) {
+        let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+        let sc = &b[4..16];
+        let qs = &b[16..];
+        for g in 0..4 {
+            let q = &qs[32 * g..32 * g + 32];
+            for (half, shift) in [(0usize, 0u32), (1, 4)] {
+                let (s, m) = q4_k_scale_min(sc, 2 * g + half);
+                let (dl, ml) = (d * s as f32, dmin * m as f32);
+                let yy = &mut y[64 * g + 32 * half..64 * g + 32 * half + 32];
+                for (yi, &qb) in yy.iter_mut().zip(q) {
+                    *yi = dl * ((qb >> shift) & 0x0f) as f32 - ml;
+                }
+            }
+        }
+    }
+}
+
+/// Q2_K, 256 values in 84 bytes: 16 bytes of per-16-value scales (low nibble) and mins (high
+/// nibble), 64 bytes of 2-bit quants, then `d: f16`, `dmin: f16`. Value
+/// `i = 128h + 32s + l` (h < 2, s < 4, l < 32) is bits `2s..2s+2` of quant byte `32h + l`, and
+/// `y = (d·(sc[i/16] & 15))·q − dmin·(sc[i/16] >> 4)`.
+pub fn dequant_q2_k(src: &[u8], out: &mut [f32]) {
+    check_blocks("Q2_K", src, out, Q2_K_BYTES, QK_K);
+    for (b, y) in src.chunks_exact(Q2_K_BYTES).zip(out.chunks_exact_mut(QK_K)) {
+        let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+        let (sc, qs) = (&b[..16], &b[16..80]);
+        for (i, yi) in y.iter_mut().enumerate() {
+            let (h, s, l) = (i / 128, (i / 32) % 4, i % 32);
+            let q = (qs[32 * h + l] >> (2 * s)) & 3;
+            let k = sc[i / 16];
+            *yi = d * (k & 0x0f) as f32 * q as f32 - dmin * (k >> 4) as f32;
+        }
+    }
+}
+
+/// `KSIGNS_IQ2XS[i]`: the 7 sign bits `i` completed by an even-parity 8th bit (bit 7), as in ggml.
+pub const KSIGNS_IQ2XS: [u8; 128] = {
+    let mut t = [0u8; 128];
+    let mut i = 0;
+    while i < 128 {
+        t[i] = i as u8 | (((i as u8).count_ones() as u8 & 1) << 7);
+        i += 1;
+    }
+    t
+};
+
+/// ggml's `iq2xxs_grid`: 256 points of 8 magnitudes each (byte `j` of entry `k` is value `j`),
+/// every magnitude one of 0x08, 0x19, 0x2b (i.e. 1, 3, 5 in units of 1/8 after the 0.25 factor).
+/// Reproduced from the GGUF/ggml format definition (`gguf` Python package 0.19.0, `quants.py`).
+pub const IQ2XXS_GRID: [u64; 256] = [
+    0x0808080808080808,
+    0x080808080808082b,
+    0x0808080808081919,
+    0x0808080808082b08,
+    0x0808080808082b2b,
+    0x0808080808190819,
+    0x0808080808191908,
+    0x08080808082b0808,
+    0x08080808082b082b,
+    0x08080808082b2b08,
+    0x08080808082b2b2b,
+    0x0808080819080819,
+    0x0808080819081908,
+    0x0808080819190808,
+    0x0808080819192b08,
+    0x08080808192b0819,
+    0x08080808192b1908,
+    0x080808082b080808,
+    0x080808082b08082b,
+    0x080808082b082b2b,
+    0x080808082b2b082b,
+    0x0808081908080819,
+    0x0808081908081908,
+    0x0808081908190808,
+    0x0808081908191919,
+    0x0808081919080808,
+    0x080808192b081908,
+    0x080808192b192b08,
+    0x0808082b08080808,
+    0x0808082b0808082b,
+    0x0808082b082b082b,
+    0x0808082b2b08082b,
+    0x0808190808080819,
+    0x0808190808081908,
+    0x0808190808190808,
+    0x08081908082b0819,
+    0x08081908082b1908,
+    0x0808190819080808,
+    0x080819081908082b,
+    0x0808190819082b08,
+    0x08081908192b0808,
+    0x080819082b080819,
+    0x080819082b081908,
+    0x080819082b190808,
+    0x080819082b2b1908,
+    0x0808191908080808,
+    0x080819190808082b,
+    0x0808191908082b08,
+    0x08081919082b0808,
+    0x080819191908192b,
+    0x08081919192b2b19,
+    0x080819192b080808,
+    0x080819192b190819,
+    0x0808192b08082b19,
+    0x0808192b08190808,
+    0x0808192b19080808,
+    0x0808192b2b081908,
+    0x0808192b2b2b1908,
+    0x08082b0808080808,
+    0x08082b0808081919,
+    0x08082b0808082b08,
+    0x08082b0808191908,
+    0x08082b08082b2b08,
+    0x08082b0819080819,
+    0x08082b0819081908,
+    0x08082b0819190808,
+    0x08082b081919082b,
+    0x08082b082b082b08,
+    0x08082b1908081908,
+    0x08082b1919080808,
+    0x08082b2b0808082b,
+    0x08082b2b08191908,
+    0x0819080808080819,
+    0x0819080808081908,
+    0x0819080808190808,
+    0x08190808082b0819,
+    0x0819080819080808,
+    0x08190808192b0808,
+    0x081908082b081908,
+    0x081908082b190808,
+    0x081908082b191919,
+    0x0819081908080808,
+    0x0819081908082b08,
+    0x08190819082b0808,
+    0x0819081919190808,
+    0x0819081919192b2b,
+    0x081908192b080808,
+    0x0819082b082b1908,
+    0x0819082b19081919,
+    0x0819190808080808,
+    0x0819190808082b08,
+    0x08191908082b0808,
+    0x08191908082b1919,
+    0x0819190819082b19,
+    0x081919082b080808,
+    0x0819191908192b08,
+    0x08191919192b082b,
+    0x0819192b08080808,
+    0x0819192b0819192b,
+    0x08192b0808080819,
+    0x08192b0808081908,
+    0x08192b0808190808,
+    0x08192b0819080808,
+    0x08192b082b080819,
+    0x08192b1908080808,
+    0x08192b1908081919,
+    0x08192b192b2b0808,
+    0x08192b2b19190819,
+    0x082b080808080808,
+    0x082b08080808082b,
+    0x082b080808082b2b,
+    0x082b080819081908,
+    0x082b0808192b0819,
+    0x082b08082b080808,
+    0x082b08082b08082b,
+    0x082b0819082b2b19,
+    0x082b081919082b08,
+    0x082b082b08080808,
+    0x082b082b0808082b,
+    0x082b190808080819,
+    0x082b190808081908,
+    0x082b190808190808,
+    0x082b190819080808,
+    0x082b19081919192b,
+    0x082b191908080808,
+    0x082b191919080819,
+    0x082b1919192b1908,
+    0x082b192b2b190808,
+    0x082b2b0808082b08,
+    0x082b2b08082b0808,
+    0x082b2b082b191908,
+    0x082b2b2b19081908,
+    0x1908080808080819,
+    0x1908080808081908,
+    0x1908080808190808,
+    0x1908080808192b08,
+    0x19080808082b0819,
+    0x19080808082b1908,
+    0x1908080819080808,
+    0x1908080819082b08,
+    0x190808081919192b,
+    0x19080808192b0808,
+    0x190808082b080819,
+    0x190808082b081908,
+    0x190808082b190808,
+    0x1908081908080808,
+    0x19080819082b0808,
+    0x19080819192b0819,
+    0x190808192b080808,
+    0x190808192b081919,
+    0x1908082b08080819,
+    0x1908082b08190808,
+    0x1908082b19082b08,
+    0x1908082b1919192b,
+    0x1908082b192b2b08,
+    0x1908190808080808,
+    0x1908190808082b08,
+    0x19081908082b0808,
+    0x190819082b080808,
+    0x190819082b192b19,
+    0x190819190819082b,
+    0x19081919082b1908,
+    0x1908192b08080808,
+    0x19082b0808080819,
+    0x19082b0808081908,
+    0x19082b0808190808,
+    0x19082b0819080808,
+    0x19082b0819081919,
+    0x19082b1908080808,
+    0x19082b1919192b08,
+    0x19082b19192b0819,
+    0x19082b192b08082b,
+    0x19082b2b19081919,
+    0x19082b2b2b190808,
+    0x1919080808080808,
+    0x1919080808082b08,
+    0x1919080808190819,
+    0x1919080808192b19,
+    0x19190808082b0808,
+    0x191908082b080808,
+    0x191908082b082b08,
+    0x1919081908081908,
+    0x191908191908082b,
+    0x191908192b2b1908,
+    0x1919082b2b190819,
+    0x191919082b190808,
+    0x191919082b19082b,
+    0x1919191908082b2b,
+    0x1919192b08080819,
+    0x1919192b19191908,
+    0x19192b0808080808,
+    0x19192b0808190819,
+    0x19192b0808192b19,
+    0x19192b08192b1908,
+    0x19192b1919080808,
+    0x19192b2b08082b08,
+    0x192b080808081908,
+    0x192b080808190808,
+    0x192b080819080808,
+    0x192b0808192b2b08,
+    0x192b081908080808,
+    0x192b081919191919,
+    0x192b082b08192b08,
+    0x192b082b192b0808,
+    0x192b190808080808,
+    0x192b190808081919,
+    0x192b191908190808,
+    0x192b19190819082b,
+    0x192b19192b081908,
+    0x192b2b081908082b,
+    0x2b08080808080808,
+    0x2b0808080808082b,
+    0x2b08080808082b2b,
+    0x2b08080819080819,
+    0x2b0808082b08082b,
+    0x2b08081908081908,
+    0x2b08081908192b08,
+    0x2b08081919080808,
+    0x2b08082b08190819,
+    0x2b08190808080819,
+    0x2b08190808081908,
+    0x2b08190808190808,
+    0x2b08190808191919,
+    0x2b08190819080808,
+    0x2b081908192b0808,
+    0x2b08191908080808,
+    0x2b0819191908192b,
+    0x2b0819192b191908,
+    0x2b08192b08082b19,
+    0x2b08192b19080808,
+    0x2b08192b192b0808,
+    0x2b082b080808082b,
+    0x2b082b1908081908,
+    0x2b082b2b08190819,
+    0x2b19080808081908,
+    0x2b19080808190808,
+    0x2b190808082b1908,
+    0x2b19080819080808,
+    0x2b1908082b2b0819,
+    0x2b1908190819192b,
+    0x2b1908192b080808,
+    0x2b19082b19081919,
+    0x2b19190808080808,
+    0x2b191908082b082b,
+    0x2b19190819081908,
+    0x2b19191919190819,
+    0x2b192b082b080819,
+    0x2b192b19082b0808,
+    0x2b2b08080808082b,
+    0x2b2b080819190808,
+    0x2b2b08082b081919,
+    0x2b2b081908082b19,
+    0x2b2b082b08080808,
+    0x2b2b190808192b08,
+    0x2b2b2b0819190808,
+    0x2b2b2b1908081908,
+];
+
+/// IQ2_XXS, 256 values in 66 bytes: `d: f16`, then 32 `u16` read as eight pairs of little-endian
+/// `u32` `(a, b)`, one pair per 32 values. The four bytes of `a` index [`IQ2XXS_GRID`] (8 values
+/// each); bits `7k..7k+7` of `b` (k < 4) index [`KSIGNS_IQ2XS`] for the signs of those 8 values
+/// (bit j set: negative); bits 28..32 of `b` are a 4-bit scale `ls`, and
+/// `y = (d·(0.5 + ls)·0.25) · grid · sign`.
+pub fn dequant_iq2_xxs(src: &[u8], out: &mut [f32]) {
+    check_blocks("IQ2_XXS", src, out, IQ2_XXS_BYTES, QK_K);
+    for (b, y) in src.chunks_exact(IQ2_XXS_BYTES).zip(out.chunks_exact_mut(QK_K)) {
+        let d = f16_at(b, 0);
+        for (ib, y32) in y.chunks_exact_mut(32).enumerate() {
+            let o = 2 + 8 * ib;
+            let a = u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+            let s = u32::from_le_bytes(b[o + 4..o + 8].try_into().unwrap());
+            let db = d * (0.5 + (s >> 28) as f32) * 0.25;
+            for (k, y8) in y32.chunks_exact_mut(8).enumerate() {
+                let grid = IQ2XXS_GRID[((a >> (8 * k)) & 0xff) as usize].to_le_bytes();
+                let signs = KSIGNS_IQ2XS[((s >> (7 * k)) & 127) as usize];
+                for (j, yi) in y8.iter_mut().enumerate() {
+                    let sign = if signs & (1 << j) != 0 { -1.0 } else { 1.0 };
+                    *yi = db * grid[j] as f32 * sign;
+                }
+            }
+        }
+    }
+}
+
+/// ggml's `nearest_int`: round to nearest, ties to even, through the 1.5·2^23 trick (|x| < 2^22).
+fn nearest_int(x: f32) -> i32 {
+    debug_assert!(x.abs() <= 4194303.0);
+    let v = x + 12582912.0;
+    (v.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
+}
+
+/// Quantises `x` (a multiple of 32 values) to Q8_0 like ggml's `quantize_row_q8_0_ref`:
+/// `d = max|x|/127`, `q = round(x/d)` (half away from zero). Bit-identical to
+/// `gguf.quants.quantize(x, Q8_0)`.
+pub fn quantize_q8_0(x: &[f32]) -> Vec<u8> {
+    assert!(x.len().is_multiple_of(QK8_0), "Q8_0: {} values is not a multiple of {QK8_0}", x.len());
+    let mut out = Vec::with_capacity(x.len() / QK8_0 * Q8_0_BYTES);
+    for b in x.chunks_exact(QK8_0) {
+        let amax = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        out.extend_from_slice(&f16_bytes(d));
+        out.extend(b.iter().map(|&v| (v * id).round() as i8 as u8));
+    }
+    out
+}
+
+/// ggml's `make_qkx2_quants`: an asymmetric `nmax`-level quantisation `x ≈ scale·L − min` of one
+/// sub-block, refined by trying `nstep+1` candidate inverse scales and a weighted least-squares fit
+/// of `(scale, min)`. Returns `(scale, min)` with `min ≥ 0` (the value subtracted).
+#[allow(clippy::too_many_arguments)]
+fn make_qkx2_quants(
+    nmax: i32,
+    x: &[f32],
+    w: &[f32],
+    l_out: &mut [u8],
+    rmin: f32,
+    rdelta: f32,
+    nstep: i32,
+    use_mad: bool,
+) -> (f32, f32) {
+    let n = x.len();
+    let (mut min, mut max) = (x[0], x[0]);
+    let mut sum_w = w[0];
+    let mut sum_x = sum_w * x[0];
+    for i in 1..n {
+        min = min.min(x[i]);
+        max = max.max(x[i]);
+        sum_w += w[i];
+        sum_x += w[i] * x[i];
+    }
+    if min > 0.0 {
+        min = 0.0;
+    }
+    if max == min {
+        l_out.fill(0);
+        return (0.0, -min);
+    }
+    let err = |d: f32| if use_mad { d.abs() } else { d * d };
+    let mut iscale = nmax as f32 / (max - min);
+    let mut scale = 1.0 / iscale;
+    let mut best = 0f32;
+    for i in 0..n {
+        let l = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
+        l_out[i] = l as u8;
+        best += w[i] * err(scale * l as f32 + min - x[i]);
+    }
+    let mut laux = [0u8; 32];
+    for is in 0..=nstep {
+        iscale = (rmin + rdelta * is as f32 + nmax as f32) / (max - min);
+        let (mut sum_l, mut sum_l2, mut sum_xl) = (0f32, 0f32, 0f32);
+        for i in 0..n {
+            let l = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
+            laux[i] = l as u8;
+            let lf = l as f32;
+            sum_l += w[i] * lf;
+            sum_l2 += w[i] * lf * lf;
+            sum_xl += w[i] * lf * x[i];
+        }
+        let det = sum_w * sum_l2 - sum_l * sum_l;
+        if det > 0.0 {
+            let mut this_scale = (sum_w * sum_xl - sum_x * sum_l) / det;
+            let mut this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det;
+            if this_min > 0.0 {
+                this_min = 0.0;
+                this_scale = sum_xl / sum_l2;
+            }
+            let mut cur = 0f32;
+            for i in 0..n {
+                cur += w[i] * err(this_scale * laux[i] as f32 + this_min - x[i]);
+            }
+            if cur < best {
+                l_out[..n].copy_from_slice(&laux[..n]);
+                best = cur;
+                scale = this_scale;
+                min = this_min;
+            }
+        }
+    }
+    (scale, -min)
+}
+
+/// Quantises `x` (a multiple of 256 values) to Q4_K like ggml's `quantize_row_q4_K_ref` (no
+/// importance matrix): per 32-value sub-block [`make_qkx2_quants`] with weights `rms + |x|`, the
+/// eight scales and mins quantised to 6 bits against their maxima, then the quants recomputed
+/// against the stored (f16 × 6-bit) scale and min.
+pub fn quantize_q4_k(x: &[f32]) -> Vec<u8> {
+    assert!(x.len().is_multiple_of(QK_K), "Q4_K: {} values is not a multiple of {QK_K}", x.len());
+    let mut out = vec![0u8; x.len() / QK_K * Q4_K_BYTES];
+    for (x, y) in x.chunks_exact(QK_K).zip(out.chunks_exact_mut(Q4_K_BYTES)) {
+        let mut l = [0u8; QK_K];
+        let (mut scales, mut mins) = ([0f32; 8], [0f32; 8]);
+        let (mut max_scale, mut max_min) = (0f32, 0f32);
+        let mut w = [0f32; 32];
+        for j in 0..8 {
+            let xs = &x[32 * j..32 * j + 32];
+            let sum_x2 = xs.iter().fold(0f32, |s, v| s + v * v);
+            let av_x = (sum_x2 / 32.0).sqrt();
+            for (wi, v) in w.iter_mut().zip(xs) {
+                *wi = av_x + v.abs();
+            }
+            let (s, m) = make_qkx2_quants(15, xs, &w, &mut l[32 * j..32 * j + 32], -1.0, 0.1, 20, false);
+            (scales[j], mins[j]) = (s, m);
+            max_scale = max_scale.max(s);
+            max_min = max_min.max(m);
+        }
+        let inv_scale = if max_scale > 0.0 { 63.0 / max_scale } else { 0.0 };
+        let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
+        let sc = &mut y[4..16];
+        for j in 0..8 {
+            let ls = (nearest_int(inv_scale * scales[j]) as u8).min(63);
+            let lm = (nearest_int(inv_min * mins[j]) as u8).min(63);
+            if j < 4 {
+                sc[j] = ls;
+                sc[j + 4] = lm;
+            } else {
+                sc[j + 4] = (ls & 0x0f) | ((lm & 0x0f) << 4);
+                sc[j - 4] |= (ls >> 4) << 6;
+                sc[j] |= (lm >> 4) << 6;
+            }
+        }
+        let d = half::f16::from_f32(max_scale / 63.0);
+        let dmin = half::f16::from_f32(max_min / 63.0);
+        for j in 0..8 {
+            let (s, m) = q4_k_scale_min(&y[4..16], j);
+            let dd = d.to_f32() * s as f32;
+            if dd == 0.0 {
+                continue;
+            }
+            let dm = dmin.to_f32() * m as f32;
+            for i in 32 * j..32 * j + 32 {
+                l[i] = nearest_int((x[i] + dm) / dd).clamp(0, 15) as u8;
+            }
+        }
+        y[..2].copy_from_slice(&d.to_bits().to_le_bytes());
+        y[2..4].copy_from_slice(&dmin.to_bits().to_le_bytes());
+        for g in 0..4 {
+            for i in 0..32 {
+                y[16 + 32 * g + i] = l[64 * g + i] | (l[64 * g + 32 + i] << 4);
+            }
+        }
+    }
+    out
+}
+
+/// Quantises `x` (a multiple of 256 values) to Q2_K like ggml's `quantize_row_q2_K_ref` (no
+/// importance matrix): per 16-value sub-block [`make_qkx2_quants`] with weights `|x|` (mean
+/// absolute error), the sixteen scales and mins quantised to 4 bits against their maxima, then the
+/// quants recomputed against the stored scale and min.
+pub fn quantize_q2_k(x: &[f32]) -> Vec<u8> {
+    assert!(x.len().is_multiple_of(QK_K), "Q2_K: {} values is not a multiple of {QK_K}", x.len());
+    let mut out = vec![0u8; x.len() / QK_K * Q2_K_BYTES];
+    for (x, y) in x.chunks_exact(QK_K).zip(out.chunks_exact_mut(Q2_K_BYTES)) {
+        let mut l = [0u8; QK_K];
+        let (mut scales, mut mins) = ([0f32; 16], [0f32; 16]);
+        let (mut max_scale, mut max_min) = (0f32, 0f32);
+        let mut w = [0f32; 16];
+        for j in 0..16 {
+            let xs = &x[16 * j..16 * j + 16];
+            for (wi, v) in w.iter_mut().zip(xs) {
+                *wi = v.abs();
+            }
+            let (s, m) = make_qkx2_quants(3, xs, &w, &mut l[16 * j..16 * j + 16], -0.5, 0.1, 15, true);
+            (scales[j], mins[j]) = (s, m);
+            max_scale = max_scale.max(s);
+            max_min = max_min.max(m);
+        }
+        let mut sc = [0u8; 16];
+        let d = if max_scale > 0.0 {
+            let iscale = 15.0 / max_scale;
+            for (k, s) in sc.iter_mut().zip(&scales) {
+                *k = nearest_int(iscale * s) as u8;
+            }
+            half::f16::from_f32(max_scale / 15.0)
+        } else {
+            half::f16::ZERO
+        };
+        let dmin = if max_min > 0.0 {
+            let iscale = 15.0 / max_min;
+            for (k, m) in sc.iter_mut().zip(&mins) {
+                *k |= (nearest_int(iscale * m) as u8) << 4;
+            }
+            half::f16::from_f32(max_min / 15.0)
+        } else {
+            half::f16::ZERO
+        };
+        y[..16].copy_from_slice(&sc);
+        for (j, &k) in sc.iter().enumerate() {
+            let dd = d.to_f32() * (k & 0x0f) as f32;
+            if dd == 0.0 {
+                continue;
+            }
+            let dm = dmin.to_f32() * (k >> 4) as f32;
+            for i in 16 * j..16 * j + 16 {
+                l[i] = nearest_int((x[i] + dm) / dd).clamp(0, 3) as u8;
+            }
+        }
+        for h in 0..2 {
+            for i in 0..32 {
+                let b = 128 * h + i;
+                y[16 + 32 * h + i] = l[b] | (l[b + 32] << 2) | (l[b + 64] << 4) | (l[b + 96] << 6);
+            }
+        }
+        y[80..82].copy_from_slice(&d.to_bits().to_le_bytes());
+        y[82..84].copy_from_slice(&dmin.to_bits().to_le_bytes());
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -12,7 +12,7 @@ use clap::{Parser, Subcommand};
 use cli_util::{parse_list, parse_tokens, write_npy};
 use dsv4_backend::cpu::CpuBackend;
 use dsv4_backend::{Backend, Model};
-use dsv4_engine::{generate, GenerateOptions, Sampler, SamplingParams, StopReason};
+use dsv4_engine::{generate, generate_speculative, GenerateOptions, Sampler, SamplingParams, SpecConfig, StopReason};
 use std::path::PathBuf;
 
 #[derive(Parser)]
@@ -112,6 +112,51 @@ struct GenerateArgs {
     /// Print {"tokens":[...],"text":"...",...} instead of the text.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    dspark: DsparkArgs,
+}
+
+/// DSpark speculative decoding (the checkpoint's `mtp.*` block drafter).
+#[derive(clap::Args, Clone)]
+struct DsparkArgs {
+    /// Speculate with the checkpoint's DSpark drafter (lossless: greedy output equals plain
+    /// greedy; at temperature > 0, rejection sampling keeps the target's distribution).
+    #[arg(long)]
+    dspark: bool,
+    /// Longest draft verified per round (default: the drafter's block size).
+    #[arg(long, requires = "dspark")]
+    dspark_max_draft: Option<usize>,
+    /// Stop drafting for a sequence while its acceptance does not pay for the verify rows
+    /// (cost measured on the backend at startup).
+    #[arg(long, requires = "dspark")]
+    dspark_adaptive: bool,
+}
+
+impl DsparkArgs {
+    /// Loads the drafter of `dir` when `--dspark` is given.
+    fn config<B: Backend>(
+        &self,
+        dir: &std::path::Path,
+        model: &mut Model<B>,
+        sampled: bool,
+    ) -> Result<Option<SpecConfig>> {
+        if !self.dspark {
+            return Ok(None);
+        }
+        let d = dsv4_dspark::Drafter::load_dir(dir)
+            .with_context(|| format!("loading the DSpark drafter of {}", dir.display()))?;
+        let mut sc = SpecConfig::new(std::sync::Arc::new(d));
+        if let Some(l) = self.dspark_max_draft {
+            sc.max_draft = l;
+        }
+        sc.sampled = sampled;
+        if self.dspark_adaptive {
+            sc.policy.adaptive = true;
+            sc.policy.verify_cost = dsv4_engine::speculative::measure_verify_cost(model, sc.max_len(), 5)?;
+            tracing::info!("DSpark verify cost (x a 1-row decode) per draft length: {:?}", sc.policy.verify_cost);
+        }
+        Ok(Some(sc))
+    }
 }
 
 #[derive(clap::Args)]
@@ -169,6 +214,8 @@ struct ServeArgs {
     /// row's result independent of the batch; slower prefill).
     #[arg(long)]
     cuda_exact: bool,
+    #[command(flatten)]
+    dspark: DsparkArgs,
 }
 
 fn main() {
@@ -196,7 +243,11 @@ where
         eprintln!("dsv4: serving the built-in DEMO model (random weights); pass --model DIR for a real checkpoint");
     }
     let fingerprint = demo::model_fingerprint(&dir);
-    serve_model(model, tok, a, default_name, fingerprint)
+    let mut model = model;
+    // In the server, DSpark speculates for greedy requests; sampled ones decode plainly (their
+    // seeded outputs stay those of a plain run).
+    let dspark = a.dspark.config(&dir, &mut model, false)?;
+    serve_model(model, tok, a, default_name, fingerprint, dspark)
 }
 
 /// Serves a loaded model until ctrl-c, then writes the prefix cache to disk.
@@ -206,6 +257,7 @@ fn serve_model<B: Backend + 'static>(
     a: ServeArgs,
     default_name: String,
     fingerprint: u64,
+    dspark: Option<SpecConfig>,
 ) -> Result<()>
 where
     Model<B>: Send,
@@ -223,6 +275,7 @@ where
         max_waiting: a.max_waiting,
         max_context: a.max_context,
         prefix_cache,
+        dspark,
     };
     let engine = dsv4_engine::spawn(model, cfg, a.max_seqs);
     let state = std::sync::Arc::new(dsv4_server::AppState {
@@ -254,7 +307,7 @@ fn serve_flash(a: ServeArgs, layers: usize) -> Result<()> {
     });
     let model = Model::new(b, cfg, w, a.max_seqs);
     eprintln!("dsv4: serving SYNTHETIC V4-Flash weights ({layers} layers, random) for benchmarks");
-    serve_model(model, dsv4_tokenizer::Tokenizer::deepseek_v4()?, a, format!("synthetic-flash-{layers}l"), 0)
+    serve_model(model, dsv4_tokenizer::Tokenizer::deepseek_v4()?, a, format!("synthetic-flash-{layers}l"), 0, None)
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -290,9 +343,15 @@ fn run(cli: Cli) -> Result<()> {
                 std::process::exit(1);
             }
         }
-        Cmd::Serve(a) => match a.synthetic_flash_layers {
-            Some(n) => serve_flash(a, n)?,
-            None => with_backend!(a.backend, serve(a))?,
+        Cmd::Serve(a) => match (a.synthetic_flash_layers, a.backend) {
+            (Some(n), _) => serve_flash(a, n)?,
+            #[cfg(feature = "cuda")]
+            (None, BackendKind::Cuda) => {
+                let b = dsv4_backend::cuda::CudaBackend::new(0).context("starting the CUDA backend")?;
+                b.set_exact(a.cuda_exact);
+                serve(b, a)?
+            }
+            _ => with_backend!(a.backend, serve(a))?,
         },
     }
     Ok(())
@@ -355,10 +414,17 @@ fn generate_cmd<B: Backend>(backend: B, a: GenerateArgs) -> Result<()> {
     let mut sampler = Sampler::new(SamplingParams { temperature, top_p, top_k, min_p, seed })?;
     let stop: Vec<u32> = if a.ignore_eos { Vec::new() } else { m.cfg.eos_token_ids.clone() };
     let opts = GenerateOptions { max_new_tokens: a.max_new_tokens, stop_ids: &stop, prefill_chunk: a.prefill_chunk };
-    let g = generate(&mut m, &ids, &mut sampler, &opts)?;
+    let spec = a.dspark.config(&dir, &mut m, true)?;
+    let (g, stats) = match &spec {
+        Some(sc) => {
+            let (g, st) = generate_speculative(&mut m, &ids, &mut sampler, &opts, sc)?;
+            (g, Some(st))
+        }
+        None => (generate(&mut m, &ids, &mut sampler, &opts)?, None),
+    };
     let text = tok.decode(&g.tokens, true)?;
     if a.json {
-        let out = serde_json::json!({
+        let mut out = serde_json::json!({
             "tokens": g.tokens,
             "text": text,
             "prompt_tokens": ids.len(),
@@ -367,6 +433,9 @@ fn generate_cmd<B: Backend>(backend: B, a: GenerateArgs) -> Result<()> {
             "prefill_tokens_per_s": ids.len() as f64 / g.prefill_secs.max(1e-9),
             "decode_tokens_per_s": g.tokens.len().saturating_sub(1) as f64 / g.decode_secs.max(1e-9),
         });
+        if let Some(st) = stats {
+            out["dspark"] = st.to_json();
+        }
         println!("{out}");
     } else {
         println!("{text}");
