@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo test --workspace --locked --features dsv4/cuda
-cargo build --release --locked -p dsv4
+# The SDK tests drive the `dsv4` binary that `cargo test` just built (optimised, see Cargo.toml).
+cargo build --locked -p dsv4 --features cuda
 python3 -m venv target/api-venv
 target/api-venv/bin/pip install --quiet --disable-pip-version-check -r tests/api/requirements.txt
-DSV4_BIN="$PWD/target/release/dsv4" target/api-venv/bin/python -m pytest -q tests/api
+DSV4_BIN="$PWD/target/debug/dsv4" target/api-venv/bin/python -m pytest -q tests/api
