@@ -6,7 +6,7 @@
 
 use crate::backend::{Backend, CompSlot};
 use crate::batch::Batch;
-use dsv4_model::weights::{Layer, Weights};
+use dsv4_model::weights::{Hc, Layer, Weights};
 use dsv4_model::{AttnKind, Config};
 
 /// The name of an intermediate: `(layer, stage)`; `layer` is `None` outside the decoder layers.
@@ -133,22 +133,10 @@ fn run<B: Backend>(
     let mut x = b.hc_expand(&e, cfg.hc_mult);
     let tokens = batch.tokens();
     for (l, lw) in w.layers.iter().enumerate() {
-        let li = Some(l);
-        let (y, post, comb) = b.hc_pre(&x, &lw.hc_attn, cfg);
-        cx.cap(li, "attn.hc_pre", &y);
-        let a = b.rms_norm(&y, Some(&lw.attn_norm), cfg.hidden, cfg.rms_eps);
-        cx.cap(li, "attn.norm", &a);
-        let o = attention(&mut cx, l, lw, &a);
-        x = b.hc_post(&o, &x, &post, &comb);
-        cx.cap(li, "attn.residual", &x);
-
-        let (y, post, comb) = b.hc_pre(&x, &lw.hc_ffn, cfg);
-        cx.cap(li, "ffn.hc_pre", &y);
-        let f = b.rms_norm(&y, Some(&lw.ffn_norm), cfg.hidden, cfg.rms_eps);
-        cx.cap(li, "ffn.norm", &f);
-        let o = moe(&mut cx, l, lw, &f, &tokens);
-        x = b.hc_post(&o, &x, &post, &comb);
-        cx.cap(li, "ffn.residual", &x);
+        let names = ["attn.hc_pre", "attn.norm", "attn.residual"];
+        x = sub_block(&mut cx, l, &x, &lw.hc_attn, &lw.attn_norm, names, |cx, a| attention(cx, l, lw, a));
+        let names = ["ffn.hc_pre", "ffn.norm", "ffn.residual"];
+        x = sub_block(&mut cx, l, &x, &lw.hc_ffn, &lw.ffn_norm, names, |cx, f| moe(cx, l, lw, f, &tokens));
     }
     let xs = b.select_rows(&x, out_rows);
     let h = b.hc_head(&xs, &w.hc_head, cfg);
@@ -158,6 +146,28 @@ fn run<B: Backend>(
     let logits = b.matmul(&h, &w.head);
     cx.cap(None, "logits", &logits);
     (logits, cx.probes.unwrap_or_default())
+}
+
+/// One pre-norm sub-block through mHC: collapse the streams (HC_PRE), normalise, run `body`,
+/// and mix its output back into the streams (HC_POST). `names` label those three stages.
+fn sub_block<'a, 'c, B: Backend>(
+    cx: &mut Ctx<'a, 'c, B>,
+    l: usize,
+    x: &B::T,
+    hc: &Hc<B::W>,
+    norm: &B::W,
+    names: [&'static str; 3],
+    body: impl FnOnce(&mut Ctx<'a, 'c, B>, &B::T) -> B::T,
+) -> B::T {
+    let (b, cfg) = (cx.b, cx.cfg);
+    let (y, post, comb) = b.hc_pre(x, hc, cfg);
+    cx.cap(Some(l), names[0], &y);
+    let a = b.rms_norm(&y, Some(norm), cfg.hidden, cfg.rms_eps);
+    cx.cap(Some(l), names[1], &a);
+    let o = body(cx, &a);
+    let x = b.hc_post(&o, x, &post, &comb);
+    cx.cap(Some(l), names[2], &x);
+    x
 }
 
 fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a: &B::T) -> B::T {
