@@ -45,6 +45,7 @@ def main():
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--lengths", default="8192,32768")
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--extra", default="", help="more `dsv4 serve` arguments, space-separated")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
     with socket.socket() as s:
@@ -54,10 +55,11 @@ def main():
            "--max-context", str(max(lengths) + a.new_tokens + 16), "--token-budget", "2048"]
     if a.model:
         cmd += ["--model", a.model]
+    cmd += a.extra.split()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(1200):
+        for _ in range(3000):
             try:
                 urllib.request.urlopen(url + "/health", timeout=1).read()
                 break

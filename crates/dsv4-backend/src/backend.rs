@@ -40,7 +40,9 @@ pub trait Backend: Send + Sync {
     fn reset_seq(&self, cache: &mut Self::Cache, seq: usize);
     /// Copies one sequence's whole state (spec §9.1) to the host, for the prefix and disk
     /// caches. `None` where the backend cannot (yet).
-    fn save_seq(&self, _cache: &Self::Cache, _seq: usize) -> Option<SeqState> {
+    /// `len` is the number of tokens the sequence holds (backends that address rows by position
+    /// need it).
+    fn save_seq(&self, _cache: &Self::Cache, _cfg: &Config, _seq: usize, _len: usize) -> Option<SeqState> {
         None
     }
     /// Cuts a sequence holding `have` tokens back to `len` (speculative rollback, no replay).
@@ -48,7 +50,7 @@ pub trait Backend: Send + Sync {
         Err(format!("{} cannot roll sequences back (yet): {have} -> {len}", self.name()))
     }
     /// Replaces a sequence's state with a saved one; `false` where the backend cannot (yet).
-    fn load_seq(&self, _cache: &mut Self::Cache, _seq: usize, _state: &SeqState) -> bool {
+    fn load_seq(&self, _cache: &mut Self::Cache, _cfg: &Config, _seq: usize, _state: &SeqState, _len: usize) -> bool {
         false
     }
     fn rows(&self, batch: &Batch) -> Self::Rows;

@@ -118,7 +118,7 @@ impl<B: Backend> Model<B> {
     /// The sequence's whole state and length, on the host; `None` if the backend cannot save.
     pub fn snapshot(&self, seq: usize) -> Option<Snapshot> {
         let len = self.seq_len(seq)?;
-        self.backend.save_seq(&self.cache, seq).map(|state| Snapshot { len, state })
+        self.backend.save_seq(&self.cache, &self.cfg, seq, len).map(|state| Snapshot { len, state })
     }
 
     /// Cuts the sequence back to its first `len` tokens without replaying anything (rejected
@@ -134,7 +134,7 @@ impl<B: Backend> Model<B> {
     /// Puts a snapshot into an allocated slot: the sequence continues exactly as if it had
     /// prefilled the snapshot's tokens itself. `false` if the backend cannot restore.
     pub fn restore(&mut self, seq: usize, snap: &Snapshot) -> bool {
-        if self.seq_len(seq).is_none() || !self.backend.load_seq(&mut self.cache, seq, &snap.state) {
+        if self.seq_len(seq).is_none() || !self.backend.load_seq(&mut self.cache, &self.cfg, seq, &snap.state, snap.len) {
             return false;
         }
         self.seqs[seq] = Some(snap.len);

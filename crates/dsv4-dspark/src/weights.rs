@@ -200,8 +200,16 @@ pub fn load(store: &TensorStore, cfg: &Config, dcfg: &DsparkConfig) -> Result<Dr
     let (hcw, mix, hcn) = (cfg.hc_width(), cfg.hc_mix(), cfg.hc_mult);
     let ncap = dcfg.target_layer_ids.len();
     let r = dcfg.markov_rank;
-    let embed = read(store, "embed.weight", &[v, d], false)?;
-    let head = read(store, "head.weight", &[v, d], false)?;
+    // The drafter shares the target's embedding and LM head: official names, else HF names.
+    let shared = |official: &str, hf: &str| {
+        if resolve(store, official).is_none() && resolve(store, hf).is_some() {
+            hf.to_string()
+        } else {
+            official.to_string()
+        }
+    };
+    let embed = read(store, &shared("embed.weight", "embed_tokens.weight"), &[v, d], false)?;
+    let head = read(store, &shared("head.weight", "lm_head.weight"), &[v, d], false)?;
     let main_proj = read(store, "mtp.0.main_proj.weight", &[d, ncap * d], false)?;
     let main_norm = read(store, "mtp.0.main_norm.weight", &[d], false)?;
     let mut stages = Vec::with_capacity(n);

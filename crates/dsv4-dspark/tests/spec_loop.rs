@@ -81,8 +81,28 @@ fn captured_main_hidden_is_the_hc_mean_of_the_layer_outputs() {
     assert!(r > 1e-2);
 }
 
+/// How the target is cut back after a rejection.
+#[derive(Clone, Copy, Debug)]
+enum Rollback {
+    /// Restore the snapshot taken before the verify forward and re-feed the accepted prefix.
+    SnapshotReplay,
+    /// `Model::truncate` (no replay; what the engine does).
+    Truncate,
+}
+
 #[test]
-fn greedy_speculative_loop_reproduces_the_reference_run() {
+fn greedy_speculative_loop_reproduces_the_reference_run_snapshot_replay() {
+    speculative_loop(Rollback::SnapshotReplay);
+}
+
+#[test]
+fn greedy_speculative_loop_reproduces_the_reference_run_truncate() {
+    speculative_loop(Rollback::Truncate);
+}
+
+/// Prefill, then rounds of: draft γ tokens, verify `[anchor, d0..d4]` in one target forward with
+/// the capture, greedy acceptance, roll the target back, commit the accepted rows to the rings.
+fn speculative_loop(rollback: Rollback) {
     let run: Value = serde_json::from_str(&std::fs::read_to_string(fixtures().join("spec_run.json")).unwrap()).unwrap();
     let ids = |v: &Value| -> Vec<u32> { v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect() };
     let prompt = ids(&run["prompt_ids"]);
@@ -146,14 +166,17 @@ fn greedy_speculative_loop_reproduces_the_reference_run() {
         let (n, y) = accept_greedy(&dr.tokens, &lg, V);
         assert_eq!((n as u64, y as u64), (r["n_accepted"].as_u64().unwrap(), r["bonus"].as_u64().unwrap()));
         accepted[n] += 1;
-        // Roll the target back to P+2+n tokens. dsv4_backend has no cut-back in this test's
-        // contract: restore the snapshot and re-feed the accepted prefix (the engine will cut the
-        // state back without replay).
+        // Roll the target back to P+2+n tokens (anchor + accepted drafts stay).
         if n < gam {
-            assert!(m.restore(s, &snap));
-            let (lg2, _) = forward(&mut m, s, p + 1, &inputs[..n + 1], &layers);
-            assert_eq!(argmax(&lg2[n * V..]) as u32, y, "replay agrees with the verify row");
-            replayed += n + 1;
+            match rollback {
+                Rollback::SnapshotReplay => {
+                    assert!(m.restore(s, &snap));
+                    let (lg2, _) = forward(&mut m, s, p + 1, &inputs[..n + 1], &layers);
+                    assert_eq!(argmax(&lg2[n * V..]) as u32, y, "replay agrees with the verify row");
+                    replayed += n + 1;
+                }
+                Rollback::Truncate => m.truncate(s, p + 2 + n).unwrap(),
+            }
         }
         assert_eq!(m.seq_len(s), Some(p + 2 + n));
         // Only committed rows (anchor + accepted drafts) enter the rings.
@@ -170,7 +193,7 @@ fn greedy_speculative_loop_reproduces_the_reference_run() {
     stream.truncate(want_stream.len());
     assert_eq!(stream, want_stream, "speculative stream = reference = plain greedy");
     assert_eq!(n_rounds, rounds.len());
-    e.check("greedy speculative loop vs spec_run.json");
+    e.check(&format!("greedy speculative loop ({rollback:?}) vs spec_run.json"));
     eprintln!(
         "  {n_rounds} rounds, {verify_forwards} verify forwards (+1 prefill), accepted histogram {accepted:?}, \
          tau {:.3}, {replayed} tokens re-fed after snapshot restore",

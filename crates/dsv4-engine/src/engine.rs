@@ -6,7 +6,8 @@ use crate::metrics::Metrics;
 use crate::prefix_cache::{PrefixCache, PrefixCacheConfig};
 use crate::sampler::{argmax_margin, Sampler};
 use crate::sequence::{CancelToken, Event, FinishReason, Request, Sequence, TokenEvent};
-use dsv4_backend::{Backend, Batch, Model, Row};
+use crate::speculative::{Planned, SpecConfig, SpecSeq};
+use dsv4_backend::{Backend, Batch, Capture, Model, Row};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
@@ -26,11 +27,21 @@ pub struct EngineConfig {
     pub max_context: usize,
     /// Reuse of earlier sequences' states (None: off).
     pub prefix_cache: Option<PrefixCacheConfig>,
+    /// DSpark speculative decoding (None: off): decoding sequences draft a block and verify it
+    /// inside the step's batch.
+    pub dspark: Option<SpecConfig>,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { token_budget: 512, prefill_chunk: 256, max_waiting: 256, max_context: 65536, prefix_cache: None }
+        EngineConfig {
+            token_budget: 512,
+            prefill_chunk: 256,
+            max_waiting: 256,
+            max_context: 65536,
+            prefix_cache: None,
+            dspark: None,
+        }
     }
 }
 
@@ -125,6 +136,7 @@ impl EngineHandle {
             arrived: Instant::now(),
             last_token_at: None,
             cached: 0,
+            spec: None,
         };
         m.queue_depth.fetch_add(1, Ordering::Relaxed);
         m.requests_total.fetch_add(1, Ordering::Relaxed);
@@ -230,11 +242,23 @@ struct Engine<B: Backend> {
     metrics: Arc<Metrics>,
 }
 
-/// Where a logits row of the step goes.
+/// Where logits rows of the step go.
 struct Out {
     seq: usize,
     /// The row completes the prompt (first token) rather than continuing decode.
     first: bool,
+    /// First batch row of the sequence's decode/verify rows (the captured hidden rows).
+    row0: usize,
+    /// A speculative round: the verify rows `[anchor, d..]` (one logits row each).
+    plan: Option<Planned>,
+}
+
+/// A prefill chunk of the step (its captured rows go to the drafter ring).
+struct Chunk {
+    seq: usize,
+    row0: usize,
+    pos0: usize,
+    len: usize,
 }
 
 impl<B: Backend> Engine<B> {
@@ -341,6 +365,11 @@ impl<B: Backend> Engine<B> {
                 Ok(slot) => {
                     let mut s = self.waiting.pop_front().expect("not empty");
                     s.slot = Some(slot);
+                    if let Some(sc) = &self.config.dspark {
+                        if sc.applies(s.sampler.params.temperature) {
+                            s.spec = Some(SpecSeq::new(sc, s.sampler.params.seed));
+                        }
+                    }
                     if let Some(pc) = &mut self.prefix {
                         match pc.lookup(&s.req.prompt) {
                             Some(hit) if self.model.restore(slot, &hit.snap) => {
@@ -428,18 +457,60 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// Builds one batch: a decode row for each running sequence that has a token to feed, then
-    /// prefill chunks in arrival order while the budget lasts.
-    fn plan(&self) -> (Vec<Row>, Vec<usize>, Vec<Out>) {
-        let (mut rows, mut out_rows, mut outs) = (Vec::new(), Vec::new(), Vec::new());
+    /// Builds one batch: the decode rows of each running sequence that has a token to feed (with
+    /// DSpark, its anchor plus a drafted block), then prefill chunks in arrival order while the
+    /// budget lasts. The drafter runs here, only for sequences past their prompt.
+    fn plan(&mut self) -> (Vec<Row>, Vec<usize>, Vec<Out>, Vec<Chunk>) {
+        let (mut rows, mut out_rows, mut outs, mut chunks) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut budget = self.config.token_budget.max(1);
-        for (i, s) in self.running.iter().enumerate() {
-            if s.prefill_done() && !s.generated.is_empty() && budget > 0 {
-                let token = *s.generated.last().expect("non-empty");
-                out_rows.push(rows.len());
-                rows.push(Row { seq: s.slot.expect("admitted"), pos: s.len(), token });
-                outs.push(Out { seq: i, first: false });
-                budget -= 1;
+        let decoding = self.running.iter().filter(|s| s.prefill_done() && !s.generated.is_empty()).count().min(budget);
+        // Draft tokens may use what one row per decoding sequence leaves of the budget.
+        let mut draft_room = budget - decoding;
+        let max_pos = self.model.cfg.max_position;
+        for i in 0..self.running.len() {
+            let s = &mut self.running[i];
+            if !(s.prefill_done() && !s.generated.is_empty() && budget > 0) {
+                continue;
+            }
+            let token = *s.generated.last().expect("non-empty");
+            let (slot, pos) = (s.slot.expect("admitted"), s.len());
+            let row0 = rows.len();
+            let mut plan = None;
+            if let (Some(sc), Some(st)) = (&self.config.dspark, s.spec.as_mut()) {
+                let backoff = sc.policy.max_decode_batch > 0 && decoding >= sc.policy.max_decode_batch;
+                let remaining = s.req.max_tokens - s.generated.len();
+                let limit = if backoff {
+                    0
+                } else {
+                    draft_room.min(remaining.saturating_sub(1)).min(max_pos.saturating_sub(pos + 1))
+                };
+                let before = st.stats.clone();
+                match st.plan(sc, token, pos, limit, &s.sampler) {
+                    Ok(p) => plan = Some(p),
+                    Err(e) => {
+                        // Decode plainly this step (the row still enters the ring).
+                        tracing::warn!(id = s.id, "drafting failed, decoding plainly: {e}");
+                        plan = Some(Planned::forced(token, pos, Vec::new()));
+                    }
+                }
+                self.metrics.spec.record(&before, &st.stats);
+            }
+            match plan {
+                Some(p) => {
+                    draft_room -= p.drafts.len();
+                    budget -= p.rows();
+                    for (k, &t) in p.tokens().iter().enumerate() {
+                        out_rows.push(rows.len());
+                        rows.push(Row { seq: slot, pos: pos + k, token: t });
+                    }
+                    outs.push(Out { seq: i, first: false, row0, plan: Some(p) });
+                }
+                None => {
+                    out_rows.push(rows.len());
+                    rows.push(Row { seq: slot, pos, token });
+                    outs.push(Out { seq: i, first: false, row0, plan: None });
+                    budget -= 1;
+                }
             }
         }
         for (i, s) in self.running.iter().enumerate() {
@@ -453,36 +524,36 @@ impl<B: Backend> Engine<B> {
             if let Some(p) = self.next_snapshot_point(s) {
                 n = n.min(p - s.prefilled);
             }
+            let row0 = rows.len();
             for k in 0..n {
                 let p = s.prefilled + k;
                 rows.push(Row { seq: s.slot.expect("admitted"), pos: p, token: s.req.prompt[p] });
             }
+            chunks.push(Chunk { seq: i, row0, pos0: s.prefilled, len: n });
             budget -= n;
             if s.prefilled + n == s.req.prompt.len() {
                 out_rows.push(rows.len() - 1);
-                outs.push(Out { seq: i, first: true });
+                outs.push(Out { seq: i, first: true, row0: rows.len() - 1, plan: None });
             }
         }
-        (rows, out_rows, outs)
+        (rows, out_rows, outs, chunks)
     }
 
     fn step(&mut self) {
-        let (rows, out_rows, outs) = self.plan();
+        let (rows, out_rows, outs, chunks) = self.plan();
         if rows.is_empty() {
             return;
         }
         // Account the prefill rows now: they enter the state whatever the outcome.
         let mut fed = vec![0usize; self.running.len()];
-        for r in &rows {
-            if let Some(i) = self.running.iter().position(|s| s.slot == Some(r.seq)) {
-                if !self.running[i].prefill_done() {
-                    fed[i] += 1;
-                }
-            }
+        for c in &chunks {
+            fed[c.seq] += c.len;
         }
-        let result = Batch::new(rows)
-            .map_err(|e| e.to_string())
-            .and_then(|b| self.model.forward(&b, &out_rows).map_err(|e| e.to_string()));
+        let mut cap = self.config.dspark.as_ref().map(|sc| sc.capture(&self.model.cfg));
+        let result = Batch::new(rows).map_err(|e| e.to_string()).and_then(|b| {
+            let c = cap.as_mut().map(|c| c as &mut dyn Capture<B>);
+            self.model.forward_with(&b, &out_rows, c).map_err(|e| e.to_string())
+        });
         self.metrics.steps_total.fetch_add(1, Ordering::Relaxed);
         let logits = match result {
             Ok(l) => l,
@@ -497,6 +568,21 @@ impl<B: Backend> Engine<B> {
                 return;
             }
         };
+        let hidden = cap.and_then(|c| c.finish()).unwrap_or_default();
+        let width = self.config.dspark.as_ref().map_or(0, |sc| sc.hidden_width(&self.model.cfg));
+        let mut done: Vec<(usize, Result<FinishReason, String>)> = Vec::new();
+        // Prefill rows enter the drafter rings.
+        if let Some(sc) = &self.config.dspark {
+            for c in &chunks {
+                if let Some(st) = self.running[c.seq].spec.as_mut() {
+                    let h = hidden.get(c.row0 * width..(c.row0 + c.len) * width).unwrap_or(&[]);
+                    if let Err(e) = st.commit(sc, c.pos0, h, width) {
+                        tracing::warn!("DSpark ring commit failed, speculation off for the sequence: {e}");
+                        self.running[c.seq].spec = None;
+                    }
+                }
+            }
+        }
         for (i, n) in fed.iter().enumerate() {
             self.running[i].prefilled += n;
             self.metrics.prompt_tokens_total.fetch_add(*n as u64, Ordering::Relaxed);
@@ -507,36 +593,55 @@ impl<B: Backend> Engine<B> {
             }
         }
         let vocab = self.model.cfg.vocab_size;
-        let mut done: Vec<(usize, Result<FinishReason, String>)> = Vec::new();
-        for (k, o) in outs.iter().enumerate() {
-            let l = &logits[k * vocab..(k + 1) * vocab];
+        let mut k = 0; // logits row
+        for o in outs {
+            let nrows = o.plan.as_ref().map_or(1, |p| p.rows());
+            let l = &logits[k * vocab..(k + nrows) * vocab];
+            k += nrows;
             let s = &mut self.running[o.seq];
-            let tok = match s.sampler.sample(l) {
+            // Decode rows of a speculating sequence: accept, cut back, commit (speculative.rs).
+            let emitted: Result<Vec<u32>, String> = match (&o.plan, s.spec.as_mut(), &self.config.dspark) {
+                (Some(plan), Some(st), Some(sc)) => {
+                    let h = hidden.get(o.row0 * width..(o.row0 + nrows) * width).unwrap_or(&[]);
+                    let before = st.stats.clone();
+                    let slot = s.slot.expect("admitted");
+                    let r = st.finish(sc, &mut self.model, slot, plan, l, h, &mut s.sampler, &s.req.stop_ids);
+                    self.metrics.spec.record(&before, &st.stats);
+                    r.map(|r| r.tokens).map_err(|e| e.to_string())
+                }
+                _ => s.sampler.sample(l).map(|t| vec![t]).map_err(|e| e.to_string()),
+            };
+            let emitted = match emitted {
                 Ok(t) => t,
                 Err(e) => {
-                    done.push((o.seq, Err(e.to_string())));
+                    done.push((o.seq, Err(e)));
                     continue;
                 }
             };
-            let now = Instant::now();
-            if o.first {
-                self.metrics.ttft.observe(now.duration_since(s.arrived).as_secs_f64());
-            } else if let Some(prev) = s.last_token_at {
-                self.metrics.itl.observe(now.duration_since(prev).as_secs_f64());
-            }
-            s.last_token_at = Some(now);
-            s.generated.push(tok);
-            self.metrics.generated_tokens_total.fetch_add(1, Ordering::Relaxed);
-            let (logprob, top) = match s.req.top_logprobs {
-                Some(n) => logprobs(l, tok, n),
-                None => (None, Vec::new()),
-            };
-            if s.events.send(Event::Token(TokenEvent { id: tok, logprob, top })).is_err() {
-                done.push((o.seq, Ok(FinishReason::Cancelled)));
-            } else if s.req.stop_ids.contains(&tok) {
-                done.push((o.seq, Ok(FinishReason::Stop)));
-            } else if s.generated.len() >= s.req.max_tokens {
-                done.push((o.seq, Ok(FinishReason::Length)));
+            for (j, &tok) in emitted.iter().enumerate() {
+                let now = Instant::now();
+                if o.first {
+                    self.metrics.ttft.observe(now.duration_since(s.arrived).as_secs_f64());
+                } else if let Some(prev) = s.last_token_at {
+                    self.metrics.itl.observe(now.duration_since(prev).as_secs_f64());
+                }
+                s.last_token_at = Some(now);
+                s.generated.push(tok);
+                self.metrics.generated_tokens_total.fetch_add(1, Ordering::Relaxed);
+                let (logprob, top) = match s.req.top_logprobs {
+                    Some(n) => logprobs(&l[j * vocab..(j + 1) * vocab], tok, n),
+                    None => (None, Vec::new()),
+                };
+                if s.events.send(Event::Token(TokenEvent { id: tok, logprob, top })).is_err() {
+                    done.push((o.seq, Ok(FinishReason::Cancelled)));
+                    break;
+                } else if s.req.stop_ids.contains(&tok) {
+                    done.push((o.seq, Ok(FinishReason::Stop)));
+                    break;
+                } else if s.generated.len() >= s.req.max_tokens {
+                    done.push((o.seq, Ok(FinishReason::Length)));
+                    break;
+                }
             }
         }
         done.sort_by_key(|d| std::cmp::Reverse(d.0));

@@ -2,6 +2,7 @@
 //! forward path that batches use.
 
 use crate::sampler::{argmax_margin, SampleError, Sampler};
+use crate::speculative::{self, SpecConfig, SpecSeq, SpecStats};
 use dsv4_backend::{Backend, Batch, Model, ModelError};
 
 #[derive(Debug, thiserror::Error)]
@@ -12,6 +13,8 @@ pub enum GenerateError {
     Sample(#[from] SampleError),
     #[error("empty prompt: at least one token is needed")]
     EmptyPrompt,
+    #[error(transparent)]
+    Spec(#[from] crate::speculative::SpecError),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -86,4 +89,65 @@ fn run<B: Backend>(
         logits = model.forward(&Batch::chunk(seq, pos, &[tok]).map_err(ModelError::from)?, &[0])?;
     }
     Ok(Generation { tokens, margins, stop, prefill_secs, decode_secs: t1.elapsed().as_secs_f64() })
+}
+
+/// [`generate`] with DSpark speculative decoding: prefill with a capture (every prompt row
+/// enters the drafter ring), then rounds of draft → one verify forward over
+/// `[anchor, d0..d(l-1)]` → accept → `Model::truncate` (no replay) → commit. At temperature 0
+/// the tokens equal [`generate`]'s; at temperature > 0 (with `spec.sampled`) they are
+/// distributed as its. `margins` are not computed (empty).
+pub fn generate_speculative<B: Backend>(
+    model: &mut Model<B>,
+    prompt: &[u32],
+    sampler: &mut Sampler,
+    opts: &GenerateOptions<'_>,
+    spec: &SpecConfig,
+) -> Result<(Generation, SpecStats), GenerateError> {
+    if prompt.is_empty() {
+        return Err(GenerateError::EmptyPrompt);
+    }
+    let seq = model.alloc_seq()?;
+    let result = run_speculative(model, seq, prompt, sampler, opts, spec);
+    model.free_seq(seq);
+    result
+}
+
+fn run_speculative<B: Backend>(
+    model: &mut Model<B>,
+    seq: usize,
+    prompt: &[u32],
+    sampler: &mut Sampler,
+    opts: &GenerateOptions<'_>,
+    cfg: &SpecConfig,
+) -> Result<(Generation, SpecStats), GenerateError> {
+    let mut st = SpecSeq::new(cfg, sampler.params.seed);
+    let t0 = std::time::Instant::now();
+    let logits = speculative::prefill(cfg, &mut st, model, seq, 0, prompt, opts.prefill_chunk)?;
+    let prefill_secs = t0.elapsed().as_secs_f64();
+    let t1 = std::time::Instant::now();
+    let mut stop = StopReason::Length;
+    let mut tokens = Vec::new();
+    if opts.max_new_tokens > 0 {
+        tokens.push(sampler.sample(&logits)?);
+    }
+    let max_pos = model.cfg.max_position;
+    loop {
+        let last = *tokens.last().unwrap_or(&0);
+        if tokens.is_empty() || tokens.len() >= opts.max_new_tokens {
+            break;
+        }
+        if opts.stop_ids.contains(&last) {
+            stop = StopReason::Eos;
+            break;
+        }
+        let pos = prompt.len() + tokens.len() - 1;
+        let limit = (opts.max_new_tokens - tokens.len() - 1).min(max_pos.saturating_sub(pos + 1));
+        let r = speculative::round(cfg, &mut st, model, seq, last, limit, sampler, opts.stop_ids)?;
+        tokens.extend(&r.tokens);
+    }
+    if tokens.last().is_some_and(|t| opts.stop_ids.contains(t)) {
+        stop = StopReason::Eos;
+    }
+    let gen = Generation { tokens, margins: Vec::new(), stop, prefill_secs, decode_secs: t1.elapsed().as_secs_f64() };
+    Ok((gen, st.stats))
 }

@@ -33,6 +33,116 @@ impl Histogram {
     }
 }
 
+/// DSpark counters: verify rounds, drafted/accepted/skipped drafts, accepted drafts per slot
+/// and the tokens committed per round (acceptance length).
+pub struct SpecMetrics {
+    pub rounds: AtomicU64,
+    pub drafted: AtomicU64,
+    pub accepted: AtomicU64,
+    pub skipped: AtomicU64,
+    /// Per draft slot `k` (0-based, up to 16): rounds that verified and that accepted slot `k`.
+    pub pos_drafted: [AtomicU64; 16],
+    pub pos_accepted: [AtomicU64; 16],
+    pub acceptance_length: Histogram,
+}
+
+const ACCEPT_BOUNDS: &[f64] = &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 12.0, 17.0];
+
+impl Default for SpecMetrics {
+    fn default() -> Self {
+        SpecMetrics {
+            rounds: AtomicU64::new(0),
+            drafted: AtomicU64::new(0),
+            accepted: AtomicU64::new(0),
+            skipped: AtomicU64::new(0),
+            pos_drafted: std::array::from_fn(|_| AtomicU64::new(0)),
+            pos_accepted: std::array::from_fn(|_| AtomicU64::new(0)),
+            acceptance_length: Histogram::new(ACCEPT_BOUNDS),
+        }
+    }
+}
+
+impl SpecMetrics {
+    /// Adds what a sequence's statistics gained between `before` and `after` (one round).
+    pub fn record(&self, before: &crate::speculative::SpecStats, after: &crate::speculative::SpecStats) {
+        let add = |c: &AtomicU64, a: u64, b: u64| {
+            if b > a {
+                c.fetch_add(b - a, Ordering::Relaxed);
+            }
+        };
+        add(&self.rounds, before.rounds, after.rounds);
+        add(&self.drafted, before.drafted, after.drafted);
+        add(&self.accepted, before.accepted, after.accepted);
+        add(&self.skipped, before.skipped, after.skipped);
+        for k in 0..after.pos_drafted.len().min(16) {
+            add(&self.pos_drafted[k], before.pos_drafted.get(k).copied().unwrap_or(0), after.pos_drafted[k]);
+            add(&self.pos_accepted[k], before.pos_accepted.get(k).copied().unwrap_or(0), after.pos_accepted[k]);
+        }
+        if after.rounds > before.rounds {
+            self.acceptance_length.observe(1.0 + (after.accepted - before.accepted) as f64);
+        }
+    }
+
+    fn render(&self, out: &mut String) {
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let mut put = |name: &str, kind: &str, help: &str, v: String| {
+            out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{v}"));
+        };
+        put(
+            "dsv4_dspark_rounds_total",
+            "counter",
+            "DSpark verify rounds.",
+            format!("dsv4_dspark_rounds_total {}\n", g(&self.rounds)),
+        );
+        put(
+            "dsv4_dspark_drafted_tokens_total",
+            "counter",
+            "Draft tokens verified.",
+            format!("dsv4_dspark_drafted_tokens_total {}\n", g(&self.drafted)),
+        );
+        put(
+            "dsv4_dspark_accepted_tokens_total",
+            "counter",
+            "Draft tokens accepted.",
+            format!("dsv4_dspark_accepted_tokens_total {}\n", g(&self.accepted)),
+        );
+        put(
+            "dsv4_dspark_skipped_drafts_total",
+            "counter",
+            "Decode steps of speculating sequences that did not draft (policy, load, budget).",
+            format!("dsv4_dspark_skipped_drafts_total {}\n", g(&self.skipped)),
+        );
+        let rounds = g(&self.rounds);
+        let avg = if rounds == 0 { 0.0 } else { 1.0 + g(&self.accepted) as f64 / rounds as f64 };
+        put(
+            "dsv4_dspark_acceptance_length_avg",
+            "gauge",
+            "Tokens committed per verify round (accepted drafts + 1), since start.",
+            format!("dsv4_dspark_acceptance_length_avg {avg}\n"),
+        );
+        let mut d = String::new();
+        let mut a = String::new();
+        for k in 0..16 {
+            let n = g(&self.pos_drafted[k]);
+            if n == 0 {
+                continue;
+            }
+            d.push_str(&format!("dsv4_dspark_position_drafted_total{{position=\"{k}\"}} {n}\n"));
+            a.push_str(&format!(
+                "dsv4_dspark_position_accepted_total{{position=\"{k}\"}} {}\n",
+                g(&self.pos_accepted[k])
+            ));
+        }
+        put("dsv4_dspark_position_drafted_total", "counter", "Rounds that verified draft slot `position`.", d);
+        put("dsv4_dspark_position_accepted_total", "counter", "Rounds that accepted draft slot `position`.", a);
+        self.acceptance_length.render(
+            "dsv4_dspark_acceptance_length",
+            "Tokens committed per DSpark verify round.",
+            out,
+        );
+    }
+}
+
 const LATENCY_BOUNDS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 
 /// Counters and gauges the engine thread updates and the server reads.
@@ -57,6 +167,7 @@ pub struct Metrics {
     pub disk_cache_rejected: AtomicU64,
     pub ttft: Histogram,
     pub itl: Histogram,
+    pub spec: SpecMetrics,
     started: std::time::Instant,
 }
 
@@ -83,6 +194,7 @@ impl Default for Metrics {
             disk_cache_rejected: AtomicU64::new(0),
             ttft: Histogram::new(LATENCY_BOUNDS),
             itl: Histogram::new(LATENCY_BOUNDS),
+            spec: SpecMetrics::default(),
             started: std::time::Instant::now(),
         }
     }
@@ -148,6 +260,7 @@ impl Metrics {
         );
         self.ttft.render("dsv4_time_to_first_token_seconds", "Time to first token.", &mut s);
         self.itl.render("dsv4_inter_token_latency_seconds", "Time between tokens of a sequence.", &mut s);
+        self.spec.render(&mut s);
         s
     }
 }

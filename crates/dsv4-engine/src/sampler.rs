@@ -76,15 +76,36 @@ impl Sampler {
         Self::new(SamplingParams::default()).expect("default params are valid")
     }
 
-    /// Picks the next token. Non-finite logits are an error, never a silent token.
-    pub fn sample(&mut self, logits: &[f32]) -> Result<u32, SampleError> {
+    /// The generator the sampler draws from (speculative acceptance draws from it too, so a
+    /// sequence's randomness stays one reproducible stream).
+    pub fn rng_mut(&mut self) -> &mut ChaCha8Rng {
+        &mut self.rng
+    }
+
+    /// The full-vocabulary distribution [`Sampler::sample`] draws from at temperature > 0
+    /// (temperature, top-k, top-p and min-p applied; filtered tokens get 0). At temperature 0, a
+    /// point mass on the argmax.
+    pub fn probs(&self, logits: &[f32]) -> Result<Vec<f32>, SampleError> {
         if let Some(index) = logits.iter().position(|v| !v.is_finite()) {
             return Err(SampleError::NonFinite { index });
         }
+        let mut out = vec![0f32; logits.len()];
         let p = &self.params;
         if p.temperature == 0.0 {
-            return Ok(argmax_margin(logits).0);
+            out[argmax_margin(logits).0 as usize] = 1.0;
+            return Ok(out);
         }
+        let (cand, probs, keep) = self.filtered(logits);
+        let mass: f64 = probs[..keep].iter().sum();
+        for (c, q) in cand[..keep].iter().zip(&probs) {
+            out[c.0 as usize] = (q / mass) as f32;
+        }
+        Ok(out)
+    }
+
+    /// Candidates sorted by scaled logit, their probabilities and how many survive the filters.
+    fn filtered(&self, logits: &[f32]) -> (Vec<(u32, f32)>, Vec<f64>, usize) {
+        let p = &self.params;
         let mut cand: Vec<(u32, f32)> =
             logits.iter().enumerate().map(|(i, &v)| (i as u32, v / p.temperature)).collect();
         cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
@@ -110,6 +131,19 @@ impl Sampler {
             let floor = probs[0] * p.min_p as f64;
             keep = keep.min(probs.iter().take_while(|&&q| q >= floor).count().max(1));
         }
+        (cand, probs, keep)
+    }
+
+    /// Picks the next token. Non-finite logits are an error, never a silent token.
+    pub fn sample(&mut self, logits: &[f32]) -> Result<u32, SampleError> {
+        if let Some(index) = logits.iter().position(|v| !v.is_finite()) {
+            return Err(SampleError::NonFinite { index });
+        }
+        let p = &self.params;
+        if p.temperature == 0.0 {
+            return Ok(argmax_margin(logits).0);
+        }
+        let (cand, probs, keep) = self.filtered(logits);
         let mass: f64 = probs[..keep].iter().sum();
         let mut r = self.rng.gen::<f64>() * mass;
         for (i, q) in probs[..keep].iter().enumerate() {

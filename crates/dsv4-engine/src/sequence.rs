@@ -81,6 +81,8 @@ pub struct Sequence {
     pub last_token_at: Option<Instant>,
     /// Prompt tokens restored from the prefix cache.
     pub cached: usize,
+    /// DSpark state (drafter ring, statistics) when the engine speculates for this sequence.
+    pub spec: Option<crate::speculative::SpecSeq>,
 }
 
 impl Sequence {

@@ -142,10 +142,88 @@ pub fn random_checkpoint(cfg: &Config, seed: u64, dtype: SynthDType) -> Vec<RawT
     g.out
 }
 
+/// The `dspark_*` settings of a random DSpark drafter (see [`random_dspark`]).
+#[derive(Clone, Debug)]
+pub struct SynthDspark {
+    pub stages: usize,
+    pub block_size: usize,
+    pub noise_token_id: u32,
+    pub target_layer_ids: Vec<usize>,
+    pub markov_rank: usize,
+}
+
+impl SynthDspark {
+    /// Three stages, γ = 5, capturing the last three target layers (as V4's DSpark drafters),
+    /// noise token = the last vocabulary id.
+    pub fn for_config(cfg: &Config) -> Self {
+        let n = cfg.n_layers();
+        SynthDspark {
+            stages: 3,
+            block_size: 5,
+            noise_token_id: (cfg.vocab_size - 1) as u32,
+            target_layer_ids: (n.saturating_sub(3)..n).collect(),
+            markov_rank: 8,
+        }
+    }
+
+    /// The `dspark_*` keys to merge into `config.json` (either layout).
+    pub fn json_keys(&self) -> Vec<(&'static str, serde_json::Value)> {
+        vec![
+            ("dspark_block_size", self.block_size.into()),
+            ("dspark_noise_token_id", self.noise_token_id.into()),
+            ("dspark_target_layer_ids", self.target_layer_ids.clone().into()),
+            ("dspark_markov_rank", self.markov_rank.into()),
+        ]
+    }
+}
+
+/// Random DSpark drafter tensors `mtp.<s>.*` with the official names (spec `dspark.md` §3.7),
+/// randomised like [`random_checkpoint`]. The embedding and LM head are not written: the drafter
+/// shares the target's (`model.embed_tokens.weight`, `lm_head.weight`).
+pub fn random_dspark(cfg: &Config, ds: &SynthDspark, seed: u64, dtype: SynthDType) -> Vec<RawTensor> {
+    let mut g = Gen { rng: Rng(seed ^ 0xD59A_2C0F), dtype, out: Vec::new() };
+    let (d, hd, v) = (cfg.hidden, cfg.head_dim, cfg.vocab_size);
+    let ncap = ds.target_layer_ids.len();
+    g.matrix("mtp.0.main_proj.weight".into(), d, ncap * d);
+    g.vector("mtp.0.main_norm.weight".into(), d, 1.0, 0.1);
+    for s in 0..ds.stages {
+        let p = format!("mtp.{s}");
+        g.hc(&p, cfg.hc_mix(), cfg.hc_width(), [".hc_attn_fn", ".hc_attn_base", ".hc_attn_scale"], 3);
+        g.hc(&p, cfg.hc_mix(), cfg.hc_width(), [".hc_ffn_fn", ".hc_ffn_base", ".hc_ffn_scale"], 3);
+        g.vector(format!("{p}.attn_norm.weight"), d, 1.0, 0.1);
+        g.vector(format!("{p}.ffn_norm.weight"), d, 1.0, 0.1);
+        let a = format!("{p}.attn");
+        g.matrix(format!("{a}.wq_a.weight"), cfg.q_lora_rank, d);
+        g.vector(format!("{a}.q_norm.weight"), cfg.q_lora_rank, 1.0, 0.1);
+        g.matrix(format!("{a}.wq_b.weight"), cfg.n_heads * hd, cfg.q_lora_rank);
+        g.matrix(format!("{a}.wkv.weight"), hd, d);
+        g.vector(format!("{a}.kv_norm.weight"), hd, 1.0, 0.1);
+        g.matrix(format!("{a}.wo_a.weight"), cfg.o_groups * cfg.o_lora_rank, cfg.n_heads * hd / cfg.o_groups);
+        g.matrix(format!("{a}.wo_b.weight"), d, cfg.o_groups * cfg.o_lora_rank);
+        g.vector(format!("{a}.attn_sink"), cfg.n_heads, 0.0, 1.0);
+        let f = format!("{p}.ffn");
+        let (ne, inter) = (cfg.n_routed_experts, cfg.moe_inter);
+        g.matrix(format!("{f}.gate.weight"), ne, d);
+        g.vector(format!("{f}.gate.bias"), ne, 0.0, 0.1);
+        for e in (0..ne).map(|e| format!("{f}.experts.{e}")).chain([format!("{f}.shared_experts")]) {
+            g.matrix(format!("{e}.w1.weight"), inter, d);
+            g.matrix(format!("{e}.w2.weight"), d, inter);
+            g.matrix(format!("{e}.w3.weight"), inter, d);
+        }
+    }
+    let p = format!("mtp.{}", ds.stages - 1);
+    g.vector(format!("{p}.norm.weight"), d, 1.0, 0.1);
+    g.hc(&p, cfg.hc_mult, cfg.hc_width(), [".hc_head_fn", ".hc_head_base", ".hc_head_scale"], 1);
+    g.matrix(format!("{p}.markov_head.markov_w1.weight"), v, ds.markov_rank);
+    g.matrix(format!("{p}.markov_head.markov_w2.weight"), v, ds.markov_rank);
+    g.matrix(format!("{p}.confidence_head.proj.weight"), 1, d + ds.markov_rank);
+    g.out
+}
+
 /// The tiny configuration of spec §12.1 (every layer type, hash and learned routing, active
 /// clamp, YaRN), with the given vocabulary size.
 pub fn tiny_config(vocab_size: usize) -> Config {
-    use crate::config::{LayerSpec, Layout, Yarn};
+    use crate::config::{LayerSpec, Yarn};
     let kinds = [
         (AttnKind::Swa, 0),
         (AttnKind::Csa, 4),
@@ -155,7 +233,6 @@ pub fn tiny_config(vocab_size: usize) -> Config {
         (AttnKind::Swa, 0),
     ];
     Config {
-        layout: Layout::Hf,
         vocab_size,
         hidden: 64,
         n_heads: 4,
@@ -170,26 +247,15 @@ pub fn tiny_config(vocab_size: usize) -> Config {
         index_topk: 2,
         n_routed_experts: 8,
         n_experts_per_tok: 2,
-        n_shared_experts: 1,
         moe_inter: 16,
-        norm_topk_prob: true,
-        routed_scale: 1.5,
         swiglu_limit: 2.0,
-        hc_mult: 4,
-        hc_sinkhorn_iters: 20,
-        hc_eps: 1e-6,
-        rms_eps: 1e-6,
-        rope_theta: 10000.0,
-        compress_rope_theta: 160000.0,
         yarn: Some(Yarn { factor: 4.0, original_max_position: 16.0, beta_fast: 32.0, beta_slow: 1.0 }),
-        max_position: 1 << 20,
-        bos_token_id: 0,
-        eos_token_ids: vec![1],
         n_mtp_layers: 0,
         layers: kinds
             .iter()
             .enumerate()
             .map(|(i, &(attn, ratio))| LayerSpec { attn, ratio, hash_moe: i < 3 })
             .collect(),
+        ..Config::flash()
     }
 }

@@ -3,7 +3,7 @@
 
 use anyhow::{Context, Result};
 use dsv4_model::store::write_safetensors;
-use dsv4_model::synth::{random_checkpoint, tiny_config, SynthDType};
+use dsv4_model::synth::{random_checkpoint, random_dspark, tiny_config, SynthDType, SynthDspark};
 use std::path::{Path, PathBuf};
 
 /// Vocabulary of the demo model: the real tokenizer's, so text round-trips.
@@ -21,8 +21,17 @@ pub fn init_tiny(out: &Path, seed: u64) -> Result<()> {
         }
     }
     cfg.index_topk = 16;
-    std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&cfg.to_hf_json())?)?;
-    write_safetensors(&out.join("model.safetensors"), &random_checkpoint(&cfg, seed, SynthDType::BF16))?;
+    // A random DSpark drafter (`mtp.0..2.*`, `dspark_*` keys) rides along, so `--dspark` runs
+    // without downloads; it shares the target's embedding and LM head.
+    let ds = SynthDspark::for_config(&cfg);
+    let mut json = cfg.to_hf_json();
+    for (k, v) in ds.json_keys() {
+        json[k] = v;
+    }
+    std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&json)?)?;
+    let mut tensors = random_checkpoint(&cfg, seed, SynthDType::BF16);
+    tensors.extend(random_dspark(&cfg, &ds, seed, SynthDType::BF16));
+    write_safetensors(&out.join("model.safetensors"), &tensors)?;
     std::fs::write(out.join("tokenizer.json"), dsv4_tokenizer::Tokenizer::embedded_json()?)?;
     Ok(())
 }
@@ -34,7 +43,7 @@ pub fn demo_model_dir() -> Result<PathBuf> {
         .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|p| PathBuf::from(p).join("dsv4")))
         .or_else(|| std::env::var_os("HOME").map(|p| PathBuf::from(p).join(".cache/dsv4")))
         .unwrap_or_else(|| PathBuf::from(".dsv4-cache"));
-    let dir = base.join(format!("demo-v{}", env!("CARGO_PKG_VERSION")));
+    let dir = base.join(format!("demo-v{}-dspark", env!("CARGO_PKG_VERSION")));
     if !dir.join("model.safetensors").exists() {
         tracing::info!("no --model given: creating the built-in demo model (random weights) in {}", dir.display());
         let tmp = base.join(format!("demo-tmp-{}", std::process::id()));

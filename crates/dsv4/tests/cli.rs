@@ -270,3 +270,35 @@ fn init_tiny_writes_a_model_that_generates_text() {
     let tok = |s: &str| serde_json::from_str::<serde_json::Value>(s.trim()).unwrap()["tokens"].clone();
     assert_eq!(tok(&a), tok(&b));
 }
+
+#[test]
+fn init_tiny_drafter_speculates_losslessly_from_the_command_line() {
+    let d = tempfile::tempdir().unwrap();
+    let m = d.path().join("tiny");
+    ok(&["init-tiny", "--out", m.to_str().unwrap(), "--seed", "4"]);
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(m.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["dspark_block_size"], 5);
+    let base = ["generate", "--model", m.to_str().unwrap(), "--prompt", "One two three", "--max-new-tokens", "12"];
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let mut args = base.to_vec();
+        args.extend(["--ignore-eos", "--json"]);
+        args.extend(extra);
+        serde_json::from_str(ok(&args).trim()).unwrap()
+    };
+    let plain = run(&[]);
+    for extra in [&["--dspark"][..], &["--dspark", "--dspark-max-draft", "2"]] {
+        let spec = run(extra);
+        assert_eq!(spec["tokens"], plain["tokens"], "{extra:?}");
+        let ds = &spec["dspark"];
+        assert!(ds["rounds"].as_u64().unwrap() > 0, "{ds}");
+        for k in ["drafted", "accepted", "acceptance_length", "per_position_acceptance", "skipped_drafts"] {
+            assert!(!ds[k].is_null(), "{k} missing: {ds}");
+        }
+    }
+    // Sampled: rejection sampling, reproducible from the seed.
+    let args = ["--dspark", "--temperature", "0.8", "--top-k", "40", "--seed", "5"];
+    let (a, b) = (run(&args), run(&args));
+    assert_eq!(a["tokens"], b["tokens"]);
+    assert_eq!(a["tokens"].as_array().unwrap().len(), 12);
+}

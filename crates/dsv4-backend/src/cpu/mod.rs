@@ -129,7 +129,7 @@ impl Backend for CpuBackend {
         cache.reset(seq);
     }
 
-    fn save_seq(&self, cache: &CpuCache, seq: usize) -> Option<state::SeqState> {
+    fn save_seq(&self, cache: &CpuCache, _cfg: &Config, seq: usize, _len: usize) -> Option<state::SeqState> {
         Some(cache.seq(seq).clone())
     }
 
@@ -138,7 +138,7 @@ impl Backend for CpuBackend {
         cache.seq_mut(seq).truncate(have, len, window).map_err(|e| e.to_string())
     }
 
-    fn load_seq(&self, cache: &mut CpuCache, seq: usize, st: &state::SeqState) -> bool {
+    fn load_seq(&self, cache: &mut CpuCache, _cfg: &Config, seq: usize, st: &state::SeqState, _len: usize) -> bool {
         *cache.seq_mut(seq) = st.clone();
         true
     }

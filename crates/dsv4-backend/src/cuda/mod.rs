@@ -486,6 +486,14 @@ impl Backend for CudaBackend {
         cache.reset(self, seq);
     }
 
+    fn save_seq(&self, cache: &CudaCache, cfg: &Config, seq: usize, len: usize) -> Option<crate::SeqState> {
+        Some(cache.save(self, cfg, seq, len))
+    }
+
+    fn load_seq(&self, cache: &mut CudaCache, cfg: &Config, seq: usize, st: &crate::SeqState, len: usize) -> bool {
+        cache.load(self, cfg, seq, st, len)
+    }
+
     fn rows(&self, batch: &Batch) -> CudaRows {
         let n = batch.len();
         let mut v = vec![0u32; 6 * n];

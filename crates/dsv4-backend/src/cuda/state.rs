@@ -3,6 +3,7 @@
 
 use super::{ck, CudaBackend};
 use cudarc::driver::{CudaSlice, PushKernelArg};
+use crate::cpu::state::SeqState;
 use dsv4_model::{AttnKind, Config};
 
 /// One compressor's state for every slot.
@@ -127,5 +128,93 @@ impl CudaCache {
                 }
             }
         }
+    }
+}
+
+/// Device to host copy of `len` floats at `off` (synchronises).
+fn dtoh(b: &CudaBackend, buf: &CudaSlice<f32>, off: usize, len: usize) -> Vec<f32> {
+    if len == 0 {
+        return Vec::new();
+    }
+    let v = ck(b.stream.clone_dtoh(&buf.slice(off..off + len)), "snapshot download");
+    ck(b.stream.synchronize(), "synchronize");
+    v
+}
+
+/// Host to device copy into `buf` at `off` (stream-ordered; the driver stages pageable memory
+/// before returning, so `src` may be dropped afterwards).
+fn htod(b: &CudaBackend, src: &[f32], buf: &mut CudaSlice<f32>, off: usize) {
+    if src.is_empty() {
+        return;
+    }
+    let mut view = buf.slice_mut(off..off + src.len());
+    ck(b.stream.memcpy_htod(src, &mut view), "snapshot upload");
+}
+
+impl CudaCache {
+    /// Copies slot `seq` (holding `len` tokens) into the host format of [`SeqState`]: window rows
+    /// by position, open rows, overlap rows and entries. The GPU keeps no per-position history,
+    /// so the saved state cannot be cut back below `len`.
+    pub fn save(&self, b: &CudaBackend, cfg: &Config, seq: usize, len: usize) -> SeqState {
+        let mut st = SeqState::new(cfg);
+        let (w, d) = (self.window, cfg.head_dim);
+        for (ld, ls) in self.layers.iter().zip(st.layers.iter_mut()) {
+            let ring = dtoh(b, &ld.ring, seq * w * d, w * d);
+            let cap = ls.cap();
+            for p in len.saturating_sub(w)..len {
+                let (g, c) = (p % w, p % cap);
+                ls.ring[c * d..(c + 1) * d].copy_from_slice(&ring[g * d..(g + 1) * d]);
+                ls.ring_pos[c] = p;
+            }
+            for (cd, cs) in [(&ld.comp, &mut ls.comp), (&ld.index, &mut ls.index)] {
+                let (Some(cd), Some(cs)) = (cd.as_ref(), cs.as_mut()) else { continue };
+                let (m, hw, h) = (cd.ratio, cd.width(), cd.head);
+                let (rem, n) = (len % m, len / m);
+                cs.open_u = dtoh(b, &cd.open_u, seq * m * hw, rem * hw);
+                cs.open_z = dtoh(b, &cd.open_z, seq * m * hw, rem * hw);
+                if cd.overlap {
+                    cs.prev_u = dtoh(b, &cd.prev_u, seq * m * h, m * h);
+                    cs.prev_z = dtoh(b, &cd.prev_z, seq * m * h, m * h);
+                }
+                cs.entries = dtoh(b, &cd.entries, seq * cd.cap * h, n * h);
+                cs.hist_start = len;
+            }
+        }
+        st
+    }
+
+    /// Writes a host state into slot `seq` (the inverse of [`CudaCache::save`]).
+    pub fn load(&mut self, b: &CudaBackend, cfg: &Config, seq: usize, st: &SeqState, len: usize) -> bool {
+        let (w, d, slots) = (self.window, cfg.head_dim, self.slots);
+        if st.layers.len() != self.layers.len() {
+            return false;
+        }
+        for (ld, ls) in self.layers.iter_mut().zip(&st.layers) {
+            let cap = ls.cap();
+            for p in len.saturating_sub(w)..len {
+                let c = p % cap;
+                if ls.ring_pos[c] != p {
+                    return false;
+                }
+                htod(b, &ls.ring[c * d..(c + 1) * d], &mut ld.ring, (seq * w + p % w) * d);
+            }
+            for (cd, cs) in [(&mut ld.comp, &ls.comp), (&mut ld.index, &ls.index)] {
+                let (Some(cd), Some(cs)) = (cd.as_mut(), cs.as_ref()) else { continue };
+                let (m, hw, h) = (cd.ratio, cd.width(), cd.head);
+                let n = len / m;
+                if cs.open_u.len() != (len % m) * hw || cs.entries.len() != n * h {
+                    return false;
+                }
+                htod(b, &cs.open_u, &mut cd.open_u, seq * m * hw);
+                htod(b, &cs.open_z, &mut cd.open_z, seq * m * hw);
+                if cd.overlap {
+                    htod(b, &cs.prev_u, &mut cd.prev_u, seq * m * h);
+                    htod(b, &cs.prev_z, &mut cd.prev_z, seq * m * h);
+                }
+                cd.reserve(b, slots, n);
+                htod(b, &cs.entries, &mut cd.entries, seq * cd.cap * h);
+            }
+        }
+        true
     }
 }

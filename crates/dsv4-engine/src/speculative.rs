@@ -1,0 +1,487 @@
+//! DSpark speculative decoding: the one place where a round is decided. `generate`, the
+//! continuous-batching engine and the tests all go through [`SpecSeq::plan`] (draft a block
+//! after the anchor) and [`SpecSeq::finish`] (accept, cut the target back with
+//! `Model::truncate` — accepted rows are never re-fed — and commit the surviving rows to the
+//! drafter's context ring). The verify forward itself (`[anchor, d0..d(l-1)]`, alone or inside a
+//! batch with other sequences' rows and prefill chunks) is the caller's, with a
+//! [`HiddenCapture`] over every row so that committed rows can be fed to the drafter.
+//!
+//! Lossless: at temperature 0 acceptance is greedy (the emitted stream is the plain greedy
+//! stream); at temperature > 0 it is token-level rejection sampling against the sequence's
+//! own sampling distribution ([`Sampler::probs`]: temperature, top-k, top-p, min-p), with the
+//! draft's exact proposal distribution.
+
+use crate::sampler::{SampleError, Sampler};
+use dsv4_backend::{Backend, Capture, Model, ModelError, MAX_ROLLBACK};
+use dsv4_dspark::verify::{accept_greedy, accept_sampled};
+use dsv4_dspark::{ContextRing, Draft, Drafter, DsparkError, HiddenCapture};
+use rand::{RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::sync::Arc;
+
+/// What proposes drafts: the DSpark [`Drafter`], or a test double.
+pub trait Proposer: Send + Sync {
+    /// Target layers whose outputs are captured (`dspark_target_layer_ids`).
+    fn layers(&self) -> &[usize];
+    /// Largest block (γ).
+    fn block_size(&self) -> usize;
+    /// A fresh per-sequence context ring.
+    fn new_ring(&self) -> ContextRing;
+    /// Ingests committed rows `(position, captured hidden)`.
+    fn commit(&self, ring: &mut ContextRing, rows: &[(usize, &[f32])]) -> Result<(), DsparkError>;
+    /// Drafts a block after `anchor` at `anchor_pos` (the ring holds `anchor_pos - 1`).
+    fn draft(
+        &self,
+        ring: &ContextRing,
+        anchor: u32,
+        anchor_pos: usize,
+        temperature: f32,
+        rng: &mut dyn RngCore,
+    ) -> Result<Draft, DsparkError>;
+}
+
+impl Proposer for Drafter {
+    fn layers(&self) -> &[usize] {
+        &self.config().target_layer_ids
+    }
+    fn block_size(&self) -> usize {
+        Drafter::block_size(self)
+    }
+    fn new_ring(&self) -> ContextRing {
+        Drafter::new_ring(self)
+    }
+    fn commit(&self, ring: &mut ContextRing, rows: &[(usize, &[f32])]) -> Result<(), DsparkError> {
+        Drafter::commit(self, ring, rows)
+    }
+    fn draft(
+        &self,
+        ring: &ContextRing,
+        anchor: u32,
+        anchor_pos: usize,
+        temperature: f32,
+        rng: &mut dyn RngCore,
+    ) -> Result<Draft, DsparkError> {
+        Drafter::draft(self, ring, anchor, anchor_pos, temperature, rng)
+    }
+}
+
+/// When to draft.
+#[derive(Clone, Debug)]
+pub struct SpecPolicy {
+    /// Stop drafting for a sequence while it does not pay: the running acceptance predicts fewer
+    /// tokens per verify round than a verify forward of `1+l` rows costs in 1-row decodes
+    /// (`verify_cost`). Drafting is retried every `probe_every` skipped rounds.
+    pub adaptive: bool,
+    /// Cost of a verify forward of `1 + l` rows relative to a 1-row decode, per `l` (index `l`;
+    /// index 0 is 1.0). Measure it on the backend ([`measure_verify_cost`]); the default
+    /// assumes verify rows are free (a memory-bound GPU decode).
+    pub verify_cost: Vec<f64>,
+    pub probe_every: usize,
+    /// Engine: no drafting while this many sequences or more are decoding in one step (the
+    /// batch is already compute-bound); 0: never back off.
+    pub max_decode_batch: usize,
+}
+
+impl Default for SpecPolicy {
+    fn default() -> Self {
+        SpecPolicy { adaptive: false, verify_cost: Vec::new(), probe_every: 16, max_decode_batch: 64 }
+    }
+}
+
+/// DSpark settings of a generation or an engine.
+#[derive(Clone)]
+pub struct SpecConfig {
+    pub proposer: Arc<dyn Proposer>,
+    /// Longest draft verified per round (`--dspark-max-draft`, at most γ).
+    pub max_draft: usize,
+    /// Use speculation for sequences sampled at temperature > 0 (rejection sampling: the same
+    /// distribution, not the same tokens as a plain run with that seed). Off: those sequences
+    /// decode plainly, so a seeded request gives exactly its plain tokens.
+    pub sampled: bool,
+    pub policy: SpecPolicy,
+}
+
+impl std::fmt::Debug for SpecConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SpecConfig")
+            .field("block_size", &self.proposer.block_size())
+            .field("max_draft", &self.max_draft)
+            .field("sampled", &self.sampled)
+            .field("policy", &self.policy)
+            .finish()
+    }
+}
+
+impl SpecConfig {
+    pub fn new(proposer: Arc<dyn Proposer>) -> Self {
+        let max_draft = proposer.block_size();
+        SpecConfig { proposer, max_draft, sampled: false, policy: SpecPolicy::default() }
+    }
+
+    /// The longest draft per round.
+    pub fn max_len(&self) -> usize {
+        self.max_draft.min(self.proposer.block_size()).min(MAX_ROLLBACK)
+    }
+
+    /// Whether a request with these parameters speculates.
+    pub fn applies(&self, temperature: f32) -> bool {
+        temperature == 0.0 || self.sampled
+    }
+
+    /// A capture for a forward whose rows feed the drafter.
+    pub fn capture(&self, cfg: &dsv4_model::Config) -> HiddenCapture {
+        HiddenCapture::new(self.proposer.layers(), cfg.hc_mult, cfg.hidden)
+    }
+
+    /// Width of one captured row.
+    pub fn hidden_width(&self, cfg: &dsv4_model::Config) -> usize {
+        self.proposer.layers().len() * cfg.hidden
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpecError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Dspark(#[from] DsparkError),
+    #[error(transparent)]
+    Sample(#[from] SampleError),
+    #[error("the forward captured no drafter rows")]
+    NoCapture,
+}
+
+/// Acceptance statistics.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SpecStats {
+    /// Verify rounds (decode steps with a draft of at least one token).
+    pub rounds: u64,
+    /// Draft tokens verified.
+    pub drafted: u64,
+    /// Draft tokens accepted.
+    pub accepted: u64,
+    /// Decode steps that could have drafted but did not (policy, load, budget, no context).
+    pub skipped: u64,
+    /// Per draft slot `k`: rounds that verified slot `k` and rounds that accepted it.
+    pub pos_drafted: Vec<u64>,
+    pub pos_accepted: Vec<u64>,
+}
+
+impl SpecStats {
+    /// Tokens committed per verify round (accepted drafts + the bonus), τ.
+    pub fn acceptance_length(&self) -> f64 {
+        if self.rounds == 0 {
+            0.0
+        } else {
+            1.0 + self.accepted as f64 / self.rounds as f64
+        }
+    }
+
+    /// Per slot `k`: P(slot k accepted | slot k verified).
+    pub fn per_position_acceptance(&self) -> Vec<f64> {
+        self.pos_drafted
+            .iter()
+            .zip(&self.pos_accepted)
+            .map(|(&d, &a)| if d == 0 { 0.0 } else { a as f64 / d as f64 })
+            .collect()
+    }
+
+    fn record(&mut self, l: usize, n: usize) {
+        if l == 0 {
+            return;
+        }
+        if self.pos_drafted.len() < l {
+            self.pos_drafted.resize(l, 0);
+            self.pos_accepted.resize(l, 0);
+        }
+        self.rounds += 1;
+        self.drafted += l as u64;
+        self.accepted += n as u64;
+        (0..l).for_each(|k| self.pos_drafted[k] += 1);
+        (0..n).for_each(|k| self.pos_accepted[k] += 1);
+    }
+
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "rounds": self.rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_length": self.acceptance_length(),
+            "per_position_acceptance": self.per_position_acceptance(),
+            "skipped_drafts": self.skipped,
+        })
+    }
+}
+
+/// A planned round: the verify rows are `[anchor, drafts..]` at positions `anchor_pos..`.
+#[derive(Clone, Debug)]
+pub struct Planned {
+    pub anchor: u32,
+    pub anchor_pos: usize,
+    pub drafts: Vec<u32>,
+    /// The drafts' proposal distributions `[l, vocab]` (sampled drafting only).
+    q: Option<Vec<f32>>,
+}
+
+impl Planned {
+    /// The verify rows' tokens.
+    pub fn tokens(&self) -> Vec<u32> {
+        std::iter::once(self.anchor).chain(self.drafts.iter().copied()).collect()
+    }
+    pub fn rows(&self) -> usize {
+        1 + self.drafts.len()
+    }
+
+    /// A block with chosen drafts (greedy verification; tests).
+    pub fn forced(anchor: u32, anchor_pos: usize, drafts: Vec<u32>) -> Self {
+        Planned { anchor, anchor_pos, drafts, q: None }
+    }
+}
+
+/// What a finished round emits.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RoundResult {
+    /// Accepted drafts then the bonus/correction token, cut after the first stop id.
+    pub tokens: Vec<u32>,
+    /// Drafts accepted by the target (before any stop cut).
+    pub accepted: usize,
+}
+
+/// Per-sequence speculative state: the drafter's context ring, the drafting RNG (sampled
+/// drafting), statistics and the policy's running acceptance.
+pub struct SpecSeq {
+    pub ring: ContextRing,
+    rng: ChaCha8Rng,
+    pub stats: SpecStats,
+    /// Exponential average of accepted drafts per round.
+    ewma: f64,
+    /// Rounds skipped by the policy since the last draft.
+    idle: usize,
+}
+
+impl SpecSeq {
+    pub fn new(cfg: &SpecConfig, seed: u64) -> Self {
+        SpecSeq {
+            ring: cfg.proposer.new_ring(),
+            rng: ChaCha8Rng::seed_from_u64(seed ^ 0xD5_9A4C),
+            stats: SpecStats::default(),
+            ewma: cfg.max_len() as f64,
+            idle: 0,
+        }
+    }
+
+    /// Commits `rows` consecutive captured rows starting at position `pos0` (a prefill chunk, or
+    /// any rows that are now part of the sequence). Rows that the chunk's own later rows would
+    /// overwrite in the ring are skipped.
+    pub fn commit(&mut self, cfg: &SpecConfig, pos0: usize, hidden: &[f32], width: usize) -> Result<(), SpecError> {
+        let n = hidden.len() / width;
+        let skip = n.saturating_sub(self.ring.window());
+        let rows: Vec<(usize, &[f32])> = (skip..n).map(|i| (pos0 + i, &hidden[i * width..(i + 1) * width])).collect();
+        cfg.proposer.commit(&mut self.ring, &rows)?;
+        Ok(())
+    }
+
+    /// How long a draft the policy allows (before budget limits).
+    fn policy_len(&mut self, cfg: &SpecConfig) -> usize {
+        let l = cfg.max_len();
+        let p = &cfg.policy;
+        if !p.adaptive || l == 0 {
+            return l;
+        }
+        // Expected committed tokens of a round of length k with per-slot acceptance a (from the
+        // running mean of accepted drafts), against its cost in 1-row decodes.
+        let a = (self.ewma / l as f64).clamp(0.0, 0.999);
+        let best = (1..=l)
+            .map(|k| {
+                let tokens = (1.0 - a.powi(k as i32 + 1)) / (1.0 - a);
+                let cost = p.verify_cost.get(k).copied().unwrap_or(1.0).max(1.0);
+                (k, tokens / cost)
+            })
+            .fold((0, 1.0), |b, x| if x.1 > b.1 { x } else { b });
+        if best.0 > 0 {
+            return best.0;
+        }
+        self.idle += 1;
+        if p.probe_every > 0 && self.idle >= p.probe_every {
+            self.idle = 0;
+            return l;
+        }
+        0
+    }
+
+    /// Drafts the next round's block after `anchor` (at `anchor_pos`), at most `limit` tokens
+    /// (the caller's budget: remaining tokens to generate minus one, batch room, 0 to skip).
+    /// An empty draft is a plain decode step (its row is still committed by [`Self::finish`]).
+    pub fn plan(
+        &mut self,
+        cfg: &SpecConfig,
+        anchor: u32,
+        anchor_pos: usize,
+        limit: usize,
+        sampler: &Sampler,
+    ) -> Result<Planned, SpecError> {
+        let mut plan = Planned { anchor, anchor_pos, drafts: Vec::new(), q: None };
+        let t = sampler.params.temperature;
+        if !cfg.applies(t) {
+            return Ok(plan);
+        }
+        let l = self.policy_len(cfg).min(limit);
+        if l == 0 || anchor_pos == 0 || !self.ring.holds(anchor_pos - 1) {
+            self.stats.skipped += 1;
+            return Ok(plan);
+        }
+        let d = cfg.proposer.draft(&self.ring, anchor, anchor_pos, t, &mut self.rng)?;
+        plan.drafts = d.tokens[..l.min(d.tokens.len())].to_vec();
+        if t > 0.0 {
+            plan.q = d.q_probs.map(|q| q[..plan.drafts.len() * d.vocab].to_vec());
+        }
+        Ok(plan)
+    }
+
+    /// Finishes a round after the verify forward: `logits` are the `1+l` verify rows
+    /// `[1+l, vocab]`, `hidden` their captured rows. Accepts (greedy, or rejection sampling at
+    /// temperature > 0; a round without drafts samples exactly as plain decoding does), cuts the
+    /// target back to `anchor_pos + tokens.len()` tokens, and commits the anchor and accepted
+    /// rows to the ring. Emitted tokens stop after the first of `stop_ids`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn finish<B: Backend>(
+        &mut self,
+        cfg: &SpecConfig,
+        model: &mut Model<B>,
+        slot: usize,
+        plan: &Planned,
+        logits: &[f32],
+        hidden: &[f32],
+        sampler: &mut Sampler,
+        stop_ids: &[u32],
+    ) -> Result<RoundResult, SpecError> {
+        let vocab = model.cfg.vocab_size;
+        let l = plan.drafts.len();
+        debug_assert_eq!(logits.len(), (l + 1) * vocab);
+        let (n, bonus) = if l == 0 {
+            (0, sampler.sample(&logits[..vocab])?)
+        } else if sampler.params.temperature == 0.0 {
+            if let Some(index) = logits.iter().position(|v| !v.is_finite()) {
+                return Err(SampleError::NonFinite { index: index % vocab }.into());
+            }
+            accept_greedy(&plan.drafts, logits, vocab)
+        } else {
+            let mut probs = Vec::with_capacity(logits.len());
+            for row in logits.chunks(vocab) {
+                probs.extend(sampler.probs(row)?);
+            }
+            accept_sampled(&plan.drafts, plan.q.as_deref(), &probs, vocab, sampler.rng_mut())
+        };
+        self.stats.record(l, n);
+        if l > 0 {
+            self.ewma = 0.8 * self.ewma + 0.2 * n as f64;
+            self.idle = 0;
+        }
+        let mut tokens: Vec<u32> = plan.drafts[..n].iter().copied().chain([bonus]).collect();
+        if let Some(i) = tokens.iter().position(|t| stop_ids.contains(t)) {
+            tokens.truncate(i + 1);
+        }
+        // The state keeps the anchor and the drafts that precede the last emitted token.
+        let keep = plan.anchor_pos + tokens.len();
+        if model.seq_len(slot) != Some(keep) {
+            model.truncate(slot, keep)?;
+        }
+        let width = cfg.hidden_width(&model.cfg);
+        if hidden.len() < tokens.len() * width {
+            return Err(SpecError::NoCapture);
+        }
+        self.commit(cfg, plan.anchor_pos, &hidden[..tokens.len() * width], width)?;
+        Ok(RoundResult { tokens, accepted: n })
+    }
+}
+
+/// Runs one sequence's round in its own forward (single-sequence generation and tests): plan,
+/// verify `[anchor, d..]` with a capture, finish.
+#[allow(clippy::too_many_arguments)]
+pub fn round<B: Backend>(
+    cfg: &SpecConfig,
+    spec: &mut SpecSeq,
+    model: &mut Model<B>,
+    slot: usize,
+    anchor: u32,
+    limit: usize,
+    sampler: &mut Sampler,
+    stop_ids: &[u32],
+) -> Result<RoundResult, SpecError> {
+    let pos = model.seq_len(slot).ok_or(ModelError::from(dsv4_backend::BatchError::NoSequence { seq: slot }))?;
+    let plan = spec.plan(cfg, anchor, pos, limit, sampler)?;
+    round_with(cfg, spec, model, slot, &plan, sampler, stop_ids)
+}
+
+/// [`round`] with an already planned block (tests force drafts this way).
+pub fn round_with<B: Backend>(
+    cfg: &SpecConfig,
+    spec: &mut SpecSeq,
+    model: &mut Model<B>,
+    slot: usize,
+    plan: &Planned,
+    sampler: &mut Sampler,
+    stop_ids: &[u32],
+) -> Result<RoundResult, SpecError> {
+    let batch = dsv4_backend::Batch::chunk(slot, plan.anchor_pos, &plan.tokens()).map_err(ModelError::from)?;
+    let all: Vec<usize> = (0..plan.rows()).collect();
+    let mut cap = cfg.capture(&model.cfg);
+    let logits = model.forward_with(&batch, &all, Some(&mut cap as &mut dyn Capture<B>))?;
+    let hidden = cap.finish().ok_or(SpecError::NoCapture)?;
+    spec.finish(cfg, model, slot, plan, &logits, &hidden, sampler, stop_ids)
+}
+
+/// Prefills `tokens` from position `pos0` in chunks with a capture and commits every row.
+/// Returns the logits of the last row.
+pub fn prefill<B: Backend>(
+    cfg: &SpecConfig,
+    spec: &mut SpecSeq,
+    model: &mut Model<B>,
+    slot: usize,
+    pos0: usize,
+    tokens: &[u32],
+    chunk: usize,
+) -> Result<Vec<f32>, SpecError> {
+    let width = cfg.hidden_width(&model.cfg);
+    let mut logits = Vec::new();
+    for (i, c) in tokens.chunks(chunk.max(1)).enumerate() {
+        let p = pos0 + i * chunk.max(1);
+        let batch = dsv4_backend::Batch::chunk(slot, p, c).map_err(ModelError::from)?;
+        let mut cap = cfg.capture(&model.cfg);
+        logits = model.forward_with(&batch, &[c.len() - 1], Some(&mut cap as &mut dyn Capture<B>))?;
+        let hidden = cap.finish().ok_or(SpecError::NoCapture)?;
+        spec.commit(cfg, p, &hidden, width)?;
+    }
+    Ok(logits)
+}
+
+/// Cost of a verify forward of `1 + l` rows relative to a 1-row decode, for `l = 0..=max_l`,
+/// measured on `model` with a scratch sequence (median of `reps`). Needs a free slot.
+pub fn measure_verify_cost<B: Backend>(
+    model: &mut Model<B>,
+    max_l: usize,
+    reps: usize,
+) -> Result<Vec<f64>, ModelError> {
+    let slot = model.alloc_seq()?;
+    let ctx: Vec<u32> = (0..32u32).map(|i| i % model.cfg.vocab_size as u32).collect();
+    let result = (|| -> Result<Vec<f64>, ModelError> {
+        model.forward(&dsv4_backend::Batch::chunk(slot, 0, &ctx)?, &[ctx.len() - 1])?;
+        let mut t = Vec::new();
+        for l in 0..=max_l {
+            let mut xs = Vec::new();
+            for _ in 0..reps.max(1) {
+                let rows: Vec<u32> = ctx[..=l].to_vec();
+                let all: Vec<usize> = (0..=l).collect();
+                let t0 = std::time::Instant::now();
+                model.forward(&dsv4_backend::Batch::chunk(slot, ctx.len(), &rows)?, &all)?;
+                xs.push(t0.elapsed().as_secs_f64());
+                model.truncate(slot, ctx.len())?;
+            }
+            xs.sort_by(f64::total_cmp);
+            t.push(xs[xs.len() / 2]);
+        }
+        Ok(t.iter().map(|x| x / t[0].max(1e-12)).collect())
+    })();
+    model.free_seq(slot);
+    result
+}
