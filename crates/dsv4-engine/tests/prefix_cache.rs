@@ -160,3 +160,43 @@ fn bad_snapshot_files_are_ignored() {
     let (toks, back) = dc.lookup(&ts[1], &h, 0).unwrap();
     assert_eq!((toks, back), (ts[0].clone(), snap));
 }
+
+/// Under a small memory budget the least recently used snapshots are evicted, spilled to disk,
+/// and found again there.
+#[test]
+fn eviction_spills_to_disk_and_lookups_find_it_again() {
+    use dsv4_engine::prefix_cache::PrefixCache;
+    let dir = model_dir();
+    let disk = tempfile::tempdir().unwrap();
+    let mut m = Model::load(CpuBackend, dir.path(), 1, false).unwrap();
+    let ts = turns();
+    let s = m.alloc_seq().unwrap();
+    let mut snaps = Vec::new();
+    let mut fed = 0;
+    for t in &ts {
+        m.prefill_chunks(s, &t[fed..], &[t.len() - fed]).unwrap();
+        fed = t.len();
+        snaps.push(m.snapshot(s).unwrap());
+    }
+    let one = snaps[0].state.size_bytes();
+    let cfg = PrefixCacheConfig {
+        memory_budget: one * 2, // room for about two snapshots
+        disk_dir: Some(disk.path().to_path_buf()),
+        disk_budget: 1 << 30,
+        fingerprint: 3,
+        interval: 0,
+    };
+    let mut pc = PrefixCache::new(cfg, &m.cfg);
+    for (t, snap) in ts.iter().zip(snaps) {
+        pc.insert(t, snap);
+    }
+    assert!(pc.len() < ts.len(), "nothing was evicted");
+    assert!(pc.memory_bytes() <= one * 2 + 4 * ts[4].len());
+    let on_disk = std::fs::read_dir(disk.path()).unwrap().count();
+    assert_eq!(on_disk + pc.len(), ts.len(), "evicted snapshots were not spilled");
+    // The oldest (evicted) prefix is still found, now from disk.
+    let mut q = ts[0].clone();
+    q.push(5);
+    let hit = pc.lookup(&q).expect("found on disk");
+    assert_eq!(hit.len, ts[0].len());
+}
