@@ -134,7 +134,8 @@ impl<B: Backend> Model<B> {
     /// Puts a snapshot into an allocated slot: the sequence continues exactly as if it had
     /// prefilled the snapshot's tokens itself. `false` if the backend cannot restore.
     pub fn restore(&mut self, seq: usize, snap: &Snapshot) -> bool {
-        if self.seq_len(seq).is_none() || !self.backend.load_seq(&mut self.cache, &self.cfg, seq, &snap.state, snap.len) {
+        if self.seq_len(seq).is_none() || !self.backend.load_seq(&mut self.cache, &self.cfg, seq, &snap.state, snap.len)
+        {
             return false;
         }
         self.seqs[seq] = Some(snap.len);

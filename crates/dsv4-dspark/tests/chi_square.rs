@@ -65,11 +65,10 @@ fn chi_square(anchor: u32, l: usize, broken: bool, n: usize, seed: u64) -> f64 {
         counts[a as usize][b as usize] += 1;
     }
     let mut chi = 0.0;
-    for a in 0..V {
-        for b in 0..V {
+    for (a, row) in counts.iter().enumerate() {
+        for (b, &o) in row.iter().enumerate() {
             let e = n as f64 * target(anchor)[a] as f64 * target(a as u32)[b] as f64;
-            let o = counts[a][b] as f64;
-            chi += (o - e) * (o - e) / e;
+            chi += (o as f64 - e) * (o as f64 - e) / e;
         }
     }
     chi

@@ -94,14 +94,18 @@ pub fn start(
                 match x.as_u64() {
                     Some(id) if (id as usize) < s.engine.vocab_size => stop_ids.push(id as u32),
                     _ => {
-                        return Err(ApiError::bad(f.flavor, format!("`stop_token_ids` entries must be token ids, found {x}"))
-                            .param("stop_token_ids"))
+                        return Err(ApiError::bad(
+                            f.flavor,
+                            format!("`stop_token_ids` entries must be token ids, found {x}"),
+                        )
+                        .param("stop_token_ids"))
                     }
                 }
             }
         }
         Some(other) => {
-            return Err(ApiError::bad(f.flavor, format!("`stop_token_ids` must be a list, found {other}")).param("stop_token_ids"))
+            return Err(ApiError::bad(f.flavor, format!("`stop_token_ids` must be a list, found {other}"))
+                .param("stop_token_ids"))
         }
     }
     let req = Request { prompt, sampling, max_tokens, stop_ids, top_logprobs, snapshot_at };
