@@ -9,8 +9,8 @@ use dsv4_model::weights::Compressor;
 use dsv4_model::Config;
 
 /// Feeds the rows' projections into the compressor state: windows closing in the chunk are
-/// pooled into entries (`comp_pool`), then the overlap rows (`comp_prev`) and the open rows
-/// (`comp_open`) are updated, each after the previous kernel has read them.
+/// pooled into entries (`comp_pool`, reading earlier rows from the raw ring), then the chunk's
+/// rows enter the raw ring (`comp_store`), after the pooling has read it.
 #[allow(clippy::too_many_arguments)]
 pub fn compress(
     b: &CudaBackend,
@@ -37,14 +37,14 @@ pub fn compress(
     st.reserve(b, slots, need);
     let n = rows.len() as i32;
     let f = b.freqs(freqs);
-    let (mi, hdi, wi, ov) = (m as i32, hd as i32, w as i32, st.overlap as i32);
+    let (mi, hdi, wi, ov, ki) = (m as i32, hd as i32, w as i32, st.overlap as i32, st.rows as i32);
     let cap = st.cap as i32;
     let pool_cfg = LaunchConfig {
         grid_dim: (rows.len() as u32, 1, 1),
         block_dim: (block_for(hd), 1, 1),
         shared_mem_bytes: (hd * 4) as u32,
     };
-    // SAFETY (all three launches): argument types and buffer sizes match the kernels.
+    // SAFETY (both launches): argument types and buffer sizes match the kernels.
     ck(
         unsafe {
             b.stream
@@ -53,10 +53,9 @@ pub fn compress(
                 .arg(&cap)
                 .arg(&u.data)
                 .arg(&z.data)
-                .arg(&st.open_u)
-                .arg(&st.open_z)
-                .arg(&st.prev_u)
-                .arg(&st.prev_z)
+                .arg(&st.raw_u)
+                .arg(&st.raw_z)
+                .arg(&ki)
                 .arg(&comp.ape.data)
                 .arg(&comp.norm.data)
                 .arg(f.as_ref())
@@ -71,35 +70,13 @@ pub fn compress(
         },
         "comp_pool",
     );
-    if st.overlap {
-        let lc =
-            LaunchConfig { grid_dim: (rows.len() as u32, 1, 1), block_dim: (block_for(hd), 1, 1), shared_mem_bytes: 0 };
-        ck(
-            unsafe {
-                b.stream
-                    .launch_builder(&b.k.comp_prev)
-                    .arg(&mut st.prev_u)
-                    .arg(&mut st.prev_z)
-                    .arg(&u.data)
-                    .arg(&z.data)
-                    .arg(&st.open_u)
-                    .arg(&st.open_z)
-                    .arg(&comp.ape.data)
-                    .arg(&rows.dev)
-                    .arg(&n)
-                    .arg(&mi)
-                    .arg(&hdi)
-                    .launch(lc)
-            },
-            "comp_prev",
-        );
-    }
     ck(
         unsafe {
             b.stream
-                .launch_builder(&b.k.comp_open)
-                .arg(&mut st.open_u)
-                .arg(&mut st.open_z)
+                .launch_builder(&b.k.comp_store)
+                .arg(&mut st.raw_u)
+                .arg(&mut st.raw_z)
+                .arg(&ki)
                 .arg(&u.data)
                 .arg(&z.data)
                 .arg(&comp.ape.data)
@@ -109,7 +86,7 @@ pub fn compress(
                 .arg(&wi)
                 .launch(cfg1d(rows.len() * w, 256))
         },
-        "comp_open",
+        "comp_store",
     );
 }
 
@@ -182,7 +159,8 @@ pub fn index_select(
     CudaSel { topk, idx: sel }
 }
 
-/// Attention of every (row, head), then the chunk's KV rows enter the window ring.
+/// Attention of every (row, head), then the chunk's KV rows enter the window ring (the last
+/// `window + MAX_ROLLBACK` of each segment, so that a rollback finds its window).
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     b: &CudaBackend,
@@ -195,10 +173,11 @@ pub fn attend(
     rows: &CudaRows,
     cfg: &Config,
 ) -> CudaTensor {
-    let (h, d, win) = (cfg.n_heads, cfg.head_dim, cache.window);
+    let (h, d, win, rcap) = (cfg.n_heads, cfg.head_dim, cache.window, cache.ring_cap);
     assert!(d <= 512, "attention kernel supports head_dim <= 512, got {d}");
     let n = rows.len();
     let mut out = b.tensor(n, h * d);
+    cache.note_written(&rows.batch);
     let ls = &mut cache.layers[layer];
     let (entries, cap, m) = match &ls.comp {
         Some(c) => (&c.entries, c.cap, c.ratio),
@@ -209,7 +188,7 @@ pub fn attend(
         None => (&b.dummy_u32, 0, 0),
     };
     let scale = (d as f32).powf(-0.5);
-    let (ni, di, wi) = (n as i32, d as i32, win as i32);
+    let (ni, di, wi, rci) = (n as i32, d as i32, win as i32, rcap as i32);
     let lc = LaunchConfig { grid_dim: (n as u32, h as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
     // SAFETY (both launches): argument types and buffer sizes match the kernels.
     ck(
@@ -221,6 +200,7 @@ pub fn attend(
                 .arg(&kv.data)
                 .arg(&ls.ring)
                 .arg(&wi)
+                .arg(&rci)
                 .arg(entries)
                 .arg(&(cap as i32))
                 .arg(&(m as i32))
@@ -242,7 +222,7 @@ pub fn attend(
             b.stream
                 .launch_builder(&b.k.ring_write)
                 .arg(&mut ls.ring)
-                .arg(&wi)
+                .arg(&rci)
                 .arg(&kv.data)
                 .arg(&rows.dev)
                 .arg(&ni)

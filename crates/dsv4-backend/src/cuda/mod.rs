@@ -105,7 +105,6 @@ struct Staging {
 pub(crate) struct Kernels {
     pub gather_rows: CudaFunction,
     pub add: CudaFunction,
-    pub fill: CudaFunction,
     pub copy_blocks: CudaFunction,
     pub hc_expand: CudaFunction,
     pub swiglu_act: CudaFunction,
@@ -115,8 +114,7 @@ pub(crate) struct Kernels {
     pub hc_post: CudaFunction,
     pub hc_head: CudaFunction,
     pub comp_pool: CudaFunction,
-    pub comp_prev: CudaFunction,
-    pub comp_open: CudaFunction,
+    pub comp_store: CudaFunction,
     pub index_score: CudaFunction,
     pub index_topk: CudaFunction,
     pub attention: CudaFunction,
@@ -189,17 +187,9 @@ fn compile(ctx: &Arc<CudaContext>, idx: usize, names: &[&str]) -> Result<Vec<Cud
 
 impl Kernels {
     fn load(ctx: &Arc<CudaContext>) -> Result<Self, CudaInitError> {
-        let d = compile(
-            ctx,
-            0,
-            &["gather_rows", "add", "fill", "copy_blocks", "hc_expand", "swiglu_act", "rms_norm", "rope"],
-        )?;
+        let d = compile(ctx, 0, &["gather_rows", "add", "copy_blocks", "hc_expand", "swiglu_act", "rms_norm", "rope"])?;
         let h = compile(ctx, 1, &["hc_pre", "hc_post", "hc_head"])?;
-        let a = compile(
-            ctx,
-            2,
-            &["comp_pool", "comp_prev", "comp_open", "index_score", "index_topk", "attention", "ring_write"],
-        )?;
+        let a = compile(ctx, 2, &["comp_pool", "comp_store", "index_score", "index_topk", "attention", "ring_write"])?;
         let m = compile(ctx, 3, &["route", "moe_up", "moe_down", "moe_combine"])?;
         let mut bf = compile(
             ctx,
@@ -226,7 +216,6 @@ impl Kernels {
         Ok(Kernels {
             gather_rows: n(&mut d),
             add: n(&mut d),
-            fill: n(&mut d),
             copy_blocks: n(&mut d),
             hc_expand: n(&mut d),
             swiglu_act: n(&mut d),
@@ -236,8 +225,7 @@ impl Kernels {
             hc_post: n(&mut h),
             hc_head: n(&mut h),
             comp_pool: n(&mut a),
-            comp_prev: n(&mut a),
-            comp_open: n(&mut a),
+            comp_store: n(&mut a),
             index_score: n(&mut a),
             index_topk: n(&mut a),
             attention: n(&mut a),
@@ -488,6 +476,10 @@ impl Backend for CudaBackend {
 
     fn save_seq(&self, cache: &CudaCache, cfg: &Config, seq: usize, len: usize) -> Option<crate::SeqState> {
         Some(cache.save(self, cfg, seq, len))
+    }
+
+    fn truncate_seq(&self, cache: &mut CudaCache, seq: usize, have: usize, len: usize) -> Result<(), String> {
+        cache.truncate(seq, have, len)
     }
 
     fn load_seq(&self, cache: &mut CudaCache, cfg: &Config, seq: usize, st: &crate::SeqState, len: usize) -> bool {
@@ -870,26 +862,6 @@ impl CudaBackend {
                     .launch(cfg1d(n * cols, 256))
             },
             "gather_rows",
-        );
-    }
-
-    /// Fills `len` floats of `buf` from element `off` with `v`.
-    pub(crate) fn fill(&self, buf: &mut CudaSlice<f32>, off: usize, len: usize, v: f32) {
-        if len == 0 {
-            return;
-        }
-        let mut view = buf.slice_mut(off..off + len);
-        // SAFETY: argument types and sizes match the kernel's signature.
-        ck(
-            unsafe {
-                self.stream
-                    .launch_builder(&self.k.fill)
-                    .arg(&mut view)
-                    .arg(&v)
-                    .arg(&(len as i64))
-                    .launch(cfg1d(len, 256))
-            },
-            "fill",
         );
     }
 }

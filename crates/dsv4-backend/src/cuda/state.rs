@@ -1,9 +1,20 @@
 //! Per-sequence inference state on the device (spec §9.1), one set of buffers per layer shared by
 //! all sequence slots: slot `s` owns the `s`-th block of each.
+//!
+//! Every per-position buffer is a ring long enough that the rows a rollback of up to
+//! [`MAX_ROLLBACK`] tokens needs are never overwritten, and nothing depends on the length but the
+//! rows read: the window ring holds `window + MAX_ROLLBACK` KV rows (position `p` at `p mod cap`),
+//! each compressor `K = (overlap ? 2 : 1)·ratio + MAX_ROLLBACK` raw rows (`u` and `z + ape`, at
+//! `p mod K`: the open window, the last closed one whose A-halves CSA pools with, and the margin),
+//! and entry `i` is pooled from window `i` (the first `len / ratio` are live). A sequence of length
+//! `len` reads only rows of positions `< len`, so cutting it back is bookkeeping on the host
+//! ([`CudaCache::truncate`]); the forward rewrites whatever later rows it feeds again.
 
 use super::{ck, CudaBackend};
-use cudarc::driver::{CudaSlice, PushKernelArg};
-use crate::cpu::state::SeqState;
+use crate::batch::Batch;
+use crate::cpu::state::{SeqState, TruncateError, MAX_ROLLBACK};
+use cudarc::driver::CudaSlice;
+use cudarc::driver::PushKernelArg;
 use dsv4_model::{AttnKind, Config};
 
 /// One compressor's state for every slot.
@@ -12,12 +23,11 @@ pub struct CompDev {
     /// Entry width (`head_dim`, or `index_head_dim` for the indexer).
     pub head: usize,
     pub overlap: bool,
-    /// Open-window rows `[S, ratio, width]` (u, and z + ape) at slot `pos mod ratio`.
-    pub open_u: CudaSlice<f32>,
-    pub open_z: CudaSlice<f32>,
-    /// A-halves of the last closed window `[S, ratio, head]` (CSA only).
-    pub prev_u: CudaSlice<f32>,
-    pub prev_z: CudaSlice<f32>,
+    /// Raw rows `[S, rows, width]`: `u`, and `z + ape`, of position `p` at slot `p mod rows`.
+    pub raw_u: CudaSlice<f32>,
+    pub raw_z: CudaSlice<f32>,
+    /// Ring length `(overlap ? 2 : 1)·ratio + MAX_ROLLBACK`.
+    pub rows: usize,
     /// Emitted entries `[S, cap, head]`; `cap` grows (doubling) as sequences get longer.
     pub entries: CudaSlice<f32>,
     pub cap: usize,
@@ -26,18 +36,22 @@ pub struct CompDev {
 impl CompDev {
     fn new(b: &CudaBackend, slots: usize, ratio: usize, head: usize, overlap: bool) -> Self {
         let w = if overlap { 2 * head } else { head };
-        let prev = if overlap { slots * ratio * head } else { 1 };
+        let rows = Self::ring_rows(ratio, overlap);
         CompDev {
             ratio,
             head,
             overlap,
-            open_u: b.alloc(slots * ratio * w),
-            open_z: b.alloc(slots * ratio * w),
-            prev_u: b.alloc(prev),
-            prev_z: b.alloc(prev),
+            raw_u: b.alloc(slots * rows * w),
+            raw_z: b.alloc(slots * rows * w),
+            rows,
             entries: b.alloc(slots * head),
             cap: 1,
         }
+    }
+
+    /// Raw rows kept per slot: the open window, the last closed one (overlap) and the margin.
+    pub fn ring_rows(ratio: usize, overlap: bool) -> usize {
+        (if overlap { 2 } else { 1 }) * ratio + MAX_ROLLBACK
     }
 
     pub fn width(&self) -> usize {
@@ -46,6 +60,13 @@ impl CompDev {
         } else {
             self.head
         }
+    }
+
+    /// First position whose raw row the state of length `len` needs: its open window's, or
+    /// with overlap the last closed window's.
+    fn need_from(&self, len: usize) -> usize {
+        let done = len / self.ratio;
+        (if self.overlap { done.saturating_sub(1) } else { done }) * self.ratio
     }
 
     /// Makes room for `need` entries per slot, copying what the slots hold (stream-ordered).
@@ -79,23 +100,38 @@ impl CompDev {
 
 /// One layer's state for every slot.
 pub struct LayerDev {
-    /// Window ring `[S, window, head_dim]`, KV row of position p at slot `p mod window`.
+    /// Window ring `[S, ring_cap, head_dim]`, KV row of position p at slot `p mod ring_cap`.
     pub ring: CudaSlice<f32>,
     pub comp: Option<CompDev>,
     pub index: Option<CompDev>,
+}
+
+/// Host bookkeeping of one slot: which device rows are valid.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SlotMeta {
+    /// One past the highest position written since the slot was reset or loaded: the rings hold
+    /// every position `q < len` with `q + ring length ≥ high`.
+    pub high: usize,
+    /// The length the slot was loaded at (0 after a reset): rows before it were never uploaded,
+    /// so the sequence cannot be cut back below it.
+    pub floor: usize,
 }
 
 /// The device state of every sequence slot and layer.
 pub struct CudaCache {
     pub slots: usize,
     pub window: usize,
+    /// Window ring length, `window + MAX_ROLLBACK`.
+    pub ring_cap: usize,
     pub layers: Vec<LayerDev>,
+    pub meta: Vec<SlotMeta>,
     /// Nonfinite probe flags, one per probed stage of a forward (see `bf16.cu: probe_finite`).
     pub probes: CudaSlice<u32>,
 }
 
 impl CudaCache {
     pub fn new(b: &CudaBackend, cfg: &Config, slots: usize) -> Self {
+        let ring_cap = cfg.window + MAX_ROLLBACK;
         let layers = cfg
             .layers
             .iter()
@@ -108,26 +144,48 @@ impl CudaCache {
                         Some(CompDev::new(b, slots, spec.ratio, cfg.index_head_dim, true)),
                     ),
                 };
-                LayerDev { ring: b.alloc(slots * cfg.window * cfg.head_dim), comp, index }
+                LayerDev { ring: b.alloc(slots * ring_cap * cfg.head_dim), comp, index }
             })
             .collect();
         // 22 named stages per layer at most (CSA), plus embed and the head's three.
         let probes = ck(b.stream.alloc_zeros::<u32>(16 + 24 * cfg.layers.len()), "alloc probes");
-        CudaCache { slots, window: cfg.window, layers, probes }
+        CudaCache { slots, window: cfg.window, ring_cap, layers, meta: vec![SlotMeta::default(); slots], probes }
     }
 
-    /// Fresh state for slot `seq`: only the overlap rows need values (`u = 0, z = −∞`); the
-    /// ring, open rows and entries are read only at positions the sequence has written.
-    pub fn reset(&mut self, b: &CudaBackend, seq: usize) {
-        for l in &mut self.layers {
-            for c in [l.comp.as_mut(), l.index.as_mut()].into_iter().flatten() {
-                if c.overlap {
-                    let n = c.ratio * c.head;
-                    b.fill(&mut c.prev_u, seq * n, n, 0.0);
-                    b.fill(&mut c.prev_z, seq * n, n, f32::NEG_INFINITY);
-                }
-            }
+    /// Fresh state for slot `seq`. Nothing on the device needs values: every buffer is read only
+    /// at positions the sequence has written (window 0 of an overlapping compressor has no
+    /// previous window to read).
+    pub fn reset(&mut self, _b: &CudaBackend, seq: usize) {
+        self.meta[seq] = SlotMeta::default();
+    }
+
+    /// Records the positions a forward writes (called for every attention layer; idempotent).
+    pub fn note_written(&mut self, batch: &Batch) {
+        for s in &batch.segments {
+            let m = &mut self.meta[s.seq];
+            m.high = m.high.max(s.pos0 + s.len);
         }
+    }
+
+    /// Cuts slot `seq` from `have` tokens back to `len` (rollback without replay): nothing on the
+    /// device changes, since the rings still hold every row a sequence of `len` tokens reads and
+    /// the next forward rewrites the later ones. Refused where a row needed may be gone: more
+    /// than [`MAX_ROLLBACK`] tokens below what the slot ever held since its reset (or load), or
+    /// below the length it was loaded at.
+    pub fn truncate(&mut self, seq: usize, have: usize, len: usize) -> Result<(), String> {
+        let m = self.meta[seq];
+        let high = m.high.max(have);
+        if len > have || high - len > MAX_ROLLBACK {
+            return Err(TruncateError::TooFar { have: high, to: len, max: MAX_ROLLBACK }.to_string());
+        }
+        if len < m.floor {
+            return Err(format!(
+                "cannot cut a sequence restored from a snapshot of {} tokens back to {len}: its earlier rows \
+                 were never uploaded",
+                m.floor
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -151,70 +209,126 @@ fn htod(b: &CudaBackend, src: &[f32], buf: &mut CudaSlice<f32>, off: usize) {
     ck(b.stream.memcpy_htod(src, &mut view), "snapshot upload");
 }
 
+/// Row `i` (width `w`) of a row-major buffer.
+fn row(buf: &[f32], i: usize, w: usize) -> &[f32] {
+    &buf[i * w..(i + 1) * w]
+}
+
 impl CudaCache {
     /// Copies slot `seq` (holding `len` tokens) into the host format of [`SeqState`]: window rows
-    /// by position, open rows, overlap rows and entries. The GPU keeps no per-position history,
-    /// so the saved state cannot be cut back below `len`.
+    /// by position, open rows, overlap rows, entries, and the compressor history a rollback can
+    /// still use (the raw rows the ring holds, from the oldest still valid).
     pub fn save(&self, b: &CudaBackend, cfg: &Config, seq: usize, len: usize) -> SeqState {
         let mut st = SeqState::new(cfg);
-        let (w, d) = (self.window, cfg.head_dim);
+        let (rc, d) = (self.ring_cap, cfg.head_dim);
+        let meta = self.meta[seq];
+        let high = meta.high.max(len);
         for (ld, ls) in self.layers.iter().zip(st.layers.iter_mut()) {
-            let ring = dtoh(b, &ld.ring, seq * w * d, w * d);
+            let ring = dtoh(b, &ld.ring, seq * rc * d, rc * d);
             let cap = ls.cap();
-            for p in len.saturating_sub(w)..len {
-                let (g, c) = (p % w, p % cap);
-                ls.ring[c * d..(c + 1) * d].copy_from_slice(&ring[g * d..(g + 1) * d]);
+            let lo = high.saturating_sub(rc).max(meta.floor.saturating_sub(self.window));
+            debug_assert!(len - lo <= cap);
+            for p in lo..len {
+                let c = p % cap;
+                ls.ring[c * d..(c + 1) * d].copy_from_slice(row(&ring, p % rc, d));
                 ls.ring_pos[c] = p;
             }
             for (cd, cs) in [(&ld.comp, &mut ls.comp), (&ld.index, &mut ls.index)] {
                 let (Some(cd), Some(cs)) = (cd.as_ref(), cs.as_mut()) else { continue };
-                let (m, hw, h) = (cd.ratio, cd.width(), cd.head);
-                let (rem, n) = (len % m, len / m);
-                cs.open_u = dtoh(b, &cd.open_u, seq * m * hw, rem * hw);
-                cs.open_z = dtoh(b, &cd.open_z, seq * m * hw, rem * hw);
-                if cd.overlap {
-                    cs.prev_u = dtoh(b, &cd.prev_u, seq * m * h, m * h);
-                    cs.prev_z = dtoh(b, &cd.prev_z, seq * m * h, m * h);
+                let (m, w, h, k) = (cd.ratio, cd.width(), cd.head, cd.rows);
+                let raw_u = dtoh(b, &cd.raw_u, seq * k * w, k * w);
+                let raw_z = dtoh(b, &cd.raw_z, seq * k * w, k * w);
+                let rows = |buf: &[f32], r: std::ops::Range<usize>| -> Vec<f32> {
+                    r.flat_map(|p| row(buf, p % k, w).to_vec()).collect()
+                };
+                let done = len / m;
+                cs.open_u = rows(&raw_u, done * m..len);
+                cs.open_z = rows(&raw_z, done * m..len);
+                if cd.overlap && done > 0 {
+                    for r in 0..m {
+                        let p = (done - 1) * m + r;
+                        cs.prev_u[r * h..(r + 1) * h].copy_from_slice(&row(&raw_u, p % k, w)[..h]);
+                        cs.prev_z[r * h..(r + 1) * h].copy_from_slice(&row(&raw_z, p % k, w)[..h]);
+                    }
                 }
-                cs.entries = dtoh(b, &cd.entries, seq * cd.cap * h, n * h);
-                cs.hist_start = len;
+                cs.entries = dtoh(b, &cd.entries, seq * cd.cap * h, done * h);
+                let hist = high.saturating_sub(k).max(meta.floor).min(len);
+                cs.hist_u = rows(&raw_u, hist..len);
+                cs.hist_z = rows(&raw_z, hist..len);
+                cs.hist_start = hist;
             }
         }
         st
     }
 
-    /// Writes a host state into slot `seq` (the inverse of [`CudaCache::save`]).
+    /// Writes a host state of `len` tokens into slot `seq` (the inverse of [`CudaCache::save`]):
+    /// the window rows, the open rows and the overlap rows' A-halves (all a continuation reads)
+    /// and the entries. The slot cannot be cut back below `len` afterwards.
     pub fn load(&mut self, b: &CudaBackend, cfg: &Config, seq: usize, st: &SeqState, len: usize) -> bool {
-        let (w, d, slots) = (self.window, cfg.head_dim, self.slots);
+        let (w, d, slots, rc) = (self.window, cfg.head_dim, self.slots, self.ring_cap);
         if st.layers.len() != self.layers.len() {
             return false;
         }
+        // Check everything before writing anything.
+        for (ld, ls) in self.layers.iter().zip(&st.layers) {
+            let cap = ls.cap();
+            if ls.ring.len() != cap * d || (len.saturating_sub(w)..len).any(|p| ls.ring_pos[p % cap] != p) {
+                return false;
+            }
+            for (cd, cs) in [(&ld.comp, &ls.comp), (&ld.index, &ls.index)] {
+                let (Some(cd), Some(cs)) = (cd.as_ref(), cs.as_ref()) else {
+                    if cd.is_some() != cs.is_some() {
+                        return false;
+                    }
+                    continue;
+                };
+                let (m, hw, h) = (cd.ratio, cd.width(), cd.head);
+                let prev = if cd.overlap { m * h } else { 0 };
+                if cs.ratio != m
+                    || cs.open_u.len() != (len % m) * hw
+                    || cs.open_z.len() != cs.open_u.len()
+                    || cs.prev_u.len() != prev
+                    || cs.prev_z.len() != prev
+                    || cs.entries.len() != len / m * h
+                {
+                    return false;
+                }
+            }
+        }
         for (ld, ls) in self.layers.iter_mut().zip(&st.layers) {
             let cap = ls.cap();
+            let mut ring = vec![0.0f32; rc * d];
             for p in len.saturating_sub(w)..len {
                 let c = p % cap;
-                if ls.ring_pos[c] != p {
-                    return false;
-                }
-                htod(b, &ls.ring[c * d..(c + 1) * d], &mut ld.ring, (seq * w + p % w) * d);
+                ring[(p % rc) * d..(p % rc + 1) * d].copy_from_slice(&ls.ring[c * d..(c + 1) * d]);
             }
+            htod(b, &ring, &mut ld.ring, seq * rc * d);
             for (cd, cs) in [(&mut ld.comp, &ls.comp), (&mut ld.index, &ls.index)] {
                 let (Some(cd), Some(cs)) = (cd.as_mut(), cs.as_ref()) else { continue };
-                let (m, hw, h) = (cd.ratio, cd.width(), cd.head);
-                let n = len / m;
-                if cs.open_u.len() != (len % m) * hw || cs.entries.len() != n * h {
-                    return false;
+                let (m, hw, h, k) = (cd.ratio, cd.width(), cd.head, cd.rows);
+                let done = len / m;
+                let mut raw_u = vec![0.0f32; k * hw];
+                let mut raw_z = vec![0.0f32; k * hw];
+                if cd.overlap && done > 0 {
+                    for r in 0..m {
+                        let s = ((done - 1) * m + r) % k;
+                        raw_u[s * hw..s * hw + h].copy_from_slice(row(&cs.prev_u, r, h));
+                        raw_z[s * hw..s * hw + h].copy_from_slice(row(&cs.prev_z, r, h));
+                    }
                 }
-                htod(b, &cs.open_u, &mut cd.open_u, seq * m * hw);
-                htod(b, &cs.open_z, &mut cd.open_z, seq * m * hw);
-                if cd.overlap {
-                    htod(b, &cs.prev_u, &mut cd.prev_u, seq * m * h);
-                    htod(b, &cs.prev_z, &mut cd.prev_z, seq * m * h);
+                for i in 0..len % m {
+                    let s = (done * m + i) % k;
+                    raw_u[s * hw..(s + 1) * hw].copy_from_slice(row(&cs.open_u, i, hw));
+                    raw_z[s * hw..(s + 1) * hw].copy_from_slice(row(&cs.open_z, i, hw));
                 }
-                cd.reserve(b, slots, n);
+                debug_assert!(cd.need_from(len) + k > len);
+                htod(b, &raw_u, &mut cd.raw_u, seq * k * hw);
+                htod(b, &raw_z, &mut cd.raw_z, seq * k * hw);
+                cd.reserve(b, slots, done);
                 htod(b, &cs.entries, &mut cd.entries, seq * cd.cap * h);
             }
         }
+        self.meta[seq] = SlotMeta { high: len, floor: len };
         true
     }
 }

@@ -1,15 +1,18 @@
 // Compressor (spec §9.2), lightning indexer (§5.5) and sink-softmax attention (§5.6).
 // Launchers: cuda/attention.rs. Device state per layer (cuda/state.rs), for S sequence slots:
-//   open_u/open_z [S, m, w]   rows of the open window at slot pos mod m (z already + ape)
-//   prev_u/prev_z [S, m, hd]  A-halves of the last closed window (CSA overlap only)
-//   entries       [S, cap, hd]
-//   ring          [S, window, d]  KV rows at slot pos mod window
+//   raw_u/raw_z [S, K, w]      raw compressor rows (u, and z + ape) of position p at slot p mod K,
+//                              K = (overlap ? 2 : 1)·m + MAX_ROLLBACK: the open window, the last
+//                              closed one (its A-halves, CSA) and the rows a rollback needs
+//   entries     [S, cap, hd]   entry i pooled from window i; the first len / m are live
+//   ring        [S, rcap, d]   KV rows at slot pos mod rcap, rcap = window + MAX_ROLLBACK
+// Nothing is ever cleared: a sequence of length len reads only rows of positions < len, and a
+// rollback (cuda/state.rs) only lowers len.
 
 // The (u, z) row of position q of row t's sequence while a chunk is fed: rows at or after the
-// segment's first position come from this batch (z + ape), earlier ones from the open buffer.
+// segment's first position come from this batch (z + ape), earlier ones from the raw ring.
 struct CompSrc {
-    const float *u, *z, *open_u, *open_z, *ape;
-    int m, w;
+    const float *u, *z, *raw_u, *raw_z, *ape;
+    int m, w, k;
 };
 
 __device__ __forceinline__ void comp_row(const CompSrc& s, const unsigned* rows, int n, int t, long long q,
@@ -21,45 +24,38 @@ __device__ __forceinline__ void comp_row(const CompSrc& s, const unsigned* rows,
         *zr = s.z + r * s.w;
         *ar = s.ape + (q % s.m) * s.w;
     } else {
-        long long o = ((long long)ROW_SEQ(t) * s.m + q % s.m) * s.w;
-        *ur = s.open_u + o;
-        *zr = s.open_z + o;
+        long long o = ((long long)ROW_SEQ(t) * s.k + q % s.k) * s.w;
+        *ur = s.raw_u + o;
+        *zr = s.raw_z + o;
         *ar = 0;
     }
 }
 
 // One block per batch row; rows that close a window pool it (per-channel softmax over the gate),
-// RMSNorm it, rotate it at position win·m and store entry `win`. Dynamic shared memory: hd floats.
-extern "C" __global__ void comp_pool(float* entries, int cap, const float* u, const float* z, const float* open_u,
-                                     const float* open_z, const float* prev_u, const float* prev_z, const float* ape,
-                                     const float* norm, const double* freqs, int npairs, const unsigned* rows, int n,
-                                     int m, int hd, int overlap, float eps) {
+// RMSNorm it, rotate it at position win·m and store entry `win`. With overlap (CSA) the previous
+// window's A-halves join the softmax; window 0 has none (u = 0, z = −∞: they add exactly
+// nothing). Dynamic shared memory: hd floats.
+extern "C" __global__ void comp_pool(float* entries, int cap, const float* u, const float* z, const float* raw_u,
+                                     const float* raw_z, int k, const float* ape, const float* norm,
+                                     const double* freqs, int npairs, const unsigned* rows, int n, int m, int hd,
+                                     int overlap, float eps) {
     extern __shared__ float buf[];
     __shared__ float sh[32];
     int t = blockIdx.x;
     long long p = ROW_POS(t);
     if ((p + 1) % m != 0) return;
     long long win = (p + 1) / m - 1, seq = ROW_SEQ(t);
-    CompSrc s = {u, z, open_u, open_z, ape, m, overlap ? 2 * hd : hd};
-    // The previous window's A-halves: the saved ones if it closed before this chunk.
-    bool saved_prev = win * m <= (long long)ROW_POS0(t);
+    CompSrc s = {u, z, raw_u, raw_z, ape, m, overlap ? 2 * hd : hd, k};
     for (int c = threadIdx.x; c < hd; c += blockDim.x) {
         float mx = -INFINITY;
         for (int pass = 0; pass < 2; pass++) {
             float den = 0.f, num = 0.f;
-            if (overlap) {
+            if (overlap && win > 0) {
                 for (int r = 0; r < m; r++) {
-                    float zv, uv;
-                    if (saved_prev) {
-                        long long o = (seq * m + r) * hd + c;
-                        zv = prev_z[o];
-                        uv = prev_u[o];
-                    } else {
-                        const float *ur, *zr, *ar;
-                        comp_row(s, rows, n, t, (win - 1) * m + r, &ur, &zr, &ar);
-                        zv = ar ? zr[c] + ar[c] : zr[c];
-                        uv = ur[c];
-                    }
+                    const float *ur, *zr, *ar;
+                    comp_row(s, rows, n, t, (win - 1) * m + r, &ur, &zr, &ar);
+                    float zv = ar ? zr[c] + ar[c] : zr[c];
+                    float uv = ur[c];
                     if (pass == 0) mx = fmaxf(mx, zv);
                     else { float e = expf(zv - mx); den += e; num += e * uv; }
                 }
@@ -94,35 +90,16 @@ extern "C" __global__ void comp_pool(float* entries, int cap, const float* u, co
     }
 }
 
-// After comp_pool (CSA): the row closing a segment's last window saves that window's A-halves.
-extern "C" __global__ void comp_prev(float* prev_u, float* prev_z, const float* u, const float* z, const float* open_u,
-                                     const float* open_z, const float* ape, const unsigned* rows, int n, int m, int hd) {
-    int t = blockIdx.x;
-    long long p = ROW_POS(t), end = (long long)ROW_POS0(t) + ROW_LEN(t);
-    if ((p + 1) % m != 0 || p + m < end) return;
-    long long win = (p + 1) / m - 1, seq = ROW_SEQ(t);
-    CompSrc s = {u, z, open_u, open_z, ape, m, 2 * hd};
-    for (int r = 0; r < m; r++) {
-        const float *ur, *zr, *ar;
-        comp_row(s, rows, n, t, win * m + r, &ur, &zr, &ar);
-        for (int c = threadIdx.x; c < hd; c += blockDim.x) {
-            long long o = (seq * m + r) * hd + c;
-            prev_u[o] = ur[c];
-            prev_z[o] = ar ? zr[c] + ar[c] : zr[c];
-        }
-    }
-}
-
-// After comp_pool/comp_prev: rows after a segment's last closed window become the open rows.
-extern "C" __global__ void comp_open(float* open_u, float* open_z, const float* u, const float* z, const float* ape,
-                                     const unsigned* rows, int n, int m, int w) {
+// After comp_pool: the last min(len, K) rows of each segment enter the raw ring (z + ape).
+extern "C" __global__ void comp_store(float* raw_u, float* raw_z, int k, const float* u, const float* z,
+                                      const float* ape, const unsigned* rows, int n, int m, int w) {
     GRID_STRIDE(e, (long long)n * w) {
         int t = (int)(e / w), c = (int)(e % w);
         long long p = ROW_POS(t), end = (long long)ROW_POS0(t) + ROW_LEN(t);
-        if (p < end / m * m) continue;
-        long long o = ((long long)ROW_SEQ(t) * m + p % m) * w + c;
-        open_u[o] = u[(long long)t * w + c];
-        open_z[o] = z[(long long)t * w + c] + ape[(p % m) * w + c];
+        if (p + k < end) continue;
+        long long o = ((long long)ROW_SEQ(t) * k + p % k) * w + c;
+        raw_u[o] = u[(long long)t * w + c];
+        raw_z[o] = z[(long long)t * w + c] + ape[(p % m) * w + c];
     }
 }
 
@@ -195,8 +172,9 @@ extern "C" __global__ void index_topk(unsigned* sel, int topk, float* scores, in
 // chunk, this batch's kv from the chunk on) and its compressed entries (selected, or all visible).
 // Each warp runs an online softmax over every ATT_WARPS-th key; the warps are merged at the end.
 extern "C" __global__ void attention(float* out, const float* q, const float* kv, const float* ring, int win,
-                                     const float* entries, int cap, int m, const unsigned* sel, int has_sel, int topk,
-                                     const float* sinks, const unsigned* rows, int n, int heads, int d, float scale) {
+                                     int rcap, const float* entries, int cap, int m, const unsigned* sel,
+                                     int has_sel, int topk, const float* sinks, const unsigned* rows, int n,
+                                     int heads, int d, float scale) {
     __shared__ float wm[ATT_WARPS], wl[ATT_WARPS];
     __shared__ float wo[ATT_WARPS][MAX_D];
     int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
@@ -221,7 +199,7 @@ extern "C" __global__ void attention(float* out, const float* q, const float* kv
         const float* k;
         if (j < nwin) {
             long long pp = lo + j;
-            k = pp < pos0 ? ring + (seq * win + pp % win) * d : kv + (ROW_START(t) + (pp - pos0)) * d;
+            k = pp < pos0 ? ring + (seq * rcap + pp % rcap) * d : kv + (ROW_START(t) + (pp - pos0)) * d;
         } else {
             long long e = has_sel ? sel[(long long)t * topk + (j - nwin)] : (j - nwin);
             k = entries + (seq * cap + e) * d;
@@ -262,13 +240,13 @@ extern "C" __global__ void attention(float* out, const float* q, const float* kv
     }
 }
 
-// After attention: the last min(len, win) rows of each segment enter the window ring.
-extern "C" __global__ void ring_write(float* ring, int win, const float* kv, const unsigned* rows, int n, int d) {
+// After attention: the last min(len, rcap) rows of each segment enter the window ring.
+extern "C" __global__ void ring_write(float* ring, int rcap, const float* kv, const unsigned* rows, int n, int d) {
     GRID_STRIDE(e, (long long)n * d) {
         int t = (int)(e / d), c = (int)(e % d);
         long long i = t - (long long)ROW_START(t), len = ROW_LEN(t);
-        if (i < len - min(len, (long long)win)) continue;
+        if (i < len - min(len, (long long)rcap)) continue;
         long long p = ROW_POS(t);
-        ring[((long long)ROW_SEQ(t) * win + p % win) * d + c] = kv[(long long)t * d + c];
+        ring[((long long)ROW_SEQ(t) * rcap + p % rcap) * d + c] = kv[(long long)t * d + c];
     }
 }

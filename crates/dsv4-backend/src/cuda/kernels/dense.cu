@@ -12,10 +12,6 @@ extern "C" __global__ void add(float* out, const float* a, const float* b, long 
     GRID_STRIDE(e, len) out[e] = a[e] + b[e];
 }
 
-extern "C" __global__ void fill(float* out, float v, long long len) {
-    GRID_STRIDE(e, len) out[e] = v;
-}
-
 // dst[s, 0..len] = src[s, 0..len] for `count` blocks of strides sstride / dstride.
 extern "C" __global__ void copy_blocks(float* dst, const float* src, int count, long long len, long long dstride,
                                        long long sstride) {
