@@ -15,7 +15,7 @@
 #![cfg(feature = "cuda")]
 
 mod common;
-use common::{rel_err, tokens, write_random};
+use common::{fixtures_dir, gpu, rel_err, tokens, write_random};
 use dsv4_backend::bf16::round_weight;
 use dsv4_backend::cpu::CpuBackend;
 use dsv4_backend::cuda::{CudaBackend, CudaInitError};
@@ -23,7 +23,7 @@ use dsv4_backend::forward::{forward, RopeTables};
 use dsv4_backend::{Backend, Batch, Capture, Model, Row, Stage};
 use dsv4_model::synth::tiny_config;
 use dsv4_model::{AttnKind, Config, LayerSpec, TensorStore};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 const TOL: f64 = 1e-4;
 /// Fast path, per row: the row's max |cuda − cpu| / max |cpu|. Measured on the H200 over 701
@@ -46,36 +46,6 @@ fn cuda_kernels_compile() {
         Err(CudaInitError::NoLibrary(l)) => println!("skipping: no {l} library"),
         r => r.unwrap(),
     }
-}
-
-/// The bf16 backend in exact mode.
-fn gpu() -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
-        Ok(b) => {
-            b.set_exact(true);
-            Some(b)
-        }
-        Err(e @ (CudaInitError::NoDriver | CudaInitError::NoDevice | CudaInitError::NoLibrary(_))) => {
-            println!("skipping: no CUDA device ({e})");
-            None
-        }
-        Err(e) => panic!("CUDA backend failed to start: {e}"),
-    }
-}
-
-/// The fixtures: `DSV4_FIXTURES`, else next to the run-time manifest dir (nextest's
-/// `--workspace-remap` sets it), else where this test was built.
-fn fixtures_dir() -> PathBuf {
-    if let Ok(d) = std::env::var("DSV4_FIXTURES") {
-        return d.into();
-    }
-    if let Ok(d) = std::env::var("CARGO_MANIFEST_DIR") {
-        let p = Path::new(&d).join("../../tests/fixtures/hf");
-        if p.exists() {
-            return p;
-        }
-    }
-    common::fixtures_dir()
 }
 
 fn argmax(l: &[f32]) -> u32 {

@@ -14,41 +14,14 @@
 #![cfg(feature = "cuda")]
 
 mod common;
-use common::{rel_err, tokens, write_random};
+use common::{fixtures_dir, gpu, rel_err, tokens, write_random};
 use dsv4_backend::cpu::state::CompState;
-use dsv4_backend::cuda::{CudaBackend, CudaInitError};
+use dsv4_backend::cuda::CudaBackend;
 use dsv4_backend::{Batch, Model, SeqState, MAX_ROLLBACK};
 use dsv4_model::synth::tiny_config;
-use std::path::{Path, PathBuf};
 
 /// Ten times the batch-size rounding noise measured on the H200 (see the module docs).
 const TOL: f64 = 1e-5;
-
-fn gpu() -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
-        Ok(b) => {
-            b.set_exact(true);
-            Some(b)
-        }
-        Err(e @ (CudaInitError::NoDriver | CudaInitError::NoDevice | CudaInitError::NoLibrary(_))) => {
-            println!("skipping: no CUDA device ({e})");
-            None
-        }
-        Err(e) => panic!("CUDA backend failed to start: {e}"),
-    }
-}
-
-fn fixture() -> PathBuf {
-    let base = std::env::var("DSV4_FIXTURES").map(PathBuf::from).unwrap_or_else(|_| {
-        let p = Path::new(&std::env::var("CARGO_MANIFEST_DIR").unwrap_or_default()).join("../../tests/fixtures/hf");
-        if p.exists() {
-            p
-        } else {
-            common::fixtures_dir()
-        }
-    });
-    base.join("csa4_hca128_long")
-}
 
 /// Max relative difference of two float slices of the same length (0 when both are empty).
 fn diff(what: &str, a: &[f32], b: &[f32]) -> f64 {
@@ -187,7 +160,7 @@ fn cuda_cut_back_equals_plain_run_at_every_alignment() {
 #[test]
 fn cuda_cut_back_across_hca128_windows() {
     let Some(b) = gpu() else { return };
-    let mut m = Model::load(b, &fixture(), 2, false).unwrap();
+    let mut m = Model::load(b, &fixtures_dir().join("csa4_hca128_long"), 2, false).unwrap();
     let toks = tokens(290, 97, 6);
     let mut t = Tally::default();
     for p in [112, 120, 124, 125, 126, 127, 128, 129, 131, 250, 252, 253, 254, 255, 256, 257] {
@@ -210,7 +183,7 @@ fn cuda_cut_back_across_hca128_windows() {
 #[test]
 fn cuda_chained_rounds_equal_plain_run() {
     let Some(b) = gpu() else { return };
-    let mut m = Model::load(b, &fixture(), 2, false).unwrap();
+    let mut m = Model::load(b, &fixtures_dir().join("csa4_hca128_long"), 2, false).unwrap();
     let window = m.cfg.window;
     let toks = tokens(320, 97, 7);
     let s = m.alloc_seq().unwrap();
@@ -247,7 +220,7 @@ fn cuda_chained_rounds_equal_plain_run() {
 #[test]
 fn cuda_cutting_back_too_far_is_an_error() {
     let Some(b) = gpu() else { return };
-    let mut m = Model::load(b, &fixture(), 2, false).unwrap();
+    let mut m = Model::load(b, &fixtures_dir().join("csa4_hca128_long"), 2, false).unwrap();
     let toks = tokens(100, 97, 1);
     let s = m.alloc_seq().unwrap();
     m.prefill_chunks(s, &toks[..60], &[60]).unwrap();

@@ -5,43 +5,15 @@
 #![cfg(feature = "cuda")]
 
 mod common;
-use common::{rel_err, tokens};
+use common::{fixtures_dir, gpu, rel_err, tokens};
 use dsv4_backend::bf16::round_weight;
 use dsv4_backend::cpu::CpuBackend;
-use dsv4_backend::cuda::{CudaBackend, CudaInitError};
 use dsv4_backend::{Model, SeqState, Snapshot};
-use std::path::{Path, PathBuf};
-
-fn gpu() -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
-        Ok(b) => {
-            b.set_exact(true);
-            Some(b)
-        }
-        Err(e @ (CudaInitError::NoDriver | CudaInitError::NoDevice | CudaInitError::NoLibrary(_))) => {
-            println!("skipping: no CUDA device ({e})");
-            None
-        }
-        Err(e) => panic!("CUDA backend failed to start: {e}"),
-    }
-}
-
-fn fixture() -> PathBuf {
-    let base = std::env::var("DSV4_FIXTURES").map(PathBuf::from).unwrap_or_else(|_| {
-        let p = Path::new(&std::env::var("CARGO_MANIFEST_DIR").unwrap_or_default()).join("../../tests/fixtures/hf");
-        if p.exists() {
-            p
-        } else {
-            common::fixtures_dir()
-        }
-    });
-    base.join("csa4_hca128_long")
-}
 
 #[test]
 fn cuda_snapshot_restore_continues_like_the_original() {
     let Some(b) = gpu() else { return };
-    let dir = fixture();
+    let dir = fixtures_dir().join("csa4_hca128_long");
     let mut m = Model::load(b, &dir, 3, false).unwrap();
     let toks = tokens(290, 97, 4);
     for cut in [1usize, 130, 203, 257] {
@@ -66,7 +38,7 @@ fn cuda_snapshot_restore_continues_like_the_original() {
 #[test]
 fn cpu_snapshot_restored_on_the_gpu_continues_like_the_cpu() {
     let Some(b) = gpu() else { return };
-    let dir = fixture();
+    let dir = fixtures_dir().join("csa4_hca128_long");
     let mut g = Model::load(b, &dir, 1, false).unwrap();
     let mut c = Model::load_with(CpuBackend, &dir, 1, false, round_weight).unwrap();
     let toks = tokens(290, 97, 8);

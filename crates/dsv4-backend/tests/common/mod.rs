@@ -26,8 +26,37 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     diff / scale
 }
 
+/// The HF fixtures: `DSV4_FIXTURES`, else next to the run-time manifest dir (nextest's
+/// `--workspace-remap` sets it on another machine), else where this test was built.
 pub fn fixtures_dir() -> PathBuf {
+    if let Ok(d) = std::env::var("DSV4_FIXTURES") {
+        return d.into();
+    }
+    if let Ok(d) = std::env::var("CARGO_MANIFEST_DIR") {
+        let p = Path::new(&d).join("../../tests/fixtures/hf");
+        if p.exists() {
+            return p;
+        }
+    }
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf")
+}
+
+/// The bf16 CUDA backend in exact mode (f32 activations into every bf16 product), or `None`
+/// with a clear message where no driver or device is present.
+#[cfg(feature = "cuda")]
+pub fn gpu() -> Option<dsv4_backend::cuda::CudaBackend> {
+    use dsv4_backend::cuda::{CudaBackend, CudaInitError};
+    match CudaBackend::new(0) {
+        Ok(b) => {
+            b.set_exact(true);
+            Some(b)
+        }
+        Err(e @ (CudaInitError::NoDriver | CudaInitError::NoDevice | CudaInitError::NoLibrary(_))) => {
+            println!("skipping: no CUDA device ({e})");
+            None
+        }
+        Err(e) => panic!("CUDA backend failed to start: {e}"),
+    }
 }
 
 /// Deterministic pseudo-random token ids.
