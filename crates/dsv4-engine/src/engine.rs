@@ -398,7 +398,7 @@ impl<B: Backend> Engine<B> {
             if reason != FinishReason::Cancelled && s.generated.len() > 1 && s.prefill_done() {
                 let mut toks = s.req.prompt.clone();
                 toks.extend_from_slice(&s.generated[..s.generated.len() - 1]);
-                self.save_prefix(slot, &toks);
+                self.save_prefix(slot, &toks, false);
             }
             self.model.free_seq(slot);
         }
@@ -445,13 +445,18 @@ impl<B: Backend> Engine<B> {
             || (pc.interval() > 0 && p.is_multiple_of(pc.interval()))
     }
 
-    fn save_prefix(&mut self, slot: usize, tokens: &[u32]) {
+    /// Caches the slot's state under `tokens`; `persist` also writes it to the disk cache now
+    /// (interval snapshots of long prompts, so a crash mid-prefill loses little).
+    fn save_prefix(&mut self, slot: usize, tokens: &[u32], persist: bool) {
         if self.prefix.is_none() {
             return;
         }
         if let Some(snap) = self.model.snapshot(slot) {
             debug_assert_eq!(snap.len, tokens.len());
             if let Some(pc) = &mut self.prefix {
+                if persist {
+                    pc.persist(tokens, &snap);
+                }
                 pc.insert(tokens, snap);
             }
         }
@@ -589,7 +594,8 @@ impl<B: Backend> Engine<B> {
             let p = self.running[i].prefilled;
             if *n > 0 && self.is_snapshot_point(&self.running[i], p) {
                 let (slot, toks) = (self.running[i].slot.expect("admitted"), self.running[i].req.prompt[..p].to_vec());
-                self.save_prefix(slot, &toks);
+                let interval = self.prefix.as_ref().map_or(0, |pc| pc.interval());
+                self.save_prefix(slot, &toks, interval > 0 && p.is_multiple_of(interval));
             }
         }
         let vocab = self.model.cfg.vocab_size;

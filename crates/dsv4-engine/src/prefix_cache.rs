@@ -151,6 +151,15 @@ impl PrefixCache {
         }
     }
 
+    /// Writes one snapshot to the disk cache now (if there is one), besides caching it.
+    pub fn persist(&mut self, tokens: &[u32], snap: &Snapshot) {
+        if let Some(disk) = &mut self.disk {
+            if let Err(err) = disk.write(tokens, snap) {
+                tracing::warn!("writing a KV snapshot to disk failed: {err}");
+            }
+        }
+    }
+
     /// Writes every in-memory snapshot to disk (shutdown).
     pub fn persist_all(&mut self) {
         let entries = std::mem::take(&mut self.entries);

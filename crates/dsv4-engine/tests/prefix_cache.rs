@@ -200,3 +200,19 @@ fn eviction_spills_to_disk_and_lookups_find_it_again() {
     let hit = pc.lookup(&q).expect("found on disk");
     assert_eq!(hit.len, ts[0].len());
 }
+
+/// Long prompts are snapshotted to disk at every interval while they prefill, before any
+/// eviction or shutdown.
+#[test]
+fn interval_snapshots_reach_disk_immediately() {
+    let dir = model_dir();
+    let disk = tempfile::tempdir().unwrap();
+    let h = engine(dir.path(), Some(disk.path()), 4, true); // interval 16
+    let prompt: Vec<u32> = (0..70).map(|i| (i * 13 % 97) as u32).collect();
+    run(&h, &prompt, 2);
+    let files = std::fs::read_dir(disk.path())
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().path().extension().is_some_and(|x| x == "dsv4kv"));
+    // Positions 16, 32, 48 and 64 of the 70-token prompt.
+    assert_eq!(files.count(), 4);
+}
