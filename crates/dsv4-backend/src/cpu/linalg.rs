@@ -4,6 +4,9 @@
 //! (8 strided lanes, then a fixed tree), whatever the tile it lands in or the number of rows in
 //! the batch. That makes the CPU oracle batch-invariant bitwise: a sequence's logits do not
 //! depend on which other rows share its batch.
+//!
+//! On x86-64 with AVX2 and FMA every dot product (single or tiled) runs the fused-multiply-add
+//! kernels of [`simd`], chosen once per process, so all of them still share one summation order.
 
 use rayon::prelude::*;
 
@@ -14,9 +17,107 @@ fn reduce(acc: [f32; LANES]) -> f32 {
     ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
 }
 
-/// The reference dot product; every other kernel here reproduces its order exactly.
+/// Whether the AVX2+FMA kernels are used (decided once per process).
+fn use_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static FMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *FMA.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The dot product every kernel here uses: lane `l` of 8 accumulates elements `l, l+8, …` in
+/// order, then a fixed tree adds the lanes.
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if use_fma() {
+        // SAFETY: the CPU supports AVX2 and FMA (checked by `use_fma`); slices have equal length.
+        return unsafe { simd::dot(a, b) };
+    }
+    dot_scalar(a, b)
+}
+
+#[inline]
+fn dot4(x: &[f32], w0: &[f32], w1: &[f32], w2: &[f32], w3: &[f32]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if use_fma() {
+        // SAFETY: as in `dot`; every `w` row has the length of `x`.
+        return unsafe { simd::dot4(x, w0, w1, w2, w3) };
+    }
+    dot4_scalar(x, w0, w1, w2, w3)
+}
+
+/// AVX2 + FMA versions of the dot kernels, in the same lane order as the portable ones.
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use super::{reduce, LANES};
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA, and `a.len() == b.len()`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let k = a.len();
+        let full = k / LANES * LANES;
+        let mut acc = _mm256_setzero_ps();
+        let mut o = 0;
+        while o < full {
+            // SAFETY: o + 8 <= full <= len of both slices.
+            acc =
+                unsafe { _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(o)), _mm256_loadu_ps(b.as_ptr().add(o)), acc) };
+            o += LANES;
+        }
+        let mut lanes = [0f32; LANES];
+        // SAFETY: `lanes` holds 8 floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+        for l in 0..k - full {
+            lanes[l] = a[full + l].mul_add(b[full + l], lanes[l]);
+        }
+        reduce(lanes)
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA, and every slice must have `x.len()` elements.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot4(x: &[f32], w0: &[f32], w1: &[f32], w2: &[f32], w3: &[f32]) -> [f32; 4] {
+        let k = x.len();
+        let full = k / LANES * LANES;
+        let (mut a0, mut a1, mut a2, mut a3) =
+            (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut o = 0;
+        while o < full {
+            // SAFETY: o + 8 <= full <= the length of every slice.
+            unsafe {
+                let xv = _mm256_loadu_ps(x.as_ptr().add(o));
+                a0 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w0.as_ptr().add(o)), a0);
+                a1 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w1.as_ptr().add(o)), a1);
+                a2 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w2.as_ptr().add(o)), a2);
+                a3 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w3.as_ptr().add(o)), a3);
+            }
+            o += LANES;
+        }
+        let mut out = [0f32; 4];
+        for (j, (acc, w)) in [(a0, w0), (a1, w1), (a2, w2), (a3, w3)].into_iter().enumerate() {
+            let mut lanes = [0f32; LANES];
+            // SAFETY: `lanes` holds 8 floats.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+            for l in 0..k - full {
+                lanes[l] = x[full + l].mul_add(w[full + l], lanes[l]);
+            }
+            out[j] = reduce(lanes);
+        }
+        out
+    }
+}
+
+/// The portable dot product (no FMA): the same lane order as [`simd::dot`].
+#[inline]
+fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let k = a.len();
     let mut acc = [0f32; LANES];
@@ -32,9 +133,9 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     reduce(acc)
 }
 
-/// Four dot products of one `x` row against four `w` rows, each in [`dot`]'s exact order.
+/// Four dot products of one `x` row against four `w` rows, each in [`dot_scalar`]'s exact order.
 #[inline]
-fn dot4(x: &[f32], w0: &[f32], w1: &[f32], w2: &[f32], w3: &[f32]) -> [f32; 4] {
+fn dot4_scalar(x: &[f32], w0: &[f32], w1: &[f32], w2: &[f32], w3: &[f32]) -> [f32; 4] {
     let k = x.len();
     let full = k / LANES * LANES;
     let mut a0 = [0f32; LANES];
@@ -151,7 +252,7 @@ mod tests {
         for (g, e) in got.iter().zip(&want) {
             assert!((*g as f64 - e).abs() < 1e-4, "{g} vs {e}");
         }
-        // Each row alone gives bitwise the same values as inside the batch.
+        // Each row alone gives bitwise the same values as inside the batch (and as `dot`).
         for i in 0..n {
             let one = matmul_t(&x[i * k..(i + 1) * k], 1, k, &w, m);
             assert_eq!(one, got[i * m..(i + 1) * m].to_vec(), "row {i}");
