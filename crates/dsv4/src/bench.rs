@@ -33,6 +33,10 @@ pub struct BenchArgs {
     pub prompt_len: usize,
     #[arg(long, default_value_t = 32)]
     pub decode_tokens: usize,
+    /// `--synthetic flash`: also time speculative verify rounds (a forward of 1 + l rows per
+    /// sequence, then the cut back) for these draft lengths l (comma-separated).
+    #[arg(long, default_value = "")]
+    pub verify_drafts: String,
     /// Longest prefill chunk.
     #[arg(long, default_value_t = 512)]
     pub prefill_chunk: usize,

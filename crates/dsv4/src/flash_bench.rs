@@ -198,6 +198,53 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "tokens_per_s": tps, "tokens_per_s_43_layers": tps43, "weight_bytes": wb, "kv_bytes": kvb,
             "hbm_fraction": frac}));
     }
+
+    // Speculative verify rounds (target side): each of the first B sequences feeds its anchor and
+    // l drafts in one forward, then is cut back to the anchor (no replay). Compared with the plain
+    // decode step above, `(l + 1) · t_decode / t_round` is the speedup when all l drafts are
+    // accepted, before the drafter's own cost (the drafter does not run on the GPU yet).
+    let drafts = if a.verify_drafts.trim().is_empty() {
+        Vec::new()
+    } else {
+        parse_list(&a.verify_drafts).context("--verify-drafts")?
+    };
+    let decode_ms: Vec<(usize, f64)> = results
+        .iter()
+        .filter(|r| r["kind"] == "decode")
+        .map(|r| (r["batch"].as_u64().unwrap_or(0) as usize, r["ms_per_step"].as_f64().unwrap_or(0.0)))
+        .collect();
+    for &bs in &batches {
+        for &l in &drafts {
+            let round = |m: &mut Model<CudaBackend>, pos: &mut Vec<usize>| -> Result<()> {
+                let rows: Vec<Row> = (0..bs)
+                    .flat_map(|i| (0..=l).map(move |k| (i, k)))
+                    .map(|(i, k)| Row { seq: seqs[i], pos: pos[i] + k, token: ((pos[i] + 7 * k) % vocab) as u32 })
+                    .collect();
+                let all: Vec<usize> = (0..rows.len()).collect();
+                m.forward(&Batch::new(rows)?, &all)?;
+                for i in 0..bs {
+                    m.truncate(seqs[i], pos[i] + 1)?;
+                    pos[i] += 1;
+                }
+                Ok(())
+            };
+            round(&mut m, &mut pos)?;
+            let steps = a.decode_tokens.max(1);
+            let t0 = Instant::now();
+            for _ in 0..steps {
+                round(&mut m, &mut pos)?;
+            }
+            let rt = t0.elapsed().as_secs_f64() / steps as f64 * 1e3;
+            let dm = decode_ms.iter().find(|d| d.0 == bs).map_or(f64::NAN, |d| d.1);
+            let speedup = (l + 1) as f64 * dm / rt;
+            println!(
+                "verify batch {bs:>3}, {l} drafts: {rt:8.3} ms/round = {:.2}x a decode step; all {l} accepted -> {speedup:.2}x tokens/s (drafter cost not included)",
+                rt / dm
+            );
+            results.push(serde_json::json!({"kind": "verify", "batch": bs, "drafts": l, "ms_per_round": rt,
+                "decode_ms_per_step": dm, "speedup_all_accepted_no_draft_cost": speedup}));
+        }
+    }
     println!("{}", serde_json::json!({"device": dev, "layers": kinds, "prefill_chunk": chunk, "results": results}));
     Ok(())
 }
