@@ -5,7 +5,7 @@ use crate::backend::Backend;
 use crate::batch::{Batch, BatchError};
 use crate::cpu::state::SeqState;
 use crate::forward::{forward_checked, Capture, RopeTables, Stage};
-use dsv4_model::{load_weights, Config, HostTensor, LoadError, TensorStore, Weights};
+use dsv4_model::{load_weights_from, Checkpoint, Config, HostTensor, LoadError, MemoryStats, Weights};
 use std::path::Path;
 
 #[derive(Debug, thiserror::Error)]
@@ -65,7 +65,9 @@ pub struct Model<B: Backend> {
 }
 
 impl<B: Backend> Model<B> {
-    /// Loads `dir` (config.json + safetensors) onto `backend` with room for `max_seqs` sequences.
+    /// Loads `dir` (config.json + safetensors; or a GGUF written by `dsv4 quantize`, given as the
+    /// `.gguf` file or a directory holding one and no config.json) onto `backend` with room for
+    /// `max_seqs` sequences. Logs the bytes of each component.
     pub fn load(backend: B, dir: &Path, max_seqs: usize, progress: bool) -> Result<Self, ModelError> {
         Self::load_with(backend, dir, max_seqs, progress, |_| {})
     }
@@ -79,12 +81,12 @@ impl<B: Backend> Model<B> {
         progress: bool,
         mut edit: impl FnMut(&mut HostTensor),
     ) -> Result<Self, ModelError> {
-        let cfg = Config::from_dir(dir).map_err(LoadError::from)?;
-        let store = TensorStore::open(dir)?;
-        let weights = load_weights(&store, &cfg, progress, |mut t| {
+        let (cfg, ck) = Checkpoint::open(dir)?;
+        let (weights, stats): (_, MemoryStats) = load_weights_from(ck.source(), &cfg, progress, |mut t| {
             edit(&mut t);
             backend.upload(t)
         })?;
+        tracing::info!("loaded {}: {}", dir.display(), stats.summary());
         Ok(Self::new(backend, cfg, weights, max_seqs))
     }
 

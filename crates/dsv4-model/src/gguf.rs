@@ -243,7 +243,7 @@ impl From<GgufError> for crate::store::LoadError {
         use crate::store::LoadError;
         match e {
             GgufError::Io { path, source } => LoadError::Io { path, source },
-            GgufError::Header { path, msg } => LoadError::Header { path, msg },
+            GgufError::Header { path, msg } => LoadError::Format { path, msg: format!("bad GGUF header: {msg}") },
             GgufError::Truncated { path, tensor, start, end, file_len } => {
                 LoadError::Truncated { path, tensor, start, end, file_len }
             }
@@ -700,6 +700,74 @@ pub fn gguf_to_official(name: &str) -> Option<String> {
     DS4_LAYER.iter().find(|(g, _)| *g == rest).map(|(_, o)| format!("layers.{l}.{o}"))
 }
 
+/// The ds4 GGUF name of an official (or `model.`-prefixed official) tensor name: the inverse of
+/// [`gguf_to_official`]. `None` for routed experts (see [`official_expert_to_gguf`]) and unknown
+/// names.
+pub fn official_to_gguf(official: &str) -> Option<String> {
+    let official = official.strip_prefix("model.").unwrap_or(official);
+    if let Some((g, _)) = DS4_TOP.iter().find(|(_, o)| *o == official) {
+        return Some(g.to_string());
+    }
+    let rest = official.strip_prefix("layers.")?;
+    let (l, rest) = rest.split_once('.')?;
+    if l.is_empty() || !l.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    DS4_LAYER.iter().find(|(_, o)| *o == rest).map(|(g, _)| format!("blk.{l}.{g}"))
+}
+
+/// The stacked ds4 tensor holding an official routed-expert matrix and the expert's index:
+/// `layers.3.ffn.experts.17.w1.weight` → (`blk.3.ffn_gate_exps.weight`, 17).
+pub fn official_expert_to_gguf(official: &str) -> Option<(String, usize)> {
+    let official = official.strip_prefix("model.").unwrap_or(official);
+    let rest = official.strip_prefix("layers.")?;
+    let (l, rest) = rest.split_once('.')?;
+    let rest = rest.strip_prefix("ffn.experts.")?;
+    let (e, part) = rest.split_once('.')?;
+    let part = match part {
+        "w1.weight" => "gate",
+        "w3.weight" => "up",
+        "w2.weight" => "down",
+        _ => return None,
+    };
+    let (l, e): (usize, usize) = (l.parse().ok()?, e.parse().ok()?);
+    Some((format!("blk.{l}.ffn_{part}_exps.weight"), e))
+}
+
+/// The metadata key under which `dsv4 quantize` stores the model's `config.json` text, which
+/// makes its GGUFs self-describing.
+pub const CONFIG_KEY: &str = "dsv4.config_json";
+
+impl GgufFile {
+    /// The model configuration stored under [`CONFIG_KEY`].
+    pub fn config(&self) -> Result<crate::config::Config, crate::store::LoadError> {
+        use crate::store::LoadError;
+        let path = self.path_str();
+        let Some(v) = self.metadata(CONFIG_KEY) else {
+            return Err(LoadError::Format {
+                path,
+                msg: format!(
+                    "no `{CONFIG_KEY}` metadata: only GGUFs written by `dsv4 quantize` carry the model \
+                     configuration dsv4 needs (GGUFs from other tools, e.g. antirez/ds4's, cannot be loaded yet)"
+                ),
+            });
+        };
+        let text = v
+            .as_str()
+            .ok_or_else(|| LoadError::Format { path: path.clone(), msg: format!("`{CONFIG_KEY}` is not a string") })?;
+        let json: serde_json::Value = serde_json::from_str(text).map_err(|e| LoadError::Format {
+            path: path.clone(),
+            msg: format!("`{CONFIG_KEY}` is not valid JSON: {e}"),
+        })?;
+        Ok(crate::config::Config::from_json(&json)?)
+    }
+
+    /// Total bytes of tensor data.
+    pub fn total_bytes(&self) -> u64 {
+        self.tensors.iter().map(|t| t.n_bytes).sum()
+    }
+}
+
 /// Recognises ds4's stacked routed-expert tensors `blk.{l}.ffn_{gate,up,down}_exps.weight`.
 pub fn gguf_experts(name: &str) -> Option<GgufExperts> {
     let (layer, rest) = split_block(name)?;
@@ -760,6 +828,31 @@ mod tests {
             let off = format!("layers.7.{o}");
             assert_ne!(crate::weights::hf_name(&off), off, "{off} unknown to hf_name");
         }
+    }
+
+    #[test]
+    fn official_names_map_back_to_ds4() {
+        for (g, _) in DS4_TOP {
+            assert_eq!(official_to_gguf(&gguf_to_official(g).unwrap()).as_deref(), Some(g));
+        }
+        for (g, _) in DS4_LAYER {
+            let g = format!("blk.13.{g}");
+            let o = gguf_to_official(&g).unwrap();
+            assert_eq!(official_to_gguf(&o).as_deref(), Some(g.as_str()));
+            assert_eq!(official_to_gguf(&format!("model.{o}")).as_deref(), Some(g.as_str()));
+        }
+        assert_eq!(official_to_gguf("layers.1.ffn.experts.0.w1.weight"), None);
+        assert_eq!(official_to_gguf("layers.x.attn_norm.weight"), None);
+        for (o, g, e) in [
+            ("layers.3.ffn.experts.17.w1.weight", "blk.3.ffn_gate_exps.weight", 17),
+            ("model.layers.0.ffn.experts.0.w3.weight", "blk.0.ffn_up_exps.weight", 0),
+            ("layers.42.ffn.experts.255.w2.weight", "blk.42.ffn_down_exps.weight", 255),
+        ] {
+            assert_eq!(official_expert_to_gguf(o), Some((g.to_string(), e)));
+            let ge = gguf_experts(g).unwrap();
+            assert_eq!(ge.official(e), o.trim_start_matches("model."));
+        }
+        assert_eq!(official_expert_to_gguf("layers.3.ffn.shared_experts.w1.weight"), None);
     }
 
     #[test]

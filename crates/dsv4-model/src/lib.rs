@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod gguf;
+pub mod gguf_write;
 pub mod quant;
 pub mod store;
 pub mod synth;
@@ -10,4 +11,4 @@ pub mod weights;
 
 pub use config::{AttnKind, Config, ConfigError, LayerSpec, Layout, Yarn};
 pub use store::{DType, LoadError, TensorInfo, TensorStore};
-pub use weights::{load_weights, HostTensor, Weights};
+pub use weights::{load_weights, load_weights_from, Checkpoint, Component, HostTensor, MemoryStats, Source, Weights};

@@ -107,6 +107,9 @@ pub enum LoadError {
     DType { name: String, expected: String, found: String },
     #[error("tensor `{name}`: {msg}")]
     Value { name: String, msg: String },
+    /// A checkpoint-level problem other than a safetensors header (GGUF header, missing config).
+    #[error("{path}: {msg}")]
+    Format { path: String, msg: String },
     #[error("no safetensors files in {0}")]
     Empty(String),
     #[error(transparent)]

@@ -1,13 +1,16 @@
 //! The logical weight layout of DeepSeek V4 and its loader.
 //!
 //! [`Weights<W>`] is generic over the backend's tensor handle: the loader reads each tensor from
-//! a [`TensorStore`] under its official or HF name, checks shape and dtype against the config,
+//! a [`TensorStore`] under its official or HF name (or from a GGUF under ds4's names, see
+//! [`Source`]), checks shape and dtype against the config,
 //! dequantises FP8/FP4 to f32 and hands it to the backend's `upload` callback, so a checkpoint is
 //! never held twice in host memory.
 
 use crate::config::{AttnKind, Config, Layout};
+use crate::gguf::{official_expert_to_gguf, official_to_gguf, GgufFile};
 use crate::quant::{dequant_fp4, dequant_fp8_blocks};
 use crate::store::{DType, LoadError, TensorStore};
+use std::path::{Path, PathBuf};
 
 /// A dequantised tensor on its way to a backend.
 #[derive(Clone, Debug)]
@@ -154,12 +157,169 @@ enum Kind {
     Expert,
 }
 
+/// Where the loader reads tensors from.
+#[derive(Clone, Copy)]
+pub enum Source<'a> {
+    /// Safetensors under HF or official names (F32/BF16/F16, FP8 + scales, FP4 experts).
+    Safetensors(&'a TensorStore),
+    /// A GGUF under ds4's names (routed experts stacked `[E, out, in]`), any dequantisable type.
+    Gguf(&'a GgufFile),
+}
+
+impl Source<'_> {
+    fn total_bytes(&self) -> u64 {
+        match self {
+            Source::Safetensors(s) => s.total_bytes(),
+            Source::Gguf(g) => g.total_bytes(),
+        }
+    }
+}
+
+/// A checkpoint the loader can read: a safetensors directory or file (with `config.json`), or a
+/// GGUF written by `dsv4 quantize` (its configuration in the metadata).
+pub enum Checkpoint {
+    Safetensors(TensorStore),
+    Gguf(GgufFile),
+}
+
+impl Checkpoint {
+    /// The GGUF that `path` names: a `.gguf` file, or a directory without `config.json` holding
+    /// exactly one `.gguf`.
+    pub fn gguf_path(path: &Path) -> Option<PathBuf> {
+        if path.is_file() {
+            return path.extension().is_some_and(|e| e == "gguf").then(|| path.to_path_buf());
+        }
+        if !path.is_dir() || path.join("config.json").exists() {
+            return None;
+        }
+        let mut g: Vec<PathBuf> = std::fs::read_dir(path)
+            .ok()?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "gguf"))
+            .collect();
+        (g.len() == 1).then(|| g.remove(0))
+    }
+
+    /// Opens `path` (see [`Checkpoint::gguf_path`]; otherwise `config.json` + safetensors) and
+    /// reads its configuration.
+    pub fn open(path: &Path) -> Result<(Config, Checkpoint), LoadError> {
+        if let Some(g) = Self::gguf_path(path) {
+            let f = GgufFile::open(&g)?;
+            let cfg = f.config()?;
+            return Ok((cfg, Checkpoint::Gguf(f)));
+        }
+        let cfg = Config::from_dir(path)?;
+        Ok((cfg, Checkpoint::Safetensors(TensorStore::open(path)?)))
+    }
+
+    pub fn source(&self) -> Source<'_> {
+        match self {
+            Checkpoint::Safetensors(s) => Source::Safetensors(s),
+            Checkpoint::Gguf(g) => Source::Gguf(g),
+        }
+    }
+}
+
+/// The parts of the model that memory is reported for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Component {
+    /// Token embedding and LM head.
+    EmbedHead,
+    /// Attention: projections, compressors, indexers, sinks and their norms.
+    Attention,
+    /// Routed experts.
+    Experts,
+    /// Everything else: shared experts, routers, hash tables, mHC, layer norms.
+    Other,
+}
+
+impl Component {
+    pub const ALL: [Component; 4] = [Component::EmbedHead, Component::Attention, Component::Experts, Component::Other];
+
+    /// The component of an official tensor name (`model.` prefix allowed).
+    pub fn of(official: &str) -> Self {
+        let n = official.strip_prefix("model.").unwrap_or(official);
+        if n == "embed.weight" || n == "head.weight" {
+            Component::EmbedHead
+        } else if n.contains(".ffn.experts.") {
+            Component::Experts
+        } else if n.contains(".attn.") {
+            Component::Attention
+        } else {
+            Component::Other
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Component::EmbedHead => "embeddings/head",
+            Component::Attention => "attention",
+            Component::Experts => "routed experts",
+            Component::Other => "other",
+        }
+    }
+}
+
+/// Bytes per component: in the checkpoint file, and as handed to the backend (f32).
+#[derive(Clone, Debug, Default)]
+pub struct MemoryStats {
+    pub file: [u64; 4],
+    pub loaded: [u64; 4],
+    pub tensors: [usize; 4],
+}
+
+impl MemoryStats {
+    fn add(&mut self, official: &str, file: u64, loaded: u64) {
+        let i = Component::ALL.iter().position(|&c| c == Component::of(official)).unwrap();
+        self.file[i] += file;
+        self.loaded[i] += loaded;
+        self.tensors[i] += 1;
+    }
+    pub fn file_total(&self) -> u64 {
+        self.file.iter().sum()
+    }
+    pub fn loaded_total(&self) -> u64 {
+        self.loaded.iter().sum()
+    }
+    /// One line: `embeddings/head 1.2 MiB (file 0.6 MiB), ...; total ...`.
+    pub fn summary(&self) -> String {
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        let parts: Vec<String> = Component::ALL
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("{} {:.1} MiB (file {:.1})", c.label(), mib(self.loaded[i]), mib(self.file[i])))
+            .collect();
+        format!(
+            "{}; total {:.1} MiB as f32 (file {:.1} MiB)",
+            parts.join(", "),
+            mib(self.loaded_total()),
+            mib(self.file_total())
+        )
+    }
+    /// A table: component, tensors, file bytes, loaded (f32) bytes.
+    pub fn table(&self) -> String {
+        let mut s = format!("{:<16} {:>8} {:>16} {:>16}\n", "component", "tensors", "file bytes", "f32 bytes");
+        for (i, c) in Component::ALL.iter().enumerate() {
+            s += &format!("{:<16} {:>8} {:>16} {:>16}\n", c.label(), self.tensors[i], self.file[i], self.loaded[i]);
+        }
+        s += &format!(
+            "{:<16} {:>8} {:>16} {:>16}\n",
+            "total",
+            self.tensors.iter().sum::<usize>(),
+            self.file_total(),
+            self.loaded_total()
+        );
+        s
+    }
+}
+
 /// Reads tensors by logical name with shape checks, dequantisation and progress.
 pub struct Loader<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> {
-    store: &'a TensorStore,
+    src: Source<'a>,
     layout: Layout,
     upload: F,
     progress: Option<indicatif::ProgressBar>,
+    stats: MemoryStats,
 }
 
 impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
@@ -184,33 +344,40 @@ impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
         v
     }
 
-    fn resolve(&self, official: &str) -> Result<String, LoadError> {
+    fn resolve(&self, store: &TensorStore, official: &str) -> Result<String, LoadError> {
         let c = self.candidates(official);
         c.iter()
-            .find(|n| self.store.contains(n))
+            .find(|n| store.contains(n))
             .cloned()
             .ok_or_else(|| LoadError::Missing { name: official.to_string(), tried: c.join(", ") })
     }
 
-    fn tick(&self, name: &str) {
-        if let (Some(p), Some(t)) = (&self.progress, self.store.info(name)) {
-            p.inc((t.numel() * t.dtype.size()) as u64);
+    /// Counts `bytes` of the file towards progress; returns them.
+    fn tick_bytes(&self, bytes: u64) -> u64 {
+        if let Some(p) = &self.progress {
+            p.inc(bytes);
         }
+        bytes
+    }
+
+    fn tick(&self, store: &TensorStore, name: &str) -> u64 {
+        store.info(name).map_or(0, |t| self.tick_bytes((t.numel() * t.dtype.size()) as u64))
     }
 
     /// Reads a tensor stored under `name` with the logical `shape`, dequantising FP8/FP4.
-    fn read(&self, name: &str, shape: &[usize], kind: Kind) -> Result<Vec<f32>, LoadError> {
-        let info = self.store.info(name).expect("resolved");
+    /// Returns the values and the bytes read from the file.
+    fn read(&self, store: &TensorStore, name: &str, shape: &[usize], kind: Kind) -> Result<(Vec<f32>, u64), LoadError> {
+        let info = store.info(name).expect("resolved");
         let found = info.shape.clone();
-        self.tick(name);
+        let mut bytes = self.tick(store, name);
         let scale_name = [format!("{}.scale", name.trim_end_matches(".weight")), format!("{name}_scale_inv")]
             .into_iter()
-            .find(|s| self.store.contains(s));
+            .find(|s| store.contains(s));
         let (rows, cols) = match shape {
             [r, c] => (*r, *c),
             _ => (shape.iter().product(), 1),
         };
-        match info.dtype {
+        let v = match info.dtype {
             DType::F8E4M3 if shape.len() == 2 => {
                 if found != shape {
                     return Err(LoadError::Shape { name: name.into(), expected: shape.to_vec(), found });
@@ -222,13 +389,13 @@ impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
                     });
                 };
                 let sshape = vec![rows.div_ceil(128), cols.div_ceil(128)];
-                let sinfo = self.store.info(&sn).unwrap();
+                let sinfo = store.info(&sn).unwrap();
                 if sinfo.shape != sshape {
                     return Err(LoadError::Shape { name: sn, expected: sshape, found: sinfo.shape.clone() });
                 }
-                self.tick(&sn);
-                let scale = self.store.f32(&sn)?;
-                Ok(dequant_fp8_blocks(self.store.raw(name)?, &scale, rows, cols, 128))
+                bytes += self.tick(store, &sn);
+                let scale = store.f32(&sn)?;
+                dequant_fp8_blocks(store.raw(name)?, &scale, rows, cols, 128)
             }
             DType::I8 | DType::U8 if kind == Kind::Expert && shape.len() == 2 => {
                 let packed = vec![rows, cols / 2];
@@ -242,32 +409,86 @@ impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
                     });
                 };
                 let sshape = vec![rows, cols.div_ceil(32)];
-                let sinfo = self.store.info(&sn).unwrap();
+                let sinfo = store.info(&sn).unwrap();
                 if sinfo.shape != sshape {
                     return Err(LoadError::Shape { name: sn, expected: sshape, found: sinfo.shape.clone() });
                 }
-                self.tick(&sn);
-                let scale = self.store.f32(&sn)?;
-                Ok(dequant_fp4(self.store.raw(name)?, &scale, rows, cols, 32))
+                bytes += self.tick(store, &sn);
+                let scale = store.f32(&sn)?;
+                dequant_fp4(store.raw(name)?, &scale, rows, cols, 32)
             }
             dt if dt.is_float() => {
                 if found != shape {
                     return Err(LoadError::Shape { name: name.into(), expected: shape.to_vec(), found });
                 }
-                self.store.f32(name)
+                store.f32(name)?
             }
-            dt => Err(LoadError::DType {
-                name: name.into(),
-                expected: "a float type (F32, BF16, F16, F8_E4M3 + scale)".into(),
-                found: dt.name().into(),
-            }),
+            dt => {
+                return Err(LoadError::DType {
+                    name: name.into(),
+                    expected: "a float type (F32, BF16, F16, F8_E4M3 + scale)".into(),
+                    found: dt.name().into(),
+                })
+            }
+        };
+        Ok((v, bytes))
+    }
+
+    /// Hands a tensor to the backend, counting it in the memory statistics.
+    fn put(&mut self, name: String, shape: Vec<usize>, data: Vec<f32>, file_bytes: u64) -> Result<W, LoadError> {
+        self.stats.add(&name, file_bytes, (data.len() * 4) as u64);
+        (self.upload)(HostTensor { name, shape, data })
+    }
+
+    /// The ds4 name of `official` in a GGUF, checked to exist with `shape`.
+    fn gguf_resolve(&self, g: &GgufFile, official: &str, shape: &[usize]) -> Result<String, LoadError> {
+        let name = official_to_gguf(official).filter(|n| g.contains(n)).ok_or_else(|| LoadError::Missing {
+            name: official.to_string(),
+            tried: format!("{} in {}", official_to_gguf(official).unwrap_or_default(), g.path().display()),
+        })?;
+        let found = &g.info(&name).unwrap().shape;
+        if found != shape {
+            return Err(LoadError::Shape { name, expected: shape.to_vec(), found: found.clone() });
         }
+        Ok(name)
     }
 
     fn tensor(&mut self, official: &str, shape: &[usize]) -> Result<W, LoadError> {
-        let name = self.resolve(official)?;
-        let data = self.read(&name, shape, Kind::Float)?;
-        (self.upload)(HostTensor { name: official.to_string(), shape: shape.to_vec(), data })
+        let (data, bytes) = match self.src {
+            Source::Safetensors(store) => {
+                let name = self.resolve(store, official)?;
+                self.read(store, &name, shape, Kind::Float)?
+            }
+            Source::Gguf(g) => {
+                let name = self.gguf_resolve(g, official, shape)?;
+                let bytes = self.tick_bytes(g.info(&name).unwrap().n_bytes);
+                (g.f32(&name)?, bytes)
+            }
+        };
+        self.put(official.to_string(), shape.to_vec(), data, bytes)
+    }
+
+    /// The hash-routing table `[vocab, k]` of a hash layer.
+    fn tid2eid(&mut self, official: &str, vocab: usize, k: usize) -> Result<Vec<i64>, LoadError> {
+        let shape = [vocab, k];
+        let (ids, bytes) = match self.src {
+            Source::Safetensors(store) => {
+                let name = self.resolve(store, official)?;
+                let info = store.info(&name).unwrap();
+                if info.shape != shape {
+                    return Err(LoadError::Shape { name, expected: shape.to_vec(), found: info.shape.clone() });
+                }
+                let b = self.tick(store, &name);
+                (store.i64(&name)?, b)
+            }
+            Source::Gguf(g) => {
+                let name = self.gguf_resolve(g, official, &shape)?;
+                let b = self.tick_bytes(g.info(&name).unwrap().n_bytes);
+                (g.i32(&name)?.into_iter().map(i64::from).collect(), b)
+            }
+        };
+        self.stats.add(official, bytes, (ids.len() * 4) as u64);
+        Ok(ids)
     }
 
     fn hc(
@@ -302,18 +523,52 @@ impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
         })
     }
 
-    /// One routed expert, from official per-expert tensors or HF's fused `[E, 2I, d]`/`[E, d, I]`.
+    /// One routed expert.
     fn expert(&mut self, l: usize, e: usize, n_exp: usize, inter: usize, d: usize) -> Result<Expert<W>, LoadError> {
-        let prefix =
-            if self.store.contains(&format!("model.layers.{l}.ffn.experts.{e}.w1.weight")) { "model." } else { "" };
+        match self.src {
+            Source::Safetensors(store) => self.expert_st(store, l, e, n_exp, inter, d),
+            Source::Gguf(g) => {
+                let mut one = |w: &str, shape: [usize; 2]| -> Result<W, LoadError> {
+                    let official = format!("layers.{l}.ffn.experts.{e}.{w}.weight");
+                    let (name, _) = official_expert_to_gguf(&official).expect("an expert name");
+                    let info = g.info(&name).ok_or_else(|| LoadError::Missing {
+                        name: official.clone(),
+                        tried: format!("{name} in {}", g.path().display()),
+                    })?;
+                    let stacked = vec![n_exp, shape[0], shape[1]];
+                    if info.shape != stacked {
+                        return Err(LoadError::Shape { name, expected: stacked, found: info.shape.clone() });
+                    }
+                    let bytes = self.tick_bytes(info.n_bytes / n_exp as u64);
+                    let data = g.f32_rows(&name, e * shape[0], shape[0])?;
+                    self.put(official, shape.to_vec(), data, bytes)
+                };
+                Ok(Expert { w1: one("w1", [inter, d])?, w3: one("w3", [inter, d])?, w2: one("w2", [d, inter])? })
+            }
+        }
+    }
+
+    /// One routed expert, from official per-expert tensors or HF's fused `[E, 2I, d]`/`[E, d, I]`.
+    fn expert_st(
+        &mut self,
+        store: &TensorStore,
+        l: usize,
+        e: usize,
+        n_exp: usize,
+        inter: usize,
+        d: usize,
+    ) -> Result<Expert<W>, LoadError> {
+        let prefix = if store.contains(&format!("model.layers.{l}.ffn.experts.{e}.w1.weight")) { "model." } else { "" };
         let off = |w: &str| format!("{prefix}layers.{l}.ffn.experts.{e}.{w}.weight");
         let fused_gu = format!("model.layers.{l}.mlp.experts.gate_up_proj");
         let fused_dn = format!("model.layers.{l}.mlp.experts.down_proj");
-        let per_expert = self.store.contains(&off("w1"));
-        if !per_expert && self.store.contains(&fused_gu) {
-            for (n, shape) in [(&fused_gu, vec![n_exp, 2 * inter, d]), (&fused_dn, vec![n_exp, d, inter])] {
-                let info =
-                    self.store.info(n).ok_or_else(|| LoadError::Missing { name: n.clone(), tried: n.clone() })?;
+        let per_expert = store.contains(&off("w1"));
+        if !per_expert && store.contains(&fused_gu) {
+            let mut file_bytes = [0u64; 2];
+            for (i, (n, shape)) in
+                [(&fused_gu, vec![n_exp, 2 * inter, d]), (&fused_dn, vec![n_exp, d, inter])].into_iter().enumerate()
+            {
+                let info = store.info(n).ok_or_else(|| LoadError::Missing { name: n.clone(), tried: n.clone() })?;
                 if info.shape != shape {
                     return Err(LoadError::Shape { name: n.clone(), expected: shape, found: info.shape.clone() });
                 }
@@ -324,29 +579,24 @@ impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
                         found: info.dtype.name().into(),
                     });
                 }
+                file_bytes[i] = self.tick_bytes((info.numel() * info.dtype.size() / n_exp) as u64);
             }
-            let gu = self.store.f32_range(&fused_gu, e * 2 * inter * d, 2 * inter * d)?;
-            let dn = self.store.f32_range(&fused_dn, e * d * inter, d * inter)?;
-            if let (Some(p), Some(a), Some(b)) =
-                (&self.progress, self.store.info(&fused_gu), self.store.info(&fused_dn))
-            {
-                p.inc(((a.numel() * a.dtype.size() + b.numel() * b.dtype.size()) / n_exp) as u64);
-            }
+            let gu = store.f32_range(&fused_gu, e * 2 * inter * d, 2 * inter * d)?;
+            let dn = store.f32_range(&fused_dn, e * d * inter, d * inter)?;
             let (g, u) = gu.split_at(inter * d);
-            let mk = |name: String, shape: Vec<usize>, data: Vec<f32>| HostTensor { name, shape, data };
             return Ok(Expert {
-                w1: (self.upload)(mk(off("w1"), vec![inter, d], g.to_vec()))?,
-                w3: (self.upload)(mk(off("w3"), vec![inter, d], u.to_vec()))?,
-                w2: (self.upload)(mk(off("w2"), vec![d, inter], dn))?,
+                w1: self.put(off("w1"), vec![inter, d], g.to_vec(), file_bytes[0] / 2)?,
+                w3: self.put(off("w3"), vec![inter, d], u.to_vec(), file_bytes[0] / 2)?,
+                w2: self.put(off("w2"), vec![d, inter], dn, file_bytes[1])?,
             });
         }
         let mut one = |w: &str, shape: [usize; 2]| -> Result<W, LoadError> {
             let name = off(w);
-            if !self.store.contains(&name) {
+            if !store.contains(&name) {
                 return Err(LoadError::Missing { name: name.clone(), tried: format!("{name}, {fused_gu}") });
             }
-            let data = self.read(&name, &shape, Kind::Expert)?;
-            (self.upload)(HostTensor { name, shape: shape.to_vec(), data })
+            let (data, bytes) = self.read(store, &name, &shape, Kind::Expert)?;
+            self.put(name, shape.to_vec(), data, bytes)
         };
         Ok(Expert { w1: one("w1", [inter, d])?, w3: one("w3", [inter, d])?, w2: one("w2", [d, inter])? })
     }
@@ -360,15 +610,26 @@ pub fn load_weights<W>(
     progress: bool,
     upload: impl FnMut(HostTensor) -> Result<W, LoadError>,
 ) -> Result<Weights<W>, LoadError> {
-    let bar = (progress && store.total_bytes() > (256 << 20)).then(|| {
-        let b = indicatif::ProgressBar::new(store.total_bytes());
+    Ok(load_weights_from(Source::Safetensors(store), cfg, progress, upload)?.0)
+}
+
+/// [`load_weights`] from any [`Source`], with the bytes of each component.
+pub fn load_weights_from<W>(
+    src: Source<'_>,
+    cfg: &Config,
+    progress: bool,
+    upload: impl FnMut(HostTensor) -> Result<W, LoadError>,
+) -> Result<(Weights<W>, MemoryStats), LoadError> {
+    let total = src.total_bytes();
+    let bar = (progress && total > (256 << 20)).then(|| {
+        let b = indicatif::ProgressBar::new(total);
         b.set_style(
             indicatif::ProgressStyle::with_template("loading weights {bar:40} {bytes}/{total_bytes} ({eta})")
                 .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
         b
     });
-    let mut ld = Loader { store, layout: cfg.layout, upload, progress: bar };
+    let mut ld = Loader { src, layout: cfg.layout, upload, progress: bar, stats: MemoryStats::default() };
     let (d, h, hd) = (cfg.hidden, cfg.n_heads, cfg.head_dim);
     let (hcw, mix, n) = (cfg.hc_width(), cfg.hc_mix(), cfg.hc_mult);
     let embed = ld.tensor("embed.weight", &[cfg.vocab_size, d])?;
@@ -418,14 +679,13 @@ pub fn load_weights<W>(
         let (ne, k, inter) = (cfg.n_routed_experts, cfg.n_experts_per_tok, cfg.moe_inter);
         let gate = ld.tensor(&format!("{f}.gate.weight"), &[ne, d])?;
         let (bias, tid2eid) = if spec.hash_moe {
-            let name = ld.resolve(&format!("{f}.gate.tid2eid"))?;
-            let info = store.info(&name).unwrap();
-            if info.shape != [cfg.vocab_size, k] {
-                return Err(LoadError::Shape { name, expected: vec![cfg.vocab_size, k], found: info.shape.clone() });
-            }
-            let ids = store.i64(&name)?;
+            let official = format!("{f}.gate.tid2eid");
+            let ids = ld.tid2eid(&official, cfg.vocab_size, k)?;
             if let Some((i, bad)) = ids.iter().enumerate().find(|(_, &x)| x < 0 || x as usize >= ne) {
-                return Err(LoadError::Value { name, msg: format!("entry {i} is expert {bad}, outside 0..{ne}") });
+                return Err(LoadError::Value {
+                    name: official,
+                    msg: format!("entry {i} is expert {bad}, outside 0..{ne}"),
+                });
             }
             (None, Some(ids.into_iter().map(|x| x as u32).collect()))
         } else {
@@ -453,7 +713,7 @@ pub fn load_weights<W>(
     if let Some(p) = &ld.progress {
         p.finish_and_clear();
     }
-    Ok(Weights { embed, head, norm, hc_head, layers })
+    Ok((Weights { embed, head, norm, hc_head, layers }, ld.stats))
 }
 
 #[cfg(test)]

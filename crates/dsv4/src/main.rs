@@ -6,6 +6,7 @@ mod debug;
 mod demo;
 #[cfg(feature = "cuda")]
 mod flash_bench;
+mod quantize;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
@@ -59,6 +60,11 @@ enum Cmd {
     Bench(bench::BenchArgs),
     /// OpenAI- and Anthropic-compatible HTTP server with continuous batching.
     Serve(ServeArgs),
+    /// Quantise a checkpoint to a GGUF (ds4's tensor names and type policy; the config rides along
+    /// as metadata, so `--model X.gguf` works everywhere).
+    Quantize(quantize::QuantizeArgs),
+    /// Show a checkpoint's format, tensor types and memory per component.
+    Inspect(quantize::InspectArgs),
     /// Debugging tools (`debug diff`: CPU vs CUDA stage by stage).
     #[command(subcommand)]
     Debug(debug::DebugCmd),
@@ -320,6 +326,8 @@ fn load<B: Backend>(backend: B, dir: &std::path::Path, max_seqs: usize) -> Resul
 }
 
 fn tokenizer_for(dir: &std::path::Path) -> Result<dsv4_tokenizer::Tokenizer> {
+    // `--model X.gguf`: look next to the file.
+    let dir = if dir.is_file() { dir.parent().unwrap_or(std::path::Path::new(".")) } else { dir };
     let local = dir.join("tokenizer.json");
     Ok(if local.exists() {
         dsv4_tokenizer::Tokenizer::from_file(&local)?
@@ -336,6 +344,8 @@ fn run(cli: Cli) -> Result<()> {
             demo::init_tiny(&out, seed)?;
             eprintln!("wrote a random tiny DeepSeek V4 checkpoint to {}", out.display());
         }
+        Cmd::Quantize(a) => quantize::run(a)?,
+        Cmd::Inspect(a) => quantize::inspect(a)?,
         Cmd::Bench(a) if a.synthetic == "flash" => flash(a)?,
         Cmd::Bench(a) => with_backend!(a.backend, bench_run(a))?,
         Cmd::Debug(c) => {
