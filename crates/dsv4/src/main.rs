@@ -216,10 +216,12 @@ struct ServeArgs {
     /// (benchmarks only; needs `--features cuda`).
     #[arg(long)]
     synthetic_flash_layers: Option<usize>,
-    /// CUDA: f32 activations into every bf16 product, one kernel path for any batch size (each
-    /// row's result independent of the batch; slower prefill).
+    /// CUDA: the fast kernels (bf16 activations and cuBLAS for larger batches). They depend on
+    /// how many rows share a step, so a sequence's greedy tokens can change with the load; the
+    /// default keeps every row's result independent of the batch (f32 activations into every
+    /// bf16 product, one kernel path for any batch size), at some throughput cost.
     #[arg(long)]
-    cuda_exact: bool,
+    cuda_fast: bool,
     #[command(flatten)]
     dspark: DsparkArgs,
 }
@@ -307,7 +309,7 @@ fn serve_flash(a: ServeArgs, layers: usize) -> Result<()> {
     use dsv4_backend::cuda::CudaBackend;
     let cfg = flash_bench::flash_layers(layers);
     let b = CudaBackend::new(0).context("starting the CUDA backend")?;
-    b.set_exact(a.cuda_exact);
+    b.set_exact(!a.cuda_fast);
     let w = dsv4_backend::synth::synth_weights(&cfg, 1, |name, shape, mean, std, seed| {
         b.upload_random(name, shape, mean, std, seed)
     });
@@ -358,7 +360,7 @@ fn run(cli: Cli) -> Result<()> {
             #[cfg(feature = "cuda")]
             (None, BackendKind::Cuda) => {
                 let b = dsv4_backend::cuda::CudaBackend::new(0).context("starting the CUDA backend")?;
-                b.set_exact(a.cuda_exact);
+                b.set_exact(!a.cuda_fast);
                 serve(b, a)?
             }
             _ => with_backend!(a.backend, serve(a))?,
