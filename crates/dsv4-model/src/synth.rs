@@ -5,6 +5,7 @@
 
 use crate::config::{AttnKind, Config};
 use crate::store::DType;
+use crate::weights::hf_name;
 
 /// A tensor ready for [`crate::store::write_safetensors`].
 pub type RawTensor = (String, DType, Vec<usize>, Vec<u8>);
@@ -69,6 +70,28 @@ impl Gen {
         self.vector(format!("{p}{}", names[1]), rows, 0.0, 0.5);
         self.vector(format!("{p}{}", names[2]), nscale, 1.0, 0.2);
     }
+    /// The parts every decoder block shares (mHC for both halves, the two norms, the attention's
+    /// query, KV, output projections and sinks), named `p.<official name>` and passed through
+    /// `name` (official names for the drafter, HF names for the target).
+    fn block_head(&mut self, p: &str, cfg: &Config, name: &dyn Fn(&str) -> String) {
+        let (d, hd, h) = (cfg.hidden, cfg.head_dim, cfg.n_heads);
+        let n = |s: &str| name(&format!("{p}.{s}"));
+        for half in ["attn", "ffn"] {
+            self.matrix(n(&format!("hc_{half}_fn")), cfg.hc_mix(), cfg.hc_width());
+            self.vector(n(&format!("hc_{half}_base")), cfg.hc_mix(), 0.0, 0.5);
+            self.vector(n(&format!("hc_{half}_scale")), 3, 1.0, 0.2);
+        }
+        self.vector(n("attn_norm.weight"), d, 1.0, 0.1);
+        self.vector(n("ffn_norm.weight"), d, 1.0, 0.1);
+        self.matrix(n("attn.wq_a.weight"), cfg.q_lora_rank, d);
+        self.vector(n("attn.q_norm.weight"), cfg.q_lora_rank, 1.0, 0.1);
+        self.matrix(n("attn.wq_b.weight"), h * hd, cfg.q_lora_rank);
+        self.matrix(n("attn.wkv.weight"), hd, d);
+        self.vector(n("attn.kv_norm.weight"), hd, 1.0, 0.1);
+        self.matrix(n("attn.wo_a.weight"), cfg.o_groups * cfg.o_lora_rank, h * hd / cfg.o_groups);
+        self.matrix(n("attn.wo_b.weight"), d, cfg.o_groups * cfg.o_lora_rank);
+        self.vector(n("attn.attn_sink"), h, 0.0, 1.0);
+    }
     fn compressor(&mut self, p: &str, width: usize, d: usize, ratio: usize, head: usize) {
         self.matrix(format!("{p}.kv_proj.weight"), width, d);
         self.matrix(format!("{p}.gate_proj.weight"), width, d);
@@ -86,19 +109,8 @@ pub fn random_checkpoint(cfg: &Config, seed: u64, dtype: SynthDType) -> Vec<RawT
     g.push("model.embed_tokens.weight".into(), vec![cfg.vocab_size, d], embed, false);
     for (l, spec) in cfg.layers.iter().enumerate() {
         let p = format!("model.layers.{l}");
-        g.hc(&p, cfg.hc_mix(), cfg.hc_width(), [".attn_hc.fn", ".attn_hc.base", ".attn_hc.scale"], 3);
-        g.hc(&p, cfg.hc_mix(), cfg.hc_width(), [".ffn_hc.fn", ".ffn_hc.base", ".ffn_hc.scale"], 3);
-        g.vector(format!("{p}.input_layernorm.weight"), d, 1.0, 0.1);
-        g.vector(format!("{p}.post_attention_layernorm.weight"), d, 1.0, 0.1);
+        g.block_head(&format!("layers.{l}"), cfg, &hf_name);
         let a = format!("{p}.self_attn");
-        g.matrix(format!("{a}.q_a_proj.weight"), cfg.q_lora_rank, d);
-        g.vector(format!("{a}.q_a_norm.weight"), cfg.q_lora_rank, 1.0, 0.1);
-        g.matrix(format!("{a}.q_b_proj.weight"), cfg.n_heads * hd, cfg.q_lora_rank);
-        g.matrix(format!("{a}.kv_proj.weight"), hd, d);
-        g.vector(format!("{a}.kv_norm.weight"), hd, 1.0, 0.1);
-        g.matrix(format!("{a}.o_a_proj.weight"), cfg.o_groups * cfg.o_lora_rank, cfg.n_heads * hd / cfg.o_groups);
-        g.matrix(format!("{a}.o_b_proj.weight"), d, cfg.o_groups * cfg.o_lora_rank);
-        g.vector(format!("{a}.sinks"), cfg.n_heads, 0.0, 1.0);
         match spec.attn {
             AttnKind::Swa => {}
             AttnKind::Hca => g.compressor(&format!("{a}.compressor"), hd, d, spec.ratio, hd),
@@ -182,25 +194,13 @@ impl SynthDspark {
 /// shares the target's (`model.embed_tokens.weight`, `lm_head.weight`).
 pub fn random_dspark(cfg: &Config, ds: &SynthDspark, seed: u64, dtype: SynthDType) -> Vec<RawTensor> {
     let mut g = Gen { rng: Rng(seed ^ 0xD59A_2C0F), dtype, out: Vec::new() };
-    let (d, hd, v) = (cfg.hidden, cfg.head_dim, cfg.vocab_size);
+    let (d, v) = (cfg.hidden, cfg.vocab_size);
     let ncap = ds.target_layer_ids.len();
     g.matrix("mtp.0.main_proj.weight".into(), d, ncap * d);
     g.vector("mtp.0.main_norm.weight".into(), d, 1.0, 0.1);
     for s in 0..ds.stages {
         let p = format!("mtp.{s}");
-        g.hc(&p, cfg.hc_mix(), cfg.hc_width(), [".hc_attn_fn", ".hc_attn_base", ".hc_attn_scale"], 3);
-        g.hc(&p, cfg.hc_mix(), cfg.hc_width(), [".hc_ffn_fn", ".hc_ffn_base", ".hc_ffn_scale"], 3);
-        g.vector(format!("{p}.attn_norm.weight"), d, 1.0, 0.1);
-        g.vector(format!("{p}.ffn_norm.weight"), d, 1.0, 0.1);
-        let a = format!("{p}.attn");
-        g.matrix(format!("{a}.wq_a.weight"), cfg.q_lora_rank, d);
-        g.vector(format!("{a}.q_norm.weight"), cfg.q_lora_rank, 1.0, 0.1);
-        g.matrix(format!("{a}.wq_b.weight"), cfg.n_heads * hd, cfg.q_lora_rank);
-        g.matrix(format!("{a}.wkv.weight"), hd, d);
-        g.vector(format!("{a}.kv_norm.weight"), hd, 1.0, 0.1);
-        g.matrix(format!("{a}.wo_a.weight"), cfg.o_groups * cfg.o_lora_rank, cfg.n_heads * hd / cfg.o_groups);
-        g.matrix(format!("{a}.wo_b.weight"), d, cfg.o_groups * cfg.o_lora_rank);
-        g.vector(format!("{a}.attn_sink"), cfg.n_heads, 0.0, 1.0);
+        g.block_head(&p, cfg, &|n: &str| n.to_string());
         let f = format!("{p}.ffn");
         let (ne, inter) = (cfg.n_routed_experts, cfg.moe_inter);
         g.matrix(format!("{f}.gate.weight"), ne, d);
