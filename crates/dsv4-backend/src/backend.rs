@@ -34,7 +34,23 @@ pub trait Backend: Send + Sync {
     type Route;
 
     fn name(&self) -> &'static str;
+    /// Takes a loaded tensor; one that arrives packed ([`HostTensor::packed`]) is kept so where
+    /// the backend can use it in place, and dequantised otherwise.
     fn upload(&self, t: HostTensor) -> Result<Self::W, LoadError>;
+    /// Whether the loader should hand over FP8/FP4/GGUF blocks as stored (the backend then
+    /// decides per tensor); `false` makes the loader dequantise everything first.
+    fn keeps_packed(&self) -> bool {
+        false
+    }
+    /// Bytes `upload(t)` would allocate; `t` may come from a dry run (no data).
+    fn resident_bytes(&self, t: &HostTensor) -> u64 {
+        let (r, c) = t.rows_cols();
+        (r * c * 4) as u64
+    }
+    /// Bytes the backend can still allocate; `None` where it does not know (host memory).
+    fn memory_free(&self) -> Option<u64> {
+        None
+    }
     fn new_cache(&self, cfg: &Config, max_seqs: usize) -> Self::Cache;
     /// Clears one sequence's state (compressor overlap rows become `u = 0, z = −∞`, spec §9.4 #8).
     fn reset_seq(&self, cache: &mut Self::Cache, seq: usize);

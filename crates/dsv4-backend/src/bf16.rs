@@ -1,19 +1,23 @@
 //! Which weights an accelerator keeps in bf16, and the rounding it applies.
 //!
-//! Matrix weights that feed a dense product (`*.weight` of rank 2: projections, experts, the
-//! output head) are stored in bf16; the embedding table (a gather), the router (its top-k
-//! decisions), the mHC matrices, norms, sinks, position biases and biases stay f32. A CPU run
-//! whose weights went through [`round_weight`] sees the same weight values as such a backend.
+//! Matrix weights (`*.weight` of rank 2: projections, experts, the output head, the embedding
+//! table) are stored in bf16; the router (its top-k decisions), the mHC matrices, norms, sinks,
+//! position biases and biases stay f32. Matrices that arrive as FP8/FP4/GGUF blocks are kept
+//! in those blocks instead ([`keeps_packed`]): their values are already exact. A CPU run whose
+//! weights went through [`round_weight`] sees the same weight values as such a backend.
 
-use dsv4_model::HostTensor;
+use dsv4_model::{HostTensor, PackedFormat};
 
 /// Whether a backend with bf16 weights stores this tensor in bf16.
 pub fn is_bf16_weight(name: &str, shape: &[usize]) -> bool {
-    shape.len() == 2
-        && name.ends_with(".weight")
-        && !name.starts_with("embed")
-        && !name.ends_with(".ffn.gate.weight")
-        && !name.contains("hc_")
+    shape.len() == 2 && name.ends_with(".weight") && !name.ends_with(".ffn.gate.weight") && !name.contains("hc_")
+}
+
+/// Whether such a backend keeps a tensor that arrives in `format` packed: a bf16 matrix other
+/// than the embedding (a gather), whose rows are whole blocks and a multiple of 8 wide (the
+/// kernels' 8-value steps).
+pub fn keeps_packed(name: &str, shape: &[usize], format: PackedFormat) -> bool {
+    is_bf16_weight(name, shape) && !name.starts_with("embed") && format.fits(shape[1]) && shape[1].is_multiple_of(8)
 }
 
 /// The bf16 bits of `x`, rounded to nearest even (NaN stays NaN).
@@ -35,8 +39,13 @@ pub fn round_bf16(x: f32) -> f32 {
     from_bf16_bits(to_bf16_bits(x))
 }
 
-/// Rounds `t` to bf16 in place when a bf16 backend would store it so.
+/// Gives `t` the values a bf16 backend holds: packed blocks it keeps stay as they are (exact);
+/// anything else is dequantised and, where the backend stores bf16, rounded.
 pub fn round_weight(t: &mut HostTensor) {
+    if t.packed.as_ref().is_some_and(|p| keeps_packed(&t.name, &t.shape, p.format)) {
+        return;
+    }
+    t.dequantize();
     if is_bf16_weight(&t.name, &t.shape) {
         t.data.iter_mut().for_each(|v| *v = round_bf16(*v));
     }
@@ -58,7 +67,10 @@ mod tests {
         assert!(is_bf16_weight("layers.0.ffn.experts.3.w1.weight", &[4, 4]));
         assert!(!is_bf16_weight("layers.0.ffn.gate.weight", &[4, 4]));
         assert!(!is_bf16_weight("layers.0.hc_attn_fn", &[4, 4]));
-        assert!(!is_bf16_weight("embed.weight", &[4, 4]));
+        assert!(keeps_packed("layers.0.attn.wq_a.weight", &[8, 256], PackedFormat::Q2_K));
+        assert!(!keeps_packed("embed.weight", &[8, 256], PackedFormat::Q8_0));
+        assert!(!keeps_packed("layers.0.attn.wq_a.weight", &[8, 128], PackedFormat::Q2_K));
+        assert!(is_bf16_weight("embed.weight", &[4, 4]));
         assert!(!is_bf16_weight("layers.0.attn.kv_norm.weight", &[4]));
     }
 }

@@ -5,7 +5,9 @@ use crate::backend::Backend;
 use crate::batch::{Batch, BatchError};
 use crate::cpu::state::SeqState;
 use crate::forward::{forward_checked, Capture, RopeTables, Stage};
-use dsv4_model::{load_weights_from, Checkpoint, Config, HostTensor, LoadError, MemoryStats, Weights};
+use dsv4_model::{
+    load_weights_with, Checkpoint, Component, Config, HostTensor, LoadError, LoadOptions, MemoryStats, Weights,
+};
 use std::path::Path;
 
 #[derive(Debug, thiserror::Error)]
@@ -22,6 +24,15 @@ pub enum ModelError {
     EmptyChunk,
     #[error("rollback failed: {0}")]
     Truncate(String),
+    /// The weights would not fit the device (checked before anything is allocated).
+    #[error(
+        "the model does not fit: it needs {} of weights ({}), plus {} for activations, but only {} is free",
+        gib(need.iter().sum()),
+        need_parts(need),
+        gib(*margin),
+        gib(*free)
+    )]
+    DoesNotFit { need: [u64; 4], free: u64, margin: u64 },
     /// A stage of the forward produced a NaN or ±∞ (the first such stage in forward order).
     #[error("nonfinite value in {} (batch row {row})", stage_name(*.layer, .stage))]
     NonFinite {
@@ -30,6 +41,27 @@ pub enum ModelError {
         /// The first batch row holding one (for the head stages: the batch row of that output row).
         row: usize,
     },
+}
+
+fn gib(b: u64) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+fn need_parts(need: &[u64; 4]) -> String {
+    Component::ALL.iter().zip(need).map(|(c, b)| format!("{} {}", c.label(), gib(*b))).collect::<Vec<_>>().join(", ")
+}
+
+/// Device bytes per [`Component`] that loading `ck` onto `backend` would allocate, from a dry
+/// run of the loader (no tensor data is read).
+pub fn resident_plan<B: Backend>(backend: &B, ck: &Checkpoint, cfg: &Config) -> Result<[u64; 4], LoadError> {
+    let mut need = [0u64; 4];
+    let opts = LoadOptions { keep_packed: backend.keeps_packed(), dry: true };
+    load_weights_with(ck.source(), cfg, opts, false, |t| {
+        let i = Component::ALL.iter().position(|&c| c == Component::of(&t.name)).unwrap();
+        need[i] += backend.resident_bytes(&t);
+        Ok(())
+    })?;
+    Ok(need)
 }
 
 fn stage_name(layer: Option<usize>, name: &'static str) -> String {
@@ -82,7 +114,18 @@ impl<B: Backend> Model<B> {
         mut edit: impl FnMut(&mut HostTensor),
     ) -> Result<Self, ModelError> {
         let (cfg, ck) = Checkpoint::open(dir)?;
-        let (weights, stats): (_, MemoryStats) = load_weights_from(ck.source(), &cfg, progress, |mut t| {
+        let keep_packed = backend.keeps_packed();
+        if let Some(free) = backend.memory_free() {
+            let need = resident_plan(&backend, &ck, &cfg)?;
+            let total: u64 = need.iter().sum();
+            // Room for the activations and workspaces of a forward beside the weights.
+            let margin = 2u64 << 30;
+            if total + margin > free {
+                return Err(ModelError::DoesNotFit { need, free, margin });
+            }
+        }
+        let opts = LoadOptions { keep_packed, dry: false };
+        let (weights, stats): (_, MemoryStats) = load_weights_with(ck.source(), &cfg, opts, progress, |mut t| {
             edit(&mut t);
             backend.upload(t)
         })?;
@@ -111,6 +154,11 @@ impl<B: Backend> Model<B> {
 
     pub fn seq_len(&self, seq: usize) -> Option<usize> {
         self.seqs.get(seq).copied().flatten()
+    }
+
+    /// The backend and the state of every sequence slot (backend-specific tuning, reservations).
+    pub fn backend_and_cache(&mut self) -> (&B, &mut B::Cache) {
+        (&self.backend, &mut self.cache)
     }
 
     pub fn cache(&self) -> &B::Cache {

@@ -587,8 +587,9 @@ impl GgufFile {
     }
 }
 
-/// Decodes whole rows of `dtype` from `src` into `out` (sizes already checked).
-fn decode(dtype: GgmlType, src: &[u8], out: &mut [f32]) {
+/// Decodes whole rows of `dtype` from `src` into `out` (sizes already checked; `dtype` must
+/// satisfy [`GgmlType::can_dequantize`]).
+pub fn decode(dtype: GgmlType, src: &[u8], out: &mut [f32]) {
     fn each<const N: usize>(src: &[u8], out: &mut [f32], f: impl Fn([u8; N]) -> f32) {
         for (o, c) in out.iter_mut().zip(src.chunks_exact(N)) {
             *o = f(c.try_into().unwrap());

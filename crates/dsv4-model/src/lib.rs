@@ -4,11 +4,16 @@
 pub mod config;
 pub mod gguf;
 pub mod gguf_write;
+pub mod packed;
 pub mod quant;
 pub mod store;
 pub mod synth;
 pub mod weights;
 
 pub use config::{AttnKind, Config, ConfigError, LayerSpec, Layout, Yarn};
+pub use packed::{Packed, PackedFormat};
 pub use store::{DType, LoadError, TensorInfo, TensorStore};
-pub use weights::{load_weights, load_weights_from, Checkpoint, Component, HostTensor, MemoryStats, Source, Weights};
+pub use weights::{
+    load_weights, load_weights_from, load_weights_with, Checkpoint, Component, HostTensor, LoadOptions, MemoryStats,
+    Source, Weights,
+};

@@ -8,17 +8,63 @@
 
 use crate::config::{AttnKind, Config, Layout};
 use crate::gguf::{official_expert_to_gguf, official_to_gguf, GgufFile};
-use crate::quant::{dequant_fp4, dequant_fp8_blocks};
+use crate::packed::{Packed, PackedFormat};
 use crate::store::{DType, LoadError, TensorStore};
 use std::path::{Path, PathBuf};
 
-/// A dequantised tensor on its way to a backend.
+/// A tensor on its way to a backend: f32 values, or (when the loader was asked to keep them,
+/// see [`LoadOptions`]) the file's blocks in `packed` with `data` empty.
 #[derive(Clone, Debug)]
 pub struct HostTensor {
     /// The logical (official-layout) name, used in messages and captures.
     pub name: String,
     pub shape: Vec<usize>,
     pub data: Vec<f32>,
+    pub packed: Option<Packed>,
+}
+
+impl HostTensor {
+    /// An f32 tensor.
+    pub fn new(name: impl Into<String>, shape: Vec<usize>, data: Vec<f32>) -> Self {
+        HostTensor { name: name.into(), shape, data, packed: None }
+    }
+
+    /// `(rows, cols)`: a 1-D tensor is one row.
+    pub fn rows_cols(&self) -> (usize, usize) {
+        match self.shape.as_slice() {
+            [c] => (1, *c),
+            [r, c] => (*r, *c),
+            s => (s.iter().product(), 1),
+        }
+    }
+
+    /// Replaces packed blocks by their f32 values (for backends that hold f32).
+    pub fn dequantize(&mut self) {
+        if let Some(p) = self.packed.take() {
+            let (r, c) = self.rows_cols();
+            self.data = p.dequantize(r, c);
+        }
+    }
+
+    /// Bytes a backend holding this tensor as handed over needs (f32 or packed).
+    pub fn host_bytes(&self) -> u64 {
+        let (r, c) = self.rows_cols();
+        match &self.packed {
+            Some(p) => Packed::bytes_of(p.format, r, c),
+            None => (r * c * 4) as u64,
+        }
+    }
+}
+
+/// How [`load_weights_with`] hands tensors over.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LoadOptions {
+    /// Keep FP8, FP4 and GGUF block weights (2-D) in their stored format instead of
+    /// dequantising them; the backend decides what it keeps ([`HostTensor::dequantize`]).
+    pub keep_packed: bool,
+    /// Read no tensor data: every tensor arrives with empty `data` (and empty blocks when
+    /// packed), so a backend can total what it would allocate before allocating anything.
+    pub dry: bool,
 }
 
 /// mHC parameters: `fn [(2+n)·n, n·d]`, `base [(2+n)·n]`, `scale [3]` (head: `[n, n·d]`, `[n]`, `[1]`).
@@ -320,6 +366,7 @@ pub struct Loader<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> {
     upload: F,
     progress: Option<indicatif::ProgressBar>,
     stats: MemoryStats,
+    opts: LoadOptions,
 }
 
 impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
@@ -364,9 +411,36 @@ impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
         store.info(name).map_or(0, |t| self.tick_bytes((t.numel() * t.dtype.size()) as u64))
     }
 
-    /// Reads a tensor stored under `name` with the logical `shape`, dequantising FP8/FP4.
-    /// Returns the values and the bytes read from the file.
-    fn read(&self, store: &TensorStore, name: &str, shape: &[usize], kind: Kind) -> Result<(Vec<f32>, u64), LoadError> {
+    /// FP8/FP4 blocks kept as they are, or dequantised (see [`LoadOptions`]).
+    fn packed_or_f32(
+        &self,
+        format: PackedFormat,
+        raw: impl FnOnce() -> Result<Vec<u8>, LoadError>,
+        scales: impl FnOnce() -> Result<Vec<f32>, LoadError>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<(Vec<f32>, Option<Packed>), LoadError> {
+        if self.opts.dry {
+            let keep = self.opts.keep_packed.then(|| Packed { format, blocks: vec![], scales: vec![] });
+            return Ok((vec![], keep));
+        }
+        let p = Packed { format, blocks: raw()?, scales: scales()? };
+        if self.opts.keep_packed {
+            Ok((vec![], Some(p)))
+        } else {
+            Ok((p.dequantize(rows, cols), None))
+        }
+    }
+
+    /// Reads a tensor stored under `name` with the logical `shape`, dequantising FP8/FP4 unless
+    /// they are kept packed. Returns the values or blocks and the bytes read from the file.
+    fn read(
+        &self,
+        store: &TensorStore,
+        name: &str,
+        shape: &[usize],
+        kind: Kind,
+    ) -> Result<(Vec<f32>, Option<Packed>, u64), LoadError> {
         let info = store.info(name).expect("resolved");
         let found = info.shape.clone();
         let mut bytes = self.tick(store, name);
@@ -394,8 +468,9 @@ impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
                     return Err(LoadError::Shape { name: sn, expected: sshape, found: sinfo.shape.clone() });
                 }
                 bytes += self.tick(store, &sn);
-                let scale = store.f32(&sn)?;
-                dequant_fp8_blocks(store.raw(name)?, &scale, rows, cols, 128)
+                let raw = || Ok(store.raw(name)?.to_vec());
+                let (v, p) = self.packed_or_f32(PackedFormat::Fp8, raw, || store.f32(&sn), rows, cols)?;
+                return Ok((v, p, bytes));
             }
             DType::I8 | DType::U8 if kind == Kind::Expert && shape.len() == 2 => {
                 let packed = vec![rows, cols / 2];
@@ -414,14 +489,19 @@ impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
                     return Err(LoadError::Shape { name: sn, expected: sshape, found: sinfo.shape.clone() });
                 }
                 bytes += self.tick(store, &sn);
-                let scale = store.f32(&sn)?;
-                dequant_fp4(store.raw(name)?, &scale, rows, cols, 32)
+                let raw = || Ok(store.raw(name)?.to_vec());
+                let (v, p) = self.packed_or_f32(PackedFormat::Fp4, raw, || store.f32(&sn), rows, cols)?;
+                return Ok((v, p, bytes));
             }
             dt if dt.is_float() => {
                 if found != shape {
                     return Err(LoadError::Shape { name: name.into(), expected: shape.to_vec(), found });
                 }
-                store.f32(name)?
+                if self.opts.dry {
+                    vec![]
+                } else {
+                    store.f32(name)?
+                }
             }
             dt => {
                 return Err(LoadError::DType {
@@ -431,13 +511,45 @@ impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
                 })
             }
         };
-        Ok((v, bytes))
+        Ok((v, None, bytes))
     }
 
     /// Hands a tensor to the backend, counting it in the memory statistics.
-    fn put(&mut self, name: String, shape: Vec<usize>, data: Vec<f32>, file_bytes: u64) -> Result<W, LoadError> {
-        self.stats.add(&name, file_bytes, (data.len() * 4) as u64);
-        (self.upload)(HostTensor { name, shape, data })
+    fn put(
+        &mut self,
+        name: String,
+        shape: Vec<usize>,
+        data: Vec<f32>,
+        packed: Option<Packed>,
+        file_bytes: u64,
+    ) -> Result<W, LoadError> {
+        let t = HostTensor { name, shape, data, packed };
+        self.stats.add(&t.name, file_bytes, t.host_bytes());
+        (self.upload)(t)
+    }
+
+    /// Rows `row0..row0+rows` of a GGUF tensor: its blocks kept (a 2-D block type and
+    /// [`LoadOptions::keep_packed`]), or decoded to f32.
+    fn gguf_rows(
+        &self,
+        g: &GgufFile,
+        name: &str,
+        row0: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<(Vec<f32>, Option<Packed>), LoadError> {
+        let info = g.info(name).expect("resolved");
+        let format = PackedFormat::of_ggml(info.dtype).filter(|f| self.opts.keep_packed && f.fits(cols));
+        match (format, self.opts.dry) {
+            (Some(format), true) => Ok((vec![], Some(Packed { format, blocks: vec![], scales: vec![] }))),
+            (None, true) => Ok((vec![], None)),
+            (Some(format), false) => {
+                let rb = info.row_bytes();
+                let blocks = g.raw(name)?[row0 * rb..(row0 + rows) * rb].to_vec();
+                Ok((vec![], Some(Packed { format, blocks, scales: vec![] })))
+            }
+            (None, false) => Ok((g.f32_rows(name, row0, rows)?, None)),
+        }
     }
 
     /// The ds4 name of `official` in a GGUF, checked to exist with `shape`.
@@ -454,18 +566,26 @@ impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
     }
 
     fn tensor(&mut self, official: &str, shape: &[usize]) -> Result<W, LoadError> {
-        let (data, bytes) = match self.src {
+        let (data, packed, bytes) = match self.src {
             Source::Safetensors(store) => {
                 let name = self.resolve(store, official)?;
                 self.read(store, &name, shape, Kind::Float)?
             }
             Source::Gguf(g) => {
                 let name = self.gguf_resolve(g, official, shape)?;
-                let bytes = self.tick_bytes(g.info(&name).unwrap().n_bytes);
-                (g.f32(&name)?, bytes)
+                let info = g.info(&name).unwrap();
+                let bytes = self.tick_bytes(info.n_bytes);
+                let (data, packed) = if shape.len() == 2 {
+                    self.gguf_rows(g, &name, 0, shape[0], shape[1])?
+                } else if self.opts.dry {
+                    (vec![], None)
+                } else {
+                    (g.f32(&name)?, None)
+                };
+                (data, packed, bytes)
             }
         };
-        self.put(official.to_string(), shape.to_vec(), data, bytes)
+        self.put(official.to_string(), shape.to_vec(), data, packed, bytes)
     }
 
     /// The hash-routing table `[vocab, k]` of a hash layer.
@@ -540,8 +660,8 @@ impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
                         return Err(LoadError::Shape { name, expected: stacked, found: info.shape.clone() });
                     }
                     let bytes = self.tick_bytes(info.n_bytes / n_exp as u64);
-                    let data = g.f32_rows(&name, e * shape[0], shape[0])?;
-                    self.put(official, shape.to_vec(), data, bytes)
+                    let (data, packed) = self.gguf_rows(g, &name, e * shape[0], shape[0], shape[1])?;
+                    self.put(official, shape.to_vec(), data, packed, bytes)
                 };
                 Ok(Expert { w1: one("w1", [inter, d])?, w3: one("w3", [inter, d])?, w2: one("w2", [d, inter])? })
             }
@@ -581,13 +701,19 @@ impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
                 }
                 file_bytes[i] = self.tick_bytes((info.numel() * info.dtype.size() / n_exp) as u64);
             }
-            let gu = store.f32_range(&fused_gu, e * 2 * inter * d, 2 * inter * d)?;
-            let dn = store.f32_range(&fused_dn, e * d * inter, d * inter)?;
-            let (g, u) = gu.split_at(inter * d);
+            let (gu, dn) = if self.opts.dry {
+                (vec![0f32; 0], vec![])
+            } else {
+                (
+                    store.f32_range(&fused_gu, e * 2 * inter * d, 2 * inter * d)?,
+                    store.f32_range(&fused_dn, e * d * inter, d * inter)?,
+                )
+            };
+            let (g, u) = gu.split_at(gu.len() / 2);
             return Ok(Expert {
-                w1: self.put(off("w1"), vec![inter, d], g.to_vec(), file_bytes[0] / 2)?,
-                w3: self.put(off("w3"), vec![inter, d], u.to_vec(), file_bytes[0] / 2)?,
-                w2: self.put(off("w2"), vec![d, inter], dn, file_bytes[1])?,
+                w1: self.put(off("w1"), vec![inter, d], g.to_vec(), None, file_bytes[0] / 2)?,
+                w3: self.put(off("w3"), vec![inter, d], u.to_vec(), None, file_bytes[0] / 2)?,
+                w2: self.put(off("w2"), vec![d, inter], dn, None, file_bytes[1])?,
             });
         }
         let mut one = |w: &str, shape: [usize; 2]| -> Result<W, LoadError> {
@@ -595,8 +721,8 @@ impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
             if !store.contains(&name) {
                 return Err(LoadError::Missing { name: name.clone(), tried: format!("{name}, {fused_gu}") });
             }
-            let (data, bytes) = self.read(store, &name, &shape, Kind::Expert)?;
-            self.put(name, shape.to_vec(), data, bytes)
+            let (data, packed, bytes) = self.read(store, &name, &shape, Kind::Expert)?;
+            self.put(name, shape.to_vec(), data, packed, bytes)
         };
         Ok(Expert { w1: one("w1", [inter, d])?, w3: one("w3", [inter, d])?, w2: one("w2", [d, inter])? })
     }
@@ -620,8 +746,19 @@ pub fn load_weights_from<W>(
     progress: bool,
     upload: impl FnMut(HostTensor) -> Result<W, LoadError>,
 ) -> Result<(Weights<W>, MemoryStats), LoadError> {
+    load_weights_with(src, cfg, LoadOptions::default(), progress, upload)
+}
+
+/// [`load_weights_from`] with [`LoadOptions`] (packed weights, dry runs).
+pub fn load_weights_with<W>(
+    src: Source<'_>,
+    cfg: &Config,
+    opts: LoadOptions,
+    progress: bool,
+    upload: impl FnMut(HostTensor) -> Result<W, LoadError>,
+) -> Result<(Weights<W>, MemoryStats), LoadError> {
     let total = src.total_bytes();
-    let bar = (progress && total > (256 << 20)).then(|| {
+    let bar = (progress && !opts.dry && total > (256 << 20)).then(|| {
         let b = indicatif::ProgressBar::new(total);
         b.set_style(
             indicatif::ProgressStyle::with_template("loading weights {bar:40} {bytes}/{total_bytes} ({eta})")
@@ -629,7 +766,7 @@ pub fn load_weights_from<W>(
         );
         b
     });
-    let mut ld = Loader { src, layout: cfg.layout, upload, progress: bar, stats: MemoryStats::default() };
+    let mut ld = Loader { src, layout: cfg.layout, upload, progress: bar, stats: MemoryStats::default(), opts };
     let (d, h, hd) = (cfg.hidden, cfg.n_heads, cfg.head_dim);
     let (hcw, mix, n) = (cfg.hc_width(), cfg.hc_mix(), cfg.hc_mult);
     let embed = ld.tensor("embed.weight", &[cfg.vocab_size, d])?;

@@ -42,6 +42,16 @@ pub struct BenchArgs {
     pub prefill_chunk: usize,
     #[arg(long, value_enum, default_value = "cpu")]
     pub backend: crate::BackendKind,
+    /// Weight formats of `--synthetic flash` on CUDA: `bf16`; `q2` or `q4` (ds4's GGUF policy:
+    /// routed experts IQ2_XXS gate/up + Q2_K down, or Q4_K; attention projections, shared
+    /// experts and head Q8_0; compressors, indexers, embedding bf16); `official` (FP4 routed
+    /// experts, FP8 projections and shared experts, bf16 head and embedding).
+    #[arg(long, default_value = "bf16")]
+    pub weights: String,
+    /// Before decoding, reserve compressed-KV state for `SEQSxTOKENS` (e.g. `4x32768`) and
+    /// report the device memory in use.
+    #[arg(long, default_value = "")]
+    pub reserve: String,
 }
 
 /// Hidden 1024, 8 layers (2 SWA, then CSA 4 / HCA 128), 16 heads of 128, 32 experts top-4.

@@ -8,16 +8,20 @@ use anyhow::{bail, Context, Result};
 use dsv4_backend::cuda::CudaBackend;
 use dsv4_backend::synth::synth_weights;
 use dsv4_backend::{Batch, Model, Row};
-use dsv4_model::{AttnKind, Config};
+use dsv4_model::{AttnKind, Config, PackedFormat};
 use std::time::Instant;
 
 /// HBM bandwidth of the H200 as measured here (device-to-device copy, read + write).
 const HBM_BYTES_PER_S: f64 = 4.3e12;
 const FLASH_LAYERS: usize = 43;
 
-/// Layer 0 (SWA) and layers 2.. of V4-Flash: SWA, CSA, HCA, CSA, HCA, ...
+/// Layer 0 (SWA) and layers 2.. of V4-Flash: SWA, CSA, HCA, CSA, HCA, ...; all 43 layers
+/// as they are for `n >= 43`.
 pub fn flash_layers(n: usize) -> Config {
     let mut c = Config::flash();
+    if n >= c.layers.len() {
+        return c;
+    }
     let mut layers = vec![c.layers[0]];
     layers.extend(c.layers[2..].iter().copied().take(n.saturating_sub(1)));
     c.layers = layers;
@@ -34,34 +38,23 @@ fn toks(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-/// Bytes one decode step reads: every weight the batch touches once, plus the KV it attends.
-fn decode_bytes(cfg: &Config, batch: usize, ctx: usize) -> (f64, f64) {
-    let (d, hd, inter, ne, k) = (cfg.hidden, cfg.head_dim, cfg.moe_inter, cfg.n_routed_experts, cfg.n_experts_per_tok);
-    let bf = 2.0;
-    let mut w = cfg.vocab_size as f64 * d as f64 * bf; // head
+/// Device bytes of the synthetic weights: the embedding (only gathered rows are read), the
+/// routed experts, and everything else (read once per decode step).
+#[derive(Default)]
+struct WeightBytes {
+    embed: usize,
+    routed: usize,
+    other: usize,
+}
+
+/// Bytes one decode step reads: every weight the batch touches once (routed experts in the
+/// expected share of distinct experts under uniform routing), plus the KV it attends.
+fn decode_bytes(cfg: &Config, wb: &WeightBytes, batch: usize, ctx: usize) -> (f64, f64) {
+    let (hd, ne, k) = (cfg.head_dim, cfg.n_routed_experts, cfg.n_experts_per_tok);
+    let distinct = ne as f64 * (1.0 - (1.0 - k as f64 / ne as f64).powi(batch as i32));
+    let w = wb.other as f64 + wb.routed as f64 * distinct / ne as f64;
     let mut kv = 0.0;
     for spec in &cfg.layers {
-        let h = cfg.n_heads;
-        let mut attn = cfg.q_lora_rank * d
-            + h * hd * cfg.q_lora_rank
-            + hd * d
-            + cfg.o_lora_rank * cfg.o_groups * (h * hd / cfg.o_groups)
-            + d * cfg.o_groups * cfg.o_lora_rank;
-        match spec.attn {
-            AttnKind::Swa => {}
-            AttnKind::Hca => attn += 2 * hd * d,
-            AttnKind::Csa => {
-                attn += 2 * 2 * hd * d
-                    + 2 * 2 * cfg.index_head_dim * d
-                    + cfg.index_n_heads * cfg.index_head_dim * cfg.q_lora_rank
-                    + cfg.index_n_heads * d
-            }
-        }
-        // Expected distinct routed experts over the batch (uniform routing), plus the shared one.
-        let distinct = ne as f64 * (1.0 - (1.0 - k as f64 / ne as f64).powi(batch as i32));
-        let experts = (distinct + 1.0) * 3.0 * (inter * d) as f64;
-        let f32s = (2 * cfg.hc_mix() * cfg.hc_width() + ne * d) as f64 * 4.0; // mHC, router
-        w += (attn as f64 + experts) * bf + f32s;
         // KV read per sequence (f32 state): window ring, compressed entries.
         let win = ctx.min(cfg.window) * hd;
         let comp = match spec.attn {
@@ -82,22 +75,63 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let batches = parse_list(&a.decode_batches).context("--decode-batches")?;
     let cfg = flash_layers(a.layers);
     let kinds: Vec<String> = cfg.layers.iter().map(|l| format!("{:?}", l.attn)).collect();
+    let scheme = a.weights.as_str();
+    if !["bf16", "q2", "q4", "official"].contains(&scheme) {
+        bail!("--weights must be bf16, q2, q4 or official, not {scheme:?}");
+    }
+    let reserve = parse_reserve(&a.reserve)?;
     let b = CudaBackend::new(0).context("starting the CUDA backend")?;
     let dev = b.device_name();
+    let total_mem = b.mem_total();
     let free0 = b.mem_free();
     let t0 = Instant::now();
-    let w = synth_weights(&cfg, 1, |name, shape, mean, std, seed| b.upload_random(name, shape, mean, std, seed));
+    let mut wb = WeightBytes::default();
+    let w = synth_weights(&cfg, 1, |name, shape, mean, std, seed| {
+        let w = match packed_format(scheme, name, shape) {
+            Some(f) => b.upload_random_packed(f, shape[0], shape[1], std, seed),
+            None => b.upload_random(name, shape, mean, std, seed),
+        };
+        let n = w.bytes();
+        if name.starts_with("embed") {
+            wb.embed += n;
+        } else if name.contains(".ffn.experts.") {
+            wb.routed += n;
+        } else {
+            wb.other += n;
+        }
+        w
+    });
     b.synchronize();
     let free1 = b.mem_free();
     eprintln!(
-        "flash bench on {dev}: {} layers {kinds:?} drawn on the device in {:.1} s, {:.1} GB of weights, {:.1} GB free",
+        "flash bench on {dev}: {} layers {kinds:?}, weights {scheme}, drawn on the device in {:.1} s: {:.2} GB          ({:.2} GB routed experts, {:.2} GB other, {:.2} GB embedding), {:.1} GB free",
         cfg.n_layers(),
         t0.elapsed().as_secs_f64(),
         (free0 - free1) as f64 / 1e9,
+        wb.routed as f64 / 1e9,
+        wb.other as f64 / 1e9,
+        wb.embed as f64 / 1e9,
         free1 as f64 / 1e9
     );
-    let max_b = batches.iter().copied().max().unwrap_or(1);
+    let max_b = batches.iter().copied().max().unwrap_or(1).max(reserve.map_or(1, |r| r.0));
     let mut m = Model::new(b, cfg.clone(), w, max_b.max(1));
+    let mut memory = serde_json::Value::Null;
+    if let Some((seqs, tokens)) = reserve {
+        let (b, cache) = m.backend_and_cache();
+        cache.reserve_tokens(b, tokens);
+        b.synchronize();
+        let free2 = b.mem_free();
+        let used = total_mem - free2;
+        eprintln!(
+            "memory: state for {max_b} sequence slots with room for {tokens} tokens each: {:.2} GB; device memory in use              {:.2} GB of {:.2} GB ({:.2} GiB)",
+            (free1 - free2) as f64 / 1e9,
+            used as f64 / 1e9,
+            total_mem as f64 / 1e9,
+            used as f64 / (1u64 << 30) as f64
+        );
+        memory = serde_json::json!({"sequences": seqs, "tokens": tokens, "state_bytes": free1 - free2,
+            "device_bytes_in_use": used, "weight_bytes": free0 - free1});
+    }
     let vocab = cfg.vocab_size;
     let chunk = a.prefill_chunk.max(1);
     let nl = cfg.n_layers() as f64;
@@ -181,21 +215,21 @@ pub fn run(a: BenchArgs) -> Result<()> {
             step(&mut m, &mut pos)?;
         }
         let st = t0.elapsed().as_secs_f64() / steps as f64;
-        let (wb, kvb) = decode_bytes(&cfg, bs, dctx);
-        let frac = (wb + kvb) / st / HBM_BYTES_PER_S;
+        let (wbytes, kvb) = decode_bytes(&cfg, &wb, bs, dctx);
+        let frac = (wbytes + kvb) / st / HBM_BYTES_PER_S;
         let tps = bs as f64 / st;
         let tps43 = tps * nl / FLASH_LAYERS as f64;
         println!(
             "decode batch {bs:>3} at context {dctx}: {:8.3} ms/step  {tps:9.1} tok/s  {:7.3} ms/layer  -> {tps43:8.1} tok/s extrapolated to {FLASH_LAYERS} layers;  {:.2} GB weights + {:.3} GB KV per step = {:.1}% of {:.1} TB/s",
             st * 1e3,
             st * 1e3 / nl,
-            wb / 1e9,
+            wbytes / 1e9,
             kvb / 1e9,
             frac * 100.0,
             HBM_BYTES_PER_S / 1e12
         );
         results.push(serde_json::json!({"kind": "decode", "batch": bs, "context": dctx, "ms_per_step": st * 1e3,
-            "tokens_per_s": tps, "tokens_per_s_43_layers": tps43, "weight_bytes": wb, "kv_bytes": kvb,
+            "tokens_per_s": tps, "tokens_per_s_43_layers": tps43, "weight_bytes": wbytes, "kv_bytes": kvb,
             "hbm_fraction": frac}));
     }
 
@@ -245,6 +279,40 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 "decode_ms_per_step": dm, "speedup_all_accepted_no_draft_cost": speedup}));
         }
     }
-    println!("{}", serde_json::json!({"device": dev, "layers": kinds, "prefill_chunk": chunk, "results": results}));
+    println!(
+        "{}",
+        serde_json::json!({"device": dev, "layers": kinds, "weights": scheme, "memory": memory,
+            "prefill_chunk": chunk, "results": results})
+    );
     Ok(())
+}
+
+/// `SEQSxTOKENS` of `--reserve`.
+fn parse_reserve(s: &str) -> Result<Option<(usize, usize)>> {
+    if s.trim().is_empty() {
+        return Ok(None);
+    }
+    let (a, b) = s.split_once('x').context("--reserve takes SEQSxTOKENS, e.g. 4x32768")?;
+    Ok(Some((a.trim().parse().context("--reserve sequences")?, b.trim().parse().context("--reserve tokens")?)))
+}
+
+/// The packed format `--weights` gives a tensor (`None`: bf16 or f32 as the backend stores it).
+fn packed_format(scheme: &str, name: &str, shape: &[usize]) -> Option<PackedFormat> {
+    if name.starts_with("embed") || !dsv4_backend::bf16::is_bf16_weight(name, shape) {
+        return None;
+    }
+    let routed = name.contains(".ffn.experts.");
+    let side = name.contains(".compressor.") || name.contains(".indexer.");
+    let f = match scheme {
+        "q2" if routed && name.ends_with(".w2.weight") => PackedFormat::Q2_K,
+        "q2" if routed => PackedFormat::IQ2_XXS,
+        "q4" if routed => PackedFormat::Q4_K,
+        "q2" | "q4" if side => return None,
+        "q2" | "q4" => PackedFormat::Q8_0,
+        "official" if routed => PackedFormat::Fp4,
+        "official" if name == "head.weight" => return None,
+        "official" => PackedFormat::Fp8,
+        _ => return None,
+    };
+    dsv4_backend::bf16::keeps_packed(name, shape, f).then_some(f)
 }

@@ -112,7 +112,14 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
-    fn upload(&self, t: HostTensor) -> Result<Tensor, LoadError> {
+    /// Packed tensors are accepted and dequantised here (so `round_weight` can tell which
+    /// values a GPU holds exactly).
+    fn keeps_packed(&self) -> bool {
+        true
+    }
+
+    fn upload(&self, mut t: HostTensor) -> Result<Tensor, LoadError> {
+        t.dequantize();
         let (rows, cols) = match t.shape.as_slice() {
             [c] => (1, *c),
             [r, c] => (*r, *c),

@@ -197,17 +197,22 @@ impl CudaBackend {
         if bf {
             let w = self.alloc::<u16>(len);
             launch(self.dev_ptr(&w));
-            CudaWeight { rows, cols, data: self.alloc(1), bf: Some(w) }
+            CudaWeight { rows, cols, data: self.alloc(1), bf: Some(w), q: None }
         } else {
             let w = self.alloc::<f32>(len);
             launch(self.dev_ptr(&w));
-            CudaWeight { rows, cols, data: w, bf: None }
+            CudaWeight { rows, cols, data: w, bf: None, q: None }
         }
     }
 
     /// Free device memory in bytes.
     pub fn mem_free(&self) -> usize {
         cudarc::driver::result::mem_get_info().map(|(f, _)| f).unwrap_or(0)
+    }
+
+    /// Total device memory in bytes.
+    pub fn mem_total(&self) -> usize {
+        cudarc::driver::result::mem_get_info().map(|(_, t)| t).unwrap_or(0)
     }
 }
 
@@ -235,7 +240,7 @@ pub(crate) fn probe(b: &CudaBackend, cache: &mut CudaCache, t: &CudaTensor, slot
     );
 }
 
-/// Routed experts with bf16 weights (see the module docs).
+/// Routed experts with bf16 or packed weights (see the module docs and [`super::quant`]).
 pub(crate) fn moe(
     b: &CudaBackend,
     x: &CudaTensor,
@@ -252,7 +257,7 @@ pub(crate) fn moe(
     if n == 0 {
         return out;
     }
-    let table = expert_table(b, experts);
+    let packed = [&experts[0].w1, &experts[0].w3, &experts[0].w2].iter().any(|w| w.q.is_some());
     let mut order = b.alloc::<u32>(nk);
     let mut off = b.alloc::<u32>(ne + 1);
     let mut active = b.alloc::<u32>(ne + 1);
@@ -274,6 +279,11 @@ pub(crate) fn moe(
     );
     let (ki, di, ii, nei) = (k as i32, d as i32, inter as i32, ne as i32);
     if n <= GROUPED_MAX_ROWS || b.exact() {
+        let (up_fn, down_fn, table) = if packed {
+            b.packed_expert_kernels(experts)
+        } else {
+            (&b.k.moe_up_g, &b.k.moe_down_g, expert_table(b, experts))
+        };
         let mut h = b.alloc::<f32>(nk * inter);
         let mut y = b.alloc::<f32>(nk * d);
         let blocks = nk.min(ne) as u32;
@@ -287,7 +297,7 @@ pub(crate) fn moe(
         ck(
             unsafe {
                 b.stream
-                    .launch_builder(&b.k.moe_up_g)
+                    .launch_builder(up_fn)
                     .arg(&mut h)
                     .arg(&x.data)
                     .arg(&order)
@@ -306,7 +316,7 @@ pub(crate) fn moe(
         ck(
             unsafe {
                 b.stream
-                    .launch_builder(&b.k.moe_down_g)
+                    .launch_builder(down_fn)
                     .arg(&mut y)
                     .arg(&h)
                     .arg(&order)
@@ -361,14 +371,26 @@ pub(crate) fn moe(
     let mut hb = b.alloc::<u16>(nk * inter);
     let y = b.alloc::<f32>(nk * d);
     let (xp, gp, up, hp, yp) = (b.dev_ptr(&xs), b.dev_ptr(&g), b.dev_ptr(&u), b.dev_ptr(&hb), b.dev_ptr(&y));
-    let wptr = |w: &CudaWeight| b.dev_ptr(w.bf.as_ref().expect("bf16 expert"));
+    // Packed experts are dequantised, one matrix at a time, into bf16 scratch that the stream
+    // reuses in order (each product has consumed it before the next dequantisation).
+    let scratch: Vec<CudaSlice<u16>> =
+        if packed { (0..3).map(|_| b.alloc::<u16>(inter * d)).collect() } else { vec![] };
+    let wptr = |w: &CudaWeight, i: usize| match (&w.bf, &w.q) {
+        (Some(bf), _) => b.dev_ptr(bf),
+        (None, Some(q)) => {
+            let dst = b.dev_ptr(&scratch[i]);
+            b.dequant_bf16_into(dst, q, w.rows, w.cols);
+            dst
+        }
+        (None, None) => panic!("bf16 or packed expert expected"),
+    };
     for (e, ex) in experts.iter().enumerate() {
         let (o, c) = (offs[e] as usize, (offs[e + 1] - offs[e]) as usize);
         if c == 0 {
             continue;
         }
-        b.gemm_bf16_raw(gp + (o * inter * 4) as u64, xp + (o * d * 2) as u64, wptr(&ex.w1), c, d, inter);
-        b.gemm_bf16_raw(up + (o * inter * 4) as u64, xp + (o * d * 2) as u64, wptr(&ex.w3), c, d, inter);
+        b.gemm_bf16_raw(gp + (o * inter * 4) as u64, xp + (o * d * 2) as u64, wptr(&ex.w1, 0), c, d, inter);
+        b.gemm_bf16_raw(up + (o * inter * 4) as u64, xp + (o * d * 2) as u64, wptr(&ex.w3, 1), c, d, inter);
     }
     let len = nk * inter;
     ck(
@@ -389,7 +411,7 @@ pub(crate) fn moe(
         if c == 0 {
             continue;
         }
-        b.gemm_bf16_raw(yp + (o * d * 4) as u64, hp + (o * inter * 2) as u64, wptr(&ex.w2), c, inter, d);
+        b.gemm_bf16_raw(yp + (o * d * 4) as u64, hp + (o * inter * 2) as u64, wptr(&ex.w2, 2), c, inter, d);
     }
     ck(
         unsafe {

@@ -14,6 +14,7 @@
 pub mod attention;
 pub mod bf16;
 pub mod moe;
+pub mod quant;
 pub mod state;
 
 use crate::backend::{Backend, CompSlot};
@@ -38,13 +39,26 @@ pub struct CudaTensor {
     pub data: CudaSlice<f32>,
 }
 
-/// A weight on the device: f32 (`data`), or bf16 (`bf`, with `data` a one-element placeholder)
-/// for the matrices [`crate::bf16::is_bf16_weight`] selects when the backend stores bf16.
+/// A weight on the device: f32 (`data`); bf16 (`bf`, with `data` a one-element placeholder)
+/// for the matrices [`crate::bf16::is_bf16_weight`] selects when the backend stores bf16; or
+/// packed blocks (`q`, see [`quant`]) for such matrices loaded from FP8/FP4/GGUF blocks.
 pub struct CudaWeight {
     pub rows: usize,
     pub cols: usize,
     pub data: CudaSlice<f32>,
     pub bf: Option<CudaSlice<u16>>,
+    pub q: Option<quant::QuantDev>,
+}
+
+impl CudaWeight {
+    /// Device bytes the weight holds.
+    pub fn bytes(&self) -> usize {
+        match (&self.bf, &self.q) {
+            (_, Some(q)) => q.bytes(),
+            (Some(bf), None) => bf.len() * 2,
+            (None, None) => self.data.len() * 4,
+        }
+    }
 }
 
 /// The batch's row table on the device: six `u32` arrays of `n` (sequence, position, token,
@@ -146,6 +160,7 @@ pub fn compile_kernels() -> Result<(), CudaInitError> {
     for (file, src) in SOURCES {
         ptx(file, src)?;
     }
+    ptx("quant.cu", &quant::source())?;
     Ok(())
 }
 
@@ -167,8 +182,8 @@ fn ptx(file: &'static str, src: &str) -> Result<cudarc::nvrtc::Ptx, CudaInitErro
     }
     let opts = CompileOptions {
         arch: Some("compute_90a"),
-        // bf16.cu is not an f32 oracle twin: contraction on for its dot products.
-        fmad: Some(file == "bf16.cu"),
+        // bf16.cu and quant.cu are not f32 oracle twins: contraction on for their dot products.
+        fmad: Some(file == "bf16.cu" || file == "quant.cu"),
         name: Some(file.into()),
         options: vec!["--std=c++17".into()],
         ..Default::default()
@@ -254,6 +269,7 @@ pub struct CudaBackend {
     pub(crate) stream: Arc<CudaStream>,
     blas: CudaBlas,
     pub(crate) k: Kernels,
+    pub(crate) qk: quant::QuantKernels,
     staging: Mutex<Vec<Staging>>,
     freqs: Mutex<HashMap<Vec<u64>, Arc<CudaSlice<f64>>>>,
     pub(crate) expert_tables: Mutex<HashMap<Vec<u64>, Arc<CudaSlice<u64>>>>,
@@ -326,6 +342,7 @@ impl CudaBackend {
         let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
         let k = Kernels::load(&ctx)?;
+        let qk = quant::QuantKernels::load(&ctx)?;
         let dummy_f32 = stream.alloc_zeros::<f32>(1)?;
         let dummy_u32 = stream.alloc_zeros::<u32>(1)?;
         Ok(CudaBackend {
@@ -333,6 +350,7 @@ impl CudaBackend {
             stream,
             blas,
             k,
+            qk,
             staging: Mutex::new(Vec::new()),
             freqs: Mutex::new(HashMap::new()),
             expert_tables: Mutex::new(HashMap::new()),
@@ -399,6 +417,17 @@ impl CudaBackend {
         f
     }
 
+    /// A device array of addresses (expert weight tables), uploaded once per distinct content.
+    pub(crate) fn address_table(&self, ptrs: Vec<u64>) -> Arc<CudaSlice<u64>> {
+        let mut m = self.expert_tables.lock().unwrap();
+        if let Some(t) = m.get(&ptrs) {
+            return t.clone();
+        }
+        let t = Arc::new(ck(self.stream.clone_htod(&ptrs), "upload address table"));
+        m.insert(ptrs, t.clone());
+        t
+    }
+
     pub(crate) fn dev_ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
         let (p, _sync) = s.device_ptr(&self.stream);
         p
@@ -453,17 +482,46 @@ impl Backend for CudaBackend {
             [r, c] => (*r, *c),
             other => return Err(LoadError::Value { name: t.name, msg: format!("unexpected rank {}", other.len()) }),
         };
+        let mut t = t;
+        if let Some(p) = &t.packed {
+            if self.bf16 && crate::bf16::keeps_packed(&t.name, &t.shape, p.format) {
+                if let Some(w) = self.upload_packed(&t.name, rows, cols, p)? {
+                    return Ok(w);
+                }
+            }
+            t.dequantize();
+        }
+        let name = t.name.clone();
         let err = |e: cudarc::driver::DriverError| LoadError::Value {
-            name: t.name.clone(),
+            name: name.clone(),
             msg: format!("CUDA upload: {e:?}"),
         };
         if self.bf16 && crate::bf16::is_bf16_weight(&t.name, &t.shape) {
             let h: Vec<u16> = t.data.iter().map(|&v| crate::bf16::to_bf16_bits(v)).collect();
             let bf = self.stream.clone_htod(&h).map_err(err)?;
-            return Ok(CudaWeight { rows, cols, data: self.alloc(1), bf: Some(bf) });
+            return Ok(CudaWeight { rows, cols, data: self.alloc(1), bf: Some(bf), q: None });
         }
         let data = self.stream.clone_htod(&t.data).map_err(err)?;
-        Ok(CudaWeight { rows, cols, data, bf: None })
+        Ok(CudaWeight { rows, cols, data, bf: None, q: None })
+    }
+
+    fn keeps_packed(&self) -> bool {
+        true
+    }
+
+    fn resident_bytes(&self, t: &HostTensor) -> u64 {
+        let (r, c) = t.rows_cols();
+        match &t.packed {
+            Some(p) if self.bf16 && crate::bf16::keeps_packed(&t.name, &t.shape, p.format) => {
+                dsv4_model::Packed::bytes_of(p.format, r, c)
+            }
+            _ if self.bf16 && crate::bf16::is_bf16_weight(&t.name, &t.shape) => (r * c * 2) as u64,
+            _ => (r * c * 4) as u64,
+        }
+    }
+
+    fn memory_free(&self) -> Option<u64> {
+        Some(self.mem_free() as u64)
     }
 
     fn new_cache(&self, cfg: &Config, max_seqs: usize) -> CudaCache {
@@ -516,14 +574,20 @@ impl Backend for CudaBackend {
 
     fn embed(&self, table: &CudaWeight, rows: &CudaRows) -> CudaTensor {
         let n = rows.len();
-        let out = self.tensor(n, table.cols);
+        let mut out = self.tensor(n, table.cols);
         let tokens = rows.dev.slice(2 * n..3 * n);
-        self.gather(&out, &table.data, &tokens, n, table.cols);
+        match &table.bf {
+            Some(bf) => self.gather_bf16(&mut out, bf, &tokens, n, table.cols),
+            None => self.gather(&out, &table.data, &tokens, n, table.cols),
+        }
         out
     }
 
     fn matmul(&self, x: &CudaTensor, w: &CudaWeight) -> CudaTensor {
         assert_eq!(x.cols, w.cols, "matmul: input width {} vs weight [{}, {}]", x.cols, w.rows, w.cols);
+        if let Some(q) = &w.q {
+            return self.matmul_packed(x, q, w.rows, w.cols, 1);
+        }
         if let Some(bf) = &w.bf {
             return self.matmul_bf16(x, bf, w.rows, w.cols, 1);
         }
@@ -534,6 +598,9 @@ impl Backend for CudaBackend {
         let inw = x.cols / groups;
         let r = w.rows / groups;
         assert_eq!(w.cols, inw);
+        if let Some(q) = &w.q {
+            return self.matmul_packed(x, q, w.rows, w.cols, groups);
+        }
         if let Some(bf) = &w.bf {
             return self.matmul_bf16(x, bf, w.rows, w.cols, groups);
         }

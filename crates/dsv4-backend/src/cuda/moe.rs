@@ -57,13 +57,7 @@ pub(crate) fn expert_table(b: &CudaBackend, experts: &[Expert<CudaWeight>]) -> A
     let mut ptrs: Vec<u64> = experts.iter().map(|e| p(&e.w1)).collect();
     ptrs.extend(experts.iter().map(|e| p(&e.w3)));
     ptrs.extend(experts.iter().map(|e| p(&e.w2)));
-    let mut m = b.expert_tables.lock().unwrap();
-    if let Some(t) = m.get(&ptrs) {
-        return t.clone();
-    }
-    let t = Arc::new(ck(b.stream.clone_htod(&ptrs), "upload expert table"));
-    m.insert(ptrs, t.clone());
-    t
+    b.address_table(ptrs)
 }
 
 /// `Σ_j w_j · Expert_{id_j}(x)`: per (row, slot) up-projection + activation, down-projection,
@@ -75,7 +69,7 @@ pub fn moe(
     experts: &[Expert<CudaWeight>],
     limit: f32,
 ) -> CudaTensor {
-    if experts[0].w1.bf.is_some() {
+    if experts[0].w1.bf.is_some() || experts[0].w1.q.is_some() {
         return super::bf16::moe(b, x, route, experts, limit);
     }
     let (n, d, k) = (x.rows, x.cols, route.k);

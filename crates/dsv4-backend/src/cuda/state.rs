@@ -159,6 +159,17 @@ impl CudaCache {
         self.meta[seq] = SlotMeta::default();
     }
 
+    /// Allocates compressed-entry room for `tokens` positions in every slot now (entries
+    /// otherwise grow by doubling as sequences get longer), so the memory a deployment needs
+    /// shows up front.
+    pub fn reserve_tokens(&mut self, b: &CudaBackend, tokens: usize) {
+        for l in &mut self.layers {
+            for c in [&mut l.comp, &mut l.index].into_iter().flatten() {
+                c.reserve(b, self.slots, tokens / c.ratio + 1);
+            }
+        }
+    }
+
     /// Records the positions a forward writes (called for every attention layer; idempotent).
     pub fn note_written(&mut self, batch: &Batch) {
         for s in &batch.segments {

@@ -1,0 +1,354 @@
+// Packed weights used in place: GGUF Q8_0 / Q4_K / Q2_K / IQ2_XXS blocks and the official FP8
+// (128×128 f32 block scales) and FP4 (per-32 UE8M0 scales) formats, dequantised inside the
+// kernels. Launchers: cuda/quant.rs. CPU references: dsv4_model::quant::dequant_* (the
+// `deq8_*` functions below follow them operation for operation, with explicit round-to-nearest
+// intrinsics so that FMA contraction cannot change a dequantised value).
+//
+// Every kernel works on 8 consecutive values of a row at a time (`c` a multiple of 8): one
+// warp per output row, lane i taking columns 8i, 8i+256, ... — a warp walks a row's blocks
+// in order. Rows are `row_bytes(k)` bytes; the tables IQ2XXS_GRID / KSIGNS_IQ2XS are prepended
+// by the launcher from the CPU decoder's own tables.
+
+#define GV_ROWS 8
+#define F_Q8_0 0
+#define F_Q4_K 1
+#define F_Q2_K 2
+#define F_IQ2_XXS 3
+#define F_FP8 4
+#define F_FP4 5
+#define F_BF16 6  // a bf16 matrix beside packed ones (an expert whose w2 rows are not whole blocks)
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+
+__constant__ float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+__device__ __forceinline__ float h2f(u16 h) {
+    unsigned s = ((unsigned)h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    if (e == 0) {
+        float v = __uint2float_rn(m) * 5.9604644775390625e-8f;  // m · 2^-24, exact
+        return s ? -v : v;
+    }
+    if (e == 31) return __uint_as_float(s | 0x7f800000u | (m << 13));
+    return __uint_as_float(s | ((e + 112) << 23) | (m << 13));
+}
+
+__device__ __forceinline__ u16 ld16(const u8* p) { return *(const u16*)p; }
+
+__device__ __forceinline__ float e4m3(u8 b) {
+    unsigned s = ((unsigned)b & 0x80u) << 24, e = (b >> 3) & 15, m = b & 7;
+    if (e == 15 && m == 7) return __uint_as_float(0x7fc00000u);
+    if (e == 0) {
+        float v = __uint2float_rn(m) * 0.001953125f;  // m/8 · 2^-6
+        return s ? -v : v;
+    }
+    return __uint_as_float(s | ((e + 120) << 23) | (m << 20));
+}
+
+__device__ __forceinline__ float e8m0(u8 b) {
+    if (b == 0xff) return __uint_as_float(0x7fc00000u);
+    if (b == 0) return __uint_as_float(0x00400000u);  // 2^-127
+    return __uint_as_float((unsigned)b << 23);
+}
+
+// Bytes of one row of k values.
+__device__ __forceinline__ long long row_bytes(int f, int k) {
+    switch (f) {
+        case F_Q8_0: return (long long)(k / 32) * 34;
+        case F_Q4_K: return (long long)(k / 256) * 144;
+        case F_Q2_K: return (long long)(k / 256) * 84;
+        case F_IQ2_XXS: return (long long)(k / 256) * 66;
+        case F_FP8: return k;
+        case F_BF16: return 2LL * k;
+        default: return k / 2;
+    }
+}
+
+// The scales of output row o (FP8: its 128-row block's f32 scales; FP4: its UE8M0 bytes).
+__device__ __forceinline__ const u8* scale_row(int f, const u8* s, long long o, int k) {
+    if (f == F_FP8) return (const u8*)((const float*)s + (o / 128) * ((k + 127) / 128));
+    if (f == F_FP4) return s + o * (k / 32);
+    return s;
+}
+
+// y[0..8] = values c..c+8 of the row `w` (scales `s`, see scale_row).
+template <int F>
+__device__ __forceinline__ void deq8(const u8* __restrict__ w, const u8* __restrict__ s, int c, float* y) {
+    if (F == F_Q8_0) {
+        const u8* blk = w + (c >> 5) * 34;
+        float d = h2f(ld16(blk));
+        const signed char* q = (const signed char*)(blk + 2 + (c & 31));
+#pragma unroll
+        for (int j = 0; j < 8; j++) y[j] = __fmul_rn((float)q[j], d);
+    } else if (F == F_Q4_K) {
+        const u8* blk = w + (c >> 8) * 144;
+        int v = c & 255, g = v >> 6, half = (v >> 5) & 1, l = v & 31, j = 2 * g + half;
+        const u8* sc = blk + 4;
+        unsigned sv, mv;
+        if (j < 4) {
+            sv = sc[j] & 63;
+            mv = sc[j + 4] & 63;
+        } else {
+            sv = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
+            mv = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+        }
+        float dl = __fmul_rn(h2f(ld16(blk)), (float)sv), ml = __fmul_rn(h2f(ld16(blk + 2)), (float)mv);
+        const u8* q = blk + 16 + 32 * g + l;
+#pragma unroll
+        for (int jj = 0; jj < 8; jj++) y[jj] = __fsub_rn(__fmul_rn(dl, (float)((q[jj] >> (4 * half)) & 15)), ml);
+    } else if (F == F_Q2_K) {
+        const u8* blk = w + (c >> 8) * 84;
+        int v = c & 255, h = v >> 7, sh = 2 * ((v >> 5) & 3), l = v & 31;
+        unsigned k = blk[v >> 4];
+        float dl = __fmul_rn(h2f(ld16(blk + 80)), (float)(k & 15));
+        float ml = __fmul_rn(h2f(ld16(blk + 82)), (float)(k >> 4));
+        const u8* q = blk + 16 + 32 * h + l;
+#pragma unroll
+        for (int jj = 0; jj < 8; jj++) y[jj] = __fsub_rn(__fmul_rn(dl, (float)((q[jj] >> sh) & 3)), ml);
+    } else if (F == F_IQ2_XXS) {
+        const u8* blk = w + (c >> 8) * 66;
+        int v = c & 255, ib = v >> 5, kk = (v >> 3) & 3;
+        const u8* p = blk + 2 + 8 * ib;
+        unsigned a = ld16(p) | ((unsigned)ld16(p + 2) << 16);
+        unsigned sg = ld16(p + 4) | ((unsigned)ld16(p + 6) << 16);
+        float db = __fmul_rn(__fmul_rn(h2f(ld16(blk)), 0.5f + (float)(sg >> 28)), 0.25f);
+        unsigned long long grid = IQ2XXS_GRID[(a >> (8 * kk)) & 255];
+        unsigned signs = KSIGNS_IQ2XS[(sg >> (7 * kk)) & 127];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            float g = (float)((grid >> (8 * j)) & 255);
+            y[j] = __fmul_rn(__fmul_rn(db, g), (signs >> j) & 1 ? -1.f : 1.f);
+        }
+    } else if (F == F_FP8) {
+        float sc = ((const float*)s)[c >> 7];
+        uint2 b = *(const uint2*)(w + c);
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            y[j] = __fmul_rn(e4m3((b.x >> (8 * j)) & 255), sc);
+            y[4 + j] = __fmul_rn(e4m3((b.y >> (8 * j)) & 255), sc);
+        }
+    } else if (F == F_BF16) {
+        uint4 b = *(const uint4*)(w + 2 * c);
+        unsigned v[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            y[2 * j] = __uint_as_float(v[j] << 16);
+            y[2 * j + 1] = __uint_as_float(v[j] & 0xffff0000u);
+        }
+    } else {
+        float sc = e8m0(s[c >> 5]);
+        unsigned b = *(const unsigned*)(w + (c >> 1));
+#pragma unroll
+        for (int j = 0; j < 8; j++) y[j] = __fmul_rn(E2M1[(b >> (4 * j)) & 15], sc);
+    }
+}
+
+__device__ __forceinline__ float dot8q(const float* w, const float* __restrict__ x) {
+    float4 a = *(const float4*)x, b = *(const float4*)(x + 4);
+    float s = w[0] * a.x;
+    s += w[1] * a.y; s += w[2] * a.z; s += w[3] * a.w;
+    s += w[4] * b.x; s += w[5] * b.y; s += w[6] * b.z; s += w[7] * b.w;
+    return s;
+}
+
+// acc[j] += w_row · x_row(j) for the nr rows xrow[j] (k a multiple of 8, rows 16-byte aligned).
+template <int F>
+__device__ __forceinline__ void qrows_dot(float* acc, const u8* __restrict__ wr, const u8* __restrict__ sr,
+                                          const float* const* xrow, int nr, int k, int lane) {
+    for (int c = lane * 8; c < k; c += 256) {
+        float wf[8];
+        deq8<F>(wr, sr, c, wf);
+#pragma unroll
+        for (int j = 0; j < GV_ROWS; j++)
+            if (j < nr) acc[j] += dot8q(wf, xrow[j] + c);
+    }
+}
+
+// out[r, o] = x[r, (o / rpg)·k .. +k] · w[o, :] for r < n, o < m (as gemv_bf16).
+template <int F>
+__device__ void gemv_q(float* __restrict__ out, const float* __restrict__ x, const u8* __restrict__ w,
+                       const u8* __restrict__ s, int n, int k, int m, int ldx, int rpg) {
+    int o = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
+    if (o >= m) return;
+    const u8* wr = w + (long long)o * row_bytes(F, k);
+    const u8* sr = scale_row(F, s, o, k);
+    long long xoff = (long long)(o / rpg) * k;
+    for (int r0 = 0; r0 < n; r0 += GV_ROWS) {
+        int nr = min(GV_ROWS, n - r0);
+        float acc[GV_ROWS];
+        const float* xrow[GV_ROWS];
+#pragma unroll
+        for (int j = 0; j < GV_ROWS; j++) {
+            acc[j] = 0.f;
+            xrow[j] = x + (long long)(r0 + min(j, nr - 1)) * ldx + xoff;
+        }
+        qrows_dot<F>(acc, wr, sr, xrow, nr, k, lane);
+#pragma unroll
+        for (int j = 0; j < GV_ROWS; j++) {
+            float v = warp_sum(acc[j]);
+            if (j < nr && lane == 0) out[(long long)(r0 + j) * m + o] = v;
+        }
+    }
+}
+
+__device__ __forceinline__ float swiglu_q(float g, float u, float limit) {
+    g = fminf(g, limit);
+    u = fminf(fmaxf(u, -limit), limit);
+    return g * sigmoid_(g) * u;
+}
+
+// Routed experts, grouped by expert as moe_up_g / moe_down_g in bf16.cu. ptrs holds 6·E device
+// addresses: w1, w3, w2 blocks of every expert, then w1, w3, w2 scales.
+template <int F>
+__device__ void moe_up_q(float* __restrict__ h, const float* __restrict__ x, const unsigned* order,
+                         const unsigned* off, const unsigned* active, const unsigned long long* ptrs, int nexp, int k,
+                         int d, int inter, float limit) {
+    if (blockIdx.x >= active[nexp]) return;
+    unsigned e = active[blockIdx.x];
+    int o = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (o >= inter) return;
+    long long rb = row_bytes(F, d);
+    const u8* w1 = (const u8*)ptrs[e] + o * rb;
+    const u8* w3 = (const u8*)ptrs[nexp + e] + o * rb;
+    const u8* s1 = scale_row(F, (const u8*)ptrs[3 * nexp + e], o, d);
+    const u8* s3 = scale_row(F, (const u8*)ptrs[4 * nexp + e], o, d);
+    unsigned b0 = off[e], b1 = off[e + 1];
+    for (unsigned s0 = b0; s0 < b1; s0 += GV_ROWS) {
+        int nr = min(GV_ROWS, (int)(b1 - s0));
+        float ag[GV_ROWS], au[GV_ROWS];
+        const float* xrow[GV_ROWS];
+        unsigned slot[GV_ROWS];
+#pragma unroll
+        for (int j = 0; j < GV_ROWS; j++) {
+            ag[j] = au[j] = 0.f;
+            slot[j] = order[s0 + min(j, nr - 1)];
+            xrow[j] = x + (long long)(slot[j] / k) * d;
+        }
+        qrows_dot<F>(ag, w1, s1, xrow, nr, d, lane);
+        qrows_dot<F>(au, w3, s3, xrow, nr, d, lane);
+#pragma unroll
+        for (int j = 0; j < GV_ROWS; j++) {
+            float g = warp_sum(ag[j]), u = warp_sum(au[j]);
+            if (j < nr && lane == 0) h[(long long)slot[j] * inter + o] = swiglu_q(g, u, limit);
+        }
+    }
+}
+
+template <int F>
+__device__ void moe_down_q(float* __restrict__ y, const float* __restrict__ h, const unsigned* order,
+                           const unsigned* off, const unsigned* active, const unsigned long long* ptrs, int nexp,
+                           int d, int inter) {
+    if (blockIdx.x >= active[nexp]) return;
+    unsigned e = active[blockIdx.x];
+    int c = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (c >= d) return;
+    const u8* w2 = (const u8*)ptrs[2 * nexp + e] + c * row_bytes(F, inter);
+    const u8* s2 = scale_row(F, (const u8*)ptrs[5 * nexp + e], c, inter);
+    unsigned b0 = off[e], b1 = off[e + 1];
+    for (unsigned s0 = b0; s0 < b1; s0 += GV_ROWS) {
+        int nr = min(GV_ROWS, (int)(b1 - s0));
+        float acc[GV_ROWS];
+        const float* hrow[GV_ROWS];
+        unsigned slot[GV_ROWS];
+#pragma unroll
+        for (int j = 0; j < GV_ROWS; j++) {
+            acc[j] = 0.f;
+            slot[j] = order[s0 + min(j, nr - 1)];
+            hrow[j] = h + (long long)slot[j] * inter;
+        }
+        qrows_dot<F>(acc, w2, s2, hrow, nr, inter, lane);
+#pragma unroll
+        for (int j = 0; j < GV_ROWS; j++) {
+            float v = warp_sum(acc[j]);
+            if (j < nr && lane == 0) y[(long long)slot[j] * d + c] = v;
+        }
+    }
+}
+
+__device__ __forceinline__ u16 f2bf_q(float f) {
+    unsigned b = __float_as_uint(f);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (u16)((b >> 16) | 0x40u);
+    b += 0x7fffu + ((b >> 16) & 1u);
+    return (u16)(b >> 16);
+}
+
+// out[o, :] = bf16(w[o, :]) for o < rows: the large-batch path hands this to cuBLAS.
+template <int F>
+__device__ void deq_bf16(u16* out, const u8* w, const u8* s, long long rows, int k) {
+    long long chunks = rows * (k / 8);
+    GRID_STRIDE(i, chunks) {
+        long long o = i / (k / 8);
+        int c = (int)(i % (k / 8)) * 8;
+        float y[8];
+        deq8<F>(w + o * row_bytes(F, k), scale_row(F, s, o, k), c, y);
+#pragma unroll
+        for (int j = 0; j < 8; j++) out[o * k + c + j] = f2bf_q(y[j]);
+    }
+}
+
+#define QUANT_KERNELS(F, N)                                                                                          \
+    extern "C" __global__ void gemv_##N(float* out, const float* x, const u8* w, const u8* s, int n, int k, int m,  \
+                                        int ldx, int rpg) {                                                          \
+        gemv_q<F>(out, x, w, s, n, k, m, ldx, rpg);                                                                  \
+    }                                                                                                                \
+    extern "C" __global__ void moe_up_##N(float* h, const float* x, const unsigned* order, const unsigned* off,      \
+                                          const unsigned* active, const unsigned long long* ptrs, int nexp, int k,   \
+                                          int d, int inter, float limit) {                                           \
+        moe_up_q<F>(h, x, order, off, active, ptrs, nexp, k, d, inter, limit);                                       \
+    }                                                                                                                \
+    extern "C" __global__ void moe_down_##N(float* y, const float* h, const unsigned* order, const unsigned* off,    \
+                                            const unsigned* active, const unsigned long long* ptrs, int nexp, int d, \
+                                            int inter) {                                                             \
+        moe_down_q<F>(y, h, order, off, active, ptrs, nexp, d, inter);                                               \
+    }                                                                                                                \
+    extern "C" __global__ void deq_bf16_##N(u16* out, const u8* w, const u8* s, long long rows, int k) {            \
+        deq_bf16<F>(out, w, s, rows, k);                                                                             \
+    }
+
+QUANT_KERNELS(F_Q8_0, q8_0)
+QUANT_KERNELS(F_Q4_K, q4_k)
+QUANT_KERNELS(F_Q2_K, q2_k)
+QUANT_KERNELS(F_IQ2_XXS, iq2_xxs)
+QUANT_KERNELS(F_FP8, fp8)
+QUANT_KERNELS(F_FP4, fp4)
+QUANT_KERNELS(F_BF16, bf16w)
+
+// out[i, :] = f32(table[idx[i], :]) for a bf16 table (the embedding).
+extern "C" __global__ void gather_bf16(float* out, const u16* table, const unsigned* idx, int n, int cols) {
+    GRID_STRIDE(e, (long long)n * cols) {
+        long long i = e / cols, c = e % cols;
+        out[e] = __uint_as_float(((unsigned)table[(long long)idx[i] * cols + c]) << 16);
+    }
+}
+
+__device__ __forceinline__ unsigned long long mix64q(unsigned long long z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// Random valid blocks for synthetic checkpoints: bytes from a counter hash; FP8 bytes keep
+// exponents 4..10 (values 2^-3..2^3, never NaN). Then `patch_blocks` writes the f16 scale
+// fields of every block.
+extern "C" __global__ void rand_bytes(u8* w, long long n, int fp8, unsigned long long seed) {
+    GRID_STRIDE(i, n) {
+        unsigned r = (unsigned)mix64q(seed * 0x9E3779B97F4A7C15ull + i);
+        u8 b = r & 255;
+        if (fp8) b = (u8)((b & 0x87) | ((4 + (r >> 8) % 7) << 3));
+        w[i] = b;
+    }
+}
+
+// For each block: the u16 at byte off1 := v1, and at off2 := v2 when off2 >= 0.
+extern "C" __global__ void patch_blocks(u8* w, long long nblocks, int block_bytes, int off1, unsigned v1, int off2,
+                                        unsigned v2) {
+    GRID_STRIDE(i, nblocks) {
+        u8* b = w + i * block_bytes;
+        *(u16*)(b + off1) = (u16)v1;
+        if (off2 >= 0) *(u16*)(b + off2) = (u16)v2;
+    }
+}
+
+extern "C" __global__ void fill_u8(u8* w, long long n, unsigned v) {
+    GRID_STRIDE(i, n) w[i] = (u8)v;
+}

@@ -1,0 +1,341 @@
+//! Launchers of `kernels/quant.cu`: weights kept in their checkpoint format on the device.
+//!
+//! GGUF Q8_0 / Q4_K / Q2_K / IQ2_XXS blocks and the official FP8 / FP4 weights are uploaded as
+//! stored (FP4's UE8M0 scales as one byte each) and dequantised inside the kernels: the
+//! small-batch product and the grouped routed experts read each block once per step, which is
+//! what decode at batch 1 is bound by. Larger products dequantise the weight to a bf16 scratch
+//! and use cuBLAS, like bf16 weights.
+
+use super::{cfg1d, ck, CudaBackend, CudaTensor, CudaWeight};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use dsv4_model::packed::{Packed, PackedFormat};
+use dsv4_model::quant::{IQ2XXS_GRID, KSIGNS_IQ2XS};
+use dsv4_model::LoadError;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// A weight in a packed format on the device.
+pub struct QuantDev {
+    pub format: PackedFormat,
+    /// `rows · format.row_bytes(cols)` bytes.
+    pub blocks: CudaSlice<u8>,
+    /// FP8: f32 block scales (as bytes); FP4: one UE8M0 byte per 32 inputs; otherwise unused.
+    pub scales: CudaSlice<u8>,
+}
+
+impl QuantDev {
+    pub fn bytes(&self) -> usize {
+        self.blocks.len() + if self.format.ggml().is_some() { 0 } else { self.scales.len() }
+    }
+}
+
+/// Kernel-name suffix of a format.
+fn suffix(f: PackedFormat) -> &'static str {
+    match f {
+        PackedFormat::Q8_0 => "q8_0",
+        PackedFormat::Q4_K => "q4_k",
+        PackedFormat::Q2_K => "q2_k",
+        PackedFormat::IQ2_XXS => "iq2_xxs",
+        PackedFormat::Fp8 => "fp8",
+        PackedFormat::Fp4 => "fp4",
+    }
+}
+
+/// `quant.cu` with the IQ2_XXS tables of the CPU decoder prepended.
+pub fn source() -> String {
+    let grid: Vec<String> = IQ2XXS_GRID.iter().map(|g| format!("0x{g:016x}ull")).collect();
+    let signs: Vec<String> = KSIGNS_IQ2XS.iter().map(|s| s.to_string()).collect();
+    format!(
+        "__constant__ unsigned long long IQ2XXS_GRID[256] = {{{}}};\n__constant__ unsigned char KSIGNS_IQ2XS[128] = {{{}}};\n{}",
+        grid.join(","),
+        signs.join(","),
+        include_str!("kernels/quant.cu")
+    )
+}
+
+/// The `quant.cu` kernels by name.
+pub(crate) struct QuantKernels(HashMap<String, CudaFunction>);
+
+impl QuantKernels {
+    pub(crate) fn load(ctx: &Arc<cudarc::driver::CudaContext>) -> Result<Self, super::CudaInitError> {
+        let module = ctx.load_module(super::ptx("quant.cu", &source())?)?;
+        let mut names = vec!["gather_bf16".to_string(), "rand_bytes".into(), "patch_blocks".into(), "fill_u8".into()];
+        for f in PackedFormat::ALL.into_iter().map(suffix).chain(["bf16w"]) {
+            for k in ["gemv", "moe_up", "moe_down", "deq_bf16"] {
+                names.push(format!("{k}_{f}"));
+            }
+        }
+        let mut m = HashMap::new();
+        for n in names {
+            let f = module.load_function(&n)?;
+            m.insert(n, f);
+        }
+        Ok(QuantKernels(m))
+    }
+
+    fn get(&self, name: &str) -> &CudaFunction {
+        &self.0[name]
+    }
+
+    fn of(&self, kind: &str, f: PackedFormat) -> &CudaFunction {
+        self.get(&format!("{kind}_{}", suffix(f)))
+    }
+}
+
+/// UE8M0 bytes of FP4 scales, if every scale is a power of two in range.
+fn e8m0_bytes(scales: &[f32]) -> Option<Vec<u8>> {
+    scales
+        .iter()
+        .map(|&s| {
+            let b = s.to_bits();
+            (s > 0.0 && b & 0x007f_ffff == 0 && b >> 23 < 255).then_some((b >> 23) as u8)
+        })
+        .collect()
+}
+
+impl CudaBackend {
+    /// Uploads a packed tensor as it is; `None` when it must be dequantised instead (FP4 scales
+    /// that are not UE8M0 values).
+    pub(crate) fn upload_packed(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+        p: &Packed,
+    ) -> Result<Option<CudaWeight>, LoadError> {
+        let err =
+            |e: cudarc::driver::DriverError| LoadError::Value { name: name.into(), msg: format!("CUDA upload: {e:?}") };
+        let want = rows * p.format.row_bytes(cols);
+        if p.blocks.len() != want || p.scales.len() != p.format.n_scales(rows, cols) {
+            return Err(LoadError::Value {
+                name: name.into(),
+                msg: format!(
+                    "{} blocks: {} bytes and {} scales, expected {want} and {}",
+                    p.format.name(),
+                    p.blocks.len(),
+                    p.scales.len(),
+                    p.format.n_scales(rows, cols)
+                ),
+            });
+        }
+        let scales: Vec<u8> = match p.format {
+            PackedFormat::Fp8 => p.scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
+            PackedFormat::Fp4 => match e8m0_bytes(&p.scales) {
+                Some(b) => b,
+                None => {
+                    tracing::warn!("{name}: FP4 scales are not UE8M0 values; dequantising to bf16");
+                    return Ok(None);
+                }
+            },
+            _ => vec![0],
+        };
+        let blocks = self.stream.clone_htod(&p.blocks).map_err(err)?;
+        let scales = self.stream.clone_htod(&scales).map_err(err)?;
+        let q = QuantDev { format: p.format, blocks, scales };
+        Ok(Some(CudaWeight { rows, cols, data: self.alloc(1), bf: None, q: Some(q) }))
+    }
+
+    /// A `[rows, cols]` weight of random valid blocks drawn on the device (synthetic
+    /// checkpoints), dequantising to values of about `std`.
+    pub fn upload_random_packed(
+        &self,
+        format: PackedFormat,
+        rows: usize,
+        cols: usize,
+        std: f32,
+        seed: u64,
+    ) -> CudaWeight {
+        assert!(format.fits(cols) && cols.is_multiple_of(8), "{} cannot hold rows of {cols}", format.name());
+        let n = rows * format.row_bytes(cols);
+        let mut blocks = self.alloc::<u8>(n);
+        let fp8 = (format == PackedFormat::Fp8) as i32;
+        // SAFETY (every launch here): argument types and buffer sizes match the kernels.
+        ck(
+            unsafe {
+                self.stream
+                    .launch_builder(self.qk.get("rand_bytes"))
+                    .arg(&mut blocks)
+                    .arg(&(n as i64))
+                    .arg(&fp8)
+                    .arg(&seed)
+                    .launch(cfg1d(n, 256))
+            },
+            "rand_bytes",
+        );
+        let f16 = |x: f32| dsv4_model::packed::f16_bits(x) as u32;
+        // (block bytes, offset of d, d, offset of dmin, dmin): d and dmin chosen so values have
+        // about `std` (see each format's layout in dsv4_model::quant).
+        let patch = match format {
+            PackedFormat::Q8_0 => Some((34i32, 0i32, f16(std / 74.0), -1i32, 0)),
+            PackedFormat::Q4_K => Some((144, 0, f16(std / 145.0), 2, f16(std * 7.5 / 145.0))),
+            PackedFormat::Q2_K => Some((84, 80, f16(std / 8.4), 82, f16(std * 1.5 / 8.4))),
+            PackedFormat::IQ2_XXS => Some((66, 0, f16(std / 50.0), -1, 0)),
+            _ => None,
+        };
+        let scales = match format {
+            PackedFormat::Fp8 => {
+                let v: Vec<u8> =
+                    vec![std / 2.5; format.n_scales(rows, cols)].iter().flat_map(|s: &f32| s.to_le_bytes()).collect();
+                ck(self.stream.clone_htod(&v), "upload scales")
+            }
+            PackedFormat::Fp4 => {
+                let ns = format.n_scales(rows, cols);
+                let mut s = self.alloc::<u8>(ns);
+                let e = (127.0 + (std / 2.93).log2().round()).clamp(1.0, 254.0) as u32;
+                ck(
+                    unsafe {
+                        self.stream
+                            .launch_builder(self.qk.get("fill_u8"))
+                            .arg(&mut s)
+                            .arg(&(ns as i64))
+                            .arg(&e)
+                            .launch(cfg1d(ns, 256))
+                    },
+                    "fill_u8",
+                );
+                s
+            }
+            _ => self.alloc::<u8>(1),
+        };
+        if let Some((bb, o1, v1, o2, v2)) = patch {
+            let nb = n / bb as usize;
+            ck(
+                unsafe {
+                    self.stream
+                        .launch_builder(self.qk.get("patch_blocks"))
+                        .arg(&mut blocks)
+                        .arg(&(nb as i64))
+                        .arg(&bb)
+                        .arg(&o1)
+                        .arg(&v1)
+                        .arg(&o2)
+                        .arg(&v2)
+                        .launch(cfg1d(nb, 256))
+                },
+                "patch_blocks",
+            );
+        }
+        CudaWeight { rows, cols, data: self.alloc(1), bf: None, q: Some(QuantDev { format, blocks, scales }) }
+    }
+
+    /// `out[n, m] = x · wᵀ` for a packed `w` `[m, k]` (`groups > 1`: the grouped projection).
+    pub(crate) fn matmul_packed(&self, x: &CudaTensor, q: &QuantDev, m: usize, k: usize, groups: usize) -> CudaTensor {
+        let n = x.rows;
+        assert_eq!(x.cols, groups * k, "packed product: input width {} vs {groups} × {k}", x.cols);
+        if n > super::bf16::GEMV_ROWS && !self.exact() {
+            let bf = self.dequant_bf16(q, m, k);
+            return self.matmul_bf16(x, &bf, m, k, groups);
+        }
+        let mut out = self.tensor(n, m);
+        if n == 0 || m == 0 {
+            return out;
+        }
+        let warps = 8usize;
+        let cfg = LaunchConfig {
+            grid_dim: (m.div_ceil(warps) as u32, 1, 1),
+            block_dim: (32 * warps as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types and buffer sizes match the kernel.
+        ck(
+            unsafe {
+                self.stream
+                    .launch_builder(self.qk.of("gemv", q.format))
+                    .arg(&mut out.data)
+                    .arg(&x.data)
+                    .arg(&q.blocks)
+                    .arg(&q.scales)
+                    .arg(&(n as i32))
+                    .arg(&(k as i32))
+                    .arg(&(m as i32))
+                    .arg(&(x.cols as i32))
+                    .arg(&((m / groups) as i32))
+                    .launch(cfg)
+            },
+            "gemv packed",
+        );
+        out
+    }
+
+    /// The bf16 values of a packed `[rows, cols]` weight (the large-batch path).
+    pub(crate) fn dequant_bf16(&self, q: &QuantDev, rows: usize, cols: usize) -> CudaSlice<u16> {
+        let out = self.alloc::<u16>(rows * cols);
+        self.dequant_bf16_into(self.dev_ptr(&out), q, rows, cols);
+        out
+    }
+
+    /// [`Self::dequant_bf16`] into `rows · cols` bf16 values at device address `dst`.
+    pub(crate) fn dequant_bf16_into(&self, dst: u64, q: &QuantDev, rows: usize, cols: usize) {
+        let chunks = rows * cols / 8;
+        // SAFETY: `dst` holds rows·cols bf16 values (callers' buffers); the rest match the kernel.
+        ck(
+            unsafe {
+                self.stream
+                    .launch_builder(self.qk.of("deq_bf16", q.format))
+                    .arg(&dst)
+                    .arg(&q.blocks)
+                    .arg(&q.scales)
+                    .arg(&(rows as i64))
+                    .arg(&(cols as i32))
+                    .launch(cfg1d(chunks, 256))
+            },
+            "deq_bf16",
+        );
+    }
+
+    /// The up / down kernels of routed experts held packed (or bf16 beside packed ones, where
+    /// a matrix's rows are not whole blocks) and their 6·E address table (w1, w3, w2 blocks,
+    /// then scales).
+    pub(crate) fn packed_expert_kernels(
+        &self,
+        experts: &[dsv4_model::weights::Expert<CudaWeight>],
+    ) -> (&CudaFunction, &CudaFunction, Arc<CudaSlice<u64>>) {
+        // Kernel suffix, block address and scale address of one matrix.
+        let parts = |w: &CudaWeight| match (&w.q, &w.bf) {
+            (Some(q), _) => (suffix(q.format), self.dev_ptr(&q.blocks), self.dev_ptr(&q.scales)),
+            (None, Some(bf)) => ("bf16w", self.dev_ptr(bf), self.dev_ptr(bf)),
+            (None, None) => panic!("routed expert neither packed nor bf16"),
+        };
+        let (f13, f2) = (parts(&experts[0].w1).0, parts(&experts[0].w2).0);
+        let mut ptrs = vec![0u64; 6 * experts.len()];
+        let ne = experts.len();
+        for (e, ex) in experts.iter().enumerate() {
+            for (i, w) in [&ex.w1, &ex.w3, &ex.w2].into_iter().enumerate() {
+                let (f, blocks, scales) = parts(w);
+                assert_eq!(
+                    f,
+                    if i < 2 { f13 } else { f2 },
+                    "expert {e}: every routed expert of a layer must share one format for w1/w3 and one for w2"
+                );
+                ptrs[i * ne + e] = blocks;
+                ptrs[(3 + i) * ne + e] = scales;
+            }
+        }
+        (self.qk.get(&format!("moe_up_{f13}")), self.qk.get(&format!("moe_down_{f2}")), self.address_table(ptrs))
+    }
+
+    /// `out[i, :] = table[tokens[i], :]` for a bf16 table.
+    pub(crate) fn gather_bf16(
+        &self,
+        out: &mut CudaTensor,
+        table: &CudaSlice<u16>,
+        idx: &cudarc::driver::CudaView<'_, u32>,
+        n: usize,
+        cols: usize,
+    ) {
+        // SAFETY: argument types and buffer sizes match the kernel.
+        ck(
+            unsafe {
+                self.stream
+                    .launch_builder(self.qk.get("gather_bf16"))
+                    .arg(&mut out.data)
+                    .arg(table)
+                    .arg(idx)
+                    .arg(&(n as i32))
+                    .arg(&(cols as i32))
+                    .launch(cfg1d(n * cols, 256))
+            },
+            "gather_bf16",
+        );
+    }
+}

@@ -1,0 +1,177 @@
+//! Packed weights on the GPU (FP8, FP4, Q8_0, Q4_K, Q2_K, IQ2_XXS kept in their blocks and
+//! dequantised inside the kernels) against the CPU oracle, which dequantises the same blocks
+//! with `dsv4_model::quant`. Skips without a CUDA device.
+//!
+//! Tolerances: the small-batch and exact-mode kernels use the CPU's dequantised values exactly
+//! and f32 activations, so they differ from the f64 reference only by f32 summation order
+//! (≤ 1e-5 of the output's scale). The large-batch path rounds weights and activations to bf16
+//! for cuBLAS (2^-8 relative each), so it is held to 2e-2.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::{gpu, rel_err};
+use dsv4_backend::cpu::{CpuBackend, Tensor};
+use dsv4_backend::cuda::{CudaBackend, CudaTensor};
+use dsv4_backend::Backend;
+use dsv4_model::packed::{Packed, PackedFormat};
+use dsv4_model::quant;
+use dsv4_model::weights::Expert;
+use dsv4_model::HostTensor;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// Random valid blocks of `format` for a `[rows, cols]` weight of values around 0.05.
+fn random_packed(format: PackedFormat, rows: usize, cols: usize, seed: u64) -> Packed {
+    let mut r = ChaCha8Rng::seed_from_u64(seed);
+    let x: Vec<f32> = (0..rows * cols).map(|_| r.gen_range(-0.1f32..0.1)).collect();
+    let f16 = |v: f32| dsv4_model::packed::f16_bits(v).to_le_bytes();
+    let (blocks, scales) = match format {
+        PackedFormat::Q8_0 => (quant::quantize_q8_0(&x), vec![]),
+        PackedFormat::Q4_K => (quant::quantize_q4_k(&x), vec![]),
+        PackedFormat::Q2_K => (quant::quantize_q2_k(&x), vec![]),
+        PackedFormat::IQ2_XXS => {
+            let mut b: Vec<u8> = (0..rows * format.row_bytes(cols)).map(|_| r.gen()).collect();
+            for blk in b.chunks_exact_mut(66) {
+                blk[..2].copy_from_slice(&f16(r.gen_range(0.0005f32..0.002)));
+            }
+            (b, vec![])
+        }
+        PackedFormat::Fp8 => {
+            // Any byte but the two NaNs.
+            let b = (0..rows * cols).map(|_| r.gen::<u8>()).map(|v| if v & 0x7f == 0x7f { 0x38 } else { v }).collect();
+            (b, (0..format.n_scales(rows, cols)).map(|_| r.gen_range(0.001f32..0.01)).collect())
+        }
+        PackedFormat::Fp4 => {
+            let b = (0..rows * cols / 2).map(|_| r.gen()).collect();
+            (b, (0..format.n_scales(rows, cols)).map(|_| 2f32.powi(r.gen_range(-8..-3))).collect())
+        }
+    };
+    Packed { format, blocks, scales }
+}
+
+fn host(name: &str, rows: usize, cols: usize, p: &Packed) -> HostTensor {
+    HostTensor { name: name.into(), shape: vec![rows, cols], data: vec![], packed: Some(p.clone()) }
+}
+
+fn activations(b: &CudaBackend, rows: usize, cols: usize, seed: u64) -> (CudaTensor, Tensor) {
+    let mut r = ChaCha8Rng::seed_from_u64(seed);
+    let x: Vec<f32> = (0..rows * cols).map(|_| r.gen_range(-1f32..1.0)).collect();
+    let w = b.upload(HostTensor::new("x", vec![rows, cols], x.clone())).unwrap();
+    (CudaTensor { rows, cols, data: w.data }, Tensor::new(rows, cols, x))
+}
+
+/// `x · wᵀ` per group in f64 (`w` `[m, k]`, `x` `[n, groups·k]`).
+fn reference(x: &Tensor, w: &[f32], m: usize, k: usize, groups: usize) -> Vec<f32> {
+    let rpg = m / groups;
+    let mut out = vec![0f32; x.rows * m];
+    for r in 0..x.rows {
+        for o in 0..m {
+            let xo = &x.data[r * x.cols + (o / rpg) * k..][..k];
+            out[r * m + o] =
+                xo.iter().zip(&w[o * k..(o + 1) * k]).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() as f32;
+        }
+    }
+    out
+}
+
+#[test]
+fn cuda_packed_products_match_cpu() {
+    let Some(b) = gpu() else { return };
+    let (m, k) = (40, 512);
+    for (fi, format) in PackedFormat::ALL.into_iter().enumerate() {
+        let p = random_packed(format, m, k, 10 + fi as u64);
+        let w = b.upload(host("layers.0.attn.wq_a.weight", m, k, &p)).unwrap();
+        assert!(w.q.is_some(), "{} kept packed", format.name());
+        let wf = p.dequantize(m, k);
+        for (n, exact, tol) in
+            [(1, false, 1e-5), (3, false, 1e-5), (8, false, 1e-5), (20, true, 1e-5), (20, false, 2e-2)]
+        {
+            b.set_exact(exact);
+            let (xg, xc) = activations(&b, n, k, 100 + n as u64);
+            let got = b.to_host(&b.matmul(&xg, &w));
+            let e = rel_err(&got, &reference(&xc, &wf, m, k, 1));
+            println!("{} n={n} exact={exact}: {e:.2e}", format.name());
+            assert!(e <= tol, "{} product, {n} rows (exact {exact}): {e:.2e} > {tol:.0e}", format.name());
+        }
+        // The grouped projection (wo_a): two groups of 20 rows, each over its own 512 inputs.
+        b.set_exact(true);
+        let (xg, xc) = activations(&b, 5, 2 * k, 7);
+        let wo = b.upload(host("layers.0.attn.wo_a.weight", m, k, &p)).unwrap();
+        let got = b.to_host(&b.grouped_matmul(&xg, &wo, 2));
+        let e = rel_err(&got, &reference(&xc, &wf, m, k, 2));
+        assert!(e <= 1e-5, "{} grouped product: {e:.2e}", format.name());
+    }
+}
+
+#[test]
+fn cuda_packed_experts_match_cpu() {
+    let Some(b) = gpu() else { return };
+    let cpu = CpuBackend;
+    let cfg = dsv4_model::synth::tiny_config(64);
+    let (d, inter, ne) = (256, 512, 8);
+    // (w1/w3, w2) as ds4's q2 and q4 files and the official checkpoint store them.
+    let pairs = [
+        (PackedFormat::IQ2_XXS, PackedFormat::Q2_K),
+        (PackedFormat::Q4_K, PackedFormat::Q4_K),
+        (PackedFormat::Fp4, PackedFormat::Fp4),
+        (PackedFormat::Q8_0, PackedFormat::Fp8),
+    ];
+    for (pi, (f13, f2)) in pairs.into_iter().enumerate() {
+        let mut gpu_e = Vec::new();
+        let mut cpu_e = Vec::new();
+        for e in 0..ne {
+            let s = 1000 * pi as u64 + 10 * e as u64;
+            let (p1, p3, p2) = (
+                random_packed(f13, inter, d, s),
+                random_packed(f13, inter, d, s + 1),
+                random_packed(f2, d, inter, s + 2),
+            );
+            let name = |w: &str| format!("layers.0.ffn.experts.{e}.{w}.weight");
+            gpu_e.push(Expert {
+                w1: b.upload(host(&name("w1"), inter, d, &p1)).unwrap(),
+                w3: b.upload(host(&name("w3"), inter, d, &p3)).unwrap(),
+                w2: b.upload(host(&name("w2"), d, inter, &p2)).unwrap(),
+            });
+            cpu_e.push(Expert {
+                w1: Tensor::new(inter, d, p1.dequantize(inter, d)),
+                w3: Tensor::new(inter, d, p3.dequantize(inter, d)),
+                w2: Tensor::new(d, inter, p2.dequantize(d, inter)),
+            });
+        }
+        for (n, exact, tol) in [(3, false, 1e-5), (100, true, 1e-5), (100, false, 2e-2)] {
+            b.set_exact(exact);
+            let (xg, xc) = activations(&b, n, d, 5 + n as u64);
+            let (lg, lc) = activations(&b, n, ne, 9 + n as u64);
+            let mut c = cfg.clone();
+            c.n_routed_experts = ne;
+            c.n_experts_per_tok = 3;
+            let bias_g = b.upload(HostTensor::new("bias", vec![ne], vec![0.0; ne])).unwrap();
+            let bias_c = Tensor::new(1, ne, vec![0.0; ne]);
+            let rg = b.route(&lg, Some(&bias_g), None, &c);
+            let rc = cpu.route(&lc, Some(&bias_c), None, &c);
+            let got = b.to_host(&b.moe(&xg, &rg, &gpu_e, 10.0));
+            let want = cpu.moe(&xc, &rc, &cpu_e, 10.0);
+            let e = rel_err(&got, &want.data);
+            println!("{}/{} experts, {n} rows, exact {exact}: {e:.2e}", f13.name(), f2.name());
+            assert!(e <= tol, "{}/{} experts, {n} rows (exact {exact}): {e:.2e} > {tol:.0e}", f13.name(), f2.name());
+        }
+    }
+}
+
+/// Synthetic packed weights drawn on the device dequantise to finite values of about the
+/// requested size (what `dsv4 bench --synthetic flash --experts q2` relies on).
+#[test]
+fn cuda_random_packed_weights_are_sane() {
+    let Some(b) = gpu() else { return };
+    b.set_exact(true);
+    for format in PackedFormat::ALL {
+        let w = b.upload_random_packed(format, 64, 1024, 0.03, 7);
+        let (x, _) = activations(&b, 1, 1024, 3);
+        let y = b.to_host(&b.matmul(&x, &w));
+        let rms = (y.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / y.len() as f64).sqrt();
+        // x ~ U(-1, 1): |x|² ≈ 1024/3, so y's RMS ≈ 0.03·√(1024/3) ≈ 0.55.
+        println!("{}: output RMS {rms:.3}", format.name());
+        assert!(y.iter().all(|v| v.is_finite()) && (0.1..3.0).contains(&rms), "{}: RMS {rms}", format.name());
+    }
+}

@@ -1,0 +1,91 @@
+//! `dsv4 quantize --experts q2|q4` → GGUF → the CUDA backend keeps the Q8_0 / Q4_K / Q2_K /
+//! IQ2_XXS blocks on the device and dequantises them in its kernels; its logits equal the CPU
+//! oracle's on the same blocks (dequantised on the host) within 1e-4 of the logits' scale, in
+//! exact mode (f32 activations; only summation order differs). The embedding and the other
+//! unquantised matrices are bf16 on the device, so the CPU side rounds those
+//! (`round_weight`), as in `dsv4-backend/tests/cuda_backend.rs`. Skips without a CUDA device.
+#![cfg(feature = "cuda")]
+
+use dsv4_backend::bf16::round_weight;
+use dsv4_backend::cpu::CpuBackend;
+use dsv4_backend::cuda::{CudaBackend, CudaInitError};
+use dsv4_backend::{Batch, Model};
+use dsv4_model::store::write_safetensors;
+use dsv4_model::synth::{random_checkpoint, tiny_config, SynthDType};
+use std::path::Path;
+use std::process::Command;
+
+fn gpu() -> Option<CudaBackend> {
+    match CudaBackend::new(0) {
+        Ok(b) => {
+            b.set_exact(true);
+            Some(b)
+        }
+        Err(e @ (CudaInitError::NoDriver | CudaInitError::NoDevice | CudaInitError::NoLibrary(_))) => {
+            println!("skipping: no CUDA device ({e})");
+            None
+        }
+        Err(e) => panic!("CUDA backend failed to start: {e}"),
+    }
+}
+
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
+    a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((*x as f64 - *y as f64).abs())) / scale
+}
+
+fn argmax(l: &[f32]) -> u32 {
+    (0..l.len()).fold(0, |b, i| if l[i] > l[b] { i } else { b }) as u32
+}
+
+#[test]
+fn cuda_gguf_blocks_match_cpu() {
+    let Some(b) = gpu() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("f32");
+    let mut cfg = tiny_config(512);
+    cfg.hidden = 256;
+    cfg.moe_inter = 256;
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("config.json"), serde_json::to_string_pretty(&cfg.to_hf_json()).unwrap()).unwrap();
+    write_safetensors(&src.join("model.safetensors"), &random_checkpoint(&cfg, 7, SynthDType::F32)).unwrap();
+    let mut gpu_backend = Some(b);
+    for experts in ["q4", "q2"] {
+        let out = tmp.path().join(format!("{experts}.gguf"));
+        // DSV4_BIN: where the binary lies when the test runs on another machine.
+        let bin = std::env::var("DSV4_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_dsv4").into());
+        let o = Command::new(bin)
+            .args(["quantize", "--in", src.to_str().unwrap(), "--out", out.to_str().unwrap(), "--experts", experts])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "quantize: {}", String::from_utf8_lossy(&o.stderr));
+        let b = gpu_backend.take().unwrap_or_else(|| gpu().unwrap());
+        let mut g = Model::load(b, Path::new(&out), 1, false).unwrap();
+        let packed = g.weights.layers[0].ffn.experts[0].w1.q.as_ref().map(|q| q.format.name());
+        assert!(packed.is_some(), "{experts}: routed experts stay packed on the device");
+        let mut c = Model::load_with(CpuBackend, Path::new(&out), 1, false, round_weight).unwrap();
+        let toks: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 512).collect();
+        let (sc, sg) = (c.alloc_seq().unwrap(), g.alloc_seq().unwrap());
+        let mut worst = 0f64;
+        let mut off = 0;
+        let mut last = Vec::new();
+        for n in [13, 1, 26] {
+            let all: Vec<usize> = (0..n).collect();
+            let a = c.forward(&Batch::chunk(sc, off, &toks[off..off + n]).unwrap(), &all).unwrap();
+            let r = g.forward(&Batch::chunk(sg, off, &toks[off..off + n]).unwrap(), &all).unwrap();
+            worst = worst.max(rel_err(&r, &a));
+            last = a[(n - 1) * cfg.vocab_size..].to_vec();
+            off += n;
+        }
+        for i in 0..8 {
+            let t = argmax(&last);
+            let a = c.forward(&Batch::chunk(sc, off + i, &[t]).unwrap(), &[0]).unwrap();
+            let r = g.forward(&Batch::chunk(sg, off + i, &[t]).unwrap(), &[0]).unwrap();
+            worst = worst.max(rel_err(&r, &a));
+            last = a;
+        }
+        println!("{experts} (experts {packed:?}): worst relative logit error {worst:.2e}");
+        assert!(worst <= 1e-4, "{experts}: CUDA vs CPU on the same blocks {worst:.2e} > 1e-4");
+        gpu_backend = Some(g.backend);
+    }
+}
