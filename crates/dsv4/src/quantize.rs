@@ -1,8 +1,10 @@
 //! `dsv4 quantize`: any checkpoint the loader reads → a GGUF with antirez/ds4's tensor names and
-//! type policy, plus the model configuration as metadata (`dsv4.config_json`).
+//! type policy, plus the model configuration as metadata: `dsv4.config_json` and ds4's
+//! `deepseek4.*` keys.
 
 use anyhow::{bail, Context, Result};
 use dsv4_model::gguf::{official_expert_to_gguf, official_to_gguf, GgmlType, GgufValue, CONFIG_KEY};
+use dsv4_model::gguf_config::ds4_metadata;
 use dsv4_model::gguf_write::GgufWriter;
 use dsv4_model::{load_weights_from, quant, Checkpoint, HostTensor, LoadError};
 use rayon::prelude::*;
@@ -191,6 +193,10 @@ pub fn run(a: QuantizeArgs) -> Result<()> {
     q.w.add_meta("dsv4.quantize.experts", GgufValue::String(name.into()));
     q.w.add_meta("dsv4.quantize.note", GgufValue::String(note.into()));
     q.w.add_meta(CONFIG_KEY, GgufValue::String(config_text(&a.input, &ck, &cfg)?));
+    // ds4's own keys too, which ds4 requires and which describe the model without our JSON.
+    for (k, v) in ds4_metadata(&cfg) {
+        q.w.add_meta(&k, v);
+    }
     let (weights, _stats) = load_weights_from(ck.source(), &cfg, true, |t| q.add(t))
         .with_context(|| format!("reading {}", a.input.display()))?;
     // Hash-routing tables are not uploaded tensors: write them from the loaded weights.

@@ -181,6 +181,22 @@ fn quantised_tiny_models_load_and_match() {
         std::fs::copy(&gguf, t(&format!("{fmt}-dir/model.gguf"))).unwrap();
         assert!(bitwise_eq(&q, &logits(&t(&format!("{fmt}-dir")), &t("dir.npy"))));
 
+        // A ds4-style GGUF (ds4's names and `deepseek4.*` keys, no dsv4 metadata) loads with the
+        // configuration inferred from those keys and the tensor shapes, to the same logits.
+        let ds4 = t(&format!("{fmt}-ds4.gguf"));
+        let mut w = GgufWriter::new();
+        for (k, v) in g.metadata_all().iter().filter(|(k, _)| !k.starts_with("dsv4.")) {
+            w.add_meta(k, v.clone());
+        }
+        for ti in g.tensors() {
+            w.add_tensor(&ti.name, ti.dtype, &ti.shape, g.raw(&ti.name).unwrap().to_vec()).unwrap();
+        }
+        w.write(&ds4).unwrap();
+        let gd = GgufFile::open(&ds4).unwrap();
+        assert!(gd.metadata("dsv4.config_json").is_none());
+        assert_eq!(gd.metadata("deepseek4.block_count").and_then(GgufValue::as_u64), Some(6));
+        assert!(bitwise_eq(&q, &logits(&ds4, &t("ds4.npy"))), "{fmt}: ds4-style GGUF logits differ");
+
         // (b) within tolerance of the original f32 model.
         let (rel, agree) = compare(&q, &base, 512);
         eprintln!("{fmt}: relative L2 error of logits vs f32 {rel:.4}, argmax agreement {agree:.2}");
