@@ -740,18 +740,14 @@ pub fn official_expert_to_gguf(official: &str) -> Option<(String, usize)> {
 pub const CONFIG_KEY: &str = "dsv4.config_json";
 
 impl GgufFile {
-    /// The model configuration stored under [`CONFIG_KEY`].
+    /// The model configuration: the one stored under [`CONFIG_KEY`] by `dsv4 quantize`, else
+    /// (antirez/ds4's GGUFs) one built from ds4's metadata keys and the tensor shapes
+    /// ([`crate::gguf_config::ds4_config`]).
     pub fn config(&self) -> Result<crate::config::Config, crate::store::LoadError> {
         use crate::store::LoadError;
         let path = self.path_str();
         let Some(v) = self.metadata(CONFIG_KEY) else {
-            return Err(LoadError::Format {
-                path,
-                msg: format!(
-                    "no `{CONFIG_KEY}` metadata: only GGUFs written by `dsv4 quantize` carry the model \
-                     configuration dsv4 needs (GGUFs from other tools, e.g. antirez/ds4's, cannot be loaded yet)"
-                ),
-            });
+            return crate::gguf_config::ds4_config(self);
         };
         let text = v
             .as_str()

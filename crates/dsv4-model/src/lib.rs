@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod gguf;
+pub mod gguf_config;
 pub mod gguf_write;
 pub mod packed;
 pub mod quant;

@@ -1,8 +1,10 @@
 //! `dsv4 quantize`: any checkpoint the loader reads → a GGUF with antirez/ds4's tensor names and
-//! type policy, plus the model configuration as metadata (`dsv4.config_json`).
+//! type policy, plus the model configuration as metadata: `dsv4.config_json` and ds4's
+//! `deepseek4.*` keys.
 
 use anyhow::{bail, Context, Result};
 use dsv4_model::gguf::{official_expert_to_gguf, official_to_gguf, GgmlType, GgufValue, CONFIG_KEY};
+use dsv4_model::gguf_config::ds4_metadata;
 use dsv4_model::gguf_write::GgufWriter;
 use dsv4_model::{load_weights_from, quant, Checkpoint, HostTensor, LoadError};
 use rayon::prelude::*;
@@ -14,8 +16,7 @@ use std::path::{Path, PathBuf};
 pub enum ExpertQuant {
     /// Q4_K gate/up/down (4.5 bits per weight).
     Q4,
-    /// Q2_K gate/up/down (2.625 bits per weight). ds4 uses IQ2_XXS for gate/up, but dsv4 has no
-    /// IQ2_XXS quantiser yet: gate/up are Q2_K here (larger file, similar or better accuracy).
+    /// IQ2_XXS gate/up (2.06 bits per weight) and Q2_K down (2.625), as ds4 does.
     Q2,
 }
 
@@ -28,11 +29,11 @@ pub struct QuantizeArgs {
     /// The GGUF to write.
     #[arg(long)]
     out: PathBuf,
-    /// Routed-expert format: q4 = Q4_K; q2 = Q2_K down and, where ds4 would use IQ2_XXS for
-    /// gate/up, Q2_K too (no IQ2_XXS quantiser yet). Attention, shared experts and the head are
-    /// Q8_0; embedding, mHC fn, compressors, indexers and routers F16; norms, mHC base/scale,
-    /// sinks, biases and position biases F32; hash tables I32. Tensors whose rows are not a
-    /// multiple of the format's block size fall back to Q8_0 or F16 (listed on output).
+    /// Routed-expert format: q4 = Q4_K; q2 = IQ2_XXS gate/up and Q2_K down (ds4's q2).
+    /// Attention, shared experts and the head are Q8_0; embedding, mHC fn, compressors, indexers
+    /// and routers F16; norms, mHC base/scale, sinks, biases and position biases F32; hash tables
+    /// I32. Tensors whose rows are not a multiple of the format's block size fall back to Q8_0 or
+    /// F16 (listed on output).
     #[arg(long, value_enum)]
     experts: ExpertQuant,
 }
@@ -41,11 +42,11 @@ pub struct QuantizeArgs {
 fn policy(official: &str, shape: &[usize], experts: ExpertQuant) -> GgmlType {
     let n = official.strip_prefix("model.").unwrap_or(official);
     if n.contains(".ffn.experts.") {
-        // ds4: q4 → Q4_K everywhere; q2 → IQ2_XXS gate/up (w1/w3) + Q2_K down (w2). Without an
-        // IQ2_XXS quantiser, gate/up are Q2_K as well.
+        // ds4: q4 → Q4_K everywhere; q2 → IQ2_XXS gate/up (w1/w3) + Q2_K down (w2).
         return match experts {
             ExpertQuant::Q4 => GgmlType::Q4_K,
-            ExpertQuant::Q2 => GgmlType::Q2_K,
+            ExpertQuant::Q2 if n.ends_with(".w2.weight") => GgmlType::Q2_K,
+            ExpertQuant::Q2 => GgmlType::IQ2_XXS,
         };
     }
     if shape.len() < 2 || n.ends_with(".ape") {
@@ -78,14 +79,15 @@ fn encode(t: GgmlType, x: &[f32], cols: usize) -> Vec<u8> {
     match t {
         GgmlType::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
         GgmlType::F16 => x.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
-        GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q2_K => {
+        GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q2_K | GgmlType::IQ2_XXS => {
             let rows_per_task = (65536 / cols.max(1)).max(1);
             let parts: Vec<Vec<u8>> = x
                 .par_chunks(rows_per_task * cols)
                 .map(|c| match t {
                     GgmlType::Q8_0 => quant::quantize_q8_0(c),
                     GgmlType::Q4_K => quant::quantize_q4_k(c),
-                    _ => quant::quantize_q2_k(c),
+                    GgmlType::Q2_K => quant::quantize_q2_k(c),
+                    _ => quant::quantize_iq2_xxs(c),
                 })
                 .collect();
             parts.concat()
@@ -183,9 +185,7 @@ pub fn run(a: QuantizeArgs) -> Result<()> {
     };
     let (name, note) = match a.experts {
         ExpertQuant::Q4 => ("q4", "routed experts Q4_K"),
-        ExpertQuant::Q2 => {
-            ("q2", "routed experts Q2_K (gate/up and down); ds4 uses IQ2_XXS for gate/up, which dsv4 cannot write yet")
-        }
+        ExpertQuant::Q2 => ("q2", "routed experts IQ2_XXS gate/up, Q2_K down"),
     };
     q.w.add_meta("general.architecture", GgufValue::String("deepseek4".into()));
     q.w.add_meta("general.name", GgufValue::String(format!("DeepSeek V4 ({name})")));
@@ -193,6 +193,10 @@ pub fn run(a: QuantizeArgs) -> Result<()> {
     q.w.add_meta("dsv4.quantize.experts", GgufValue::String(name.into()));
     q.w.add_meta("dsv4.quantize.note", GgufValue::String(note.into()));
     q.w.add_meta(CONFIG_KEY, GgufValue::String(config_text(&a.input, &ck, &cfg)?));
+    // ds4's own keys too, which ds4 requires and which describe the model without our JSON.
+    for (k, v) in ds4_metadata(&cfg) {
+        q.w.add_meta(&k, v);
+    }
     let (weights, _stats) = load_weights_from(ck.source(), &cfg, true, |t| q.add(t))
         .with_context(|| format!("reading {}", a.input.display()))?;
     // Hash-routing tables are not uploaded tensors: write them from the loaded weights.
@@ -209,12 +213,6 @@ pub fn run(a: QuantizeArgs) -> Result<()> {
         bail!("incomplete routed-expert stacks: {:?}", q.stacks.keys().collect::<Vec<_>>());
     }
     let size = q.w.write(&a.out).with_context(|| format!("writing {}", a.out.display()))?;
-    if a.experts == ExpertQuant::Q2 {
-        eprintln!(
-            "note: --experts q2 writes Q2_K for the routed experts' gate/up as well as down: ds4 uses IQ2_XXS for \
-             gate/up, but dsv4 has no IQ2_XXS quantiser yet (the file is ~30% larger in the experts than ds4's)"
-        );
-    }
     for (n, want, got) in &q.fallbacks {
         eprintln!("fallback: {n}: {want} -> {got} (row length not a multiple of the {want} block size)");
     }
