@@ -233,6 +233,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "hbm_fraction": frac}));
     }
 
+    if std::env::var_os("DSV4_PROFILE").is_some() {
+        profile_step(&mut m, &seqs[..1], &mut pos, vocab)?;
+    }
+
     // Speculative verify rounds (target side): each of the first B sequences feeds its anchor and
     // l drafts in one forward, then is cut back to the anchor (no replay). Compared with the plain
     // decode step above, `(l + 1) · t_decode / t_round` is the speedup when all l drafts are
@@ -315,4 +319,54 @@ fn packed_format(scheme: &str, name: &str, shape: &[usize]) -> Option<PackedForm
         _ => return None,
     };
     dsv4_backend::bf16::keeps_packed(name, shape, f).then_some(f)
+}
+
+/// Marks every named stage of a forward with a timing event and the host clock.
+struct StageTimer {
+    marks: Vec<(&'static str, dsv4_backend::cuda::TimingEvent, Instant)>,
+}
+
+impl dsv4_backend::Capture<CudaBackend> for StageTimer {
+    fn capture(&mut self, b: &CudaBackend, stage: dsv4_backend::Stage, _t: &dsv4_backend::cuda::CudaTensor) {
+        self.marks.push((stage.name, b.timing_event(), Instant::now()));
+    }
+}
+
+/// `DSV4_PROFILE=1`: one decode step of `seqs` with every stage timed on the GPU timeline (the
+/// time from the previous stage's end) and on the host (time to queue its work), summed over
+/// layers. GPU time well above host time means the kernels are slow; the reverse, launches.
+fn profile_step(m: &mut Model<CudaBackend>, seqs: &[usize], pos: &mut [usize], vocab: usize) -> Result<()> {
+    let rows: Vec<Row> =
+        seqs.iter().enumerate().map(|(i, &s)| Row { seq: s, pos: pos[i], token: (pos[i] % vocab) as u32 }).collect();
+    let all: Vec<usize> = (0..rows.len()).collect();
+    let mut t = StageTimer { marks: vec![("start", m.backend.timing_event(), Instant::now())] };
+    let t0 = Instant::now();
+    m.forward_with(&Batch::new(rows)?, &all, Some(&mut t))?;
+    let wall = t0.elapsed().as_secs_f64() * 1e3;
+    for p in pos.iter_mut().take(seqs.len()) {
+        *p += 1;
+    }
+    let mut agg: Vec<(&str, f64, f64, usize)> = Vec::new();
+    for w in t.marks.windows(2) {
+        let gpu = w[0].1.elapsed_ms(&w[1].1).unwrap_or(f32::NAN) as f64;
+        let host = (w[1].2 - w[0].2).as_secs_f64() * 1e3;
+        match agg.iter_mut().find(|a| a.0 == w[1].0) {
+            Some(a) => {
+                a.1 += gpu;
+                a.2 += host;
+                a.3 += 1;
+            }
+            None => agg.push((w[1].0, gpu, host, 1)),
+        }
+    }
+    agg.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let gpu_total: f64 = agg.iter().map(|a| a.1).sum();
+    println!(
+        "profile: one decode step of {} sequence(s): {wall:.2} ms wall, {gpu_total:.2} ms GPU timeline",
+        seqs.len()
+    );
+    for (name, gpu, host, n) in agg {
+        println!("  {name:<32} x{n:<3} GPU {gpu:8.3} ms   host {host:8.3} ms");
+    }
+    Ok(())
 }

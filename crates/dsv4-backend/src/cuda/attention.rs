@@ -90,8 +90,8 @@ pub fn compress(
     );
 }
 
-/// Lightning-indexer top-k: scores of every visible entry (`index_score`), then k rounds of
-/// block argmax per row (`index_topk`).
+/// Lightning-indexer top-k: scores of every visible entry (`index_score`), then a threshold
+/// select and a sort of the k chosen per row (`index_topk`, O(visible) per row).
 pub fn index_select(
     b: &CudaBackend,
     cache: &CudaCache,
@@ -104,6 +104,7 @@ pub fn index_select(
     let st = cache.layers[layer].index.as_ref().expect("CSA layer without indexer state");
     let (nh, hd, m) = (cfg.index_n_heads, cfg.index_head_dim, st.ratio);
     let topk = cfg.index_topk.max(1);
+    assert!(topk <= 2048, "index_topk {topk} > 2048 (the top-k kernel's shared-memory sort)");
     let n = rows.len();
     let mut sel = b.alloc::<u32>(n * topk);
     let maxvis = rows.batch.rows.iter().map(|r| (r.pos + 1) / m).max().unwrap_or(0);
@@ -147,7 +148,7 @@ pub fn index_select(
                 .launch_builder(&b.k.index_topk)
                 .arg(&mut sel)
                 .arg(&(topk as i32))
-                .arg(&mut scores)
+                .arg(&scores)
                 .arg(&mv)
                 .arg(&rows.dev)
                 .arg(&ni)

@@ -210,6 +210,13 @@ impl CudaBackend {
         cudarc::driver::result::mem_get_info().map(|(f, _)| f).unwrap_or(0)
     }
 
+    /// A timing event recorded on the stream now (profiling: `elapsed_ms` between two).
+    pub fn timing_event(&self) -> cudarc::driver::CudaEvent {
+        let e = ck(self.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)), "event");
+        ck(e.record(&self.stream), "record");
+        e
+    }
+
     /// Total device memory in bytes.
     pub fn mem_total(&self) -> usize {
         cudarc::driver::result::mem_get_info().map(|(_, t)| t).unwrap_or(0)

@@ -30,6 +30,8 @@ use dsv4_model::{Config, HostTensor, LoadError};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+/// Timing events (see [`CudaBackend::timing_event`]).
+pub type TimingEvent = CudaEvent;
 pub use state::CudaCache;
 
 /// A row-major f32 matrix on the device (1-D weights are one row).

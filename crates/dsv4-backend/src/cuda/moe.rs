@@ -15,6 +15,7 @@ pub fn route(
 ) -> CudaRoute {
     let (n, e, k) = (logits.rows, logits.cols, cfg.n_experts_per_tok);
     assert!(k <= 16, "n_experts_per_tok {k} > 16");
+    assert!(e <= 1024, "{e} experts > 1024 (the router's shared scores)");
     let mut ids = b.alloc::<u32>(n * k);
     let mut weights = b.alloc::<f32>(n * k);
     let hash_dev = hash.map(|h| b.upload_u32(h));
@@ -40,7 +41,7 @@ pub fn route(
                 .arg(&(k as i32))
                 .arg(&(cfg.norm_topk_prob as i32))
                 .arg(&cfg.routed_scale)
-                .launch(cfg1d(n, 64))
+                .launch(LaunchConfig { grid_dim: (n.max(1) as u32, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 })
         },
         "route",
     );

@@ -46,7 +46,8 @@ pub fn source() -> String {
     let grid: Vec<String> = IQ2XXS_GRID.iter().map(|g| format!("0x{g:016x}ull")).collect();
     let signs: Vec<String> = KSIGNS_IQ2XS.iter().map(|s| s.to_string()).collect();
     format!(
-        "__constant__ unsigned long long IQ2XXS_GRID[256] = {{{}}};\n__constant__ unsigned char KSIGNS_IQ2XS[128] = {{{}}};\n{}",
+        "__device__ const unsigned long long IQ2XXS_GRID[256] = {{{}}};\n__device__ const unsigned char KSIGNS_IQ2XS[128] = \
+         {{{}}};\n{}",
         grid.join(","),
         signs.join(","),
         include_str!("kernels/quant.cu")

@@ -124,45 +124,92 @@ extern "C" __global__ void index_score(float* scores, int maxvis, const float* q
     if (lane == 0) scores[(long long)t * maxvis + s] = acc;
 }
 
-// Top-k per row (score descending, ties to the lower entry index) by k rounds of block argmax.
-// Consumes `scores`. sel[t, j] for j < min(topk, vis).
-extern "C" __global__ void index_topk(unsigned* sel, int topk, float* scores, int maxvis, const unsigned* rows, int n,
-                                      int m) {
-    __shared__ float bv[1024];
-    __shared__ int bi[1024];
+// Order-preserving map of a float to an unsigned key (larger float, larger key).
+__device__ __forceinline__ unsigned fkey(float x) {
+    unsigned b = __float_as_uint(x);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+#define TOPK_MAX 2048
+
+// Top-k per row: sel[t, j] for j < min(topk, vis), score descending, ties to the lower entry
+// index (the CPU's order). O(vis) per row: (1) the k-th largest key T, bit by bit from the top
+// (32 block-wide counts); (2) every key > T, then keys == T in index order until k; (3) a
+// bitonic sort of those k in shared memory. `topk` <= TOPK_MAX (checked by the launcher).
+extern "C" __global__ void index_topk(unsigned* sel, int topk, const float* scores, int maxvis, const unsigned* rows,
+                                      int n, int m) {
+    __shared__ unsigned skey[TOPK_MAX];
+    __shared__ unsigned sidx[TOPK_MAX];
+    __shared__ unsigned cnt;
+    __shared__ float red[32];
+    __shared__ unsigned wsum[32];
     int t = blockIdx.x;
     int vis = (int)(((long long)ROW_POS(t) + 1) / m);
     int k = min(topk, vis);
-    float* sc = scores + (long long)t * maxvis;
-    for (int it = 0; it < k; it++) {
-        float v = -INFINITY;
-        int i = -1;
-        for (int s = threadIdx.x; s < vis; s += blockDim.x) {
-            float x = sc[s];
-            if (i < 0 || x > v) { v = x; i = s; }  // strided ascending: first max keeps lower index
+    if (k <= 0) return;
+    const float* sc = scores + (long long)t * maxvis;
+    unsigned thr = 0;
+    for (int bit = 31; bit >= 0; bit--) {
+        unsigned cand = thr | (1u << bit);
+        int c = 0;
+        for (int s = threadIdx.x; s < vis; s += blockDim.x) c += fkey(sc[s]) >= cand;
+        if (block_sum((float)c, red) >= (float)k) thr = cand;  // counts < 2^24: exact in f32
+    }
+    if (threadIdx.x == 0) cnt = 0;
+    __syncthreads();
+    for (int s = threadIdx.x; s < vis; s += blockDim.x) {
+        unsigned key = fkey(sc[s]);
+        if (key > thr) {
+            unsigned p = atomicAdd(&cnt, 1u);
+            skey[p] = key;
+            sidx[p] = (unsigned)s;
         }
-        bv[threadIdx.x] = v;
-        bi[threadIdx.x] = i;
+    }
+    __syncthreads();
+    unsigned g = cnt;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int base = 0; base < vis && g < (unsigned)k; base += blockDim.x) {
+        int s = base + threadIdx.x;
+        bool tie = s < vis && fkey(sc[s]) == thr;
+        unsigned ball = __ballot_sync(0xffffffffu, tie);
+        if (lane == 0) wsum[w] = __popc(ball);
         __syncthreads();
-        for (int o = blockDim.x / 2; o > 0; o >>= 1) {
-            if (threadIdx.x < o) {
-                float v2 = bv[threadIdx.x + o];
-                int i2 = bi[threadIdx.x + o];
-                int i1 = bi[threadIdx.x];
-                float v1 = bv[threadIdx.x];
-                if (i2 >= 0 && (i1 < 0 || v2 > v1 || (v2 == v1 && i2 < i1))) {
-                    bv[threadIdx.x] = v2;
-                    bi[threadIdx.x] = i2;
+        unsigned before = __popc(ball & ((1u << lane) - 1)), total = 0;
+        for (int i = 0; i < nw; i++) {
+            if (i < w) before += wsum[i];
+            total += wsum[i];
+        }
+        if (tie && g + before < (unsigned)k) {
+            skey[g + before] = thr;
+            sidx[g + before] = (unsigned)s;
+        }
+        __syncthreads();
+        g = min((unsigned)k, g + total);
+    }
+    int np = 1;
+    while (np < k) np <<= 1;
+    for (int i = k + threadIdx.x; i < np; i += blockDim.x) {
+        skey[i] = 0;
+        sidx[i] = 0xffffffffu;
+    }
+    __syncthreads();
+    for (int size = 2; size <= np; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int i = threadIdx.x; i < np; i += blockDim.x) {
+                int j = i ^ stride;
+                if (j > i) {
+                    unsigned ka = skey[i], kb = skey[j], ia = sidx[i], ib = sidx[j];
+                    bool a_first = ka > kb || (ka == kb && ia < ib);
+                    if (a_first != ((i & size) == 0)) {
+                        skey[i] = kb; skey[j] = ka;
+                        sidx[i] = ib; sidx[j] = ia;
+                    }
                 }
             }
             __syncthreads();
         }
-        if (threadIdx.x == 0) {
-            sel[(long long)t * topk + it] = (unsigned)bi[0];
-            sc[bi[0]] = -INFINITY;
-        }
-        __syncthreads();
     }
+    for (int j = threadIdx.x; j < k; j += blockDim.x) sel[(long long)t * topk + j] = sidx[j];
 }
 
 #define ATT_WARPS 4

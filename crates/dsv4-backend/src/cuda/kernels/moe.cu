@@ -9,37 +9,51 @@ __device__ __forceinline__ float sqrt_softplus(float z) {
     return sqrtf(sp);
 }
 
-// One thread per row. Hash layers take their ids from `hash`; learned layers take the top k of
-// score + bias (ties to the lower expert id), in descending order.
+// One warp per row (blocks of 32 threads, one row each). Hash layers take their ids from
+// `hash`; learned layers take the top k of score + bias (ties to the lower expert id), in
+// descending order: each lane scores its experts once, then k rounds of warp argmax.
 extern "C" __global__ void route(unsigned* ids, float* wts, const float* logits, const float* bias,
                                  const unsigned* hash, int use_hash, int n, int e, int k, int norm_topk,
                                  float scale) {
-    GRID_STRIDE(i, (long long)n) {
-        const float* z = logits + i * e;
-        unsigned ch[MAX_K];
+    __shared__ float sv[1024];
+    __shared__ unsigned ch[MAX_K];
+    int i = blockIdx.x, lane = threadIdx.x;
+    if (i >= n) return;
+    const float* z = logits + (long long)i * e;
+    if (use_hash) {
+        if (lane < k) ch[lane] = hash[(long long)i * k + lane];
+    } else {
+        for (int c = lane; c < e; c += 32) sv[c] = sqrt_softplus(z[c]) + bias[c];
+        __syncwarp();
         for (int j = 0; j < k; j++) {
-            if (use_hash) {
-                ch[j] = hash[i * k + j];
-                continue;
-            }
             int best = -1;
             float bv = 0.f;
-            for (int c = 0; c < e; c++) {
-                bool taken = false;
-                for (int q = 0; q < j; q++) taken |= ch[q] == (unsigned)c;
-                if (taken) continue;
-                float v = sqrt_softplus(z[c]) + bias[c];
+            for (int c = lane; c < e; c += 32) {
+                float v = sv[c];
+                if (v == -INFINITY) continue;  // taken
                 if (best < 0 || v > bv) { best = c; bv = v; }
             }
-            ch[j] = (unsigned)best;
+            for (int o = 16; o > 0; o >>= 1) {
+                float v2 = __shfl_xor_sync(0xffffffffu, bv, o);
+                int b2 = __shfl_xor_sync(0xffffffffu, best, o);
+                if (b2 >= 0 && (best < 0 || v2 > bv || (v2 == bv && b2 < best))) { best = b2; bv = v2; }
+            }
+            if (lane == 0) {
+                ch[j] = (unsigned)best;
+                sv[best] = -INFINITY;
+            }
+            __syncwarp();
         }
+    }
+    __syncwarp();
+    if (lane == 0) {
         float sum = 0.f;
         for (int j = 0; j < k; j++) sum += sqrt_softplus(z[ch[j]]);
         for (int j = 0; j < k; j++) {
             float s = sqrt_softplus(z[ch[j]]);
             float w = norm_topk ? s / sum : s;
-            ids[i * k + j] = ch[j];
-            wts[i * k + j] = w * scale;
+            ids[(long long)i * k + j] = ch[j];
+            wts[(long long)i * k + j] = w * scale;
         }
     }
 }

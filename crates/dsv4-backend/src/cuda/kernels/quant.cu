@@ -21,7 +21,9 @@
 typedef unsigned char u8;
 typedef unsigned short u16;
 
-__constant__ float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+// Tables live in global memory, not __constant__: lanes of a warp index them at different
+// places, which the constant cache would serialise.
+__device__ const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 
 __device__ __forceinline__ float h2f(u16 h) {
     unsigned s = ((unsigned)h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
@@ -77,9 +79,13 @@ __device__ __forceinline__ void deq8(const u8* __restrict__ w, const u8* __restr
     if (F == F_Q8_0) {
         const u8* blk = w + (c >> 5) * 34;
         float d = h2f(ld16(blk));
-        const signed char* q = (const signed char*)(blk + 2 + (c & 31));
+        const u16* q = (const u16*)(blk + 2 + (c & 31));  // 2-byte aligned (34-byte blocks)
 #pragma unroll
-        for (int j = 0; j < 8; j++) y[j] = __fmul_rn((float)q[j], d);
+        for (int j = 0; j < 4; j++) {
+            u16 v = q[j];
+            y[2 * j] = __fmul_rn((float)(signed char)(v & 255), d);
+            y[2 * j + 1] = __fmul_rn((float)(signed char)(v >> 8), d);
+        }
     } else if (F == F_Q4_K) {
         const u8* blk = w + (c >> 8) * 144;
         int v = c & 255, g = v >> 6, half = (v >> 5) & 1, l = v & 31, j = 2 * g + half;
@@ -93,18 +99,25 @@ __device__ __forceinline__ void deq8(const u8* __restrict__ w, const u8* __restr
             mv = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
         }
         float dl = __fmul_rn(h2f(ld16(blk)), (float)sv), ml = __fmul_rn(h2f(ld16(blk + 2)), (float)mv);
-        const u8* q = blk + 16 + 32 * g + l;
+        uint2 qv = *(const uint2*)(blk + 16 + 32 * g + l);  // 8-byte aligned (144-byte blocks)
 #pragma unroll
-        for (int jj = 0; jj < 8; jj++) y[jj] = __fsub_rn(__fmul_rn(dl, (float)((q[jj] >> (4 * half)) & 15)), ml);
+        for (int jj = 0; jj < 8; jj++) {
+            unsigned qb = ((jj < 4 ? qv.x : qv.y) >> (8 * (jj & 3))) & 255;
+            y[jj] = __fsub_rn(__fmul_rn(dl, (float)((qb >> (4 * half)) & 15)), ml);
+        }
     } else if (F == F_Q2_K) {
         const u8* blk = w + (c >> 8) * 84;
         int v = c & 255, h = v >> 7, sh = 2 * ((v >> 5) & 3), l = v & 31;
         unsigned k = blk[v >> 4];
         float dl = __fmul_rn(h2f(ld16(blk + 80)), (float)(k & 15));
         float ml = __fmul_rn(h2f(ld16(blk + 82)), (float)(k >> 4));
-        const u8* q = blk + 16 + 32 * h + l;
+        const unsigned* q = (const unsigned*)(blk + 16 + 32 * h + l);  // 4-byte aligned (84-byte blocks)
+        unsigned q0 = q[0], q1 = q[1];
 #pragma unroll
-        for (int jj = 0; jj < 8; jj++) y[jj] = __fsub_rn(__fmul_rn(dl, (float)((q[jj] >> sh) & 3)), ml);
+        for (int jj = 0; jj < 8; jj++) {
+            unsigned qb = ((jj < 4 ? q0 : q1) >> (8 * (jj & 3))) & 255;
+            y[jj] = __fsub_rn(__fmul_rn(dl, (float)((qb >> sh) & 3)), ml);
+        }
     } else if (F == F_IQ2_XXS) {
         const u8* blk = w + (c >> 8) * 66;
         int v = c & 255, ib = v >> 5, kk = (v >> 3) & 3;
