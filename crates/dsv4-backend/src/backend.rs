@@ -140,7 +140,7 @@ pub trait Backend: Send + Sync {
     // DSpark drafter ops (spec `dspark.md` §3.3–§3.6).
 
     /// A tensor `[rows, cols]` from host data (captured target rows entering the drafter).
-    fn from_host(&self, rows: usize, cols: usize, data: &[f32]) -> Self::T;
+    fn to_device(&self, rows: usize, cols: usize, data: &[f32]) -> Self::T;
     /// `dst[dst_rows[i]] = src[i]` for every row of `src` (context-ring writes).
     fn scatter_rows(&self, dst: &mut Self::T, src: &Self::T, dst_rows: &[usize]);
     /// DSparkAttention's core: non-causal sink-softmax attention with K = V and scale `hd^-½`

@@ -289,6 +289,9 @@ pub struct Slot<'a> {
     pub std: f32,
 }
 
+/// `(name, shape, mean, std) -> tensor`.
+type MakeFn<'a, W, E> = dyn FnMut(String, &[usize], f32, f32) -> Result<W, E> + 'a;
+
 impl<W> DrafterWeights<W> {
     /// Builds every tensor of a drafter with `stages` stages from `get(slot)`, in a fixed order
     /// (the order of [`Self::into_vec`]).
@@ -302,10 +305,9 @@ impl<W> DrafterWeights<W> {
         let (hcw, mix, hcn) = (cfg.hc_width(), cfg.hc_mix(), cfg.hc_mult);
         let (ncap, r) = (dcfg.target_layer_ids.len(), dcfg.markov_rank);
         let mut t = |name: String, shape: &[usize], mean: f32, std: f32| get(Slot { name, shape, mean, std });
-        let m = |t: &mut dyn FnMut(String, &[usize], f32, f32) -> Result<W, E>,
-                 name: String,
-                 rows: usize,
-                 cols: usize| { t(name, &[rows, cols], 0.0, (cols as f32).powf(-0.5)) };
+        let m = |t: &mut MakeFn<W, E>, name: String, rows: usize, cols: usize| {
+            t(name, &[rows, cols], 0.0, (cols as f32).powf(-0.5))
+        };
         let embed = t("embed.weight".into(), &[v, d], 0.0, 1.0)?;
         let head = m(&mut t, "head.weight".into(), v, d)?;
         let main_proj = m(&mut t, "mtp.0.main_proj.weight".into(), d, ncap * d)?;
@@ -313,7 +315,7 @@ impl<W> DrafterWeights<W> {
         let mut st = Vec::with_capacity(stages);
         for s in 0..stages {
             let p = format!("mtp.{s}");
-            let hc = |t: &mut dyn FnMut(String, &[usize], f32, f32) -> Result<W, E>, which: &str| -> Result<Hc<W>, E> {
+            let hc = |t: &mut MakeFn<W, E>, which: &str| -> Result<Hc<W>, E> {
                 Ok(Hc {
                     fn_: t(format!("{p}.hc_{which}_fn"), &[mix, hcw], 0.0, (hcw as f32).powf(-0.5))?,
                     base: t(format!("{p}.hc_{which}_base"), &[mix], 0.0, 0.5)?,
@@ -340,14 +342,13 @@ impl<W> DrafterWeights<W> {
             let (ne, inter) = (cfg.n_routed_experts, cfg.moe_inter);
             let gate = m(&mut t, format!("{f}.gate.weight"), ne, d)?;
             let bias = t(format!("{f}.gate.bias"), &[ne], 0.0, 0.1)?;
-            let expert =
-                |t: &mut dyn FnMut(String, &[usize], f32, f32) -> Result<W, E>, x: String| -> Result<Expert<W>, E> {
-                    Ok(Expert {
-                        w1: m(t, format!("{x}.w1.weight"), inter, d)?,
-                        w2: m(t, format!("{x}.w2.weight"), d, inter)?,
-                        w3: m(t, format!("{x}.w3.weight"), inter, d)?,
-                    })
-                };
+            let expert = |t: &mut MakeFn<W, E>, x: String| -> Result<Expert<W>, E> {
+                Ok(Expert {
+                    w1: m(t, format!("{x}.w1.weight"), inter, d)?,
+                    w2: m(t, format!("{x}.w2.weight"), d, inter)?,
+                    w3: m(t, format!("{x}.w3.weight"), inter, d)?,
+                })
+            };
             let experts = (0..ne).map(|e| expert(&mut t, format!("{f}.experts.{e}"))).collect::<Result<_, E>>()?;
             let shared = expert(&mut t, format!("{f}.shared_experts"))?;
             st.push(StageWeights {

@@ -424,7 +424,7 @@ impl Backend for CpuBackend {
         (0..n).map(|i| cache.probes.get(i).copied().flatten()).collect()
     }
 
-    fn from_host(&self, rows: usize, cols: usize, data: &[f32]) -> Tensor {
+    fn to_device(&self, rows: usize, cols: usize, data: &[f32]) -> Tensor {
         Tensor::new(rows, cols, data.to_vec())
     }
 

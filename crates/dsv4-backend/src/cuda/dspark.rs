@@ -38,8 +38,8 @@ fn kernels(b: &CudaBackend) -> Arc<DsparkKernels> {
     k
 }
 
-pub(crate) fn from_host(b: &CudaBackend, rows: usize, cols: usize, data: &[f32]) -> CudaTensor {
-    assert_eq!(data.len(), rows * cols, "from_host shape");
+pub(crate) fn to_device(b: &CudaBackend, rows: usize, cols: usize, data: &[f32]) -> CudaTensor {
+    assert_eq!(data.len(), rows * cols, "to_device shape");
     let mut t = b.tensor(rows, cols);
     if !data.is_empty() {
         ck(b.stream.memcpy_htod(data, &mut t.data), "upload rows");

@@ -845,8 +845,8 @@ impl Backend for CudaBackend {
         (0..n).map(|i| v.get(i).and_then(|&f| (f != 0).then(|| (u32::MAX - f) as usize))).collect()
     }
 
-    fn from_host(&self, rows: usize, cols: usize, data: &[f32]) -> CudaTensor {
-        dspark::from_host(self, rows, cols, data)
+    fn to_device(&self, rows: usize, cols: usize, data: &[f32]) -> CudaTensor {
+        dspark::to_device(self, rows, cols, data)
     }
 
     fn scatter_rows(&self, dst: &mut CudaTensor, src: &CudaTensor, dst_rows: &[usize]) {
