@@ -91,6 +91,10 @@ pub struct DraftRequest<'a, T> {
     pub anchor_pos: usize,
 }
 
+/// One sequence's part of [`Drafter::commit_batch`]: its ring and its committed rows
+/// `(position, captured hidden)`.
+pub type CommitItem<'a, T> = (&'a mut Ring<T>, &'a [(usize, &'a [f32])]);
+
 /// How the Markov loop picks tokens.
 enum Choice<'a, R: ?Sized> {
     /// First maximum, on the backend (only the token ids come back to the host).
@@ -216,7 +220,7 @@ impl<B: Backend> Drafter<B> {
     pub fn new_ring(&self) -> Ring<B::T> {
         let (win, hd) = (self.cfg.window, self.cfg.head_dim);
         let zeros = vec![0f32; win * hd];
-        Ring::from_stages((0..self.n_stages()).map(|_| self.b.from_host(win, hd, &zeros)).collect(), win, hd)
+        Ring::from_stages((0..self.n_stages()).map(|_| self.b.to_device(win, hd, &zeros)).collect(), win, hd)
     }
 
     /// `main_x = main_norm(main_proj · main_hidden)` for `[rows, hidden_width]` captured rows.
@@ -225,7 +229,7 @@ impl<B: Backend> Drafter<B> {
         if !hidden.len().is_multiple_of(w) {
             return Err(DsparkError::HiddenWidth { expected: w, found: hidden.len() });
         }
-        Ok(self.b.to_host(&self.main_x_t(&self.b.from_host(hidden.len() / w, w, hidden))))
+        Ok(self.b.to_host(&self.main_x_t(&self.b.to_device(hidden.len() / w, w, hidden))))
     }
 
     fn main_x_t(&self, x: &B::T) -> B::T {
@@ -249,7 +253,7 @@ impl<B: Backend> Drafter<B> {
 
     /// [`Self::commit`] for several sequences in one pass (one `main_proj` product, one `wkv`
     /// product per stage).
-    pub fn commit_batch(&self, seqs: &mut [(&mut Ring<B::T>, &[(usize, &[f32])])]) -> Result<(), DsparkError> {
+    pub fn commit_batch(&self, seqs: &mut [CommitItem<'_, B::T>]) -> Result<(), DsparkError> {
         let w = self.hidden_width();
         let (hd, win) = (self.cfg.head_dim, self.cfg.window);
         let mut hidden = Vec::new();
@@ -270,7 +274,7 @@ impl<B: Backend> Drafter<B> {
             return Ok(());
         }
         let b = &self.b;
-        let x = b.from_host(positions.len(), w, &hidden);
+        let x = b.to_device(positions.len(), w, &hidden);
         let mx = self.main_x_t(&x);
         let rt = self.row_table(&positions, &vec![0; positions.len()]);
         let mut first = 0;
@@ -515,6 +519,15 @@ impl<B: Backend> Drafter<B> {
             tr.base_logits = self.b.to_host(&u);
         }
         Ok(d)
+    }
+
+    /// The blocks' forward through every stage and the LM head, without the Markov loop
+    /// (benchmarks: the loop's cost is [`Self::draft_batch`]'s minus this). Waits for the
+    /// backend (one `[n·γ]` argmax comes back).
+    pub fn block_only(&self, reqs: &[DraftRequest<B::T>]) -> Result<(), DsparkError> {
+        let (_, u) = self.block(reqs, None)?;
+        self.b.argmax_rows(&u);
+        Ok(())
     }
 
     /// Greedy drafts of several sequences in one batched forward (the rows of all blocks go
