@@ -14,10 +14,15 @@
 use crate::sampler::{SampleError, Sampler};
 use dsv4_backend::{Backend, Capture, Model, ModelError, MAX_ROLLBACK};
 use dsv4_dspark::verify::{accept_greedy, accept_sampled};
-use dsv4_dspark::{ContextRing, Draft, Drafter, DsparkError, HiddenCapture};
+use dsv4_dspark::{ContextRing, Draft, Drafter, DsparkError, HiddenCapture, Ring};
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use std::any::Any;
 use std::sync::Arc;
+
+/// A sequence's proposer state beside its host [`ContextRing`]: opaque to the engine (a GPU
+/// drafter keeps the ring rows on the device here).
+pub type DeviceRing = Box<dyn Any + Send + Sync>;
 
 /// What proposes drafts: the DSpark [`Drafter`], or a test double.
 pub trait Proposer: Send + Sync {
@@ -38,6 +43,33 @@ pub trait Proposer: Send + Sync {
         temperature: f32,
         rng: &mut dyn RngCore,
     ) -> Result<Draft, DsparkError>;
+
+    /// A fresh per-sequence device part (`None`: the host ring is the whole state).
+    fn new_device_ring(&self) -> Option<DeviceRing> {
+        None
+    }
+    /// [`Proposer::commit`] with the sequence's device part (where [`Self::new_device_ring`]
+    /// gave one). The host ring's tags must stay the positions written.
+    fn commit_with(
+        &self,
+        ring: &mut ContextRing,
+        _dev: Option<&mut DeviceRing>,
+        rows: &[(usize, &[f32])],
+    ) -> Result<(), DsparkError> {
+        self.commit(ring, rows)
+    }
+    /// [`Proposer::draft`] with the sequence's device part.
+    fn draft_with(
+        &self,
+        ring: &ContextRing,
+        _dev: Option<&DeviceRing>,
+        anchor: u32,
+        anchor_pos: usize,
+        temperature: f32,
+        rng: &mut dyn RngCore,
+    ) -> Result<Draft, DsparkError> {
+        self.draft(ring, anchor, anchor_pos, temperature, rng)
+    }
 }
 
 impl Proposer for Drafter {
@@ -62,6 +94,80 @@ impl Proposer for Drafter {
         rng: &mut dyn RngCore,
     ) -> Result<Draft, DsparkError> {
         Drafter::draft(self, ring, anchor, anchor_pos, temperature, rng)
+    }
+}
+
+/// A drafter whose rings live on its own backend (`Drafter<CudaBackend>`): a sequence's host
+/// [`ContextRing`] carries only the slot tags (no rows), its [`DeviceRing`] holds the
+/// `Ring<B::T>` with the rows. Drafts one sequence per call (the engine plans sequence by
+/// sequence); [`Drafter::draft_batch`] drafts many in one forward.
+pub struct DeviceProposer<B: Backend>(pub Drafter<B>);
+
+impl<B: Backend> DeviceProposer<B>
+where
+    B::T: Send + Sync + 'static,
+{
+    fn device<'a>(&self, dev: Option<&'a DeviceRing>) -> Result<&'a Ring<B::T>, DsparkError> {
+        dev.and_then(|d| d.downcast_ref::<Ring<B::T>>()).ok_or(DsparkError::RingShape)
+    }
+}
+
+impl<B: Backend> Proposer for DeviceProposer<B>
+where
+    B::T: Send + Sync + 'static,
+{
+    fn layers(&self) -> &[usize] {
+        &self.0.config().target_layer_ids
+    }
+    fn block_size(&self) -> usize {
+        self.0.block_size()
+    }
+    fn new_ring(&self) -> ContextRing {
+        let c = self.0.target_config();
+        ContextRing::new(0, c.window, c.head_dim)
+    }
+    fn new_device_ring(&self) -> Option<DeviceRing> {
+        Some(Box::new(self.0.new_ring()))
+    }
+    /// Without the device part there is nowhere to write the rows.
+    fn commit(&self, _ring: &mut ContextRing, _rows: &[(usize, &[f32])]) -> Result<(), DsparkError> {
+        Err(DsparkError::RingShape)
+    }
+    fn draft(
+        &self,
+        _ring: &ContextRing,
+        _anchor: u32,
+        _anchor_pos: usize,
+        _temperature: f32,
+        _rng: &mut dyn RngCore,
+    ) -> Result<Draft, DsparkError> {
+        Err(DsparkError::RingShape)
+    }
+    fn commit_with(
+        &self,
+        ring: &mut ContextRing,
+        dev: Option<&mut DeviceRing>,
+        rows: &[(usize, &[f32])],
+    ) -> Result<(), DsparkError> {
+        let d = dev.and_then(|d| d.downcast_mut::<Ring<B::T>>()).ok_or(DsparkError::RingShape)?;
+        self.0.commit(d, rows)?;
+        for (p, _) in rows {
+            ring.write(*p, &[]);
+        }
+        Ok(())
+    }
+    fn draft_with(
+        &self,
+        ring: &ContextRing,
+        dev: Option<&DeviceRing>,
+        anchor: u32,
+        anchor_pos: usize,
+        temperature: f32,
+        rng: &mut dyn RngCore,
+    ) -> Result<Draft, DsparkError> {
+        let d = self.device(dev)?;
+        debug_assert_eq!(d.tags(), ring.tags(), "host and device ring tags");
+        self.0.draft(d, anchor, anchor_pos, temperature, rng)
     }
 }
 
@@ -251,6 +357,8 @@ pub struct RoundResult {
 /// drafting), statistics and the policy's running acceptance.
 pub struct SpecSeq {
     pub ring: ContextRing,
+    /// The proposer's device part of the ring ([`Proposer::new_device_ring`]).
+    pub dev: Option<DeviceRing>,
     rng: ChaCha8Rng,
     pub stats: SpecStats,
     /// Exponential average of accepted drafts per round.
@@ -263,6 +371,7 @@ impl SpecSeq {
     pub fn new(cfg: &SpecConfig, seed: u64) -> Self {
         SpecSeq {
             ring: cfg.proposer.new_ring(),
+            dev: cfg.proposer.new_device_ring(),
             rng: ChaCha8Rng::seed_from_u64(seed ^ 0xD5_9A4C),
             stats: SpecStats::default(),
             ewma: cfg.max_len() as f64,
@@ -277,7 +386,7 @@ impl SpecSeq {
         let n = hidden.len() / width;
         let skip = n.saturating_sub(self.ring.window());
         let rows: Vec<(usize, &[f32])> = (skip..n).map(|i| (pos0 + i, &hidden[i * width..(i + 1) * width])).collect();
-        cfg.proposer.commit(&mut self.ring, &rows)?;
+        cfg.proposer.commit_with(&mut self.ring, self.dev.as_mut(), &rows)?;
         Ok(())
     }
 
@@ -330,7 +439,7 @@ impl SpecSeq {
             self.stats.skipped += 1;
             return Ok(plan);
         }
-        let d = cfg.proposer.draft(&self.ring, anchor, anchor_pos, t, &mut self.rng)?;
+        let d = cfg.proposer.draft_with(&self.ring, self.dev.as_ref(), anchor, anchor_pos, t, &mut self.rng)?;
         plan.drafts = d.tokens[..l.min(d.tokens.len())].to_vec();
         if t > 0.0 {
             plan.q = d.q_probs.map(|q| q[..plan.drafts.len() * d.vocab].to_vec());
