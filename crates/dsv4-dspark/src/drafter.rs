@@ -400,8 +400,9 @@ impl<B: Backend> Drafter<B> {
     /// `conf · [h_k ; markov_w1[prev]]`, and the choice of `d_k`, for every sequence at once.
     ///
     /// Greedy choice runs as a row argmax on the backend, so one slot costs a `[n]` download
-    /// of token ids (plus `[n]` confidences) instead of `n` logits rows of `vocab` floats; the
-    /// loop is sequential (slot `k+1` needs `d_k`), so `γ` such round trips per draft.
+    /// of token ids instead of `n` logits rows of `vocab` floats (on a GPU that is ~4 µs instead
+    /// of a 0.5 MB copy per sequence); the loop is sequential (slot `k+1` needs `d_k`), so `γ`
+    /// such round trips per draft. The confidences come back once, after the loop.
     fn heads<R: Rng + ?Sized>(
         &self,
         reqs: &[DraftRequest<B::T>],
@@ -423,6 +424,7 @@ impl<B: Backend> Drafter<B> {
             })
             .collect();
         let zero_pos = vec![0usize; n];
+        let mut confs = Vec::with_capacity(g);
         for k in 0..g {
             let sel: Vec<usize> = (0..n).map(|i| i * g + k).collect();
             let uk = b.select_rows(u, &sel);
@@ -462,12 +464,18 @@ impl<B: Backend> Drafter<B> {
                         .collect()
                 }
             };
-            let c = b.to_host(&conf);
+            confs.push(conf);
             for (i, d) in out.iter_mut().enumerate() {
                 d.tokens.push(tokens[i]);
-                d.conf_raw.push(c[i]);
             }
             prev = tokens;
+        }
+        // The confidences come back once, after the loop (they do not steer it).
+        for c in &confs {
+            let c = b.to_host(c);
+            for (i, d) in out.iter_mut().enumerate() {
+                d.conf_raw.push(c[i]);
+            }
         }
         out
     }
