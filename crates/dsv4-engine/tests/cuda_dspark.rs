@@ -8,12 +8,15 @@
 //! product), so the only differences are summation orders.
 #![cfg(feature = "cuda")]
 
-use dsv4_backend::cpu::{CpuBackend, Tensor};
+use dsv4_backend::cpu::Tensor;
 use dsv4_backend::cuda::{CudaBackend, CudaInitError};
 use dsv4_backend::{Backend, Model};
 use dsv4_dspark::weights::DrafterWeights;
 use dsv4_dspark::{Draft, DraftRequest, Drafter, DsparkConfig};
-use dsv4_engine::{generate, generate_speculative, DeviceProposer, GenerateOptions, Proposer, Sampler, SpecConfig};
+use dsv4_engine::{
+    generate, generate_speculative, spawn, DeviceProposer, EngineConfig, Event, GenerateOptions, Proposer, Request,
+    Sampler, SamplingParams, SpecConfig,
+};
 use dsv4_model::store::write_safetensors;
 use dsv4_model::synth::{random_checkpoint, random_dspark, tiny_config, SynthDType, SynthDspark};
 use dsv4_model::{Config, TensorStore};
@@ -224,10 +227,8 @@ fn random_drafter_gpu_equals_cpu_single_and_batched() {
     println!("random tiny drafter, GPU (bf16, exact) vs CPU (bf16-rounded): {w:?}");
 }
 
-/// GPU target + GPU drafter: DSpark greedy output equals plain greedy output.
-#[test]
-fn dspark_greedy_on_gpu_equals_plain_greedy() {
-    let Some(b) = gpu(false) else { return };
+/// A tiny target with a 3-stage random drafter, written to a temporary checkpoint.
+fn tiny_dir() -> tempfile::TempDir {
     let mut cfg = tiny_config(97);
     cfg.max_position = 4096;
     let ds = SynthDspark::for_config(&cfg);
@@ -240,12 +241,17 @@ fn dspark_greedy_on_gpu_equals_plain_greedy() {
     let mut t = random_checkpoint(&cfg, 5, SynthDType::F32);
     t.extend(random_dspark(&cfg, &ds, 5, SynthDType::F32));
     write_safetensors(&dir.path().join("model.safetensors"), &t).unwrap();
+    dir
+}
+
+/// GPU target + GPU drafter: DSpark greedy output equals plain greedy output.
+#[test]
+fn dspark_greedy_on_gpu_equals_plain_greedy() {
+    let Some(b) = gpu(false) else { return };
+    let dir = tiny_dir();
     let mut m = Model::load(b, dir.path(), 1, false).unwrap();
     let gb = gpu(false).unwrap();
     let drafter: Arc<dyn Proposer> = Arc::new(DeviceProposer(Drafter::load_dir_on(gb, dir.path()).unwrap()));
-    // The same drafter on the CPU proposes the same tokens (a check that the GPU one is used
-    // and is not degenerate).
-    let _cpu = Drafter::<CpuBackend>::load_dir(dir.path()).unwrap();
     let (mut rounds, mut accepted) = (0, 0);
     for i in 0..12usize {
         let len = 1 + 3 * i;
@@ -261,4 +267,77 @@ fn dspark_greedy_on_gpu_equals_plain_greedy() {
         accepted += st.accepted;
     }
     println!("GPU DSpark greedy = plain greedy on 12 prompts: {rounds} rounds, {accepted} accepted drafts");
+}
+
+fn collect(mut sub: dsv4_engine::Submission) -> Vec<u32> {
+    let mut toks = Vec::new();
+    loop {
+        match sub.events.blocking_recv().expect("engine dropped the stream") {
+            Event::Token(t) => toks.push(t.id),
+            Event::Done { .. } => return toks,
+            Event::Error(e) => panic!("engine error: {e}"),
+        }
+    }
+}
+
+/// The continuous-batching engine on the GPU with the GPU drafter (greedy sequences of a step
+/// drafted in one batched forward): every request gets the tokens of a plain single-sequence
+/// run (greedy and sampled requests; sampled ones decode plainly, the server's setting).
+#[test]
+fn engine_with_gpu_drafter_gives_the_plain_tokens() {
+    let Some(b) = gpu(false) else { return };
+    let dir = tiny_dir();
+    let (n, max_tokens) = (10, 20);
+    let params = |i: usize| {
+        if i % 4 == 3 {
+            SamplingParams { temperature: 0.8, top_p: 0.95, seed: i as u64, ..Default::default() }
+        } else {
+            SamplingParams::default()
+        }
+    };
+    let prompt =
+        |i: usize| -> Vec<u32> { (0..2 + i * 5 % 23).map(|k| ((k * 31 + i * 17 + k * k * 7) % 96) as u32).collect() };
+    let mut m = Model::load(b, dir.path(), 1, false).unwrap();
+    let alone: Vec<Vec<u32>> = (0..n)
+        .map(|i| {
+            let mut s = Sampler::new(params(i)).unwrap();
+            let opts = GenerateOptions { max_new_tokens: max_tokens, stop_ids: &[], prefill_chunk: 512 };
+            generate(&mut m, &prompt(i), &mut s, &opts).unwrap().tokens
+        })
+        .collect();
+    drop(m);
+    let proposer: Arc<dyn Proposer> =
+        Arc::new(DeviceProposer(Drafter::load_dir_on(gpu(false).unwrap(), dir.path()).unwrap()));
+    let cfg = EngineConfig {
+        token_budget: 48,
+        prefill_chunk: 8,
+        dspark: Some(SpecConfig::new(proposer)),
+        ..Default::default()
+    };
+    let h = spawn(Model::load(gpu(false).unwrap(), dir.path(), n, false).unwrap(), cfg, n);
+    let subs: Vec<_> = (0..n)
+        .map(|i| {
+            h.submit(Request {
+                prompt: prompt(i),
+                sampling: params(i),
+                max_tokens,
+                stop_ids: vec![],
+                top_logprobs: None,
+                snapshot_at: vec![],
+            })
+            .unwrap()
+        })
+        .collect();
+    for (i, s) in subs.into_iter().enumerate() {
+        assert_eq!(collect(s), alone[i], "request {i}");
+    }
+    let g = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    let sm = &h.metrics.spec;
+    assert!(g(&sm.rounds) > 0, "no draft was verified");
+    println!(
+        "GPU engine with the GPU drafter = plain runs on {n} requests: {} rounds, {} drafted, {} accepted",
+        g(&sm.rounds),
+        g(&sm.drafted),
+        g(&sm.accepted)
+    );
 }
