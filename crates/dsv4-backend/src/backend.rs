@@ -152,4 +152,27 @@ pub trait Backend: Send + Sync {
     /// The first `n` probes since the last reset: `Some(first nonfinite row)` or `None` when the
     /// stage was finite. Read once after a forward (one synchronisation on a GPU).
     fn read_probes(&self, cache: &Self::Cache, n: usize) -> Vec<Option<usize>>;
+
+    // DSpark drafter ops (spec `dspark.md` §3.3–§3.6).
+
+    /// A tensor `[rows, cols]` from host data (captured target rows entering the drafter).
+    fn to_device(&self, rows: usize, cols: usize, data: &[f32]) -> Self::T;
+    /// `dst[dst_rows[i]] = src[i]` for every row of `src` (context-ring writes).
+    fn scatter_rows(&self, dst: &mut Self::T, src: &Self::T, dst_rows: &[usize]);
+    /// DSparkAttention's core: non-causal sink-softmax attention with K = V and scale `hd^-½`
+    /// (`hd = kb.cols`), `sinks [heads]` in the denominator only. The query rows
+    /// `q [rows, heads·hd]` form `rings.len()` equal groups (one drafted block each); group `g`
+    /// attends to rows `slots[g]` of `rings[g]` (in that order), then to every one of its own
+    /// block key rows `kb [rows, hd]`. Returns `[rows, heads·hd]`.
+    fn block_attention(
+        &self,
+        q: &Self::T,
+        kb: &Self::T,
+        rings: &[&Self::T],
+        slots: &[Vec<usize>],
+        sinks: &Self::W,
+        heads: usize,
+    ) -> Self::T;
+    /// The first index of the maximum of every row, on the host (greedy draft choice).
+    fn argmax_rows(&self, x: &Self::T) -> Vec<u32>;
 }

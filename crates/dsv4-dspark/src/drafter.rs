@@ -1,25 +1,29 @@
-//! The DSpark drafter on the CPU (f32): context fusion, ring writes, the non-causal block
-//! through the draft stages, and the Markov/confidence heads (spec §3.3–§3.6).
+//! The DSpark drafter (spec §3.3–§3.6): context fusion, ring writes, the non-causal block
+//! through the draft stages, and the Markov/confidence heads, written once over [`Backend`] ops.
+//! `Drafter<CpuBackend>` (the default) is the f32 reference; `Drafter<CudaBackend>` keeps its
+//! weights and the per-sequence context rings on the GPU and drafts many sequences in one
+//! batched forward ([`Drafter::draft_batch`]).
 
 use std::path::Path;
 
-use dsv4_backend::cpu::attention::rope_vec;
-use dsv4_backend::cpu::linalg::{dot, rms_norm};
-use dsv4_backend::cpu::{CpuBackend, Tensor};
-use dsv4_backend::Backend;
+use dsv4_backend::cpu::CpuBackend;
+use dsv4_backend::{Backend, Batch, Row};
 use dsv4_model::{AttnKind, Config, LoadError, TensorStore};
 use rand::Rng;
 
-use crate::ring::ContextRing;
+use crate::ring::Ring;
 use crate::weights::{self, DrafterWeights};
 use crate::{DsparkConfig, DsparkError};
+
+pub use dsv4_backend::cpu::dspark::{argmax, block_attention};
 
 /// One drafted block.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Draft {
     /// `tokens[k]` is the draft for position `anchor_pos + 1 + k` (γ tokens).
     pub tokens: Vec<u32>,
-    /// The Markov-corrected logits `Z_k` the tokens were chosen from, `[γ, vocab]`.
+    /// The Markov-corrected logits `Z_k` the tokens were chosen from, `[γ, vocab]`; empty when
+    /// the caller did not ask for them ([`Drafter::draft_batch`] without `with_logits`).
     pub logits: Vec<f32>,
     /// The exact draft distributions `q_k = softmax(Z_k / T)`, `[γ, vocab]`, for rejection
     /// sampling; `None` at temperature 0 (each `q_k` is then a point mass on `tokens[k]`).
@@ -79,61 +83,38 @@ pub fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
-/// The first index of the maximum (torch's argmax).
-pub fn argmax(v: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best
+/// One sequence's block to draft: its ring, the anchor token and the anchor's position `P+1`
+/// (the ring must hold `P`).
+pub struct DraftRequest<'a, T> {
+    pub ring: &'a Ring<T>,
+    pub anchor: u32,
+    pub anchor_pos: usize,
 }
 
-/// Sink-softmax attention in which every query row sees every key (the non-causal block):
-/// `q [rows, heads·hd]`, `keys` each `hd` wide (K = V), `sinks [heads]` enter the denominator
-/// only; scale `hd^-½`. Returns `[rows, heads·hd]`.
-pub fn block_attention(q: &[f32], heads: usize, hd: usize, keys: &[&[f32]], sinks: &[f32]) -> Vec<f32> {
-    let rows = q.len() / (heads * hd);
-    let scale = (hd as f32).powf(-0.5);
-    let mut out = vec![0f32; rows * heads * hd];
-    let mut sc = vec![0f32; keys.len()];
-    for t in 0..rows {
-        for h in 0..heads {
-            let qh = &q[(t * heads + h) * hd..(t * heads + h + 1) * hd];
-            for (s, k) in sc.iter_mut().zip(keys) {
-                *s = dot(qh, k) * scale;
-            }
-            let m = sc.iter().copied().fold(sinks[h], f32::max);
-            let mut den = (sinks[h] - m).exp();
-            for s in sc.iter_mut() {
-                *s = (*s - m).exp();
-                den += *s;
-            }
-            let oh = &mut out[(t * heads + h) * hd..(t * heads + h + 1) * hd];
-            for (s, k) in sc.iter().zip(keys) {
-                let p = s / den;
-                for (a, b) in oh.iter_mut().zip(k.iter()) {
-                    *a += p * b;
-                }
-            }
-        }
-    }
-    out
+/// One sequence's part of [`Drafter::commit_batch`]: its ring and its committed rows
+/// `(position, captured hidden)`.
+pub type CommitItem<'a, T> = (&'a mut Ring<T>, &'a [(usize, &'a [f32])]);
+
+/// How the Markov loop picks tokens.
+enum Choice<'a, R: ?Sized> {
+    /// First maximum, on the backend (only the token ids come back to the host).
+    Greedy { with_logits: bool },
+    /// `softmax(Z_k / T)` sampled on the host (the rows come back).
+    Sampled { temperature: f32, rng: &'a mut R },
 }
 
-/// The DSpark drafter: weights plus the target config they belong to. Stateless; the
-/// per-sequence state is a [`ContextRing`].
-pub struct Drafter {
+/// The DSpark drafter: weights on backend `B` plus the target config they belong to.
+/// Stateless; the per-sequence state is a [`Ring`] of `B`'s tensors ([`crate::ContextRing`] on the CPU).
+pub struct Drafter<B: Backend = CpuBackend> {
     cfg: Config,
     dcfg: DsparkConfig,
-    w: DrafterWeights,
+    w: DrafterWeights<B::W>,
     /// RoPE of the stages: plain `rope_theta`, no YaRN (ratio-0 layers).
     freqs: Vec<f64>,
-    b: CpuBackend,
+    b: B,
 }
 
-impl Drafter {
+impl Drafter<CpuBackend> {
     /// Loads the drafter of a checkpoint: `store` holds the target and `mtp.<s>.*` tensors,
     /// `cfg` is the target's config.
     pub fn load(store: &TensorStore, cfg: &Config, dcfg: &DsparkConfig) -> Result<Self, DsparkError> {
@@ -144,21 +125,70 @@ impl Drafter {
     /// Loads from a checkpoint directory (`config.json` in either layout with the `dspark_*`
     /// keys, plus safetensors).
     pub fn load_dir(dir: &Path) -> Result<Self, DsparkError> {
-        let cfg = Config::from_dir(dir).map_err(LoadError::from)?;
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path)
-            .map_err(|source| LoadError::Io { path: path.display().to_string(), source })?;
-        let v: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| DsparkError::Config { field: "config.json".into(), msg: e.to_string() })?;
-        let dcfg = DsparkConfig::from_json(&v, cfg.n_layers(), cfg.vocab_size)?
-            .ok_or_else(|| DsparkError::NotDspark("config.json has no `dspark_block_size`".into()))?;
-        let store = TensorStore::open(dir)?;
-        Self::load(&store, &cfg, &dcfg)
+        let (cfg, dcfg, w) = load_host(dir)?;
+        Ok(Self::from_weights(cfg, dcfg, w))
     }
 
     pub fn from_weights(cfg: Config, dcfg: DsparkConfig, w: DrafterWeights) -> Self {
+        Drafter::new(CpuBackend, cfg, dcfg, w)
+    }
+
+    /// `markov_w1[prev]` (`[r]`).
+    pub fn markov_embed(&self, prev: u32) -> &[f32] {
+        self.w.heads.markov_w1.row(prev as usize)
+    }
+
+    /// The Markov bias for a previous token: `markov_w2 · markov_w1[prev]` (`[vocab]`).
+    pub fn markov_bias(&self, prev: u32) -> Vec<f32> {
+        let e = self.w.heads.markov_w1.row(prev as usize);
+        let w2 = &self.w.heads.markov_w2;
+        (0..w2.rows).map(|v| dsv4_backend::cpu::linalg::dot(w2.row(v), e)).collect()
+    }
+
+    /// The confidence head's raw logit for a pre-norm head hidden `h [d]` and previous token.
+    pub fn confidence_raw(&self, h: &[f32], prev: u32) -> f32 {
+        use dsv4_backend::cpu::linalg::dot;
+        let hw = &self.w.heads;
+        dot(&hw.conf_h.data, h) + dot(&hw.conf_e.data, hw.markov_w1.row(prev as usize))
+    }
+}
+
+/// Config, DSpark config and host weights of a checkpoint directory.
+pub fn load_host(dir: &Path) -> Result<(Config, DsparkConfig, DrafterWeights), DsparkError> {
+    let cfg = Config::from_dir(dir).map_err(LoadError::from)?;
+    let path = dir.join("config.json");
+    let text =
+        std::fs::read_to_string(&path).map_err(|source| LoadError::Io { path: path.display().to_string(), source })?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| DsparkError::Config { field: "config.json".into(), msg: e.to_string() })?;
+    let dcfg = DsparkConfig::from_json(&v, cfg.n_layers(), cfg.vocab_size)?
+        .ok_or_else(|| DsparkError::NotDspark("config.json has no `dspark_block_size`".into()))?;
+    let store = TensorStore::open(dir)?;
+    let w = weights::load(&store, &cfg, &dcfg)?;
+    Ok((cfg, dcfg, w))
+}
+
+impl<B: Backend> Drafter<B> {
+    /// A drafter over weights already on `b`.
+    pub fn new(b: B, cfg: Config, dcfg: DsparkConfig, w: DrafterWeights<B::W>) -> Self {
         let freqs = cfg.rope_freqs(AttnKind::Swa);
-        Drafter { cfg, dcfg, w, freqs, b: CpuBackend }
+        Drafter { cfg, dcfg, w, freqs, b }
+    }
+
+    /// Uploads host weights to `b` (its storage rules apply, e.g. bf16 matrices on a GPU).
+    pub fn upload(b: B, cfg: Config, dcfg: DsparkConfig, w: DrafterWeights) -> Result<Self, DsparkError> {
+        let w = w.upload(&b, &cfg, &dcfg)?;
+        Ok(Self::new(b, cfg, dcfg, w))
+    }
+
+    /// Loads a checkpoint directory's drafter onto `b`.
+    pub fn load_dir_on(b: B, dir: &Path) -> Result<Self, DsparkError> {
+        let (cfg, dcfg, w) = load_host(dir)?;
+        Self::upload(b, cfg, dcfg, w)
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.b
     }
 
     pub fn config(&self) -> &DsparkConfig {
@@ -169,7 +199,7 @@ impl Drafter {
         &self.cfg
     }
 
-    pub fn weights(&self) -> &DrafterWeights {
+    pub fn weights(&self) -> &DrafterWeights<B::W> {
         &self.w
     }
 
@@ -186,9 +216,11 @@ impl Drafter {
         self.dcfg.target_layer_ids.len() * self.cfg.hidden
     }
 
-    /// A fresh (empty) per-sequence state: one ring of `window` rows per stage.
-    pub fn new_ring(&self) -> ContextRing {
-        ContextRing::new(self.n_stages(), self.cfg.window, self.cfg.head_dim)
+    /// A fresh (empty) per-sequence state: one ring of `window` rows per stage, on the backend.
+    pub fn new_ring(&self) -> Ring<B::T> {
+        let (win, hd) = (self.cfg.window, self.cfg.head_dim);
+        let zeros = vec![0f32; win * hd];
+        Ring::from_stages((0..self.n_stages()).map(|_| self.b.to_device(win, hd, &zeros)).collect(), win, hd)
     }
 
     /// `main_x = main_norm(main_proj · main_hidden)` for `[rows, hidden_width]` captured rows.
@@ -197,141 +229,150 @@ impl Drafter {
         if !hidden.len().is_multiple_of(w) {
             return Err(DsparkError::HiddenWidth { expected: w, found: hidden.len() });
         }
-        let x = Tensor::new(hidden.len() / w, w, hidden.to_vec());
-        let y = self.b.matmul(&x, &self.w.main_proj);
-        Ok(rms_norm(&y.data, self.cfg.hidden, Some(&self.w.main_norm.data), self.cfg.rms_eps))
+        Ok(self.b.to_host(&self.main_x_t(&self.b.to_device(hidden.len() / w, w, hidden))))
     }
 
-    /// The ring rows of every stage for `main_x [rows, d]` at `positions`:
-    /// `RoPE_pos(kv_norm_s(wkv_s · main_x))`, `[stages][rows, head_dim]`.
-    pub fn context_rows(&self, main_x: &[f32], positions: &[usize]) -> Vec<Vec<f32>> {
-        let x = Tensor::new(positions.len(), self.cfg.hidden, main_x.to_vec());
-        let hd = self.cfg.head_dim;
-        self.w
-            .stages
-            .iter()
-            .map(|st| {
-                let kv = self.b.matmul(&x, &st.attn.wkv);
-                let mut kv = rms_norm(&kv.data, hd, Some(&st.attn.kv_norm.data), self.cfg.rms_eps);
-                for (row, &p) in kv.chunks_mut(hd).zip(positions) {
-                    rope_vec(row, p, &self.freqs, false);
-                }
-                kv
-            })
-            .collect()
+    fn main_x_t(&self, x: &B::T) -> B::T {
+        let y = self.b.matmul(x, &self.w.main_proj);
+        self.b.rms_norm(&y, Some(&self.w.main_norm), self.cfg.hidden, self.cfg.rms_eps)
+    }
+
+    /// A row table for rows at `positions` carrying `tokens` (each row its own sequence: only the
+    /// positions and tokens are read).
+    fn row_table(&self, positions: &[usize], tokens: &[u32]) -> B::Rows {
+        let rows = positions.iter().zip(tokens).enumerate().map(|(i, (&pos, &token))| Row { seq: i, pos, token });
+        self.b.rows(&Batch::new(rows.collect()).expect("rows of distinct sequences"))
     }
 
     /// Ingests committed target rows `(position, captured hidden [hidden_width])` into the
     /// rings. Call it for every committed position (prompt rows, accepted drafts, the anchor
     /// once the target has run it), never for rejected rows.
-    pub fn commit(&self, ring: &mut ContextRing, rows: &[(usize, &[f32])]) -> Result<(), DsparkError> {
-        if rows.is_empty() {
+    pub fn commit(&self, ring: &mut Ring<B::T>, rows: &[(usize, &[f32])]) -> Result<(), DsparkError> {
+        self.commit_batch(&mut [(ring, rows)])
+    }
+
+    /// [`Self::commit`] for several sequences in one pass (one `main_proj` product, one `wkv`
+    /// product per stage).
+    pub fn commit_batch(&self, seqs: &mut [CommitItem<'_, B::T>]) -> Result<(), DsparkError> {
+        let w = self.hidden_width();
+        let (hd, win) = (self.cfg.head_dim, self.cfg.window);
+        let mut hidden = Vec::new();
+        let mut positions = Vec::new();
+        for (ring, rows) in seqs.iter() {
+            if ring.n_stages() != self.n_stages() || ring.width() != hd || ring.window() != win {
+                return Err(DsparkError::RingShape);
+            }
+            for (p, h) in rows.iter() {
+                if h.len() != w {
+                    return Err(DsparkError::HiddenWidth { expected: w, found: h.len() });
+                }
+                hidden.extend_from_slice(h);
+                positions.push(*p);
+            }
+        }
+        if positions.is_empty() {
             return Ok(());
         }
-        let w = self.hidden_width();
-        let mut hidden = Vec::with_capacity(rows.len() * w);
-        for (_, h) in rows {
-            if h.len() != w {
-                return Err(DsparkError::HiddenWidth { expected: w, found: h.len() });
+        let b = &self.b;
+        let x = b.to_device(positions.len(), w, &hidden);
+        let mx = self.main_x_t(&x);
+        let rt = self.row_table(&positions, &vec![0; positions.len()]);
+        let mut first = 0;
+        let kv: Vec<B::T> = self
+            .w
+            .stages
+            .iter()
+            .map(|st| {
+                let kv = b.matmul(&mx, &st.attn.wkv);
+                let mut kv = b.rms_norm(&kv, Some(&st.attn.kv_norm), hd, self.cfg.rms_eps);
+                b.rope(&mut kv, &rt, &self.freqs, hd, false);
+                kv
+            })
+            .collect();
+        for (ring, rows) in seqs.iter_mut() {
+            // A later row of the same slot wins (as sequential writes would).
+            let mut src = Vec::new();
+            let mut dst = Vec::new();
+            for (i, (p, _)) in rows.iter().enumerate() {
+                if !rows[i + 1..].iter().any(|(q, _)| q % win == p % win) {
+                    src.push(first + i);
+                    dst.push(p % win);
+                }
             }
-            hidden.extend_from_slice(h);
-        }
-        let positions: Vec<usize> = rows.iter().map(|r| r.0).collect();
-        let mx = self.main_x(&hidden)?;
-        let kv = self.context_rows(&mx, &positions);
-        let hd = self.cfg.head_dim;
-        for (i, &p) in positions.iter().enumerate() {
-            let per_stage: Vec<&[f32]> = kv.iter().map(|k| &k[i * hd..(i + 1) * hd]).collect();
-            ring.write(p, &per_stage);
-        }
-        Ok(())
-    }
-
-    /// `markov_w1[prev]` (`[r]`).
-    pub fn markov_embed(&self, prev: u32) -> &[f32] {
-        self.w.heads.markov_w1.row(prev as usize)
-    }
-
-    /// The Markov bias for a previous token: `markov_w2 · markov_w1[prev]` (`[vocab]`).
-    pub fn markov_bias(&self, prev: u32) -> Vec<f32> {
-        let e = self.markov_embed(prev);
-        let w2 = &self.w.heads.markov_w2;
-        (0..w2.rows).map(|v| dot(w2.row(v), e)).collect()
-    }
-
-    /// The confidence head's raw logit for a pre-norm head hidden `h [d]` and previous token.
-    pub fn confidence_raw(&self, h: &[f32], prev: u32) -> f32 {
-        let wc = &self.w.heads.conf.data;
-        let d = self.cfg.hidden;
-        dot(&wc[..d], h) + dot(&wc[d..], self.markov_embed(prev))
-    }
-
-    fn check_token(&self, t: u32) -> Result<(), DsparkError> {
-        if t as usize >= self.cfg.vocab_size {
-            return Err(DsparkError::Token { token: t, vocab: self.cfg.vocab_size });
+            for (s, kv) in kv.iter().enumerate() {
+                let part = b.select_rows(kv, &src);
+                b.scatter_rows(ring.stage_tensor_mut(s), &part, &dst);
+            }
+            for (p, _) in rows.iter() {
+                ring.set_tag(*p);
+            }
+            first += rows.len();
         }
         Ok(())
     }
 
-    /// DSparkAttention of stage `s` for the block rows `a [γ, d]` at `positions`, over the
-    /// ring slots `slots` plus every block row (non-causal).
-    fn attention(&self, s: usize, a: &Tensor, ring: &ContextRing, slots: &[usize], positions: &[usize]) -> Tensor {
+    fn check(&self, r: &DraftRequest<B::T>) -> Result<(), DsparkError> {
+        if r.anchor as usize >= self.cfg.vocab_size {
+            return Err(DsparkError::Token { token: r.anchor, vocab: self.cfg.vocab_size });
+        }
+        let p = r.anchor_pos.checked_sub(1).ok_or(DsparkError::NoContext { pos: None, needed: 0 })?;
+        let ring = r.ring;
+        if ring.n_stages() != self.n_stages() || ring.width() != self.cfg.head_dim || ring.window() != self.cfg.window {
+            return Err(DsparkError::RingShape);
+        }
+        if !ring.holds(p) {
+            return Err(DsparkError::NoContext { pos: ring.last_pos(), needed: p });
+        }
+        Ok(())
+    }
+
+    /// DSparkAttention of stage `s` for the block rows `a [n·γ, d]` (row table `rt`), each
+    /// block over its ring's `slots` plus every row of its own block (non-causal).
+    fn attention(&self, s: usize, a: &B::T, reqs: &[DraftRequest<B::T>], slots: &[Vec<usize>], rt: &B::Rows) -> B::T {
         let (b, cfg) = (&self.b, &self.cfg);
         let aw = &self.w.stages[s].attn;
         let (h, hd, eps) = (cfg.n_heads, cfg.head_dim, cfg.rms_eps);
         let qr = b.rms_norm(&b.matmul(a, &aw.wq_a), Some(&aw.q_norm), cfg.q_lora_rank, eps);
         let mut q = b.rms_norm(&b.matmul(&qr, &aw.wq_b), None, hd, eps);
         let mut kb = b.rms_norm(&b.matmul(a, &aw.wkv), Some(&aw.kv_norm), hd, eps);
-        for (k, &p) in positions.iter().enumerate() {
-            for head in q.data[k * h * hd..(k + 1) * h * hd].chunks_mut(hd) {
-                rope_vec(head, p, &self.freqs, false);
-            }
-            rope_vec(&mut kb.data[k * hd..(k + 1) * hd], p, &self.freqs, false);
-        }
-        let mut keys: Vec<&[f32]> = slots.iter().map(|&sl| ring.row(s, sl)).collect();
-        keys.extend((0..positions.len()).map(|k| kb.row(k)));
-        let mut o = block_attention(&q.data, h, hd, &keys, &aw.sinks.data);
-        for (k, &p) in positions.iter().enumerate() {
-            for head in o[k * h * hd..(k + 1) * h * hd].chunks_mut(hd) {
-                rope_vec(head, p, &self.freqs, true);
-            }
-        }
-        let o = Tensor::new(positions.len(), h * hd, o);
+        b.rope(&mut q, rt, &self.freqs, hd, false);
+        b.rope(&mut kb, rt, &self.freqs, hd, false);
+        let rings: Vec<&B::T> = reqs.iter().map(|r| r.ring.stage_tensor(s)).collect();
+        let mut o = b.block_attention(&q, &kb, &rings, slots, &aw.sinks, h);
+        b.rope(&mut o, rt, &self.freqs, hd, true);
         let z = b.grouped_matmul(&o, &aw.wo_a, cfg.o_groups);
         b.matmul(&z, &aw.wo_b)
     }
 
-    /// Runs the block `[anchor, noise, …]` at positions `anchor_pos..anchor_pos+γ` through every
-    /// stage and the head: returns `(h [γ, d], base_logits [γ, vocab])`.
-    fn block(
-        &self,
-        ring: &ContextRing,
-        anchor: u32,
-        anchor_pos: usize,
-        trace: &mut Trace,
-    ) -> Result<(Tensor, Tensor), DsparkError> {
-        self.check_token(anchor)?;
-        let p = anchor_pos.checked_sub(1).ok_or(DsparkError::NoContext { pos: None, needed: 0 })?;
-        if ring.n_stages() != self.n_stages() || ring.width() != self.cfg.head_dim {
-            return Err(DsparkError::RingShape);
-        }
-        if !ring.holds(p) {
-            return Err(DsparkError::NoContext { pos: ring.last_pos(), needed: p });
+    /// Runs every block `[anchor, noise, …]` at positions `anchor_pos..anchor_pos+γ` through
+    /// every stage and the head: returns `(h [n·γ, d], base_logits [n·γ, vocab])`, block `i` in
+    /// rows `i·γ..(i+1)·γ`.
+    fn block(&self, reqs: &[DraftRequest<B::T>], mut trace: Option<&mut Trace>) -> Result<(B::T, B::T), DsparkError> {
+        for r in reqs {
+            self.check(r)?;
         }
         let (b, cfg) = (&self.b, &self.cfg);
         let (g, d) = (self.dcfg.block_size, cfg.hidden);
-        let ids: Vec<u32> =
-            std::iter::once(anchor).chain(std::iter::repeat_n(self.dcfg.noise_token_id, g - 1)).collect();
-        let positions: Vec<usize> = (0..g).map(|k| anchor_pos + k).collect();
-        let slots = ring.visible(p);
-        let e = Tensor::new(g, d, ids.iter().flat_map(|&t| self.w.embed.row(t as usize).iter().copied()).collect());
+        let mut positions = Vec::with_capacity(reqs.len() * g);
+        let mut ids = Vec::with_capacity(reqs.len() * g);
+        for r in reqs {
+            positions.extend((0..g).map(|k| r.anchor_pos + k));
+            ids.extend(std::iter::once(r.anchor).chain(std::iter::repeat_n(self.dcfg.noise_token_id, g - 1)));
+        }
+        let rows: Vec<Row> =
+            positions.iter().zip(&ids).enumerate().map(|(i, (&pos, &token))| Row { seq: i / g, pos, token }).collect();
+        let rt = b.rows(&Batch::new(rows).expect("one block per sequence"));
+        let slots: Vec<Vec<usize>> = reqs.iter().map(|r| r.ring.visible(r.anchor_pos - 1)).collect();
+        let e = b.embed(&self.w.embed, &rt);
         let mut x = b.hc_expand(&e, cfg.hc_mult);
         for (s, st) in self.w.stages.iter().enumerate() {
             let (y, post, comb) = b.hc_pre(&x, &st.hc_attn, cfg);
             let a = b.rms_norm(&y, Some(&st.attn_norm), d, cfg.rms_eps);
-            let o = self.attention(s, &a, ring, &slots, &positions);
+            let o = self.attention(s, &a, reqs, &slots, &rt);
             x = b.hc_post(&o, &x, &post, &comb);
-            trace.attn_out.push(o.data);
+            if let Some(tr) = trace.as_deref_mut() {
+                tr.attn_out.push(b.to_host(&o));
+            }
 
             let (y, post, comb) = b.hc_pre(&x, &st.hc_ffn, cfg);
             let f = b.rms_norm(&y, Some(&st.ffn_norm), d, cfg.rms_eps);
@@ -341,13 +382,102 @@ impl Drafter {
             let shared = b.swiglu(&f, &st.ffn.shared, cfg.swiglu_limit);
             let o = b.add(&routed, &shared);
             x = b.hc_post(&o, &x, &post, &comb);
-            trace.stage_out.push(x.data.clone());
+            if let Some(tr) = trace.as_deref_mut() {
+                tr.stage_out.push(b.to_host(&x));
+            }
         }
         let h = b.hc_head(&x, &self.w.heads.hc_head, cfg);
         let hn = b.rms_norm(&h, Some(&self.w.heads.norm), d, cfg.rms_eps);
         let u = b.matmul(&hn, &self.w.head);
-        trace.ring_slots = slots;
+        if let Some(tr) = trace {
+            tr.ring_slots = slots.into_iter().next().unwrap_or_default();
+        }
         Ok((h, u))
+    }
+
+    /// The Markov loop over the blocks' base logits `u` and head hiddens `h` (rows `i·γ + k`):
+    /// slot by slot, `Z_k = U_k + markov_w2 · markov_w1[prev]`, the confidence
+    /// `conf · [h_k ; markov_w1[prev]]`, and the choice of `d_k`, for every sequence at once.
+    ///
+    /// Greedy choice runs as a row argmax on the backend, so one slot costs a `[n]` download
+    /// of token ids instead of `n` logits rows of `vocab` floats (on a GPU that is ~4 µs instead
+    /// of a 0.5 MB copy per sequence); the loop is sequential (slot `k+1` needs `d_k`), so `γ`
+    /// such round trips per draft. The confidences come back once, after the loop.
+    fn heads<R: Rng + ?Sized>(
+        &self,
+        reqs: &[DraftRequest<B::T>],
+        h: &B::T,
+        u: &B::T,
+        mut choice: Choice<'_, R>,
+        mut trace: Option<&mut Trace>,
+    ) -> Vec<Draft> {
+        let b = &self.b;
+        let (n, g, v) = (reqs.len(), self.dcfg.block_size, self.cfg.vocab_size);
+        let mut prev: Vec<u32> = reqs.iter().map(|r| r.anchor).collect();
+        let mut out: Vec<Draft> = (0..n)
+            .map(|_| Draft {
+                tokens: Vec::with_capacity(g),
+                logits: Vec::new(),
+                q_probs: None,
+                conf_raw: Vec::new(),
+                vocab: v,
+            })
+            .collect();
+        let zero_pos = vec![0usize; n];
+        let mut confs = Vec::with_capacity(g);
+        for k in 0..g {
+            let sel: Vec<usize> = (0..n).map(|i| i * g + k).collect();
+            let uk = b.select_rows(u, &sel);
+            let hk = b.select_rows(h, &sel);
+            let e = b.embed(&self.w.heads.markov_w1, &self.row_table(&zero_pos, &prev));
+            let bias = b.matmul(&e, &self.w.heads.markov_w2);
+            let z = b.add(&uk, &bias);
+            let conf = b.add(&b.matmul(&hk, &self.w.heads.conf_h), &b.matmul(&e, &self.w.heads.conf_e));
+            if let Some(tr) = trace.as_deref_mut() {
+                tr.markov_prev.extend_from_slice(&prev);
+                tr.markov_embed.extend(b.to_host(&e));
+                tr.markov_bias.extend(b.to_host(&bias));
+            }
+            let tokens = match &mut choice {
+                Choice::Greedy { with_logits } => {
+                    if *with_logits {
+                        let zh = b.to_host(&z);
+                        for (i, d) in out.iter_mut().enumerate() {
+                            d.logits.extend_from_slice(&zh[i * v..(i + 1) * v]);
+                        }
+                    }
+                    b.argmax_rows(&z)
+                }
+                Choice::Sampled { temperature, rng } => {
+                    let zh = b.to_host(&z);
+                    (0..n)
+                        .map(|i| {
+                            let zi = &zh[i * v..(i + 1) * v];
+                            let d = &mut out[i];
+                            d.logits.extend_from_slice(zi);
+                            let q = d.q_probs.get_or_insert_with(|| Vec::with_capacity(g * v));
+                            let at = q.len();
+                            q.resize(at + v, 0.0);
+                            softmax_into(zi, *temperature, &mut q[at..]);
+                            sample(&q[at..], &mut **rng) as u32
+                        })
+                        .collect()
+                }
+            };
+            confs.push(conf);
+            for (i, d) in out.iter_mut().enumerate() {
+                d.tokens.push(tokens[i]);
+            }
+            prev = tokens;
+        }
+        // The confidences come back once, after the loop (they do not steer it).
+        for c in &confs {
+            let c = b.to_host(c);
+            for (i, d) in out.iter_mut().enumerate() {
+                d.conf_raw.push(c[i]);
+            }
+        }
+        out
     }
 
     /// Drafts a block after the anchor `anchor` at `anchor_pos` (= P+1; the ring must hold
@@ -355,55 +485,68 @@ impl Drafter {
     /// from `softmax(Z_k / T)` with `rng`, left to right, and the distributions are returned.
     pub fn draft<R: Rng + ?Sized>(
         &self,
-        ring: &ContextRing,
+        ring: &Ring<B::T>,
         anchor: u32,
         anchor_pos: usize,
         temperature: f32,
         rng: &mut R,
     ) -> Result<Draft, DsparkError> {
-        self.draft_traced(ring, anchor, anchor_pos, temperature, rng).map(|(d, _)| d)
+        self.draft_inner(ring, anchor, anchor_pos, temperature, rng, None)
     }
 
     /// [`Drafter::draft`] that also returns the block's intermediates.
     pub fn draft_traced<R: Rng + ?Sized>(
         &self,
-        ring: &ContextRing,
+        ring: &Ring<B::T>,
         anchor: u32,
         anchor_pos: usize,
         temperature: f32,
         rng: &mut R,
     ) -> Result<(Draft, Trace), DsparkError> {
         let mut tr = Trace::default();
-        let (h, u) = self.block(ring, anchor, anchor_pos, &mut tr)?;
-        let (g, v, r) = (self.dcfg.block_size, self.cfg.vocab_size, self.dcfg.markov_rank);
+        let d = self.draft_inner(ring, anchor, anchor_pos, temperature, rng, Some(&mut tr))?;
+        Ok((d, tr))
+    }
+
+    fn draft_inner<R: Rng + ?Sized>(
+        &self,
+        ring: &Ring<B::T>,
+        anchor: u32,
+        anchor_pos: usize,
+        temperature: f32,
+        rng: &mut R,
+        mut trace: Option<&mut Trace>,
+    ) -> Result<Draft, DsparkError> {
+        let reqs = [DraftRequest { ring, anchor, anchor_pos }];
+        let (h, u) = self.block(&reqs, trace.as_deref_mut())?;
         let greedy = temperature <= 0.0 || !temperature.is_finite();
-        let mut logits = u.data.clone();
-        let mut q = (!greedy).then(|| vec![0f32; g * v]);
-        let (mut tokens, mut conf) = (Vec::with_capacity(g), Vec::with_capacity(g));
-        tr.markov_embed.reserve(g * r);
-        let mut prev = anchor;
-        for k in 0..g {
-            let bias = self.markov_bias(prev);
-            let z = &mut logits[k * v..(k + 1) * v];
-            z.iter_mut().zip(&bias).for_each(|(a, b)| *a += b);
-            conf.push(self.confidence_raw(h.row(k), prev));
-            tr.markov_prev.push(prev);
-            tr.markov_embed.extend_from_slice(self.markov_embed(prev));
-            tr.markov_bias.extend(bias);
-            let t = match q.as_mut() {
-                None => argmax(z),
-                Some(q) => {
-                    let qk = &mut q[k * v..(k + 1) * v];
-                    softmax_into(z, temperature, qk);
-                    sample(qk, rng)
-                }
-            } as u32;
-            tokens.push(t);
-            prev = t;
+        let choice = if greedy { Choice::Greedy { with_logits: true } } else { Choice::Sampled { temperature, rng } };
+        let d = self.heads(&reqs, &h, &u, choice, trace.as_deref_mut()).pop().expect("one draft");
+        if let Some(tr) = trace {
+            tr.h = self.b.to_host(&h);
+            tr.base_logits = self.b.to_host(&u);
         }
-        tr.h = h.data;
-        tr.base_logits = u.data;
-        Ok((Draft { tokens, logits, q_probs: q, conf_raw: conf, vocab: v }, tr))
+        Ok(d)
+    }
+
+    /// The blocks' forward through every stage and the LM head, without the Markov loop
+    /// (benchmarks: the loop's cost is [`Self::draft_batch`]'s minus this). Waits for the
+    /// backend (one `[n·γ]` argmax comes back).
+    pub fn block_only(&self, reqs: &[DraftRequest<B::T>]) -> Result<(), DsparkError> {
+        let (_, u) = self.block(reqs, None)?;
+        self.b.argmax_rows(&u);
+        Ok(())
+    }
+
+    /// Greedy drafts of several sequences in one batched forward (the rows of all blocks go
+    /// through each stage together). `with_logits`: also return each block's `Z` rows
+    /// (`γ · vocab` floats per sequence come back to the host).
+    pub fn draft_batch(&self, reqs: &[DraftRequest<B::T>], with_logits: bool) -> Result<Vec<Draft>, DsparkError> {
+        if reqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (h, u) = self.block(reqs, None)?;
+        Ok(self.heads::<dyn rand::RngCore>(reqs, &h, &u, Choice::Greedy { with_logits }, None))
     }
 }
 

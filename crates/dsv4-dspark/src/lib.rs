@@ -1,4 +1,5 @@
-//! DSpark speculative drafting for DeepSeek V4 (spec `dspark.md`), CPU f32 reference.
+//! DSpark speculative drafting for DeepSeek V4 (spec `dspark.md`): the drafter written over
+//! [`dsv4_backend::Backend`] ops, with the CPU f32 reference as its default instance.
 //!
 //! * [`Drafter`]: the `mtp.<s>.*` block drafter (context fusion `main_proj`/`main_norm`, one
 //!   [`ContextRing`] row per stage and committed position, the non-causal γ-slot block through
@@ -21,8 +22,8 @@ pub mod weights;
 
 pub use capture::HiddenCapture;
 pub use config::DsparkConfig;
-pub use drafter::{Draft, Drafter, Trace};
-pub use ring::ContextRing;
+pub use drafter::{Draft, DraftRequest, Drafter, Trace};
+pub use ring::{ContextRing, Ring};
 
 use dsv4_model::LoadError;
 

@@ -8,58 +8,60 @@ use dsv4_model::{Config, DType, LoadError, TensorStore};
 use crate::{DsparkConfig, DsparkError};
 
 /// DSparkAttention weights of one stage: SWA-only MLA, no compressor, no indexer.
-pub struct StageAttention {
-    pub wq_a: Tensor,
-    pub q_norm: Tensor,
-    pub wq_b: Tensor,
-    pub wkv: Tensor,
-    pub kv_norm: Tensor,
-    pub wo_a: Tensor,
-    pub wo_b: Tensor,
-    pub sinks: Tensor,
+pub struct StageAttention<W = Tensor> {
+    pub wq_a: W,
+    pub q_norm: W,
+    pub wq_b: W,
+    pub wkv: W,
+    pub kv_norm: W,
+    pub wo_a: W,
+    pub wo_b: W,
+    pub sinks: W,
 }
 
 /// The score-routed draft MoE of one stage.
-pub struct StageMoe {
-    pub gate: Tensor,
-    pub bias: Tensor,
-    pub experts: Vec<Expert<Tensor>>,
-    pub shared: Expert<Tensor>,
+pub struct StageMoe<W = Tensor> {
+    pub gate: W,
+    pub bias: W,
+    pub experts: Vec<Expert<W>>,
+    pub shared: Expert<W>,
 }
 
 /// One draft stage `mtp.<s>`: a V4 block whose attention is DSparkAttention.
-pub struct StageWeights {
-    pub attn_norm: Tensor,
-    pub ffn_norm: Tensor,
-    pub hc_attn: Hc<Tensor>,
-    pub hc_ffn: Hc<Tensor>,
-    pub attn: StageAttention,
-    pub ffn: StageMoe,
+pub struct StageWeights<W = Tensor> {
+    pub attn_norm: W,
+    pub ffn_norm: W,
+    pub hc_attn: Hc<W>,
+    pub hc_ffn: Hc<W>,
+    pub attn: StageAttention<W>,
+    pub ffn: StageMoe<W>,
 }
 
 /// Heads of the last stage.
-pub struct HeadWeights {
+pub struct HeadWeights<W = Tensor> {
     /// `mtp.<last>.norm.weight` (before the shared LM head).
-    pub norm: Tensor,
-    pub hc_head: Hc<Tensor>,
+    pub norm: W,
+    pub hc_head: Hc<W>,
     /// `markov_w1 [V, r]`: embedding table of the previous token.
-    pub markov_w1: Tensor,
+    pub markov_w1: W,
     /// `markov_w2 [V, r]`: applied as r → V (`bias = W2 · W1[prev]`).
-    pub markov_w2: Tensor,
-    /// `confidence_head.proj.weight [1, d + r]`, no bias.
-    pub conf: Tensor,
+    pub markov_w2: W,
+    /// `confidence_head.proj.weight [1, d + r]` (no bias) split at `d`: the part applied to the
+    /// head hidden `[1, d]` and the part applied to the Markov embedding `[1, r]`.
+    pub conf_h: W,
+    pub conf_e: W,
 }
 
 /// Everything the drafter reads: shared embedding/head (copies of the target's), the context
 /// fusion of `mtp.0`, the stages and the last stage's heads.
-pub struct DrafterWeights {
-    pub embed: Tensor,
-    pub head: Tensor,
+pub struct DrafterWeights<W = Tensor> {
+    pub embed: W,
+    pub head: W,
     /// `mtp.0.main_proj.weight [d, n_capture·d]`.
-    pub main_proj: Tensor,
-    pub main_norm: Tensor,
-    pub stages: Vec<StageWeights>,
-    pub heads: HeadWeights,
+    pub main_proj: W,
+    pub main_norm: W,
+    pub stages: Vec<StageWeights<W>>,
+    pub heads: HeadWeights<W>,
 }
 
 /// Number of contiguous `mtp.<i>.` stages in the checkpoint (0 if none).
@@ -258,12 +260,184 @@ pub fn load(store: &TensorStore, cfg: &Config, dcfg: &DsparkConfig) -> Result<Dr
         });
     }
     let p = format!("mtp.{}", n - 1);
+    let conf = read(store, &format!("{p}.confidence_head.proj.weight"), &[1, d + r], false)?;
     let heads = HeadWeights {
         norm: read(store, &format!("{p}.norm.weight"), &[d], false)?,
         hc_head: hc(store, &p, "hc_head", hcn, hcw, 1)?,
         markov_w1: read(store, &format!("{p}.markov_head.markov_w1.weight"), &[v, r], false)?,
         markov_w2: read(store, &format!("{p}.markov_head.markov_w2.weight"), &[v, r], false)?,
-        conf: read(store, &format!("{p}.confidence_head.proj.weight"), &[1, d + r], false)?,
+        conf_h: Tensor::new(1, d, conf.data[..d].to_vec()),
+        conf_e: Tensor::new(1, r, conf.data[d..].to_vec()),
     };
     Ok(DrafterWeights { embed, head, main_proj, main_norm, stages, heads })
+}
+
+/// One drafter tensor as [`DrafterWeights::walk`] asks for it: its name, logical shape (`[n]`
+/// for vectors) and the distribution synthetic weights draw it from (spec of
+/// `dsv4_model::synth`: matrices N(0, fan_in^-½), norms N(1, 0.1), mHC base N(0, 0.5) and
+/// scale N(1, 0.2), sinks N(0, 1), router biases N(0, 0.1), embedding N(0, 1)).
+///
+/// Names are the official ones (so a backend's bf16 rule,
+/// [`dsv4_backend::bf16::is_bf16_weight`], applies as to the target), with two exceptions:
+/// `markov_w1` is a gather table like the embedding and is named without `.weight`, so it stays
+/// f32 (a device gather reads f32 rows); the confidence weight is two tensors, its `[1, d]` and
+/// `[1, r]` parts.
+pub struct Slot<'a> {
+    pub name: String,
+    pub shape: &'a [usize],
+    pub mean: f32,
+    pub std: f32,
+}
+
+/// `(name, shape, mean, std) -> tensor`.
+type MakeFn<'a, W, E> = dyn FnMut(String, &[usize], f32, f32) -> Result<W, E> + 'a;
+
+impl<W> DrafterWeights<W> {
+    /// Builds every tensor of a drafter with `stages` stages from `get(slot)`, in a fixed order
+    /// (the order of [`Self::into_vec`]).
+    pub fn walk<E>(
+        cfg: &Config,
+        dcfg: &DsparkConfig,
+        stages: usize,
+        mut get: impl FnMut(Slot) -> Result<W, E>,
+    ) -> Result<Self, E> {
+        let (d, v, h, hd) = (cfg.hidden, cfg.vocab_size, cfg.n_heads, cfg.head_dim);
+        let (hcw, mix, hcn) = (cfg.hc_width(), cfg.hc_mix(), cfg.hc_mult);
+        let (ncap, r) = (dcfg.target_layer_ids.len(), dcfg.markov_rank);
+        let mut t = |name: String, shape: &[usize], mean: f32, std: f32| get(Slot { name, shape, mean, std });
+        let m = |t: &mut MakeFn<W, E>, name: String, rows: usize, cols: usize| {
+            t(name, &[rows, cols], 0.0, (cols as f32).powf(-0.5))
+        };
+        let embed = t("embed.weight".into(), &[v, d], 0.0, 1.0)?;
+        let head = m(&mut t, "head.weight".into(), v, d)?;
+        let main_proj = m(&mut t, "mtp.0.main_proj.weight".into(), d, ncap * d)?;
+        let main_norm = t("mtp.0.main_norm.weight".into(), &[d], 1.0, 0.1)?;
+        let mut st = Vec::with_capacity(stages);
+        for s in 0..stages {
+            let p = format!("mtp.{s}");
+            let hc = |t: &mut MakeFn<W, E>, which: &str| -> Result<Hc<W>, E> {
+                Ok(Hc {
+                    fn_: t(format!("{p}.hc_{which}_fn"), &[mix, hcw], 0.0, (hcw as f32).powf(-0.5))?,
+                    base: t(format!("{p}.hc_{which}_base"), &[mix], 0.0, 0.5)?,
+                    scale: t(format!("{p}.hc_{which}_scale"), &[3], 1.0, 0.2)?,
+                })
+            };
+            let hc_attn = hc(&mut t, "attn")?;
+            let hc_ffn = hc(&mut t, "ffn")?;
+            let attn_norm = t(format!("{p}.attn_norm.weight"), &[d], 1.0, 0.1)?;
+            let ffn_norm = t(format!("{p}.ffn_norm.weight"), &[d], 1.0, 0.1)?;
+            let a = format!("{p}.attn");
+            let og = cfg.o_groups;
+            let attn = StageAttention {
+                wq_a: m(&mut t, format!("{a}.wq_a.weight"), cfg.q_lora_rank, d)?,
+                q_norm: t(format!("{a}.q_norm.weight"), &[cfg.q_lora_rank], 1.0, 0.1)?,
+                wq_b: m(&mut t, format!("{a}.wq_b.weight"), h * hd, cfg.q_lora_rank)?,
+                wkv: m(&mut t, format!("{a}.wkv.weight"), hd, d)?,
+                kv_norm: t(format!("{a}.kv_norm.weight"), &[hd], 1.0, 0.1)?,
+                wo_a: m(&mut t, format!("{a}.wo_a.weight"), og * cfg.o_lora_rank, h * hd / og)?,
+                wo_b: m(&mut t, format!("{a}.wo_b.weight"), d, og * cfg.o_lora_rank)?,
+                sinks: t(format!("{a}.attn_sink"), &[h], 0.0, 1.0)?,
+            };
+            let f = format!("{p}.ffn");
+            let (ne, inter) = (cfg.n_routed_experts, cfg.moe_inter);
+            let gate = m(&mut t, format!("{f}.gate.weight"), ne, d)?;
+            let bias = t(format!("{f}.gate.bias"), &[ne], 0.0, 0.1)?;
+            let expert = |t: &mut MakeFn<W, E>, x: String| -> Result<Expert<W>, E> {
+                Ok(Expert {
+                    w1: m(t, format!("{x}.w1.weight"), inter, d)?,
+                    w2: m(t, format!("{x}.w2.weight"), d, inter)?,
+                    w3: m(t, format!("{x}.w3.weight"), inter, d)?,
+                })
+            };
+            let experts = (0..ne).map(|e| expert(&mut t, format!("{f}.experts.{e}"))).collect::<Result<_, E>>()?;
+            let shared = expert(&mut t, format!("{f}.shared_experts"))?;
+            st.push(StageWeights {
+                attn_norm,
+                ffn_norm,
+                hc_attn,
+                hc_ffn,
+                attn,
+                ffn: StageMoe { gate, bias, experts, shared },
+            });
+        }
+        let p = format!("mtp.{}", stages - 1);
+        let heads = HeadWeights {
+            norm: t(format!("{p}.norm.weight"), &[d], 1.0, 0.1)?,
+            hc_head: Hc {
+                fn_: t(format!("{p}.hc_head_fn"), &[hcn, hcw], 0.0, (hcw as f32).powf(-0.5))?,
+                base: t(format!("{p}.hc_head_base"), &[hcn], 0.0, 0.5)?,
+                scale: t(format!("{p}.hc_head_scale"), &[1], 1.0, 0.2)?,
+            },
+            markov_w1: m(&mut t, format!("{p}.markov_head.markov_w1"), v, r)?,
+            markov_w2: m(&mut t, format!("{p}.markov_head.markov_w2.weight"), v, r)?,
+            conf_h: t(format!("{p}.confidence_head.proj.weight"), &[1, d], 0.0, ((d + r) as f32).powf(-0.5))?,
+            conf_e: t(format!("{p}.confidence_head.proj.weight"), &[1, r], 0.0, ((d + r) as f32).powf(-0.5))?,
+        };
+        Ok(DrafterWeights { embed, head, main_proj, main_norm, stages: st, heads })
+    }
+
+    /// Every tensor in [`Self::walk`]'s order.
+    pub fn into_vec(self) -> Vec<W> {
+        let mut v = vec![self.embed, self.head, self.main_proj, self.main_norm];
+        for s in self.stages {
+            v.extend([s.hc_attn.fn_, s.hc_attn.base, s.hc_attn.scale, s.hc_ffn.fn_, s.hc_ffn.base, s.hc_ffn.scale]);
+            v.extend([s.attn_norm, s.ffn_norm]);
+            let a = s.attn;
+            v.extend([a.wq_a, a.q_norm, a.wq_b, a.wkv, a.kv_norm, a.wo_a, a.wo_b, a.sinks]);
+            v.extend([s.ffn.gate, s.ffn.bias]);
+            for e in s.ffn.experts.into_iter().chain([s.ffn.shared]) {
+                v.extend([e.w1, e.w2, e.w3]);
+            }
+        }
+        let h = self.heads;
+        v.extend([
+            h.norm,
+            h.hc_head.fn_,
+            h.hc_head.base,
+            h.hc_head.scale,
+            h.markov_w1,
+            h.markov_w2,
+            h.conf_h,
+            h.conf_e,
+        ]);
+        v
+    }
+
+    /// Converts every tensor with `f(slot, tensor)` (upload to a backend, bf16 rounding, ...).
+    pub fn map<V, E>(
+        self,
+        cfg: &Config,
+        dcfg: &DsparkConfig,
+        mut f: impl FnMut(Slot, W) -> Result<V, E>,
+    ) -> Result<DrafterWeights<V>, E> {
+        let n = self.stages.len();
+        let mut it = self.into_vec().into_iter();
+        DrafterWeights::walk(cfg, dcfg, n, |slot| f(slot, it.next().expect("one tensor per slot")))
+    }
+}
+
+impl DrafterWeights<Tensor> {
+    /// Uploads every tensor to `b` (`B::upload` with the names of [`Slot`]).
+    pub fn upload<B: dsv4_backend::Backend>(
+        self,
+        b: &B,
+        cfg: &Config,
+        dcfg: &DsparkConfig,
+    ) -> Result<DrafterWeights<B::W>, LoadError> {
+        self.map(cfg, dcfg, |slot, t| b.upload(dsv4_model::HostTensor::new(slot.name, slot.shape.to_vec(), t.data)))
+    }
+
+    /// Every tensor a bf16 backend stores in bf16 rounded to bf16 (the CPU twin of a bf16 GPU
+    /// drafter, for tests).
+    pub fn round_bf16(self, cfg: &Config, dcfg: &DsparkConfig) -> Self {
+        let r: Result<Self, std::convert::Infallible> = self.map(cfg, dcfg, |slot, mut t| {
+            if dsv4_backend::bf16::is_bf16_weight(&slot.name, slot.shape) {
+                t.data.iter_mut().for_each(|v| *v = dsv4_backend::bf16::round_bf16(*v));
+            }
+            Ok(t)
+        });
+        match r {
+            Ok(w) => w,
+        }
+    }
 }

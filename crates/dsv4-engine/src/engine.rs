@@ -472,6 +472,11 @@ impl<B: Backend> Engine<B> {
         // Draft tokens may use what one row per decoding sequence leaves of the budget.
         let mut draft_room = budget - decoding;
         let max_pos = self.model.cfg.max_position;
+        // Pass 1: which sequences decode this step and how many drafts each verifies (their
+        // budget is reserved in order). Pass 2 drafts them all in one proposer call (a GPU
+        // drafter runs the greedy ones as one batched forward).
+        let mut decode: Vec<(usize, u32, usize, usize, usize)> = Vec::new(); // (seq, token, slot, pos, l)
+        let mut speculating = Vec::new(); // whether the sequence has a DSpark state
         for i in 0..self.running.len() {
             let s = &mut self.running[i];
             if !(s.prefill_done() && !s.generated.is_empty() && budget > 0) {
@@ -479,8 +484,8 @@ impl<B: Backend> Engine<B> {
             }
             let token = *s.generated.last().expect("non-empty");
             let (slot, pos) = (s.slot.expect("admitted"), s.len());
-            let row0 = rows.len();
-            let mut plan = None;
+            let mut l = 0;
+            let spec = matches!((&self.config.dspark, s.spec.as_ref()), (Some(_), Some(_)));
             if let (Some(sc), Some(st)) = (&self.config.dspark, s.spec.as_mut()) {
                 let backoff = sc.policy.max_decode_batch > 0 && decoding >= sc.policy.max_decode_batch;
                 let remaining = s.req.max_tokens - s.generated.len();
@@ -490,20 +495,55 @@ impl<B: Backend> Engine<B> {
                     draft_room.min(remaining.saturating_sub(1)).min(max_pos.saturating_sub(pos + 1))
                 };
                 let before = st.stats.clone();
-                match st.plan(sc, token, pos, limit, &s.sampler) {
-                    Ok(p) => plan = Some(p),
+                l = st.plan_len(sc, pos, limit, &s.sampler);
+                self.metrics.spec.record(&before, &st.stats);
+            }
+            draft_room -= l;
+            budget -= 1 + l;
+            decode.push((i, token, slot, pos, l));
+            speculating.push(spec);
+        }
+        let mut drafted: Vec<Option<Result<dsv4_dspark::Draft, dsv4_dspark::DsparkError>>> =
+            decode.iter().map(|_| None).collect();
+        if let Some(sc) = &self.config.dspark {
+            let want: Vec<bool> = decode.iter().map(|d| d.4 > 0).collect();
+            let mut jobs = Vec::new();
+            let mut wi = want.iter();
+            for (i, s) in self.running.iter_mut().enumerate() {
+                let Some(&(_, token, _, pos, _)) = decode.iter().find(|d| d.0 == i) else { continue };
+                if !*wi.next().expect("one flag per decoding sequence") {
+                    continue;
+                }
+                let t = s.sampler.params.temperature;
+                jobs.push(s.spec.as_mut().expect("drafting needs a DSpark state").job(token, pos, t));
+            }
+            let mut results = sc.proposer.draft_many(&mut jobs).into_iter();
+            drop(jobs);
+            for (k, w) in want.iter().enumerate() {
+                if *w {
+                    drafted[k] = results.next();
+                }
+            }
+        }
+        for (k, &(i, token, slot, pos, l)) in decode.iter().enumerate() {
+            let s = &self.running[i];
+            let row0 = rows.len();
+            let plan = if !speculating[k] {
+                None
+            } else if l == 0 {
+                Some(Planned::forced(token, pos, Vec::new()))
+            } else {
+                match drafted[k].take().expect("a draft per job") {
+                    Ok(d) => Some(SpecSeq::planned(token, pos, l, s.sampler.params.temperature, d)),
                     Err(e) => {
                         // Decode plainly this step (the row still enters the ring).
                         tracing::warn!(id = s.id, "drafting failed, decoding plainly: {e}");
-                        plan = Some(Planned::forced(token, pos, Vec::new()));
+                        Some(Planned::forced(token, pos, Vec::new()))
                     }
                 }
-                self.metrics.spec.record(&before, &st.stats);
-            }
+            };
             match plan {
                 Some(p) => {
-                    draft_room -= p.drafts.len();
-                    budget -= p.rows();
                     for (k, &t) in p.tokens().iter().enumerate() {
                         out_rows.push(rows.len());
                         rows.push(Row { seq: slot, pos: pos + k, token: t });
@@ -514,7 +554,6 @@ impl<B: Backend> Engine<B> {
                     out_rows.push(rows.len());
                     rows.push(Row { seq: slot, pos, token });
                     outs.push(Out { seq: i, first: false, row0, plan: None });
-                    budget -= 1;
                 }
             }
         }

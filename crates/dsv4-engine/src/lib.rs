@@ -15,4 +15,4 @@ pub use metrics::Metrics;
 pub use prefix_cache::PrefixCacheConfig;
 pub use sampler::{SampleError, Sampler, SamplingParams};
 pub use sequence::{CancelToken, Event, FinishReason, Request, TokenEvent};
-pub use speculative::{Proposer, SpecConfig, SpecPolicy, SpecSeq, SpecStats};
+pub use speculative::{DeviceProposer, DeviceRing, DraftJob, Proposer, SpecConfig, SpecPolicy, SpecSeq, SpecStats};

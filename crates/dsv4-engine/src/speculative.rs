@@ -14,10 +14,25 @@
 use crate::sampler::{SampleError, Sampler};
 use dsv4_backend::{Backend, Capture, Model, ModelError, MAX_ROLLBACK};
 use dsv4_dspark::verify::{accept_greedy, accept_sampled};
-use dsv4_dspark::{ContextRing, Draft, Drafter, DsparkError, HiddenCapture};
+use dsv4_dspark::{ContextRing, Draft, DraftRequest, Drafter, DsparkError, HiddenCapture, Ring};
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use std::any::Any;
 use std::sync::Arc;
+
+/// A sequence's proposer state beside its host [`ContextRing`]: opaque to the engine (a GPU
+/// drafter keeps the ring rows on the device here).
+pub type DeviceRing = Box<dyn Any + Send + Sync>;
+
+/// One sequence's draft for [`Proposer::draft_many`].
+pub struct DraftJob<'a> {
+    pub ring: &'a ContextRing,
+    pub dev: Option<&'a DeviceRing>,
+    pub anchor: u32,
+    pub anchor_pos: usize,
+    pub temperature: f32,
+    pub rng: &'a mut dyn RngCore,
+}
 
 /// What proposes drafts: the DSpark [`Drafter`], or a test double.
 pub trait Proposer: Send + Sync {
@@ -38,6 +53,39 @@ pub trait Proposer: Send + Sync {
         temperature: f32,
         rng: &mut dyn RngCore,
     ) -> Result<Draft, DsparkError>;
+
+    /// A fresh per-sequence device part (`None`: the host ring is the whole state).
+    fn new_device_ring(&self) -> Option<DeviceRing> {
+        None
+    }
+    /// [`Proposer::commit`] with the sequence's device part (where [`Self::new_device_ring`]
+    /// gave one). The host ring's tags must stay the positions written.
+    fn commit_with(
+        &self,
+        ring: &mut ContextRing,
+        _dev: Option<&mut DeviceRing>,
+        rows: &[(usize, &[f32])],
+    ) -> Result<(), DsparkError> {
+        self.commit(ring, rows)
+    }
+    /// [`Proposer::draft`] with the sequence's device part.
+    fn draft_with(
+        &self,
+        ring: &ContextRing,
+        _dev: Option<&DeviceRing>,
+        anchor: u32,
+        anchor_pos: usize,
+        temperature: f32,
+        rng: &mut dyn RngCore,
+    ) -> Result<Draft, DsparkError> {
+        self.draft(ring, anchor, anchor_pos, temperature, rng)
+    }
+    /// Drafts for several sequences (one engine step); by default one after the other.
+    fn draft_many(&self, jobs: &mut [DraftJob<'_>]) -> Vec<Result<Draft, DsparkError>> {
+        jobs.iter_mut()
+            .map(|j| self.draft_with(j.ring, j.dev, j.anchor, j.anchor_pos, j.temperature, &mut *j.rng))
+            .collect()
+    }
 }
 
 impl Proposer for Drafter {
@@ -62,6 +110,108 @@ impl Proposer for Drafter {
         rng: &mut dyn RngCore,
     ) -> Result<Draft, DsparkError> {
         Drafter::draft(self, ring, anchor, anchor_pos, temperature, rng)
+    }
+}
+
+/// A drafter whose rings live on its own backend (`Drafter<CudaBackend>`): a sequence's host
+/// [`ContextRing`] carries only the slot tags (no rows), its [`DeviceRing`] holds the
+/// `Ring<B::T>` with the rows. Drafts one sequence per call (the engine plans sequence by
+/// sequence); [`Drafter::draft_batch`] drafts many in one forward.
+pub struct DeviceProposer<B: Backend>(pub Drafter<B>);
+
+impl<B: Backend> DeviceProposer<B>
+where
+    B::T: Send + Sync + 'static,
+{
+    fn device<'a>(&self, dev: Option<&'a DeviceRing>) -> Result<&'a Ring<B::T>, DsparkError> {
+        dev.and_then(|d| d.downcast_ref::<Ring<B::T>>()).ok_or(DsparkError::RingShape)
+    }
+}
+
+impl<B: Backend> Proposer for DeviceProposer<B>
+where
+    B::T: Send + Sync + 'static,
+{
+    fn layers(&self) -> &[usize] {
+        &self.0.config().target_layer_ids
+    }
+    fn block_size(&self) -> usize {
+        self.0.block_size()
+    }
+    fn new_ring(&self) -> ContextRing {
+        let c = self.0.target_config();
+        ContextRing::new(0, c.window, c.head_dim)
+    }
+    fn new_device_ring(&self) -> Option<DeviceRing> {
+        Some(Box::new(self.0.new_ring()))
+    }
+    /// Without the device part there is nowhere to write the rows.
+    fn commit(&self, _ring: &mut ContextRing, _rows: &[(usize, &[f32])]) -> Result<(), DsparkError> {
+        Err(DsparkError::RingShape)
+    }
+    fn draft(
+        &self,
+        _ring: &ContextRing,
+        _anchor: u32,
+        _anchor_pos: usize,
+        _temperature: f32,
+        _rng: &mut dyn RngCore,
+    ) -> Result<Draft, DsparkError> {
+        Err(DsparkError::RingShape)
+    }
+    fn commit_with(
+        &self,
+        ring: &mut ContextRing,
+        dev: Option<&mut DeviceRing>,
+        rows: &[(usize, &[f32])],
+    ) -> Result<(), DsparkError> {
+        let d = dev.and_then(|d| d.downcast_mut::<Ring<B::T>>()).ok_or(DsparkError::RingShape)?;
+        self.0.commit(d, rows)?;
+        for (p, _) in rows {
+            ring.write(*p, &[]);
+        }
+        Ok(())
+    }
+    fn draft_with(
+        &self,
+        ring: &ContextRing,
+        dev: Option<&DeviceRing>,
+        anchor: u32,
+        anchor_pos: usize,
+        temperature: f32,
+        rng: &mut dyn RngCore,
+    ) -> Result<Draft, DsparkError> {
+        let d = self.device(dev)?;
+        debug_assert_eq!(d.tags(), ring.tags(), "host and device ring tags");
+        self.0.draft(d, anchor, anchor_pos, temperature, rng)
+    }
+    /// Greedy jobs in one batched forward ([`Drafter::draft_batch`]); sampled ones (their
+    /// Markov loop samples on the host) one by one. A batch that fails is retried job by job,
+    /// so one bad request cannot fail the others.
+    fn draft_many(&self, jobs: &mut [DraftJob<'_>]) -> Vec<Result<Draft, DsparkError>> {
+        let greedy: Vec<usize> =
+            (0..jobs.len()).filter(|&i| jobs[i].temperature <= 0.0 || !jobs[i].temperature.is_finite()).collect();
+        let mut out: Vec<Option<Result<Draft, DsparkError>>> = (0..jobs.len()).map(|_| None).collect();
+        if greedy.len() > 1 {
+            let reqs: Result<Vec<DraftRequest<B::T>>, DsparkError> = greedy
+                .iter()
+                .map(|&i| {
+                    let ring = self.device(jobs[i].dev)?;
+                    Ok(DraftRequest { ring, anchor: jobs[i].anchor, anchor_pos: jobs[i].anchor_pos })
+                })
+                .collect();
+            if let Ok(drafts) = reqs.and_then(|r| self.0.draft_batch(&r, false)) {
+                for (&i, d) in greedy.iter().zip(drafts) {
+                    out[i] = Some(Ok(d));
+                }
+            }
+        }
+        out.into_iter()
+            .zip(jobs.iter_mut())
+            .map(|(o, j)| {
+                o.unwrap_or_else(|| self.draft_with(j.ring, j.dev, j.anchor, j.anchor_pos, j.temperature, &mut *j.rng))
+            })
+            .collect()
     }
 }
 
@@ -251,6 +401,8 @@ pub struct RoundResult {
 /// drafting), statistics and the policy's running acceptance.
 pub struct SpecSeq {
     pub ring: ContextRing,
+    /// The proposer's device part of the ring ([`Proposer::new_device_ring`]).
+    pub dev: Option<DeviceRing>,
     rng: ChaCha8Rng,
     pub stats: SpecStats,
     /// Exponential average of accepted drafts per round.
@@ -263,6 +415,7 @@ impl SpecSeq {
     pub fn new(cfg: &SpecConfig, seed: u64) -> Self {
         SpecSeq {
             ring: cfg.proposer.new_ring(),
+            dev: cfg.proposer.new_device_ring(),
             rng: ChaCha8Rng::seed_from_u64(seed ^ 0xD5_9A4C),
             stats: SpecStats::default(),
             ewma: cfg.max_len() as f64,
@@ -277,7 +430,7 @@ impl SpecSeq {
         let n = hidden.len() / width;
         let skip = n.saturating_sub(self.ring.window());
         let rows: Vec<(usize, &[f32])> = (skip..n).map(|i| (pos0 + i, &hidden[i * width..(i + 1) * width])).collect();
-        cfg.proposer.commit(&mut self.ring, &rows)?;
+        cfg.proposer.commit_with(&mut self.ring, self.dev.as_mut(), &rows)?;
         Ok(())
     }
 
@@ -320,22 +473,39 @@ impl SpecSeq {
         limit: usize,
         sampler: &Sampler,
     ) -> Result<Planned, SpecError> {
-        let mut plan = Planned { anchor, anchor_pos, drafts: Vec::new(), q: None };
+        let l = self.plan_len(cfg, anchor_pos, limit, sampler);
+        if l == 0 {
+            return Ok(Planned::forced(anchor, anchor_pos, Vec::new()));
+        }
         let t = sampler.params.temperature;
-        if !cfg.applies(t) {
-            return Ok(plan);
+        let d = cfg.proposer.draft_with(&self.ring, self.dev.as_ref(), anchor, anchor_pos, t, &mut self.rng)?;
+        Ok(Self::planned(anchor, anchor_pos, l, t, d))
+    }
+
+    /// The first half of [`Self::plan`]: how many drafts this round verifies (0: a plain decode
+    /// step; a round that could have drafted but does not counts as skipped).
+    pub fn plan_len(&mut self, cfg: &SpecConfig, anchor_pos: usize, limit: usize, sampler: &Sampler) -> usize {
+        if !cfg.applies(sampler.params.temperature) {
+            return 0;
         }
         let l = self.policy_len(cfg).min(limit);
         if l == 0 || anchor_pos == 0 || !self.ring.holds(anchor_pos - 1) {
             self.stats.skipped += 1;
-            return Ok(plan);
+            return 0;
         }
-        let d = cfg.proposer.draft(&self.ring, anchor, anchor_pos, t, &mut self.rng)?;
-        plan.drafts = d.tokens[..l.min(d.tokens.len())].to_vec();
-        if t > 0.0 {
-            plan.q = d.q_probs.map(|q| q[..plan.drafts.len() * d.vocab].to_vec());
-        }
-        Ok(plan)
+        l
+    }
+
+    /// The draft job of this sequence (for [`Proposer::draft_many`]).
+    pub fn job(&mut self, anchor: u32, anchor_pos: usize, temperature: f32) -> DraftJob<'_> {
+        DraftJob { ring: &self.ring, dev: self.dev.as_ref(), anchor, anchor_pos, temperature, rng: &mut self.rng }
+    }
+
+    /// The second half of [`Self::plan`]: the round of a draft, cut to `l` tokens.
+    pub fn planned(anchor: u32, anchor_pos: usize, l: usize, temperature: f32, d: Draft) -> Planned {
+        let drafts = d.tokens[..l.min(d.tokens.len())].to_vec();
+        let q = if temperature > 0.0 { d.q_probs.map(|q| q[..drafts.len() * d.vocab].to_vec()) } else { None };
+        Planned { anchor, anchor_pos, drafts, q }
     }
 
     /// Finishes a round after the verify forward: `logits` are the `1+l` verify rows

@@ -37,6 +37,12 @@ pub struct BenchArgs {
     /// sequence, then the cut back) for these draft lengths l (comma-separated).
     #[arg(long, default_value = "")]
     pub verify_drafts: String,
+    /// `--synthetic flash`: time a full DSpark round on the GPU: a synthetic V4-Flash drafter
+    /// (3 stages, γ = 5, Markov rank 256) drawn on the device drafts for every decode batch
+    /// (one batched forward), its rings take the committed rows, and the verify of 1 + l rows
+    /// (l from --verify-drafts, default 1,2,3,4) completes the round.
+    #[arg(long)]
+    pub dspark_round: bool,
     /// Longest prefill chunk.
     #[arg(long, default_value_t = 512)]
     pub prefill_chunk: usize,

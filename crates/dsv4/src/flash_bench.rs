@@ -242,7 +242,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
     // decode step above, `(l + 1) · t_decode / t_round` is the speedup when all l drafts are
     // accepted, before the drafter's own cost (the drafter does not run on the GPU yet).
     let drafts = if a.verify_drafts.trim().is_empty() {
-        Vec::new()
+        if a.dspark_round {
+            vec![1, 2, 3, 4]
+        } else {
+            Vec::new()
+        }
     } else {
         parse_list(&a.verify_drafts).context("--verify-drafts")?
     };
@@ -282,6 +286,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
             results.push(serde_json::json!({"kind": "verify", "batch": bs, "drafts": l, "ms_per_round": rt,
                 "decode_ms_per_step": dm, "speedup_all_accepted_no_draft_cost": speedup}));
         }
+    }
+    if a.dspark_round {
+        dspark_round(&cfg, &batches, dctx, a.decode_tokens.max(1), &mut results)?;
     }
     println!(
         "{}",
@@ -368,5 +375,170 @@ fn profile_step(m: &mut Model<CudaBackend>, seqs: &[usize], pos: &mut [usize], v
     for (name, gpu, host, n) in agg {
         println!("  {name:<32} x{n:<3} GPU {gpu:8.3} ms   host {host:8.3} ms");
     }
+    Ok(())
+}
+
+/// Median of `reps` timings of `f` (seconds).
+fn time_median(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    let mut xs = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        f()?;
+        xs.push(t0.elapsed().as_secs_f64());
+    }
+    xs.sort_by(f64::total_cmp);
+    Ok(xs[xs.len() / 2])
+}
+
+/// `--dspark-round`: a synthetic V4-Flash DSpark drafter on the GPU (its own backend on the same
+/// device, weights drawn there), per decode batch: one batched draft (3 stages over B·γ rows,
+/// the LM head, the γ-step Markov loop with a device argmax), the commit of 1 + n captured rows
+/// per sequence into the device rings, and the round cost against the plain decode step and
+/// the verify forwards timed above. The target side (decode step, verify) is extrapolated to
+/// the 43 layers of V4-Flash by scaling its time by 43 / layers (as the throughput lines above
+/// do); the drafter is timed as is (it has its 3 full stages).
+fn dspark_round(
+    cfg: &Config,
+    batches: &[usize],
+    dctx: usize,
+    reps: usize,
+    results: &mut Vec<serde_json::Value>,
+) -> Result<()> {
+    use dsv4_dspark::weights::DrafterWeights;
+    use dsv4_dspark::{DraftRequest, Drafter, DsparkConfig};
+    let db = CudaBackend::new(0).context("starting the drafter's CUDA backend")?;
+    let nl = cfg.n_layers();
+    let dcfg = DsparkConfig {
+        block_size: 5,
+        noise_token_id: 128799,
+        target_layer_ids: (nl.saturating_sub(3)..nl).collect(),
+        markov_rank: 256,
+    };
+    let free0 = db.mem_free();
+    let t0 = Instant::now();
+    let mut seed = 7_000_000u64;
+    let w = DrafterWeights::walk(cfg, &dcfg, 3, |s| -> Result<_> {
+        seed += 1;
+        Ok(db.upload_random(&s.name, s.shape, s.mean, s.std, seed))
+    })?;
+    db.synchronize();
+    let free1 = db.mem_free();
+    let d = Drafter::new(db, cfg.clone(), dcfg.clone(), w);
+    eprintln!(
+        "dspark: synthetic V4-Flash drafter (3 stages, γ = {}, Markov rank {}) drawn on the device in {:.1} s, {:.1} GB",
+        dcfg.block_size,
+        dcfg.markov_rank,
+        t0.elapsed().as_secs_f64(),
+        (free0 - free1) as f64 / 1e9
+    );
+    let (hw, win) = (d.hidden_width(), cfg.window);
+    // Captured rows: host noise of the scale of an mHC mean.
+    let mut s = 0x5EEDu64;
+    let hidden: Vec<f32> = (0..win * hw)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
+        })
+        .collect();
+    let row = |i: usize| &hidden[(i % win) * hw..(i % win + 1) * hw];
+    let p0 = dctx.max(win); // the last committed position
+    let decode = |bs: usize| {
+        results.iter().find(|r| r["kind"] == "decode" && r["batch"] == bs).and_then(|r| r["ms_per_step"].as_f64())
+    };
+    let verify = |bs: usize, l: usize| {
+        results
+            .iter()
+            .find(|r| r["kind"] == "verify" && r["batch"] == bs && r["drafts"] == l)
+            .and_then(|r| r["ms_per_round"].as_f64())
+    };
+    let scale = FLASH_LAYERS as f64 / nl as f64;
+    let mut out = Vec::new();
+    for &bs in batches {
+        let mut rings: Vec<_> = (0..bs).map(|_| d.new_ring()).collect();
+        {
+            let rows: Vec<Vec<(usize, &[f32])>> =
+                (0..bs).map(|i| (p0 + 1 - win..=p0).map(|p| (p, row(p + i))).collect()).collect();
+            let mut items: Vec<_> = rings.iter_mut().zip(&rows).map(|(r, x)| (r, x.as_slice())).collect();
+            d.commit_batch(&mut items)?;
+        }
+        let reqs: Vec<DraftRequest<_>> = rings
+            .iter()
+            .enumerate()
+            .map(|(i, ring)| DraftRequest { ring, anchor: (1000 + 37 * i) as u32, anchor_pos: p0 + 1 })
+            .collect();
+        let t_draft = time_median(reps, || {
+            d.draft_batch(&reqs, false)?;
+            Ok(())
+        })? * 1e3;
+        let t_block = time_median(reps, || {
+            d.block_only(&reqs)?;
+            Ok(())
+        })? * 1e3;
+        drop(reqs);
+        // Committing n + 1 rows per sequence (the anchor and n accepted drafts), rewriting the
+        // ring's last slots.
+        let mut t_commit = vec![0.0; 6];
+        for (n1, t) in t_commit.iter_mut().enumerate().skip(1) {
+            let rows: Vec<Vec<(usize, &[f32])>> =
+                (0..bs).map(|i| (p0 + 1 - n1..=p0).map(|p| (p, row(p + i))).collect()).collect();
+            *t = time_median(reps, || {
+                let mut items: Vec<_> = rings.iter_mut().zip(&rows).map(|(r, x)| (r, x.as_slice())).collect();
+                d.commit_batch(&mut items)?;
+                d.backend().synchronize();
+                Ok(())
+            })? * 1e3;
+        }
+        let Some(dm) = decode(bs) else {
+            println!("dspark round batch {bs}: no decode step timed for this batch");
+            continue;
+        };
+        println!(
+            "dspark batch {bs:>3}: draft {t_draft:8.3} ms (stages + LM head {t_block:.3} ms, Markov loop {:.3} ms; {:.2}x a {nl}-layer decode step, {:.2}x a 43-layer one); commit of 1/3/5 rows per sequence {:.3}/{:.3}/{:.3} ms",
+            t_draft - t_block,
+            t_draft / dm,
+            t_draft / (dm * scale),
+            t_commit[1],
+            t_commit[3],
+            t_commit[5]
+        );
+        for l in 1..=4usize {
+            let Some(vm) = verify(bs, l) else { continue };
+            // All l drafts accepted: l + 1 tokens, l + 1 rows committed.
+            let round = t_draft + vm + t_commit[l + 1];
+            let round43 = t_draft + vm * scale + t_commit[l + 1];
+            println!(
+                "dspark batch {bs:>3}, verify 1+{l}: round {round:8.3} ms = {:.2}x decode ({nl} layers); 43 layers: draft {t_draft:.3} + verify {:.3} + commit {:.3} = {round43:.3} ms = {:.2}x a {:.3} ms decode step",
+                round / dm,
+                vm * scale,
+                t_commit[l + 1],
+                round43 / (dm * scale),
+                dm * scale
+            );
+            out.push(serde_json::json!({"kind": "dspark_round", "batch": bs, "drafts": l, "draft_ms": t_draft,
+                "commit_ms": t_commit[l + 1], "verify_ms": vm, "decode_ms": dm, "round_ms": round,
+                "round_decode_steps": round / dm, "verify_ms_43": vm * scale, "decode_ms_43": dm * scale,
+                "round_decode_steps_43": round43 / (dm * scale)}));
+        }
+        // Forced acceptance lengths τ (tokens emitted per round, the bonus included): the verify
+        // is cut to τ - 1 drafts (ideal confidence truncation), or always 4 (fixed length).
+        for (tau, &commit) in t_commit.iter().enumerate().take(5).skip(2) {
+            let mut line = format!("dspark batch {bs:>3}, acceptance length {tau}:");
+            for (name, l) in [("verify 1+(τ-1)", tau - 1), ("verify 1+4", 4)] {
+                let Some(vm) = verify(bs, l) else { continue };
+                let cost = t_draft + vm + commit;
+                let cost43 = t_draft + vm * scale + commit;
+                let sp = tau as f64 / (cost / dm);
+                let sp43 = tau as f64 / (cost43 / (dm * scale));
+                line += &format!("  {name}: {sp:.2}x ({nl} layers), {sp43:.2}x (43 layers)");
+                out.push(serde_json::json!({"kind": "dspark_speedup", "batch": bs, "acceptance_length": tau,
+                    "verify_drafts": l, "speedup": sp, "speedup_43": sp43, "round_ms": cost, "round_ms_43": cost43}));
+            }
+            println!("{line} tokens/s vs plain decode");
+        }
+        out.push(serde_json::json!({"kind": "dspark_draft", "batch": bs, "draft_ms": t_draft, "block_ms": t_block,
+            "commit_ms": t_commit}));
+    }
+    results.extend(out);
     Ok(())
 }

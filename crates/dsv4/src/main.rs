@@ -149,9 +149,9 @@ impl DsparkArgs {
         if !self.dspark {
             return Ok(None);
         }
-        let d = dsv4_dspark::Drafter::load_dir(dir)
+        let proposer = drafter_for(model.backend.name(), dir)
             .with_context(|| format!("loading the DSpark drafter of {}", dir.display()))?;
-        let mut sc = SpecConfig::new(std::sync::Arc::new(d));
+        let mut sc = SpecConfig::new(proposer);
         if let Some(l) = self.dspark_max_draft {
             sc.max_draft = l;
         }
@@ -163,6 +163,20 @@ impl DsparkArgs {
         }
         Ok(Some(sc))
     }
+}
+
+/// The DSpark drafter on the target's backend: with `--backend cuda` it runs on the GPU (its
+/// weights and context rings on the device), otherwise on the CPU.
+fn drafter_for(backend: &str, dir: &std::path::Path) -> Result<std::sync::Arc<dyn dsv4_engine::Proposer>> {
+    #[cfg(feature = "cuda")]
+    if backend == "cuda" {
+        let b = dsv4_backend::cuda::CudaBackend::new(0).context("starting the CUDA backend for the drafter")?;
+        let d = dsv4_dspark::Drafter::load_dir_on(b, dir)?;
+        tracing::info!("DSpark drafter on the GPU ({} stages)", d.n_stages());
+        return Ok(std::sync::Arc::new(dsv4_engine::DeviceProposer(d)));
+    }
+    let _ = backend;
+    Ok(std::sync::Arc::new(dsv4_dspark::Drafter::load_dir(dir)?))
 }
 
 #[derive(clap::Args)]

@@ -1,6 +1,7 @@
 //! The CPU backend: f32 everywhere, the oracle every other backend is checked against.
 
 pub mod attention;
+pub mod dspark;
 pub mod linalg;
 pub mod state;
 
@@ -428,6 +429,33 @@ impl Backend for CpuBackend {
 
     fn read_probes(&self, cache: &CpuCache, n: usize) -> Vec<Option<usize>> {
         (0..n).map(|i| cache.probes.get(i).copied().flatten()).collect()
+    }
+
+    fn to_device(&self, rows: usize, cols: usize, data: &[f32]) -> Tensor {
+        Tensor::new(rows, cols, data.to_vec())
+    }
+
+    fn scatter_rows(&self, dst: &mut Tensor, src: &Tensor, dst_rows: &[usize]) {
+        assert_eq!((src.rows, src.cols), (dst_rows.len(), dst.cols), "scatter_rows shape");
+        for (i, &r) in dst_rows.iter().enumerate() {
+            dst.data[r * dst.cols..(r + 1) * dst.cols].copy_from_slice(src.row(i));
+        }
+    }
+
+    fn block_attention(
+        &self,
+        q: &Tensor,
+        kb: &Tensor,
+        rings: &[&Tensor],
+        slots: &[Vec<usize>],
+        sinks: &Tensor,
+        heads: usize,
+    ) -> Tensor {
+        dspark::grouped_block_attention(q, kb, rings, slots, sinks, heads)
+    }
+
+    fn argmax_rows(&self, x: &Tensor) -> Vec<u32> {
+        (0..x.rows).map(|i| dspark::argmax(x.row(i)) as u32).collect()
     }
 }
 

@@ -13,6 +13,7 @@
 
 pub mod attention;
 pub mod bf16;
+pub mod dspark;
 pub mod moe;
 pub mod quant;
 pub mod state;
@@ -163,6 +164,7 @@ pub fn compile_kernels() -> Result<(), CudaInitError> {
         ptx(file, src)?;
     }
     ptx("quant.cu", &quant::source())?;
+    ptx(dspark::SOURCE.0, dspark::SOURCE.1)?;
     Ok(())
 }
 
@@ -194,6 +196,11 @@ fn ptx(file: &'static str, src: &str) -> Result<cudarc::nvrtc::Ptx, CudaInitErro
         .map_err(|e| CudaInitError::Compile { file, msg: e.to_string() })?;
     cache.push((file, p.clone()));
     Ok(p)
+}
+
+/// PTX of a kernel file outside [`SOURCES`] (modules loaded on demand, e.g. [`dspark`]).
+pub(crate) fn compile_ptx_kernel(file: &'static str, src: &str) -> Result<cudarc::nvrtc::Ptx, CudaInitError> {
+    ptx(file, src)
 }
 
 fn compile(ctx: &Arc<CudaContext>, idx: usize, names: &[&str]) -> Result<Vec<CudaFunction>, CudaInitError> {
@@ -905,6 +912,30 @@ impl Backend for CudaBackend {
         let v = ck(self.stream.clone_dtoh(&cache.probes), "read probes");
         ck(self.stream.synchronize(), "synchronize");
         (0..n).map(|i| v.get(i).and_then(|&f| (f != 0).then(|| (u32::MAX - f) as usize))).collect()
+    }
+
+    fn to_device(&self, rows: usize, cols: usize, data: &[f32]) -> CudaTensor {
+        dspark::to_device(self, rows, cols, data)
+    }
+
+    fn scatter_rows(&self, dst: &mut CudaTensor, src: &CudaTensor, dst_rows: &[usize]) {
+        dspark::scatter_rows(self, dst, src, dst_rows)
+    }
+
+    fn block_attention(
+        &self,
+        q: &CudaTensor,
+        kb: &CudaTensor,
+        rings: &[&CudaTensor],
+        slots: &[Vec<usize>],
+        sinks: &CudaWeight,
+        heads: usize,
+    ) -> CudaTensor {
+        dspark::block_attention(self, q, kb, rings, slots, sinks, heads)
+    }
+
+    fn argmax_rows(&self, x: &CudaTensor) -> Vec<u32> {
+        dspark::argmax_rows(self, x)
     }
 }
 

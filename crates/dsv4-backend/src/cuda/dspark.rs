@@ -1,0 +1,149 @@
+//! The DSpark drafter's ops on the GPU (`kernels/dspark.cu`): non-causal block attention over
+//! per-sequence context rings, ring row writes, and the greedy Markov choice (a row argmax, so
+//! that only `γ` token ids per sequence come back to the host, never a `[vocab]` logits row).
+//!
+//! The module is compiled and loaded once per device on first use (kept apart from
+//! [`super::Kernels`]).
+
+use super::{cfg1d, ck, compile_ptx_kernel, CudaBackend, CudaTensor, CudaWeight};
+use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use std::sync::{Arc, Mutex};
+
+pub(crate) const SOURCE: (&str, &str) = ("dspark.cu", include_str!("kernels/dspark.cu"));
+
+pub(crate) struct DsparkKernels {
+    scatter_rows: CudaFunction,
+    argmax_rows: CudaFunction,
+    block_attention: CudaFunction,
+}
+
+/// Per device ordinal (every backend of a device shares its primary context).
+static LOADED: Mutex<Vec<(usize, Arc<DsparkKernels>)>> = Mutex::new(Vec::new());
+
+fn kernels(b: &CudaBackend) -> Arc<DsparkKernels> {
+    let ord = b.ctx.ordinal();
+    let mut l = LOADED.lock().unwrap();
+    if let Some((_, k)) = l.iter().find(|(o, _)| *o == ord) {
+        return k.clone();
+    }
+    let ptx = ck(compile_ptx_kernel(SOURCE.0, SOURCE.1), "compile dspark.cu");
+    let m = ck(b.ctx.load_module(ptx), "load dspark.cu");
+    let f = |n: &str| ck(m.load_function(n), n);
+    let k = Arc::new(DsparkKernels {
+        scatter_rows: f("scatter_rows"),
+        argmax_rows: f("argmax_rows"),
+        block_attention: f("block_attention"),
+    });
+    l.push((ord, k.clone()));
+    k
+}
+
+pub(crate) fn to_device(b: &CudaBackend, rows: usize, cols: usize, data: &[f32]) -> CudaTensor {
+    assert_eq!(data.len(), rows * cols, "to_device shape");
+    let mut t = b.tensor(rows, cols);
+    if !data.is_empty() {
+        ck(b.stream.memcpy_htod(data, &mut t.data), "upload rows");
+    }
+    t
+}
+
+pub(crate) fn scatter_rows(b: &CudaBackend, dst: &mut CudaTensor, src: &CudaTensor, dst_rows: &[usize]) {
+    assert_eq!((src.rows, src.cols), (dst_rows.len(), dst.cols), "scatter_rows shape");
+    assert!(dst_rows.iter().all(|&r| r < dst.rows), "scatter_rows: row out of range");
+    if dst_rows.is_empty() {
+        return;
+    }
+    let k = kernels(b);
+    let idx: Vec<u32> = dst_rows.iter().map(|&r| r as u32).collect();
+    let idx = b.upload_u32(&idx);
+    // SAFETY: argument types and sizes match the kernel's signature; rows checked above.
+    ck(
+        unsafe {
+            b.stream
+                .launch_builder(&k.scatter_rows)
+                .arg(&mut dst.data)
+                .arg(&src.data)
+                .arg(&idx)
+                .arg(&(src.rows as i32))
+                .arg(&(src.cols as i32))
+                .launch(cfg1d(src.rows * src.cols, 256))
+        },
+        "scatter_rows",
+    );
+}
+
+pub(crate) fn argmax_rows(b: &CudaBackend, x: &CudaTensor) -> Vec<u32> {
+    if x.rows == 0 {
+        return Vec::new();
+    }
+    let k = kernels(b);
+    let mut out = b.alloc::<u32>(x.rows);
+    let cfg = LaunchConfig { grid_dim: (x.rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: argument types and sizes match the kernel's signature.
+    ck(
+        unsafe { b.stream.launch_builder(&k.argmax_rows).arg(&mut out).arg(&x.data).arg(&(x.cols as i32)).launch(cfg) },
+        "argmax_rows",
+    );
+    let mut v = ck(b.stream.clone_dtoh(&out), "download argmax");
+    ck(b.stream.synchronize(), "synchronize");
+    v.truncate(x.rows);
+    v
+}
+
+pub(crate) fn block_attention(
+    b: &CudaBackend,
+    q: &CudaTensor,
+    kb: &CudaTensor,
+    rings: &[&CudaTensor],
+    slots: &[Vec<usize>],
+    sinks: &CudaWeight,
+    heads: usize,
+) -> CudaTensor {
+    let hd = kb.cols;
+    let groups = rings.len();
+    assert_eq!(slots.len(), groups, "one slot list per ring");
+    assert!(groups > 0 && q.rows.is_multiple_of(groups) && kb.rows == q.rows, "block rows per group");
+    assert_eq!(q.cols, heads * hd, "query width");
+    let qpg = q.rows / groups;
+    let mut flat: Vec<u32> = Vec::new();
+    let mut off = vec![0u32];
+    for (ring, sl) in rings.iter().zip(slots) {
+        assert!(sl.iter().all(|&s| s < ring.rows) && ring.cols == hd, "ring slot or width");
+        flat.extend(sl.iter().map(|&s| s as u32));
+        off.push(flat.len() as u32);
+    }
+    let max_keys = slots.iter().map(Vec::len).max().unwrap_or(0) + qpg;
+    let ptrs: Vec<u64> = rings.iter().map(|r| b.dev_ptr(&r.data)).collect();
+    let ptrs = ck(b.stream.clone_htod(&ptrs), "upload ring table");
+    let slots_d = b.upload_u32(&flat);
+    let off_d = b.upload_u32(&off);
+    let mut out = b.tensor(q.rows, q.cols);
+    let k = kernels(b);
+    let cfg = LaunchConfig {
+        grid_dim: (q.rows as u32, heads as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: (max_keys * 4) as u32,
+    };
+    // SAFETY: argument types and sizes match the kernel's signature; every slot is inside its
+    // ring (checked above) and the ring table lives until the stream has run the kernel (it is
+    // freed in stream order).
+    ck(
+        unsafe {
+            b.stream
+                .launch_builder(&k.block_attention)
+                .arg(&mut out.data)
+                .arg(&q.data)
+                .arg(&kb.data)
+                .arg(&ptrs)
+                .arg(&slots_d)
+                .arg(&off_d)
+                .arg(&sinks.data)
+                .arg(&(heads as i32))
+                .arg(&(hd as i32))
+                .arg(&(qpg as i32))
+                .launch(cfg)
+        },
+        "block_attention",
+    );
+    out
+}
