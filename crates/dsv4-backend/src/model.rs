@@ -44,11 +44,27 @@ pub enum ModelError {
 }
 
 fn gib(b: u64) -> String {
-    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+    let b = b as f64;
+    match b {
+        b if b >= (1u64 << 30) as f64 => format!("{:.2} GiB", b / (1u64 << 30) as f64),
+        b if b >= (1u64 << 20) as f64 => format!("{:.1} MiB", b / (1u64 << 20) as f64),
+        b => format!("{:.1} KiB", b / 1024.0),
+    }
 }
 
 fn need_parts(need: &[u64; 4]) -> String {
     Component::ALL.iter().zip(need).map(|(c, b)| format!("{} {}", c.label(), gib(*b))).collect::<Vec<_>>().join(", ")
+}
+
+/// What a model may use: the backend's free memory, capped by `DSV4_MEMORY_LIMIT_GB` (also
+/// for backends that do not know their free memory, e.g. to keep a host model within bounds).
+fn memory_budget(free: Option<u64>) -> Option<u64> {
+    let limit = std::env::var("DSV4_MEMORY_LIMIT_GB").ok().and_then(|v| v.trim().parse::<f64>().ok());
+    let limit = limit.filter(|g| *g >= 0.0).map(|g| (g * 1e9) as u64);
+    match (free, limit) {
+        (Some(f), Some(l)) => Some(f.min(l)),
+        (f, l) => f.or(l),
+    }
 }
 
 /// Device bytes per [`Component`] that loading `ck` onto `backend` would allocate, from a dry
@@ -115,11 +131,11 @@ impl<B: Backend> Model<B> {
     ) -> Result<Self, ModelError> {
         let (cfg, ck) = Checkpoint::open(dir)?;
         let keep_packed = backend.keeps_packed();
-        if let Some(free) = backend.memory_free() {
+        if let Some(free) = memory_budget(backend.memory_free()) {
             let need = resident_plan(&backend, &ck, &cfg)?;
             let total: u64 = need.iter().sum();
             // Room for the activations and workspaces of a forward beside the weights.
-            let margin = 2u64 << 30;
+            let margin = (2u64 << 30).min(free / 8);
             if total + margin > free {
                 return Err(ModelError::DoesNotFit { need, free, margin });
             }

@@ -159,6 +159,25 @@ fn missing_tensor_is_named() {
     assert!(e.contains("missing tensor") && e.contains("compressor.kv_norm.weight"), "{e}");
 }
 
+/// A model that does not fit the memory budget is refused before anything is allocated, with
+/// the bytes of each component (`DSV4_MEMORY_LIMIT_GB` caps the budget of any backend).
+#[test]
+fn model_over_the_memory_budget_is_refused_with_numbers() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("out.npy");
+    let model = fixtures().join("tiny_mixed");
+    let o = Command::new(env!("CARGO_BIN_EXE_dsv4"))
+        .args(["logits", "--model", model.to_str().unwrap(), "--tokens", "1,2,3", "--out", out.to_str().unwrap()])
+        .env("DSV4_MEMORY_LIMIT_GB", "0.0001")
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    for want in ["does not fit", "routed experts", "attention", "KiB", "free"] {
+        assert!(e.contains(want), "missing {want:?} in: {e}");
+    }
+}
+
 #[test]
 fn wrong_shape_names_expected_and_found() {
     let d = tempfile::tempdir().unwrap();

@@ -190,7 +190,7 @@ pub fn attend(
     };
     let scale = (d as f32).powf(-0.5);
     let (ni, di, wi, rci) = (n as i32, d as i32, win as i32, rcap as i32);
-    let lc = LaunchConfig { grid_dim: (n as u32, h as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+    let lc = LaunchConfig { grid_dim: (n as u32, h as u32, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
     // SAFETY (both launches): argument types and buffer sizes match the kernels.
     ck(
         unsafe {

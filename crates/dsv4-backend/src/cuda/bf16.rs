@@ -103,7 +103,7 @@ impl CudaBackend {
         ck(
             unsafe {
                 self.stream
-                    .launch_builder(&self.k.gemv_bf16)
+                    .launch_builder(if n == 1 { &self.k.gemv1_bf16 } else { &self.k.gemv_bf16 })
                     .arg(out)
                     .arg(x)
                     .arg(w)
@@ -287,7 +287,7 @@ pub(crate) fn moe(
     let (ki, di, ii, nei) = (k as i32, d as i32, inter as i32, ne as i32);
     if n <= GROUPED_MAX_ROWS || b.exact() {
         let (up_fn, down_fn, table) = if packed {
-            b.packed_expert_kernels(experts)
+            b.packed_expert_kernels(experts, n == 1)
         } else {
             (&b.k.moe_up_g, &b.k.moe_down_g, expert_table(b, experts))
         };

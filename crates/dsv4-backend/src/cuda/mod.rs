@@ -127,6 +127,7 @@ pub(crate) struct Kernels {
     pub swiglu_act: CudaFunction,
     pub rms_norm: CudaFunction,
     pub rope: CudaFunction,
+    pub gemv_f32: CudaFunction,
     pub hc_pre: CudaFunction,
     pub hc_post: CudaFunction,
     pub hc_head: CudaFunction,
@@ -141,6 +142,7 @@ pub(crate) struct Kernels {
     pub moe_down: CudaFunction,
     pub moe_combine: CudaFunction,
     pub gemv_bf16: CudaFunction,
+    pub gemv1_bf16: CudaFunction,
     pub cast_bf16: CudaFunction,
     pub moe_sort: CudaFunction,
     pub moe_up_g: CudaFunction,
@@ -211,7 +213,11 @@ fn compile(ctx: &Arc<CudaContext>, idx: usize, names: &[&str]) -> Result<Vec<Cud
 
 impl Kernels {
     fn load(ctx: &Arc<CudaContext>) -> Result<Self, CudaInitError> {
-        let d = compile(ctx, 0, &["gather_rows", "add", "copy_blocks", "hc_expand", "swiglu_act", "rms_norm", "rope"])?;
+        let d = compile(
+            ctx,
+            0,
+            &["gather_rows", "add", "copy_blocks", "hc_expand", "swiglu_act", "rms_norm", "rope", "gemv_f32"],
+        )?;
         let h = compile(ctx, 1, &["hc_pre", "hc_post", "hc_head"])?;
         let a = compile(ctx, 2, &["comp_pool", "comp_store", "index_score", "index_topk", "attention", "ring_write"])?;
         let m = compile(ctx, 3, &["route", "moe_up", "moe_down", "moe_combine"])?;
@@ -229,6 +235,7 @@ impl Kernels {
                 "moe_combine_sorted",
                 "probe_finite",
                 "rand_normal",
+                "gemv1_bf16",
             ],
         )?
         .into_iter();
@@ -245,6 +252,7 @@ impl Kernels {
             swiglu_act: n(&mut d),
             rms_norm: n(&mut d),
             rope: n(&mut d),
+            gemv_f32: n(&mut d),
             hc_pre: n(&mut h),
             hc_post: n(&mut h),
             hc_head: n(&mut h),
@@ -268,6 +276,7 @@ impl Kernels {
             moe_combine_sorted: n(&mut bf),
             probe_finite: n(&mut bf),
             rand_normal: n(&mut bf),
+            gemv1_bf16: n(&mut bf),
         })
     }
 }
@@ -442,7 +451,8 @@ impl CudaBackend {
         p
     }
 
-    /// `out[n, m] = x[n, k] · w[m, k]ᵀ` through cuBLAS (column-major: `outᵀ = w · xᵀ`).
+    /// `out[n, m] = x[n, k] · w[m, k]ᵀ`: up to 8 rows `gemv_f32`, else cuBLAS (column-major:
+    /// `outᵀ = w · xᵀ`).
     pub(crate) fn gemm_xwt(
         &self,
         x: &CudaSlice<f32>,
@@ -453,6 +463,25 @@ impl CudaBackend {
     ) -> CudaSlice<f32> {
         let mut out = self.alloc::<f32>(n * m);
         if n == 0 || m == 0 {
+            return out;
+        }
+        if n <= 8 {
+            let lc = LaunchConfig { grid_dim: (m as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: argument types and buffer sizes match the kernel.
+            ck(
+                unsafe {
+                    self.stream
+                        .launch_builder(&self.k.gemv_f32)
+                        .arg(&mut out)
+                        .arg(x)
+                        .arg(w)
+                        .arg(&(n as i32))
+                        .arg(&(k as i32))
+                        .arg(&(m as i32))
+                        .launch(lc)
+                },
+                "gemv_f32",
+            );
             return out;
         }
         let cfg = GemmConfig {

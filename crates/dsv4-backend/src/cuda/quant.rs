@@ -62,7 +62,7 @@ impl QuantKernels {
         let module = ctx.load_module(super::ptx("quant.cu", &source())?)?;
         let mut names = vec!["gather_bf16".to_string(), "rand_bytes".into(), "patch_blocks".into(), "fill_u8".into()];
         for f in PackedFormat::ALL.into_iter().map(suffix).chain(["bf16w"]) {
-            for k in ["gemv", "moe_up", "moe_down", "deq_bf16"] {
+            for k in ["gemv", "moe_up", "moe_down", "deq_bf16", "gemv1", "moe_up1", "moe_down1"] {
                 names.push(format!("{k}_{f}"));
             }
         }
@@ -241,7 +241,7 @@ impl CudaBackend {
         ck(
             unsafe {
                 self.stream
-                    .launch_builder(self.qk.of("gemv", q.format))
+                    .launch_builder(self.qk.of(if n == 1 { "gemv1" } else { "gemv" }, q.format))
                     .arg(&mut out.data)
                     .arg(&x.data)
                     .arg(&q.blocks)
@@ -287,9 +287,11 @@ impl CudaBackend {
     /// The up / down kernels of routed experts held packed (or bf16 beside packed ones, where
     /// a matrix's rows are not whole blocks) and their 6·E address table (w1, w3, w2 blocks,
     /// then scales).
+    /// `single`: one token row (each expert then has at most one), the one-row kernels.
     pub(crate) fn packed_expert_kernels(
         &self,
         experts: &[dsv4_model::weights::Expert<CudaWeight>],
+        single: bool,
     ) -> (&CudaFunction, &CudaFunction, Arc<CudaSlice<u64>>) {
         // Kernel suffix, block address and scale address of one matrix.
         let parts = |w: &CudaWeight| match (&w.q, &w.bf) {
@@ -312,7 +314,8 @@ impl CudaBackend {
                 ptrs[(3 + i) * ne + e] = scales;
             }
         }
-        (self.qk.get(&format!("moe_up_{f13}")), self.qk.get(&format!("moe_down_{f2}")), self.address_table(ptrs))
+        let r = if single { "1" } else { "" };
+        (self.qk.get(&format!("moe_up{r}_{f13}")), self.qk.get(&format!("moe_down{r}_{f2}")), self.address_table(ptrs))
     }
 
     /// `out[i, :] = table[tokens[i], :]` for a bf16 table.

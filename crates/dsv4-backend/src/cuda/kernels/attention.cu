@@ -212,7 +212,7 @@ extern "C" __global__ void index_topk(unsigned* sel, int topk, const float* scor
     for (int j = threadIdx.x; j < k; j += blockDim.x) sel[(long long)t * topk + j] = sidx[j];
 }
 
-#define ATT_WARPS 4
+#define ATT_WARPS 16  // keys split over 16 warps: a decode row still fills a block per head
 #define MAX_D 512
 
 // Sink-softmax attention of one (row, head) per block over the row's window rows (ring before the

@@ -40,52 +40,70 @@ __device__ __forceinline__ float dot8(const float* w, const float* __restrict__ 
 
 // acc[j] += w_row · x_row(j) for the `nr` rows given by `xrow[j]` (each `k` wide, 16-byte
 // aligned when vec). One warp; lane-strided 8-element chunks.
-__device__ __forceinline__ void warp_rows_dot(float* acc, const unsigned short* __restrict__ wr,
-                                              const float* const* xrow, int nr, int k, bool vec, int lane) {
+template <int R>
+__device__ __forceinline__ void warp_rows_dot_r(float* acc, const unsigned short* __restrict__ wr,
+                                                const float* const* xrow, int nr, int k, bool vec, int lane) {
     if (vec) {
 #pragma unroll 2
         for (int c = lane * 8; c < k; c += 256) {
             float wf[8];
             unpack8(ldg_stream(wr + c), wf);
 #pragma unroll
-            for (int j = 0; j < GV_ROWS; j++)
+            for (int j = 0; j < R; j++)
                 if (j < nr) acc[j] += dot8(wf, xrow[j] + c);
         }
     } else {
         for (int c = lane; c < k; c += 32) {
             float wf = bf2f(wr[c]);
 #pragma unroll
-            for (int j = 0; j < GV_ROWS; j++)
+            for (int j = 0; j < R; j++)
                 if (j < nr) acc[j] += wf * xrow[j][c];
         }
     }
 }
 
+__device__ __forceinline__ void warp_rows_dot(float* acc, const unsigned short* __restrict__ wr,
+                                              const float* const* xrow, int nr, int k, bool vec, int lane) {
+    warp_rows_dot_r<GV_ROWS>(acc, wr, xrow, nr, k, vec, lane);
+}
+
 // out[r, o] = x[r, (o / rpg)·k .. +k] · w[o, :] for r < n, o < m; x rows are ldx apart (a plain
-// product has rpg = m). One warp per output column o, rows in groups of 8.
-extern "C" __global__ void gemv_bf16(float* __restrict__ out, const float* __restrict__ x,
-                                     const unsigned short* __restrict__ w, int n, int k, int m, int ldx, int rpg) {
+// product has rpg = m). One warp per output column o, rows in groups of R (8; 1 for a single
+// row: fewer registers, more warps resident).
+template <int R>
+__device__ void gemv_bf16_r(float* __restrict__ out, const float* __restrict__ x,
+                            const unsigned short* __restrict__ w, int n, int k, int m, int ldx, int rpg) {
     int o = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
     if (o >= m) return;
     const unsigned short* wr = w + (long long)o * k;
     long long xoff = (long long)(o / rpg) * k;
     bool vec = (k & 7) == 0 && (ldx & 3) == 0 && (xoff & 3) == 0;
-    for (int r0 = 0; r0 < n; r0 += GV_ROWS) {
-        int nr = min(GV_ROWS, n - r0);
-        float acc[GV_ROWS];
-        const float* xrow[GV_ROWS];
+    for (int r0 = 0; r0 < n; r0 += R) {
+        int nr = min(R, n - r0);
+        float acc[R];
+        const float* xrow[R];
 #pragma unroll
-        for (int j = 0; j < GV_ROWS; j++) {
+        for (int j = 0; j < R; j++) {
             acc[j] = 0.f;
             xrow[j] = x + (long long)(r0 + min(j, nr - 1)) * ldx + xoff;
         }
-        warp_rows_dot(acc, wr, xrow, nr, k, vec, lane);
+        warp_rows_dot_r<R>(acc, wr, xrow, nr, k, vec, lane);
 #pragma unroll
-        for (int j = 0; j < GV_ROWS; j++) {
+        for (int j = 0; j < R; j++) {
             float v = warp_sum(acc[j]);
             if (j < nr && lane == 0) out[(long long)(r0 + j) * m + o] = v;
         }
     }
+}
+
+extern "C" __global__ void gemv_bf16(float* out, const float* x, const unsigned short* w, int n, int k, int m,
+                                     int ldx, int rpg) {
+    gemv_bf16_r<GV_ROWS>(out, x, w, n, k, m, ldx, rpg);
+}
+
+extern "C" __global__ void gemv1_bf16(float* out, const float* x, const unsigned short* w, int n, int k, int m,
+                                      int ldx, int rpg) {
+    gemv_bf16_r<1>(out, x, w, n, k, m, ldx, rpg);
 }
 
 extern "C" __global__ void cast_bf16(unsigned short* out, const float* x, long long len) {

@@ -67,3 +67,23 @@ extern "C" __global__ void rope(float* x, const unsigned* rows, int n, const dou
         v[1] = a * s + b * c;
     }
 }
+
+// out[r, o] = x[r, :] · w[o, :] for r < n <= 8, f32 weights (mHC, router): one block of 256
+// threads per output column, each thread a strided slice of k, then a fixed-order block sum —
+// a decode row's product of a short, very wide matrix (mHC: 24 × 16384) gets the whole block.
+extern "C" __global__ void gemv_f32(float* out, const float* x, const float* w, int n, int k, int m) {
+    __shared__ float sh[32];
+    int o = blockIdx.x;
+    if (o >= m) return;
+    const float* wr = w + (long long)o * k;
+    float acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = 0.f;
+    for (int c = threadIdx.x; c < k; c += blockDim.x) {
+        float wv = wr[c];
+        for (int j = 0; j < n; j++) acc[j] += wv * x[(long long)j * k + c];
+    }
+    for (int j = 0; j < n; j++) {
+        float v = block_sum(acc[j], sh);
+        if (threadIdx.x == 0) out[(long long)j * m + o] = v;
+    }
+}

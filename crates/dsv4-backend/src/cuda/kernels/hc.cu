@@ -4,29 +4,36 @@
 #define MAX_HC 8
 
 // Sinkhorn normalisation of an n×n matrix after a row softmax, in the oracle's exact order.
-__device__ void sinkhorn(float* c, const float* a, int n, int iters, float eps) {
-    for (int j = 0; j < n; j++) {
+// Called by all of warp 0: lane j < n owns row j in the row passes and column j in the column
+// passes, each summed and divided in the serial loop's order (so the result is the same), with
+// the ~2·iters passes no longer serialised on one thread.
+__device__ void sinkhorn_warp(float* c, const float* a, int n, int iters, float eps) {
+    int j = threadIdx.x;
+    if (j < n) {
         float m = -INFINITY;
         for (int k = 0; k < n; k++) m = fmaxf(m, a[j * n + k]);
         float s = 0.f;
         for (int k = 0; k < n; k++) s += expf(a[j * n + k] - m);
         for (int k = 0; k < n; k++) c[j * n + k] = expf(a[j * n + k] - m) / s + eps;
     }
+    __syncwarp();
     for (int it = 0; it < iters; it++) {
         if (it > 0) {
-            for (int j = 0; j < n; j++) {
+            if (j < n) {
                 float s = 0.f;
                 for (int k = 0; k < n; k++) s += c[j * n + k];
                 s += eps;
                 for (int k = 0; k < n; k++) c[j * n + k] /= s;
             }
+            __syncwarp();
         }
-        for (int k = 0; k < n; k++) {
+        if (j < n) {
             float s = 0.f;
-            for (int j = 0; j < n; j++) s += c[j * n + k];
+            for (int r = 0; r < n; r++) s += c[r * n + j];
             s += eps;
-            for (int j = 0; j < n; j++) c[j * n + k] /= s;
+            for (int r = 0; r < n; r++) c[r * n + j] /= s;
         }
+        __syncwarp();
     }
 }
 
@@ -45,6 +52,7 @@ extern "C" __global__ void hc_pre(float* y, float* post, float* comb, const floa
     __shared__ float sh[32];
     __shared__ float pre[MAX_HC];
     __shared__ float a[MAX_HC * MAX_HC];
+    __shared__ float cm[MAX_HC * MAX_HC];
     int i = blockIdx.x, mix = (2 + n) * n;
     const float* xr = x + (long long)i * n * d;
     float rho = hc_rho(xr, n * d, rms_eps, sh);
@@ -53,9 +61,12 @@ extern "C" __global__ void hc_pre(float* y, float* post, float* comb, const floa
         for (int j = 0; j < n; j++) pre[j] = sigmoid_(mi[j] * rho * scale[0] + base[j]) + hc_eps;
         for (int j = 0; j < n; j++) post[i * n + j] = 2.0f * sigmoid_(mi[n + j] * rho * scale[1] + base[n + j]);
         for (int j = 0; j < n * n; j++) a[j] = mi[2 * n + j] * rho * scale[2] + base[2 * n + j];
-        sinkhorn(comb + (long long)i * n * n, a, n, iters, hc_eps);
     }
     __syncthreads();
+    // In shared memory (its ~2·iters dependent passes would each wait on global memory).
+    if (threadIdx.x < 32) sinkhorn_warp(cm, a, n, iters, hc_eps);
+    __syncthreads();
+    for (int j = threadIdx.x; j < n * n; j += blockDim.x) comb[(long long)i * n * n + j] = cm[j];
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
         float acc = 0.f;
         for (int s = 0; s < n; s++) acc += pre[s] * xr[s * d + c];

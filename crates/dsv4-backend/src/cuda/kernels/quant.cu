@@ -164,21 +164,24 @@ __device__ __forceinline__ float dot8q(const float* w, const float* __restrict__
     return s;
 }
 
-// acc[j] += w_row · x_row(j) for the nr rows xrow[j] (k a multiple of 8, rows 16-byte aligned).
-template <int F>
+// acc[j] += w_row · x_row(j) for the nr <= R rows xrow[j] (k a multiple of 8, rows 16-byte
+// aligned). R is 1 for single-row products (decode at batch 1: few registers, full occupancy)
+// and GV_ROWS otherwise.
+template <int F, int R>
 __device__ __forceinline__ void qrows_dot(float* acc, const u8* __restrict__ wr, const u8* __restrict__ sr,
                                           const float* const* xrow, int nr, int k, int lane) {
+#pragma unroll 4
     for (int c = lane * 8; c < k; c += 256) {
         float wf[8];
         deq8<F>(wr, sr, c, wf);
 #pragma unroll
-        for (int j = 0; j < GV_ROWS; j++)
+        for (int j = 0; j < R; j++)
             if (j < nr) acc[j] += dot8q(wf, xrow[j] + c);
     }
 }
 
 // out[r, o] = x[r, (o / rpg)·k .. +k] · w[o, :] for r < n, o < m (as gemv_bf16).
-template <int F>
+template <int F, int R>
 __device__ void gemv_q(float* __restrict__ out, const float* __restrict__ x, const u8* __restrict__ w,
                        const u8* __restrict__ s, int n, int k, int m, int ldx, int rpg) {
     int o = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
@@ -186,18 +189,18 @@ __device__ void gemv_q(float* __restrict__ out, const float* __restrict__ x, con
     const u8* wr = w + (long long)o * row_bytes(F, k);
     const u8* sr = scale_row(F, s, o, k);
     long long xoff = (long long)(o / rpg) * k;
-    for (int r0 = 0; r0 < n; r0 += GV_ROWS) {
-        int nr = min(GV_ROWS, n - r0);
-        float acc[GV_ROWS];
-        const float* xrow[GV_ROWS];
+    for (int r0 = 0; r0 < n; r0 += R) {
+        int nr = min(R, n - r0);
+        float acc[R];
+        const float* xrow[R];
 #pragma unroll
-        for (int j = 0; j < GV_ROWS; j++) {
+        for (int j = 0; j < R; j++) {
             acc[j] = 0.f;
             xrow[j] = x + (long long)(r0 + min(j, nr - 1)) * ldx + xoff;
         }
-        qrows_dot<F>(acc, wr, sr, xrow, nr, k, lane);
+        qrows_dot<F, R>(acc, wr, sr, xrow, nr, k, lane);
 #pragma unroll
-        for (int j = 0; j < GV_ROWS; j++) {
+        for (int j = 0; j < R; j++) {
             float v = warp_sum(acc[j]);
             if (j < nr && lane == 0) out[(long long)(r0 + j) * m + o] = v;
         }
@@ -212,7 +215,7 @@ __device__ __forceinline__ float swiglu_q(float g, float u, float limit) {
 
 // Routed experts, grouped by expert as moe_up_g / moe_down_g in bf16.cu. ptrs holds 6·E device
 // addresses: w1, w3, w2 blocks of every expert, then w1, w3, w2 scales.
-template <int F>
+template <int F, int R>
 __device__ void moe_up_q(float* __restrict__ h, const float* __restrict__ x, const unsigned* order,
                          const unsigned* off, const unsigned* active, const unsigned long long* ptrs, int nexp, int k,
                          int d, int inter, float limit) {
@@ -226,28 +229,28 @@ __device__ void moe_up_q(float* __restrict__ h, const float* __restrict__ x, con
     const u8* s1 = scale_row(F, (const u8*)ptrs[3 * nexp + e], o, d);
     const u8* s3 = scale_row(F, (const u8*)ptrs[4 * nexp + e], o, d);
     unsigned b0 = off[e], b1 = off[e + 1];
-    for (unsigned s0 = b0; s0 < b1; s0 += GV_ROWS) {
-        int nr = min(GV_ROWS, (int)(b1 - s0));
-        float ag[GV_ROWS], au[GV_ROWS];
-        const float* xrow[GV_ROWS];
-        unsigned slot[GV_ROWS];
+    for (unsigned s0 = b0; s0 < b1; s0 += R) {
+        int nr = min(R, (int)(b1 - s0));
+        float ag[R], au[R];
+        const float* xrow[R];
+        unsigned slot[R];
 #pragma unroll
-        for (int j = 0; j < GV_ROWS; j++) {
+        for (int j = 0; j < R; j++) {
             ag[j] = au[j] = 0.f;
             slot[j] = order[s0 + min(j, nr - 1)];
             xrow[j] = x + (long long)(slot[j] / k) * d;
         }
-        qrows_dot<F>(ag, w1, s1, xrow, nr, d, lane);
-        qrows_dot<F>(au, w3, s3, xrow, nr, d, lane);
+        qrows_dot<F, R>(ag, w1, s1, xrow, nr, d, lane);
+        qrows_dot<F, R>(au, w3, s3, xrow, nr, d, lane);
 #pragma unroll
-        for (int j = 0; j < GV_ROWS; j++) {
+        for (int j = 0; j < R; j++) {
             float g = warp_sum(ag[j]), u = warp_sum(au[j]);
             if (j < nr && lane == 0) h[(long long)slot[j] * inter + o] = swiglu_q(g, u, limit);
         }
     }
 }
 
-template <int F>
+template <int F, int R>
 __device__ void moe_down_q(float* __restrict__ y, const float* __restrict__ h, const unsigned* order,
                            const unsigned* off, const unsigned* active, const unsigned long long* ptrs, int nexp,
                            int d, int inter) {
@@ -258,20 +261,20 @@ __device__ void moe_down_q(float* __restrict__ y, const float* __restrict__ h, c
     const u8* w2 = (const u8*)ptrs[2 * nexp + e] + c * row_bytes(F, inter);
     const u8* s2 = scale_row(F, (const u8*)ptrs[5 * nexp + e], c, inter);
     unsigned b0 = off[e], b1 = off[e + 1];
-    for (unsigned s0 = b0; s0 < b1; s0 += GV_ROWS) {
-        int nr = min(GV_ROWS, (int)(b1 - s0));
-        float acc[GV_ROWS];
-        const float* hrow[GV_ROWS];
-        unsigned slot[GV_ROWS];
+    for (unsigned s0 = b0; s0 < b1; s0 += R) {
+        int nr = min(R, (int)(b1 - s0));
+        float acc[R];
+        const float* hrow[R];
+        unsigned slot[R];
 #pragma unroll
-        for (int j = 0; j < GV_ROWS; j++) {
+        for (int j = 0; j < R; j++) {
             acc[j] = 0.f;
             slot[j] = order[s0 + min(j, nr - 1)];
             hrow[j] = h + (long long)slot[j] * inter;
         }
-        qrows_dot<F>(acc, w2, s2, hrow, nr, inter, lane);
+        qrows_dot<F, R>(acc, w2, s2, hrow, nr, inter, lane);
 #pragma unroll
-        for (int j = 0; j < GV_ROWS; j++) {
+        for (int j = 0; j < R; j++) {
             float v = warp_sum(acc[j]);
             if (j < nr && lane == 0) y[(long long)slot[j] * d + c] = v;
         }
@@ -299,21 +302,26 @@ __device__ void deq_bf16(u16* out, const u8* w, const u8* s, long long rows, int
     }
 }
 
+// Every kernel twice: `name` for up to GV_ROWS rows at a time, `name1` for one row.
+#define ROW_KERNELS(F, N, R, S)                                                                                      \
+    extern "C" __global__ void gemv##S##_##N(float* out, const float* x, const u8* w, const u8* s, int n, int k,    \
+                                             int m, int ldx, int rpg) {                                              \
+        gemv_q<F, R>(out, x, w, s, n, k, m, ldx, rpg);                                                               \
+    }                                                                                                                \
+    extern "C" __global__ void moe_up##S##_##N(float* h, const float* x, const unsigned* order, const unsigned* off, \
+                                               const unsigned* active, const unsigned long long* ptrs, int nexp,    \
+                                               int k, int d, int inter, float limit) {                               \
+        moe_up_q<F, R>(h, x, order, off, active, ptrs, nexp, k, d, inter, limit);                                    \
+    }                                                                                                                \
+    extern "C" __global__ void moe_down##S##_##N(float* y, const float* h, const unsigned* order,                   \
+                                                 const unsigned* off, const unsigned* active,                        \
+                                                 const unsigned long long* ptrs, int nexp, int d, int inter) {       \
+        moe_down_q<F, R>(y, h, order, off, active, ptrs, nexp, d, inter);                                            \
+    }
+
 #define QUANT_KERNELS(F, N)                                                                                          \
-    extern "C" __global__ void gemv_##N(float* out, const float* x, const u8* w, const u8* s, int n, int k, int m,  \
-                                        int ldx, int rpg) {                                                          \
-        gemv_q<F>(out, x, w, s, n, k, m, ldx, rpg);                                                                  \
-    }                                                                                                                \
-    extern "C" __global__ void moe_up_##N(float* h, const float* x, const unsigned* order, const unsigned* off,      \
-                                          const unsigned* active, const unsigned long long* ptrs, int nexp, int k,   \
-                                          int d, int inter, float limit) {                                           \
-        moe_up_q<F>(h, x, order, off, active, ptrs, nexp, k, d, inter, limit);                                       \
-    }                                                                                                                \
-    extern "C" __global__ void moe_down_##N(float* y, const float* h, const unsigned* order, const unsigned* off,    \
-                                            const unsigned* active, const unsigned long long* ptrs, int nexp, int d, \
-                                            int inter) {                                                             \
-        moe_down_q<F>(y, h, order, off, active, ptrs, nexp, d, inter);                                               \
-    }                                                                                                                \
+    ROW_KERNELS(F, N, GV_ROWS, )                                                                                     \
+    ROW_KERNELS(F, N, 1, 1)                                                                                          \
     extern "C" __global__ void deq_bf16_##N(u16* out, const u8* w, const u8* s, long long rows, int k) {            \
         deq_bf16<F>(out, w, s, rows, k);                                                                             \
     }
