@@ -125,10 +125,31 @@ fn run_speculative<B: Backend>(
     let logits = speculative::prefill(cfg, &mut st, model, seq, 0, prompt, opts.prefill_chunk)?;
     let prefill_secs = t0.elapsed().as_secs_f64();
     let t1 = std::time::Instant::now();
+    let (tokens, stop) = decode_speculative(model, seq, prompt.len(), &logits, &mut st, sampler, opts, cfg)?;
+    let gen = Generation { tokens, margins: Vec::new(), stop, prefill_secs, decode_secs: t1.elapsed().as_secs_f64() };
+    Ok((gen, st.stats))
+}
+
+/// The decode half of [`generate_speculative`]: slot `seq` holds the `prompt_len` prefilled
+/// prompt tokens (their captured rows committed to `st`), `logits` are the last prompt row's.
+/// Samples the first token from them, then runs speculative rounds up to
+/// `opts.max_new_tokens` tokens or a stop id. Tests restore a prefilled snapshot and call this
+/// instead of prefilling the prompt again for every sample.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_speculative<B: Backend>(
+    model: &mut Model<B>,
+    seq: usize,
+    prompt_len: usize,
+    logits: &[f32],
+    st: &mut SpecSeq,
+    sampler: &mut Sampler,
+    opts: &GenerateOptions<'_>,
+    cfg: &SpecConfig,
+) -> Result<(Vec<u32>, StopReason), GenerateError> {
     let mut stop = StopReason::Length;
     let mut tokens = Vec::new();
     if opts.max_new_tokens > 0 {
-        tokens.push(sampler.sample(&logits)?);
+        tokens.push(sampler.sample(logits)?);
     }
     let max_pos = model.cfg.max_position;
     loop {
@@ -140,14 +161,13 @@ fn run_speculative<B: Backend>(
             stop = StopReason::Eos;
             break;
         }
-        let pos = prompt.len() + tokens.len() - 1;
+        let pos = prompt_len + tokens.len() - 1;
         let limit = (opts.max_new_tokens - tokens.len() - 1).min(max_pos.saturating_sub(pos + 1));
-        let r = speculative::round(cfg, &mut st, model, seq, last, limit, sampler, opts.stop_ids)?;
+        let r = speculative::round(cfg, st, model, seq, last, limit, sampler, opts.stop_ids)?;
         tokens.extend(&r.tokens);
     }
     if tokens.last().is_some_and(|t| opts.stop_ids.contains(t)) {
         stop = StopReason::Eos;
     }
-    let gen = Generation { tokens, margins: Vec::new(), stop, prefill_secs, decode_secs: t1.elapsed().as_secs_f64() };
-    Ok((gen, st.stats))
+    Ok((tokens, stop))
 }

@@ -238,6 +238,10 @@ impl Default for SpecPolicy {
     }
 }
 
+/// The acceptance rule of sampled rounds: `(drafts, draft probs, target probs, vocab, rng)` →
+/// `(drafts accepted, next token)`, as [`accept_sampled`].
+pub type SampledAcceptance = fn(&[u32], Option<&[f32]>, &[f32], usize, &mut ChaCha8Rng) -> (usize, u32);
+
 /// DSpark settings of a generation or an engine.
 #[derive(Clone)]
 pub struct SpecConfig {
@@ -249,6 +253,10 @@ pub struct SpecConfig {
     /// decode plainly, so a seeded request gives exactly its plain tokens.
     pub sampled: bool,
     pub policy: SpecPolicy,
+    /// Test hook: the rule of rounds at temperature > 0. Always [`accept_sampled`] outside tests;
+    /// `tests/dspark_distribution.rs` swaps in broken rules to show that its χ² test catches them.
+    #[doc(hidden)]
+    pub sampled_acceptance: SampledAcceptance,
 }
 
 impl std::fmt::Debug for SpecConfig {
@@ -265,7 +273,13 @@ impl std::fmt::Debug for SpecConfig {
 impl SpecConfig {
     pub fn new(proposer: Arc<dyn Proposer>) -> Self {
         let max_draft = proposer.block_size();
-        SpecConfig { proposer, max_draft, sampled: false, policy: SpecPolicy::default() }
+        SpecConfig {
+            proposer,
+            max_draft,
+            sampled: false,
+            policy: SpecPolicy::default(),
+            sampled_acceptance: accept_sampled::<ChaCha8Rng>,
+        }
     }
 
     /// The longest draft per round.
@@ -540,7 +554,7 @@ impl SpecSeq {
             for row in logits.chunks(vocab) {
                 probs.extend(sampler.probs(row)?);
             }
-            accept_sampled(&plan.drafts, plan.q.as_deref(), &probs, vocab, sampler.rng_mut())
+            (cfg.sampled_acceptance)(&plan.drafts, plan.q.as_deref(), &probs, vocab, sampler.rng_mut())
         };
         self.stats.record(l, n);
         if l > 0 {
