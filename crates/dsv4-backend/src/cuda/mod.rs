@@ -466,7 +466,9 @@ impl CudaBackend {
             return out;
         }
         if n <= 8 {
-            let lc = LaunchConfig { grid_dim: (m as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            // Wide rows (mHC: 16384) get 1024 threads: more loads in flight per output.
+            let threads = if k >= 8192 { 1024 } else { 256 };
+            let lc = LaunchConfig { grid_dim: (m as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
             // SAFETY: argument types and buffer sizes match the kernel.
             ck(
                 unsafe {
@@ -780,7 +782,8 @@ impl Backend for CudaBackend {
         let mut y = self.tensor(x.rows, d);
         let mut post = self.tensor(x.rows, n);
         let mut comb = self.tensor(x.rows, n * n);
-        let lc = LaunchConfig { grid_dim: (x.rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // 1024 threads: the whole n·d row is read twice (ρ, then the mix) by one block.
+        let lc = LaunchConfig { grid_dim: (x.rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types and sizes match the kernel's signature.
         ck(
             unsafe {
@@ -836,7 +839,8 @@ impl Backend for CudaBackend {
             return y;
         }
         let m = self.matmul(x, &hc.fn_);
-        let lc = LaunchConfig { grid_dim: (x.rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // 1024 threads: the whole n·d row is read twice (ρ, then the mix) by one block.
+        let lc = LaunchConfig { grid_dim: (x.rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types and sizes match the kernel's signature.
         ck(
             unsafe {

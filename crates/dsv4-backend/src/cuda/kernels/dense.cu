@@ -76,13 +76,26 @@ extern "C" __global__ void gemv_f32(float* out, const float* x, const float* w, 
     int o = blockIdx.x;
     if (o >= m) return;
     const float* wr = w + (long long)o * k;
+    if (n == 1) {  // decode: one accumulator in a register
+        float acc = 0.f;
+#pragma unroll 4
+        for (int c = threadIdx.x; c < k; c += blockDim.x) acc += wr[c] * x[c];
+        float v = block_sum(acc, sh);
+        if (threadIdx.x == 0) out[o] = v;
+        return;
+    }
     float acc[8];
+#pragma unroll
     for (int j = 0; j < 8; j++) acc[j] = 0.f;
     for (int c = threadIdx.x; c < k; c += blockDim.x) {
         float wv = wr[c];
-        for (int j = 0; j < n; j++) acc[j] += wv * x[(long long)j * k + c];
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (j < n) acc[j] += wv * x[(long long)j * k + c];
     }
-    for (int j = 0; j < n; j++) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        if (j >= n) break;
         float v = block_sum(acc[j], sh);
         if (threadIdx.x == 0) out[(long long)j * m + o] = v;
     }
