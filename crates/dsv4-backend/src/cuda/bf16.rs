@@ -6,11 +6,11 @@
 //! accumulation. Larger products cast the activations to bf16 and run cuBLAS `gemmEx` (bf16
 //! inputs, f32 compute and output). Routed experts: the (row, slot) pairs are grouped by expert
 //! on the device; up to [`GROUPED_MAX_ROWS`] rows (or in exact mode) one launch each for the
-//! up and down projections covers every active expert with no host synchronisation; above
+//! up and down projections (`quant.cu`, where bf16 is one of the formats) covers every active
+//! expert with no host synchronisation; above
 //! that the expert offsets are read back (one sync per MoE layer) and each active expert runs
 //! two cuBLAS bf16 products over its gathered rows.
 
-use super::moe::expert_table;
 use super::{cfg1d, ck, CudaBackend, CudaCache, CudaRoute, CudaTensor, CudaWeight};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
@@ -285,12 +285,10 @@ pub(crate) fn moe(
         "moe_sort",
     );
     let (ki, di, ii, nei) = (k as i32, d as i32, inter as i32, ne as i32);
-    if n <= GROUPED_MAX_ROWS || b.exact() {
-        let (up_fn, down_fn, table) = if packed {
-            b.packed_expert_kernels(experts, n == 1)
-        } else {
-            (&b.k.moe_up_g, &b.k.moe_down_g, expert_table(b, experts))
-        };
+    // The grouped kernels (quant.cu, bf16 being one of its formats) step 8 values at a time;
+    // widths that are not multiples of 8 (no V4 shape) take the cuBLAS path below.
+    if (n <= GROUPED_MAX_ROWS || b.exact()) && d.is_multiple_of(8) && inter.is_multiple_of(8) {
+        let (up_fn, down_fn, table) = b.packed_expert_kernels(experts, n == 1);
         let mut h = b.alloc::<f32>(nk * inter);
         let mut y = b.alloc::<f32>(nk * d);
         let blocks = nk.min(ne) as u32;
@@ -318,7 +316,7 @@ pub(crate) fn moe(
                     .arg(&limit)
                     .launch(up)
             },
-            "moe_up_g",
+            "moe_up grouped",
         );
         ck(
             unsafe {
@@ -335,7 +333,7 @@ pub(crate) fn moe(
                     .arg(&ii)
                     .launch(down)
             },
-            "moe_down_g",
+            "moe_down grouped",
         );
         ck(
             unsafe {

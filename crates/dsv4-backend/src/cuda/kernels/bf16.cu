@@ -1,5 +1,6 @@
 // bf16 weights: the small-batch product (f32 activations × bf16 weights, f32 accumulation), the
-// grouped routed-expert kernels, casts, the nonfinite probe and on-device random init.
+// large-batch expert helpers, casts, the nonfinite probe and on-device random init. (The grouped
+// routed-expert kernels are quant.cu's, bf16 being one of its formats.)
 // Launchers: cuda/bf16.rs. Compiled with FMA contraction on (unlike the other files).
 //
 // bf16 values are carried as `unsigned short` (no cuda_bf16.h under NVRTC): the f32 value is
@@ -60,11 +61,6 @@ __device__ __forceinline__ void warp_rows_dot_r(float* acc, const unsigned short
                 if (j < nr) acc[j] += wf * xrow[j][c];
         }
     }
-}
-
-__device__ __forceinline__ void warp_rows_dot(float* acc, const unsigned short* __restrict__ wr,
-                                              const float* const* xrow, int nr, int k, bool vec, int lane) {
-    warp_rows_dot_r<GV_ROWS>(acc, wr, xrow, nr, k, vec, lane);
 }
 
 // out[r, o] = x[r, (o / rpg)·k .. +k] · w[o, :] for r < n, o < m; x rows are ldx apart (a plain
@@ -142,72 +138,6 @@ __device__ __forceinline__ float swiglu1(float g, float u, float limit) {
     g = fminf(g, limit);
     u = fminf(fmaxf(u, -limit), limit);
     return g * sigmoid_(g) * u;
-}
-
-// h[slot, o] = act(w1[e][o]·x[row], w3[e][o]·x[row]) for every slot routed to the block's expert
-// e = active[blockIdx.x]; grid (≥ active experts, ⌈inter/8⌉), 8 warps, one output per warp.
-// ptrs: 3·E bf16 weight pointers (w1 of each expert, then w3, then w2).
-extern "C" __global__ void moe_up_g(float* __restrict__ h, const float* __restrict__ x, const unsigned* order,
-                                    const unsigned* off, const unsigned* active, const unsigned long long* ptrs,
-                                    int nexp, int k, int d, int inter, float limit) {
-    if (blockIdx.x >= active[nexp]) return;
-    unsigned e = active[blockIdx.x];
-    int o = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (o >= inter) return;
-    const unsigned short* w1 = (const unsigned short*)ptrs[e] + (long long)o * d;
-    const unsigned short* w3 = (const unsigned short*)ptrs[nexp + e] + (long long)o * d;
-    bool vec = (d & 7) == 0;
-    unsigned b0 = off[e], b1 = off[e + 1];
-    for (unsigned s0 = b0; s0 < b1; s0 += GV_ROWS) {
-        int nr = min(GV_ROWS, (int)(b1 - s0));
-        float ag[GV_ROWS], au[GV_ROWS];
-        const float* xrow[GV_ROWS];
-        unsigned slot[GV_ROWS];
-#pragma unroll
-        for (int j = 0; j < GV_ROWS; j++) {
-            ag[j] = au[j] = 0.f;
-            slot[j] = order[s0 + min(j, nr - 1)];
-            xrow[j] = x + (long long)(slot[j] / k) * d;
-        }
-        warp_rows_dot(ag, w1, xrow, nr, d, vec, lane);
-        warp_rows_dot(au, w3, xrow, nr, d, vec, lane);
-#pragma unroll
-        for (int j = 0; j < GV_ROWS; j++) {
-            float g = warp_sum(ag[j]), u = warp_sum(au[j]);
-            if (j < nr && lane == 0) h[(long long)slot[j] * inter + o] = swiglu1(g, u, limit);
-        }
-    }
-}
-
-// y[slot, c] = w2[e][c]·h[slot] for every slot of the block's expert; grid (≥ active, ⌈d/8⌉).
-extern "C" __global__ void moe_down_g(float* __restrict__ y, const float* __restrict__ h, const unsigned* order,
-                                      const unsigned* off, const unsigned* active, const unsigned long long* ptrs,
-                                      int nexp, int d, int inter) {
-    if (blockIdx.x >= active[nexp]) return;
-    unsigned e = active[blockIdx.x];
-    int c = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (c >= d) return;
-    const unsigned short* w2 = (const unsigned short*)ptrs[2 * nexp + e] + (long long)c * inter;
-    bool vec = (inter & 7) == 0;
-    unsigned b0 = off[e], b1 = off[e + 1];
-    for (unsigned s0 = b0; s0 < b1; s0 += GV_ROWS) {
-        int nr = min(GV_ROWS, (int)(b1 - s0));
-        float acc[GV_ROWS];
-        const float* hrow[GV_ROWS];
-        unsigned slot[GV_ROWS];
-#pragma unroll
-        for (int j = 0; j < GV_ROWS; j++) {
-            acc[j] = 0.f;
-            slot[j] = order[s0 + min(j, nr - 1)];
-            hrow[j] = h + (long long)slot[j] * inter;
-        }
-        warp_rows_dot(acc, w2, hrow, nr, inter, vec, lane);
-#pragma unroll
-        for (int j = 0; j < GV_ROWS; j++) {
-            float v = warp_sum(acc[j]);
-            if (j < nr && lane == 0) y[(long long)slot[j] * d + c] = v;
-        }
-    }
 }
 
 // xs[p, :] = bf16(x[order[p] / k, :]); inv[order[p]] = p (the large-batch expert path).
