@@ -9,7 +9,7 @@
 #![cfg(feature = "cuda")]
 
 use dsv4_backend::cpu::Tensor;
-use dsv4_backend::cuda::{CudaBackend, CudaInitError};
+use dsv4_backend::cuda::CudaBackend;
 use dsv4_backend::{Backend, Model};
 use dsv4_dspark::weights::DrafterWeights;
 use dsv4_dspark::{Draft, DraftRequest, Drafter, DsparkConfig};
@@ -27,18 +27,7 @@ use std::sync::Arc;
 const TOL: f64 = 1e-4;
 
 fn gpu(f32_weights: bool) -> Option<CudaBackend> {
-    let r = if f32_weights { CudaBackend::new_f32(0) } else { CudaBackend::new(0) };
-    match r {
-        Ok(b) => {
-            b.set_exact(true);
-            Some(b)
-        }
-        Err(e @ (CudaInitError::NoDriver | CudaInitError::NoDevice | CudaInitError::NoLibrary(_))) => {
-            println!("skipping: no CUDA device ({e})");
-            None
-        }
-        Err(e) => panic!("CUDA backend failed to start: {e}"),
-    }
+    CudaBackend::exact_or_skip(f32_weights)
 }
 
 /// The DSpark golden fixtures: `DSV4_DSPARK_FIXTURES`, else the dsv4-dspark crate's.

@@ -8,7 +8,7 @@
 
 use dsv4_backend::bf16::round_weight;
 use dsv4_backend::cpu::CpuBackend;
-use dsv4_backend::cuda::{CudaBackend, CudaInitError};
+use dsv4_backend::cuda::CudaBackend;
 use dsv4_backend::{Batch, Model};
 use dsv4_model::store::write_safetensors;
 use dsv4_model::synth::{random_checkpoint, tiny_config, SynthDType};
@@ -16,17 +16,7 @@ use std::path::Path;
 use std::process::Command;
 
 fn gpu() -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
-        Ok(b) => {
-            b.set_exact(true);
-            Some(b)
-        }
-        Err(e @ (CudaInitError::NoDriver | CudaInitError::NoDevice | CudaInitError::NoLibrary(_))) => {
-            println!("skipping: no CUDA device ({e})");
-            None
-        }
-        Err(e) => panic!("CUDA backend failed to start: {e}"),
-    }
+    CudaBackend::exact_or_skip(false)
 }
 
 fn rel_err(a: &[f32], b: &[f32]) -> f64 {

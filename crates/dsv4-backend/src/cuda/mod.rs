@@ -373,6 +373,23 @@ impl CudaBackend {
         })
     }
 
+    /// For tests: the backend (bf16 weights, or f32 with `f32_weights`) in exact mode, or `None`
+    /// after printing `skipping: no CUDA device (…)` where no driver, library or device is
+    /// present (CI). Any other failure to start panics: that is a bug, not a missing GPU.
+    pub fn exact_or_skip(f32_weights: bool) -> Option<Self> {
+        match Self::with_weights(0, !f32_weights) {
+            Ok(b) => {
+                b.set_exact(true);
+                Some(b)
+            }
+            Err(e @ (CudaInitError::NoDriver | CudaInitError::NoDevice | CudaInitError::NoLibrary(_))) => {
+                println!("skipping: no CUDA device ({e})");
+                None
+            }
+            Err(e) => panic!("CUDA backend failed to start: {e}"),
+        }
+    }
+
     /// The device's name.
     pub fn device_name(&self) -> String {
         self.ctx.name().unwrap_or_default()

@@ -45,18 +45,7 @@ pub fn fixtures_dir() -> PathBuf {
 /// with a clear message where no driver or device is present.
 #[cfg(feature = "cuda")]
 pub fn gpu() -> Option<dsv4_backend::cuda::CudaBackend> {
-    use dsv4_backend::cuda::{CudaBackend, CudaInitError};
-    match CudaBackend::new(0) {
-        Ok(b) => {
-            b.set_exact(true);
-            Some(b)
-        }
-        Err(e @ (CudaInitError::NoDriver | CudaInitError::NoDevice | CudaInitError::NoLibrary(_))) => {
-            println!("skipping: no CUDA device ({e})");
-            None
-        }
-        Err(e) => panic!("CUDA backend failed to start: {e}"),
-    }
+    dsv4_backend::cuda::CudaBackend::exact_or_skip(false)
 }
 
 /// Deterministic pseudo-random token ids.
