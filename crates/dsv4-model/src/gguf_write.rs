@@ -249,6 +249,7 @@ mod tests {
             w.add_tensor("q8", GgmlType::Q8_0, &[6, 256], quant::quantize_q8_0(&x)).unwrap();
             w.add_tensor("q4k", GgmlType::Q4_K, &[2, 3, 256], quant::quantize_q4_k(&x)).unwrap();
             w.add_tensor("q2k", GgmlType::Q2_K, &[3, 512], quant::quantize_q2_k(&x)).unwrap();
+            w.add_tensor("iq2", GgmlType::IQ2_XXS, &[6, 256], quant::quantize_iq2_xxs(&x)).unwrap();
             let ib: Vec<u8> = [3i32, -1, 9].iter().flat_map(|v| v.to_le_bytes()).collect();
             w.add_tensor("ids", GgmlType::I32, &[3, 1], ib).unwrap();
             assert!(w.add_tensor("ids", GgmlType::I32, &[1], vec![0; 4]).unwrap_err().contains("twice"));
@@ -263,7 +264,7 @@ mod tests {
             for (k, v) in &meta {
                 assert_eq!(f.metadata(k), Some(v), "{k}");
             }
-            assert_eq!(f.tensors().len(), 6);
+            assert_eq!(f.tensors().len(), 7);
             assert!(f.tensors().iter().all(|t| t.offset % alignment == 0));
             assert_eq!(f.f32("plain").unwrap(), x[..160]);
             assert_eq!(f.info("plain").unwrap().dims, [32, 5]);
@@ -273,6 +274,7 @@ mod tests {
                 ("q8", GgmlType::Q8_0, vec![6, 256]),
                 ("q4k", GgmlType::Q4_K, vec![2, 3, 256]),
                 ("q2k", GgmlType::Q2_K, vec![3, 512]),
+                ("iq2", GgmlType::IQ2_XXS, vec![6, 256]),
             ] {
                 let t = f.info(name).unwrap();
                 assert_eq!((t.dtype, &t.shape), (ty, &shape));
@@ -281,7 +283,8 @@ mod tests {
                 match ty {
                     GgmlType::Q8_0 => quant::dequant_q8_0(f.raw(name).unwrap(), &mut want),
                     GgmlType::Q4_K => quant::dequant_q4_k(f.raw(name).unwrap(), &mut want),
-                    _ => quant::dequant_q2_k(f.raw(name).unwrap(), &mut want),
+                    GgmlType::Q2_K => quant::dequant_q2_k(f.raw(name).unwrap(), &mut want),
+                    _ => quant::dequant_iq2_xxs(f.raw(name).unwrap(), &mut want),
                 }
                 assert_eq!(got, want, "{name}");
                 let err = got.iter().zip(&x).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
