@@ -32,6 +32,8 @@ pub trait Backend: Send + Sync {
     type Sel;
     /// Expert choice and weights per row.
     type Route;
+    /// A recorded step the backend replays (CUDA graphs); `()` where it records nothing.
+    type Graph: Send + Sync;
 
     fn name(&self) -> &'static str;
     /// Takes a loaded tensor; one that arrives packed ([`HostTensor::packed`]) is kept so where
@@ -137,8 +139,16 @@ pub trait Backend: Send + Sync {
         cfg: &Config,
     ) -> Self::T;
 
-    /// Router (spec §6.1). `hash` holds the `k` expert ids of each row for hash layers.
-    fn route(&self, logits: &Self::T, bias: Option<&Self::W>, hash: Option<&[u32]>, cfg: &Config) -> Self::Route;
+    /// Router (spec §6.1). Hash layers pass their `tid2eid` table (`[vocab, k]` expert ids) with
+    /// the rows whose tokens index it: the lookup happens on the backend (a GPU reads the tokens
+    /// from its row table), so no per-step host data enters the forward.
+    fn route(
+        &self,
+        logits: &Self::T,
+        bias: Option<&Self::W>,
+        hash: Option<(&[u32], &Self::Rows)>,
+        cfg: &Config,
+    ) -> Self::Route;
     /// `Σ_j w_j · Expert_{idx_j}(x)` over the routed experts.
     fn moe(&self, x: &Self::T, route: &Self::Route, experts: &[Expert<Self::W>], limit: f32) -> Self::T;
     /// One clamped-SwiGLU expert applied to every row (the shared expert).
@@ -152,6 +162,37 @@ pub trait Backend: Send + Sync {
     /// The first `n` probes since the last reset: `Some(first nonfinite row)` or `None` when the
     /// stage was finite. Read once after a forward (one synchronisation on a GPU).
     fn read_probes(&self, cache: &Self::Cache, n: usize) -> Vec<Option<usize>>;
+
+    // Recorded steps ([`crate::model::Model`] records decode and verify steps once per shape and
+    // replays them). A backend that records nothing keeps the defaults.
+
+    /// The most rows a recorded step may hold; 0 where the backend records nothing.
+    fn graph_max_rows(&self) -> usize {
+        0
+    }
+    /// Before a recorded step is recorded or replayed: copies its inputs (row table, output
+    /// rows) into the shape's persistent buffers with one stream-ordered copy, and does on the
+    /// host what the recorded work cannot (state growth, bookkeeping). Returns the cache's
+    /// generation: a graph recorded under another one addresses buffers that have moved.
+    fn prepare_step(&self, _cache: &mut Self::Cache, _batch: &Batch, _out_rows: &[usize], _cols: usize) -> u64 {
+        0
+    }
+    /// Starts recording the forward of the prepared step of this shape (nothing runs until
+    /// [`Backend::replay`]); `false` where it cannot.
+    fn begin_record(&self, _rows: usize, _out: usize) -> bool {
+        false
+    }
+    /// Ends the recording; the forward's `logits` go to the step's output buffer.
+    fn end_record(&self, _logits: Self::T) -> Result<Self::Graph, String> {
+        Err(format!("the {} backend records no steps", self.name()))
+    }
+    /// Runs a recorded step over the inputs [`Backend::prepare_step`] staged.
+    fn replay(&self, _g: &Self::Graph) {}
+    /// The replayed step's logits on the host and the first output row holding a nonfinite
+    /// value.
+    fn step_output(&self, _g: &Self::Graph) -> (Vec<f32>, Option<usize>) {
+        (Vec::new(), Some(0))
+    }
 
     // DSpark drafter ops (spec `dspark.md` §3.3–§3.6).
 

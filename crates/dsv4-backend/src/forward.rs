@@ -131,12 +131,11 @@ fn run<B: Backend>(
     let e = b.embed(&w.embed, &rows);
     cx.cap(None, "embed", &e);
     let mut x = b.hc_expand(&e, cfg.hc_mult);
-    let tokens = batch.tokens();
     for (l, lw) in w.layers.iter().enumerate() {
         let names = ["attn.hc_pre", "attn.norm", "attn.residual"];
         x = sub_block(&mut cx, l, &x, &lw.hc_attn, &lw.attn_norm, names, |cx, a| attention(cx, l, lw, a));
         let names = ["ffn.hc_pre", "ffn.norm", "ffn.residual"];
-        x = sub_block(&mut cx, l, &x, &lw.hc_ffn, &lw.ffn_norm, names, |cx, f| moe(cx, l, lw, f, &tokens));
+        x = sub_block(&mut cx, l, &x, &lw.hc_ffn, &lw.ffn_norm, names, |cx, f| moe(cx, l, lw, f));
     }
     let xs = b.select_rows(&x, out_rows);
     let h = b.hc_head(&xs, &w.hc_head, cfg);
@@ -222,18 +221,14 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
     out
 }
 
-fn moe<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, f: &B::T, tokens: &[u32]) -> B::T {
+fn moe<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, f: &B::T) -> B::T {
     let (b, cfg) = (cx.b, cx.cfg);
     let m = &lw.ffn;
     let li = Some(l);
     let logits = b.matmul(f, &m.gate);
     cx.cap(li, "ffn.router", &logits);
-    let k = cfg.n_experts_per_tok;
-    let hash: Option<Vec<u32>> = m
-        .tid2eid
-        .as_ref()
-        .map(|t| tokens.iter().flat_map(|&tok| t[tok as usize * k..(tok as usize + 1) * k].iter().copied()).collect());
-    let route = b.route(&logits, m.bias.as_ref(), hash.as_deref(), cfg);
+    let hash = m.tid2eid.as_deref().map(|t| (t, cx.rows));
+    let route = b.route(&logits, m.bias.as_ref(), hash, cfg);
     let routed = b.moe(f, &route, &m.experts, cfg.swiglu_limit);
     cx.cap(li, "ffn.routed", &routed);
     let shared = b.swiglu(f, &m.shared, cfg.swiglu_limit);

@@ -4,11 +4,15 @@
 use crate::backend::Backend;
 use crate::batch::{Batch, BatchError};
 use crate::cpu::state::SeqState;
-use crate::forward::{forward_checked, Capture, RopeTables, Stage};
+use crate::forward::{forward, forward_checked, Capture, RopeTables, Stage};
 use dsv4_model::{
     load_weights_with, Checkpoint, Component, Config, HostTensor, LoadError, LoadOptions, MemoryStats, Weights,
 };
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
+
+/// Recorded step shapes kept at once (decode and verify steps of a deployment use a handful).
+const MAX_GRAPHS: usize = 64;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -110,6 +114,14 @@ pub struct Model<B: Backend> {
     cache: B::Cache,
     /// Tokens held by each allocated sequence slot.
     seqs: Vec<Option<usize>>,
+    /// Recorded steps by shape `(rows, output rows)`, with the cache generation each was
+    /// recorded under.
+    graphs: HashMap<(usize, usize), (u64, B::Graph)>,
+    /// Shapes run once: a shape is recorded the second time it comes (one-off shapes, such as
+    /// a short prompt's only chunk, stay eager; the first run also fills the backend's tables).
+    seen: HashSet<(usize, usize)>,
+    /// Whether steps the backend can record are recorded and replayed (`DSV4_GRAPHS=0`: never).
+    graphs_on: bool,
 }
 
 impl<B: Backend> Model<B> {
@@ -151,7 +163,31 @@ impl<B: Backend> Model<B> {
 
     pub fn new(backend: B, cfg: Config, weights: Weights<B::W>, max_seqs: usize) -> Self {
         let cache = backend.new_cache(&cfg, max_seqs);
-        Model { rope: RopeTables::new(&cfg), backend, cfg, weights, cache, seqs: vec![None; max_seqs] }
+        let graphs_on = std::env::var("DSV4_GRAPHS").map_or(true, |v| v.trim() != "0");
+        Model {
+            rope: RopeTables::new(&cfg),
+            backend,
+            cfg,
+            weights,
+            cache,
+            seqs: vec![None; max_seqs],
+            graphs: HashMap::new(),
+            seen: HashSet::new(),
+            graphs_on,
+        }
+    }
+
+    /// Turns recorded steps (CUDA graphs) on or off; on by default where the backend records.
+    pub fn set_graphs(&mut self, on: bool) {
+        self.graphs_on = on;
+        if !on {
+            self.graphs.clear();
+        }
+    }
+
+    /// How many step shapes are recorded now.
+    pub fn recorded_steps(&self) -> usize {
+        self.graphs.len()
     }
 
     /// Takes a free sequence slot with fresh (reset) state.
@@ -237,6 +273,11 @@ impl<B: Backend> Model<B> {
         self.forward_with(batch, out_rows, None)
     }
 
+    /// [`Model::forward`] handing every named intermediate to `cap`. Without a capture, steps
+    /// of up to [`Backend::graph_max_rows`] rows are recorded once per shape and replayed
+    /// (the same kernels on the same inputs: bitwise the eager result); their logits are checked
+    /// for nonfinite values, and when one is found the step is cut back and run again with every
+    /// stage probed, so the error still names the first stage.
     pub fn forward_with(
         &mut self,
         batch: &Batch,
@@ -244,6 +285,73 @@ impl<B: Backend> Model<B> {
         cap: Option<&mut dyn Capture<B>>,
     ) -> Result<Vec<f32>, ModelError> {
         self.check(batch)?;
+        if cap.is_none() && self.graphs_on && !out_rows.is_empty() && batch.len() <= self.backend.graph_max_rows() {
+            return self.forward_recorded(batch, out_rows);
+        }
+        self.forward_eager(batch, out_rows, cap)
+    }
+
+    fn forward_recorded(&mut self, batch: &Batch, out_rows: &[usize]) -> Result<Vec<f32>, ModelError> {
+        let key = (batch.len(), out_rows.len());
+        if !self.graphs.contains_key(&key) && self.seen.insert(key) {
+            return self.forward_eager(batch, out_rows, None);
+        }
+        let generation = self.backend.prepare_step(&mut self.cache, batch, out_rows, self.cfg.vocab_size);
+        if self.graphs.get(&key).map(|g| g.0) != Some(generation) {
+            self.graphs.remove(&key);
+            if self.graphs.len() >= MAX_GRAPHS {
+                let old = *self.graphs.keys().next().expect("a recorded step");
+                self.graphs.remove(&old);
+            }
+            if !self.backend.begin_record(key.0, key.1) {
+                return self.forward_eager(batch, out_rows, None);
+            }
+            let logits =
+                forward(&self.backend, &self.cfg, &self.weights, &self.rope, &mut self.cache, batch, out_rows, None);
+            match self.backend.end_record(logits) {
+                Ok(g) => {
+                    self.graphs.insert(key, (generation, g));
+                }
+                Err(e) => {
+                    // Nothing ran while recording: the step runs eagerly, and so do later ones.
+                    tracing::warn!("recording a step of {} rows failed ({e}); running steps eagerly", key.0);
+                    self.set_graphs(false);
+                    return self.forward_eager(batch, out_rows, None);
+                }
+            }
+        }
+        let g = &self.graphs[&key].1;
+        self.backend.replay(g);
+        for s in &batch.segments {
+            self.seqs[s.seq] = Some(s.pos0 + s.len);
+        }
+        let (out, bad) = self.backend.step_output(g);
+        match bad {
+            None => Ok(out),
+            Some(row) => Err(self.locate_nonfinite(batch, out_rows, row)),
+        }
+    }
+
+    /// A replayed step's logits held a nonfinite value in output row `row`: cut the step back
+    /// and run it again with every stage probed, for the error that names the first stage.
+    fn locate_nonfinite(&mut self, batch: &Batch, out_rows: &[usize], row: usize) -> ModelError {
+        let fallback =
+            ModelError::NonFinite { layer: None, stage: "logits", row: out_rows.get(row).copied().unwrap_or(row) };
+        if batch.segments.iter().any(|s| self.truncate(s.seq, s.pos0).is_err()) {
+            return fallback;
+        }
+        match self.forward_eager(batch, out_rows, None) {
+            Err(e) => e,
+            Ok(_) => fallback,
+        }
+    }
+
+    fn forward_eager(
+        &mut self,
+        batch: &Batch,
+        out_rows: &[usize],
+        cap: Option<&mut dyn Capture<B>>,
+    ) -> Result<Vec<f32>, ModelError> {
         let (logits, stages) =
             forward_checked(&self.backend, &self.cfg, &self.weights, &self.rope, &mut self.cache, batch, out_rows, cap);
         for s in &batch.segments {

@@ -14,7 +14,8 @@ pub struct BenchArgs {
     #[arg(long)]
     model: Option<PathBuf>,
     /// A random model: `tiny` (spec §12.1 dimensions), `mid` (hidden 1024, 8 layers), or
-    /// `flash` (full V4-Flash dimensions, `--layers` of them, drawn on the GPU; `--backend cuda`).
+    /// `flash` (full V4-Flash dimensions, `--layers` of them, drawn on the GPU; `--backend cuda`),
+    /// or `kernels` (each weight format's product kernel alone: check and GB/s; `--backend cuda`).
     #[arg(long, default_value = "tiny")]
     pub synthetic: String,
     /// `--synthetic flash`: decoder layers (SWA, then CSA/HCA alternating).

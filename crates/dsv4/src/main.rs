@@ -6,6 +6,8 @@ mod debug;
 mod demo;
 #[cfg(feature = "cuda")]
 mod flash_bench;
+#[cfg(feature = "cuda")]
+mod kernel_bench;
 mod quantize;
 
 use anyhow::{bail, Context, Result};
@@ -363,6 +365,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Quantize(a) => quantize::run(a)?,
         Cmd::Inspect(a) => quantize::inspect(a)?,
         Cmd::Bench(a) if a.synthetic == "flash" => flash(a)?,
+        Cmd::Bench(a) if a.synthetic == "kernels" => kernels(a)?,
         Cmd::Bench(a) => with_backend!(a.backend, bench_run(a))?,
         Cmd::Debug(c) => {
             if !debug::run(c)? {
@@ -394,6 +397,19 @@ fn flash(a: bench::BenchArgs) -> Result<()> {
 #[cfg(not(feature = "cuda"))]
 fn flash(_a: bench::BenchArgs) -> Result<()> {
     bail!("--synthetic flash needs the CUDA backend; rebuild with `--features cuda` and pass --backend cuda")
+}
+
+#[cfg(feature = "cuda")]
+fn kernels(a: bench::BenchArgs) -> Result<()> {
+    if !matches!(a.backend, BackendKind::Cuda) {
+        bail!("--synthetic kernels times the CUDA kernels: use --backend cuda");
+    }
+    kernel_bench::run()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn kernels(_a: bench::BenchArgs) -> Result<()> {
+    bail!("--synthetic kernels needs the CUDA backend; rebuild with `--features cuda` and pass --backend cuda")
 }
 
 fn bench_run<B: Backend>(backend: B, a: bench::BenchArgs) -> Result<()> {

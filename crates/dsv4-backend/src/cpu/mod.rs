@@ -108,6 +108,7 @@ impl Backend for CpuBackend {
     type Rows = Batch;
     type Sel = Vec<Vec<u32>>;
     type Route = Route;
+    type Graph = ();
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -340,14 +341,17 @@ impl Backend for CpuBackend {
         attention::attend(cache, layer, q, kv, sel, &sinks.data, rows, cfg)
     }
 
-    fn route(&self, logits: &Tensor, bias: Option<&Tensor>, hash: Option<&[u32]>, cfg: &Config) -> Route {
+    fn route(&self, logits: &Tensor, bias: Option<&Tensor>, hash: Option<(&[u32], &Batch)>, cfg: &Config) -> Route {
         let (e, k) = (logits.cols, cfg.n_experts_per_tok);
         let mut ids = Vec::with_capacity(logits.rows * k);
         let mut weights = Vec::with_capacity(logits.rows * k);
         for i in 0..logits.rows {
             let s: Vec<f32> = logits.row(i).iter().map(|&z| sqrt_softplus(z)).collect();
             let chosen: Vec<u32> = match hash {
-                Some(h) => h[i * k..(i + 1) * k].to_vec(),
+                Some((t, rows)) => {
+                    let tok = rows.rows[i].token as usize;
+                    t[tok * k..(tok + 1) * k].to_vec()
+                }
                 None => {
                     let b = &bias.expect("learned routing needs a bias").data;
                     let mut order: Vec<u32> = (0..e as u32).collect();

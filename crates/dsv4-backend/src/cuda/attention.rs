@@ -25,6 +25,7 @@ pub fn compress(
     cfg: &Config,
 ) {
     let slots = cache.slots;
+    let generation = &mut cache.generation;
     let ls = &mut cache.layers[layer];
     let st = match slot {
         CompSlot::Kv => ls.comp.as_mut(),
@@ -34,7 +35,9 @@ pub fn compress(
     let (m, hd, w) = (st.ratio, st.head, st.width());
     assert_eq!(u.cols, w, "compressor projection width");
     let need = rows.batch.segments.iter().map(|s| (s.pos0 + s.len) / m).max().unwrap_or(0);
-    st.reserve(b, slots, need);
+    if st.reserve(b, slots, need) {
+        *generation += 1;
+    }
     let n = rows.len() as i32;
     let f = b.freqs(freqs);
     let (mi, hdi, wi, ov, ki) = (m as i32, hd as i32, w as i32, st.overlap as i32, st.rows as i32);
@@ -60,7 +63,7 @@ pub fn compress(
                 .arg(&comp.norm.data)
                 .arg(f.as_ref())
                 .arg(&(freqs.len() as i32))
-                .arg(&rows.dev)
+                .arg(rows.dev.as_ref())
                 .arg(&n)
                 .arg(&mi)
                 .arg(&hdi)
@@ -80,7 +83,7 @@ pub fn compress(
                 .arg(&u.data)
                 .arg(&z.data)
                 .arg(&comp.ape.data)
-                .arg(&rows.dev)
+                .arg(rows.dev.as_ref())
                 .arg(&n)
                 .arg(&mi)
                 .arg(&wi)
@@ -89,6 +92,9 @@ pub fn compress(
         "comp_store",
     );
 }
+
+/// Blocks per row of `index_score` (8 entries each, grid-striding beyond).
+const INDEX_SCORE_BLOCKS: usize = 256;
 
 /// Lightning-indexer top-k: scores of every visible entry (`index_score`), then a threshold
 /// select and a sort of the k chosen per row (`index_topk`, O(visible) per row).
@@ -107,7 +113,10 @@ pub fn index_select(
     assert!(topk <= 2048, "index_topk {topk} > 2048 (the top-k kernel's shared-memory sort)");
     let n = rows.len();
     let mut sel = b.alloc::<u32>(n * topk);
-    let maxvis = rows.batch.rows.iter().map(|r| (r.pos + 1) / m).max().unwrap_or(0);
+    // A recorded step sizes the scores by the entry capacity (no host-side length enters it);
+    // every kernel reads each row's visible count on the device, so the results are the same.
+    let maxvis =
+        if b.recording() { st.cap } else { rows.batch.rows.iter().map(|r| (r.pos + 1) / m).max().unwrap_or(0) };
     if maxvis == 0 || cfg.index_topk == 0 {
         return CudaSel { topk, idx: sel };
     }
@@ -115,7 +124,7 @@ pub fn index_select(
     let (qs, ws) = ((hd as f32).powf(-0.5), (nh as f32).powf(-0.5));
     let (ni, mi, mv) = (n as i32, m as i32, maxvis as i32);
     let lc = LaunchConfig {
-        grid_dim: (n as u32, maxvis.div_ceil(8) as u32, 1),
+        grid_dim: (n as u32, maxvis.div_ceil(8).min(INDEX_SCORE_BLOCKS) as u32, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -130,7 +139,7 @@ pub fn index_select(
                 .arg(&wts.data)
                 .arg(&st.entries)
                 .arg(&(st.cap as i32))
-                .arg(&rows.dev)
+                .arg(rows.dev.as_ref())
                 .arg(&ni)
                 .arg(&mi)
                 .arg(&(nh as i32))
@@ -150,7 +159,7 @@ pub fn index_select(
                 .arg(&(topk as i32))
                 .arg(&scores)
                 .arg(&mv)
-                .arg(&rows.dev)
+                .arg(rows.dev.as_ref())
                 .arg(&ni)
                 .arg(&mi)
                 .launch(lc)
@@ -209,7 +218,7 @@ pub fn attend(
                 .arg(&has_sel)
                 .arg(&(topk as i32))
                 .arg(&sinks.data)
-                .arg(&rows.dev)
+                .arg(rows.dev.as_ref())
                 .arg(&ni)
                 .arg(&(h as i32))
                 .arg(&di)
@@ -225,7 +234,7 @@ pub fn attend(
                 .arg(&mut ls.ring)
                 .arg(&rci)
                 .arg(&kv.data)
-                .arg(&rows.dev)
+                .arg(rows.dev.as_ref())
                 .arg(&ni)
                 .arg(&di)
                 .launch(cfg1d(n * d, 256))

@@ -217,6 +217,26 @@ impl CudaBackend {
         e
     }
 
+    /// A device byte buffer copied to the host (benchmarks' CPU twins).
+    pub fn download_bytes(&self, s: &CudaSlice<u8>) -> Vec<u8> {
+        let v = ck(self.stream.clone_dtoh(s), "download");
+        self.synchronize();
+        v
+    }
+
+    /// A bf16 or f32 weight's values on the host (bf16 widened exactly).
+    pub fn download_weight_f32(&self, w: &CudaWeight) -> Vec<f32> {
+        let v = match &w.bf {
+            Some(bf) => ck(self.stream.clone_dtoh(bf), "download")
+                .into_iter()
+                .map(|h| f32::from_bits((h as u32) << 16))
+                .collect(),
+            None => ck(self.stream.clone_dtoh(&w.data), "download"),
+        };
+        self.synchronize();
+        v
+    }
+
     /// Total device memory in bytes.
     pub fn mem_total(&self) -> usize {
         cudarc::driver::result::mem_get_info().map(|(_, t)| t).unwrap_or(0)
@@ -288,7 +308,8 @@ pub(crate) fn moe(
     // The grouped kernels (quant.cu, bf16 being one of its formats) step 8 values at a time;
     // widths that are not multiples of 8 (no V4 shape) take the cuBLAS path below.
     if (n <= GROUPED_MAX_ROWS || b.exact()) && d.is_multiple_of(8) && inter.is_multiple_of(8) {
-        let (up_fn, down_fn, table) = b.packed_expert_kernels(experts, n == 1);
+        let ek = b.packed_expert_kernels(experts, n == 1);
+        let table = &ek.table;
         let mut h = b.alloc::<f32>(nk * inter);
         let mut y = b.alloc::<f32>(nk * d);
         let blocks = nk.min(ne) as u32;
@@ -302,7 +323,7 @@ pub(crate) fn moe(
         ck(
             unsafe {
                 b.stream
-                    .launch_builder(up_fn)
+                    .launch_builder(ek.up)
                     .arg(&mut h)
                     .arg(&x.data)
                     .arg(&order)
@@ -321,7 +342,7 @@ pub(crate) fn moe(
         ck(
             unsafe {
                 b.stream
-                    .launch_builder(down_fn)
+                    .launch_builder(ek.down)
                     .arg(&mut y)
                     .arg(&h)
                     .arg(&order)

@@ -14,6 +14,7 @@
 pub mod attention;
 pub mod bf16;
 pub mod dspark;
+pub mod graph;
 pub mod moe;
 pub mod quant;
 pub mod state;
@@ -69,7 +70,8 @@ impl CudaWeight {
 /// bookkeeping (state growth).
 pub struct CudaRows {
     pub batch: Batch,
-    dev: CudaSlice<u32>,
+    /// Fresh for an eager forward; a recorded step's persistent input buffer ([`graph::StepIo`]).
+    dev: Arc<CudaSlice<u32>>,
 }
 
 impl CudaRows {
@@ -293,7 +295,16 @@ pub struct CudaBackend {
     /// f32 activations in every bf16 product (the small-batch kernels at any batch size): the
     /// results then differ from a CPU run on bf16-rounded weights only by summation order.
     exact: std::sync::atomic::AtomicBool,
+    /// Recorded steps' persistent inputs and outputs, and the step being recorded.
+    pub(crate) steps: Mutex<graph::Steps>,
+    /// Device copies of hash layers' `tid2eid` tables, by host address and length.
+    hash_tables: Mutex<HashMap<(usize, usize), Arc<CudaSlice<u32>>>>,
+    /// cuBLAS's workspace, set explicitly so that recorded products never allocate.
+    _blas_workspace: CudaSlice<u8>,
 }
+
+/// Bytes of cuBLAS workspace (what cuBLAS takes by default on Hopper).
+const BLAS_WORKSPACE: usize = 32 << 20;
 
 /// `⌈total / block⌉` blocks of `block` threads (at least one block).
 pub(crate) fn cfg1d(total: usize, block: u32) -> LaunchConfig {
@@ -353,6 +364,15 @@ impl CudaBackend {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
+        let ws = stream.alloc_zeros::<u8>(BLAS_WORKSPACE)?;
+        // SAFETY: the workspace outlives the handle (both are fields of the backend, the
+        // workspace dropped after the handle) and is used on the handle's stream only.
+        unsafe {
+            let (p, _g) = ws.device_ptr(&stream);
+            let r =
+                cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), p as *mut std::ffi::c_void, BLAS_WORKSPACE);
+            r.result()?;
+        }
         let k = Kernels::load(&ctx)?;
         let qk = quant::QuantKernels::load(&ctx)?;
         let dummy_f32 = stream.alloc_zeros::<f32>(1)?;
@@ -370,6 +390,9 @@ impl CudaBackend {
             dummy_u32,
             bf16,
             exact: std::sync::atomic::AtomicBool::new(false),
+            steps: Mutex::new(graph::Steps::default()),
+            hash_tables: Mutex::new(HashMap::new()),
+            _blas_workspace: ws,
         })
     }
 
@@ -430,6 +453,14 @@ impl CudaBackend {
         ck(st.done.record(&self.stream), "record");
         pool.push(st);
         dst
+    }
+
+    /// The device copy of a hash layer's `tid2eid` table (uploaded once: the table is part of
+    /// the weights, which live as long as the model that uses this backend).
+    pub(crate) fn hash_table(&self, t: &[u32]) -> Arc<CudaSlice<u32>> {
+        let key = (t.as_ptr() as usize, t.len());
+        let mut m = self.hash_tables.lock().unwrap();
+        m.entry(key).or_insert_with(|| Arc::new(ck(self.stream.clone_htod(t), "upload tid2eid"))).clone()
     }
 
     /// The RoPE frequency table on the device (uploaded once per distinct table).
@@ -522,6 +553,7 @@ impl Backend for CudaBackend {
     type Rows = CudaRows;
     type Sel = CudaSel;
     type Route = CudaRoute;
+    type Graph = graph::StepGraph;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -596,20 +628,12 @@ impl Backend for CudaBackend {
     }
 
     fn rows(&self, batch: &Batch) -> CudaRows {
-        let n = batch.len();
-        let mut v = vec![0u32; 6 * n];
-        for s in &batch.segments {
-            for i in s.start..s.start + s.len {
-                let r = batch.rows[i];
-                v[i] = r.seq as u32;
-                v[n + i] = r.pos as u32;
-                v[2 * n + i] = r.token;
-                v[3 * n + i] = s.start as u32;
-                v[4 * n + i] = s.pos0 as u32;
-                v[5 * n + i] = s.len as u32;
-            }
+        if let Some(dev) = self.recorded_rows(batch.len()) {
+            return CudaRows { batch: batch.clone(), dev };
         }
-        CudaRows { batch: batch.clone(), dev: self.upload_u32(&v) }
+        let mut v = vec![0u32; 6 * batch.len()];
+        graph::row_table(batch, &mut v);
+        CudaRows { batch: batch.clone(), dev: Arc::new(self.upload_u32(&v)) }
     }
 
     fn shape(&self, t: &CudaTensor) -> (usize, usize) {
@@ -626,7 +650,7 @@ impl Backend for CudaBackend {
     fn embed(&self, table: &CudaWeight, rows: &CudaRows) -> CudaTensor {
         let n = rows.len();
         let mut out = self.tensor(n, table.cols);
-        let tokens = rows.dev.slice(2 * n..3 * n);
+        let tokens = rows.dev.as_ref().slice(2 * n..3 * n);
         match &table.bf {
             Some(bf) => self.gather_bf16(&mut out, bf, &tokens, n, table.cols),
             None => self.gather(&out, &table.data, &tokens, n, table.cols),
@@ -722,7 +746,7 @@ impl Backend for CudaBackend {
                 self.stream
                     .launch_builder(&self.k.rope)
                     .arg(&mut x.data)
-                    .arg(&rows.dev)
+                    .arg(rows.dev.as_ref())
                     .arg(&n)
                     .arg(f.as_ref())
                     .arg(&(np as i32))
@@ -758,8 +782,13 @@ impl Backend for CudaBackend {
     }
 
     fn select_rows(&self, x: &CudaTensor, rows: &[usize]) -> CudaTensor {
-        let out = self.tensor(rows.len(), x.cols);
-        if !rows.is_empty() {
+        let mut out = self.tensor(rows.len(), x.cols);
+        if let Some(idx) = self.recorded_out_rows(rows.len()) {
+            let n = idx.len() - rows.len();
+            self.gather(&out, &x.data, &idx.as_ref().slice(n..), rows.len(), x.cols);
+        } else if rows.iter().copied().eq(0..x.rows) {
+            ck(self.stream.memcpy_dtod(&x.data.slice(..x.rows * x.cols), &mut out.data), "copy rows");
+        } else if !rows.is_empty() {
             let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
             let dev = self.upload_u32(&idx);
             self.gather(&out, &x.data, &dev.slice(..), rows.len(), x.cols);
@@ -914,7 +943,13 @@ impl Backend for CudaBackend {
         attention::attend(self, cache, layer, q, kv, sel, sinks, rows, cfg)
     }
 
-    fn route(&self, logits: &CudaTensor, bias: Option<&CudaWeight>, hash: Option<&[u32]>, cfg: &Config) -> CudaRoute {
+    fn route(
+        &self,
+        logits: &CudaTensor,
+        bias: Option<&CudaWeight>,
+        hash: Option<(&[u32], &CudaRows)>,
+        cfg: &Config,
+    ) -> CudaRoute {
         moe::route(self, logits, bias, hash, cfg)
     }
 
@@ -956,6 +991,30 @@ impl Backend for CudaBackend {
         let v = ck(self.stream.clone_dtoh(&cache.probes), "read probes");
         ck(self.stream.synchronize(), "synchronize");
         (0..n).map(|i| v.get(i).and_then(|&f| (f != 0).then(|| (u32::MAX - f) as usize))).collect()
+    }
+
+    fn graph_max_rows(&self) -> usize {
+        graph::GRAPH_MAX_ROWS
+    }
+
+    fn prepare_step(&self, cache: &mut CudaCache, batch: &Batch, out_rows: &[usize], cols: usize) -> u64 {
+        CudaBackend::prepare_step(self, cache, batch, out_rows, cols)
+    }
+
+    fn begin_record(&self, rows: usize, out: usize) -> bool {
+        CudaBackend::begin_record(self, rows, out)
+    }
+
+    fn end_record(&self, logits: CudaTensor) -> Result<graph::StepGraph, String> {
+        CudaBackend::end_record(self, logits)
+    }
+
+    fn replay(&self, g: &graph::StepGraph) {
+        CudaBackend::replay(self, g)
+    }
+
+    fn step_output(&self, g: &graph::StepGraph) -> (Vec<f32>, Option<usize>) {
+        CudaBackend::step_output(self, g)
     }
 
     fn to_device(&self, rows: usize, cols: usize, data: &[f32]) -> CudaTensor {

@@ -1,6 +1,6 @@
 //! Launchers of `kernels/moe.cu`: the router (spec §6.1) and the routed experts.
 
-use super::{cfg1d, ck, CudaBackend, CudaRoute, CudaTensor, CudaWeight};
+use super::{cfg1d, ck, CudaBackend, CudaRoute, CudaRows, CudaTensor, CudaWeight};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use dsv4_model::weights::Expert;
 use dsv4_model::Config;
@@ -10,7 +10,7 @@ pub fn route(
     b: &CudaBackend,
     logits: &CudaTensor,
     bias: Option<&CudaWeight>,
-    hash: Option<&[u32]>,
+    hash: Option<(&[u32], &CudaRows)>,
     cfg: &Config,
 ) -> CudaRoute {
     let (n, e, k) = (logits.rows, logits.cols, cfg.n_experts_per_tok);
@@ -18,8 +18,15 @@ pub fn route(
     assert!(e <= 1024, "{e} experts > 1024 (the router's shared scores)");
     let mut ids = b.alloc::<u32>(n * k);
     let mut weights = b.alloc::<f32>(n * k);
-    let hash_dev = hash.map(|h| b.upload_u32(h));
-    let hd = hash_dev.as_ref().unwrap_or(&b.dummy_u32);
+    // Hash layers: the table on the device, indexed by the row table's tokens.
+    let table = hash.map(|(t, rows)| {
+        assert_eq!(rows.len(), n, "hash routing: {} rows for {n} logits rows", rows.len());
+        (b.hash_table(t), rows.dev.clone())
+    });
+    let (hd, rd) = match &table {
+        Some((t, r)) => (t.as_ref(), r.as_ref()),
+        None => (&b.dummy_u32, &b.dummy_u32),
+    };
     let bd = match (bias, hash) {
         (_, Some(_)) => &b.dummy_f32,
         (Some(bias), None) => &bias.data,
@@ -35,6 +42,7 @@ pub fn route(
                 .arg(&logits.data)
                 .arg(bd)
                 .arg(hd)
+                .arg(rd)
                 .arg(&(hash.is_some() as i32))
                 .arg(&(n as i32))
                 .arg(&(e as i32))

@@ -14,6 +14,20 @@ use dsv4_model::LoadError;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+/// Largest row count of a packed product that runs the fused-dequant kernel (above it the
+/// weight is dequantised to bf16 for cuBLAS). The kernel reads each weight byte once per group
+/// of up to 8 rows (runs of 8, 4, 2, 1), and a row's result does not depend on the row count.
+pub const QGEMV_ROWS: usize = 16;
+/// Warps per block of `quant.cu`'s product and expert kernels (its `Q_WARPS`).
+const Q_WARPS: usize = 8;
+
+/// The grouped expert kernels of one expert set.
+pub(crate) struct ExpertKernels<'a> {
+    pub up: &'a CudaFunction,
+    pub down: &'a CudaFunction,
+    pub table: Arc<CudaSlice<u64>>,
+}
+
 /// A weight in a packed format on the device.
 pub struct QuantDev {
     pub format: PackedFormat,
@@ -223,7 +237,7 @@ impl CudaBackend {
     pub(crate) fn matmul_packed(&self, x: &CudaTensor, q: &QuantDev, m: usize, k: usize, groups: usize) -> CudaTensor {
         let n = x.rows;
         assert_eq!(x.cols, groups * k, "packed product: input width {} vs {groups} × {k}", x.cols);
-        if n > super::bf16::GEMV_ROWS && !self.exact() {
+        if n > QGEMV_ROWS && !self.exact() {
             let bf = self.dequant_bf16(q, m, k);
             return self.matmul_bf16(x, &bf, m, k, groups);
         }
@@ -231,10 +245,9 @@ impl CudaBackend {
         if n == 0 || m == 0 {
             return out;
         }
-        let warps = 8usize;
         let cfg = LaunchConfig {
-            grid_dim: (m.div_ceil(warps) as u32, 1, 1),
-            block_dim: (32 * warps as u32, 1, 1),
+            grid_dim: (m.div_ceil(Q_WARPS) as u32, 1, 1),
+            block_dim: (32 * Q_WARPS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: argument types and buffer sizes match the kernel.
@@ -287,12 +300,12 @@ impl CudaBackend {
     /// The up / down kernels of routed experts held packed (or bf16 beside packed ones, where
     /// a matrix's rows are not whole blocks) and their 6·E address table (w1, w3, w2 blocks,
     /// then scales).
-    /// `single`: one token row (each expert then has at most one), the one-row kernels.
+    /// `single`: one token row (each expert then has at most one pair), the one-row kernels.
     pub(crate) fn packed_expert_kernels(
         &self,
         experts: &[dsv4_model::weights::Expert<CudaWeight>],
         single: bool,
-    ) -> (&CudaFunction, &CudaFunction, Arc<CudaSlice<u64>>) {
+    ) -> ExpertKernels<'_> {
         // Kernel suffix, block address and scale address of one matrix.
         let parts = |w: &CudaWeight| match (&w.q, &w.bf) {
             (Some(q), _) => (suffix(q.format), self.dev_ptr(&q.blocks), self.dev_ptr(&q.scales)),
@@ -315,7 +328,11 @@ impl CudaBackend {
             }
         }
         let r = if single { "1" } else { "" };
-        (self.qk.get(&format!("moe_up{r}_{f13}")), self.qk.get(&format!("moe_down{r}_{f2}")), self.address_table(ptrs))
+        ExpertKernels {
+            up: self.qk.get(&format!("moe_up{r}_{f13}")),
+            down: self.qk.get(&format!("moe_down{r}_{f2}")),
+            table: self.address_table(ptrs),
+        }
     }
 
     /// `out[i, :] = table[tokens[i], :]` for a bf16 table.

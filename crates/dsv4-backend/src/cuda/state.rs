@@ -70,10 +70,12 @@ impl CompDev {
     }
 
     /// Makes room for `need` entries per slot, copying what the slots hold (stream-ordered).
-    pub fn reserve(&mut self, b: &CudaBackend, slots: usize, need: usize) {
+    /// Returns whether the entries moved (recorded steps address the old buffer).
+    pub fn reserve(&mut self, b: &CudaBackend, slots: usize, need: usize) -> bool {
         if need <= self.cap {
-            return;
+            return false;
         }
+        assert!(!b.recording(), "compressed entries must be reserved before a step is recorded");
         let cap = need.max(2 * self.cap).max(16);
         let mut e = b.alloc::<f32>(slots * cap * self.head);
         let len = (self.cap * self.head) as i64;
@@ -95,6 +97,7 @@ impl CompDev {
         );
         self.entries = e;
         self.cap = cap;
+        true
     }
 }
 
@@ -127,6 +130,8 @@ pub struct CudaCache {
     pub meta: Vec<SlotMeta>,
     /// Nonfinite probe flags, one per probed stage of a forward (see `bf16.cu: probe_finite`).
     pub probes: CudaSlice<u32>,
+    /// Bumped whenever a buffer that a recorded step addresses moves (entries growing).
+    pub generation: u64,
 }
 
 impl CudaCache {
@@ -149,7 +154,15 @@ impl CudaCache {
             .collect();
         // 22 named stages per layer at most (CSA), plus embed and the head's three.
         let probes = ck(b.stream.alloc_zeros::<u32>(16 + 24 * cfg.layers.len()), "alloc probes");
-        CudaCache { slots, window: cfg.window, ring_cap, layers, meta: vec![SlotMeta::default(); slots], probes }
+        CudaCache {
+            slots,
+            window: cfg.window,
+            ring_cap,
+            layers,
+            meta: vec![SlotMeta::default(); slots],
+            probes,
+            generation: 0,
+        }
     }
 
     /// Fresh state for slot `seq`. Nothing on the device needs values: every buffer is read only
@@ -165,7 +178,22 @@ impl CudaCache {
     pub fn reserve_tokens(&mut self, b: &CudaBackend, tokens: usize) {
         for l in &mut self.layers {
             for c in [&mut l.comp, &mut l.index].into_iter().flatten() {
-                c.reserve(b, self.slots, tokens / c.ratio + 1);
+                if c.reserve(b, self.slots, tokens / c.ratio + 1) {
+                    self.generation += 1;
+                }
+            }
+        }
+    }
+
+    /// Entry room for every position `batch` feeds (before a step is recorded or replayed: the
+    /// recorded work cannot grow buffers).
+    pub fn reserve_batch(&mut self, b: &CudaBackend, batch: &Batch) {
+        for l in &mut self.layers {
+            for c in [&mut l.comp, &mut l.index].into_iter().flatten() {
+                let need = batch.segments.iter().map(|s| (s.pos0 + s.len) / c.ratio).max().unwrap_or(0);
+                if c.reserve(b, self.slots, need) {
+                    self.generation += 1;
+                }
             }
         }
     }
@@ -306,6 +334,7 @@ impl CudaCache {
                 }
             }
         }
+        let mut moved = false;
         for (ld, ls) in self.layers.iter_mut().zip(&st.layers) {
             let cap = ls.cap();
             let mut ring = vec![0.0f32; rc * d];
@@ -335,10 +364,11 @@ impl CudaCache {
                 debug_assert!(cd.need_from(len) + k > len);
                 htod(b, &raw_u, &mut cd.raw_u, seq * k * hw);
                 htod(b, &raw_z, &mut cd.raw_z, seq * k * hw);
-                cd.reserve(b, slots, done);
+                moved |= cd.reserve(b, slots, done);
                 htod(b, &cs.entries, &mut cd.entries, seq * cd.cap * h);
             }
         }
+        self.generation += moved as u64;
         self.meta[seq] = SlotMeta { high: len, floor: len };
         true
     }

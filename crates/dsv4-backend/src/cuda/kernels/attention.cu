@@ -103,25 +103,26 @@ extern "C" __global__ void comp_store(float* raw_u, float* raw_z, int k, const f
     }
 }
 
-// Indexer scores: one warp per (row, entry); score = Σ_h w_h·ws·max(q_h·k, 0)·qs.
+// Indexer scores: one warp per (row, entry), striding over the row's entries; score = Σ_h w_h·ws·max(q_h·k, 0)·qs.
 extern "C" __global__ void index_score(float* scores, int maxvis, const float* q, const float* wts,
                                        const float* entries, int cap, const unsigned* rows, int n, int m, int nh,
                                        int hd, float qs, float ws) {
     int t = blockIdx.x, lane = threadIdx.x & 31;
-    int s = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
     long long vis = ((long long)ROW_POS(t) + 1) / m;
-    if (s >= vis) return;
-    const float* k = entries + ((long long)ROW_SEQ(t) * cap + s) * hd;
     const float* qr = q + (long long)t * nh * hd;
-    float acc = 0.f;
-    for (int h = 0; h < nh; h++) {
-        float d = 0.f;
-        for (int c = lane; c < hd; c += 32) d += qr[h * hd + c] * k[c];
-        d = warp_sum(d);
-        float v = fmaxf(d, 0.f) * qs;
-        acc += wts[(long long)t * nh + h] * ws * v;
+    int warps = blockDim.x >> 5;
+    for (long long s = blockIdx.y * warps + (threadIdx.x >> 5); s < vis; s += (long long)gridDim.y * warps) {
+        const float* k = entries + ((long long)ROW_SEQ(t) * cap + s) * hd;
+        float acc = 0.f;
+        for (int h = 0; h < nh; h++) {
+            float d = 0.f;
+            for (int c = lane; c < hd; c += 32) d += qr[h * hd + c] * k[c];
+            d = warp_sum(d);
+            float v = fmaxf(d, 0.f) * qs;
+            acc += wts[(long long)t * nh + h] * ws * v;
+        }
+        if (lane == 0) scores[(long long)t * maxvis + s] = acc;
     }
-    if (lane == 0) scores[(long long)t * maxvis + s] = acc;
 }
 
 // Order-preserving map of a float to an unsigned key (larger float, larger key).

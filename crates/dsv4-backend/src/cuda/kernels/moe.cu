@@ -9,11 +9,12 @@ __device__ __forceinline__ float sqrt_softplus(float z) {
     return sqrtf(sp);
 }
 
-// One warp per row (blocks of 32 threads, one row each). Hash layers take their ids from
-// `hash`; learned layers take the top k of score + bias (ties to the lower expert id), in
+// One warp per row (blocks of 32 threads, one row each). Hash layers take their ids from the
+// `tid2eid` table `hash` [vocab, k] at the row's token (from the row table `rows`); learned layers take the top k of score + bias (ties to the lower expert id), in
 // descending order: each lane scores its experts once, then k rounds of warp argmax.
 extern "C" __global__ void route(unsigned* ids, float* wts, const float* logits, const float* bias,
-                                 const unsigned* hash, int use_hash, int n, int e, int k, int norm_topk,
+                                 const unsigned* hash, const unsigned* rows, int use_hash, int n, int e, int k,
+                                 int norm_topk,
                                  float scale) {
     __shared__ float sv[1024];
     __shared__ unsigned ch[MAX_K];
@@ -21,7 +22,7 @@ extern "C" __global__ void route(unsigned* ids, float* wts, const float* logits,
     if (i >= n) return;
     const float* z = logits + (long long)i * e;
     if (use_hash) {
-        if (lane < k) ch[lane] = hash[(long long)i * k + lane];
+        if (lane < k) ch[lane] = hash[(long long)ROW_TOKEN(i) * k + lane];
     } else {
         for (int c = lane; c < e; c += 32) sv[c] = sqrt_softplus(z[c]) + bias[c];
         __syncwarp();

@@ -9,7 +9,6 @@
 // in order. Rows are `row_bytes(k)` bytes; the tables IQ2XXS_GRID / KSIGNS_IQ2XS are prepended
 // by the launcher from the CPU decoder's own tables.
 
-#define GV_ROWS 8
 #define F_Q8_0 0
 #define F_Q4_K 1
 #define F_Q2_K 2
@@ -164,9 +163,14 @@ __device__ __forceinline__ float dot8q(const float* w, const float* __restrict__
     return s;
 }
 
-// acc[j] += w_row · x_row(j) for the nr <= R rows xrow[j] (k a multiple of 8, rows 16-byte
-// aligned). R is 1 for single-row products (decode at batch 1: few registers, full occupancy)
-// and GV_ROWS otherwise.
+#define Q_WARPS 8  // warps per block of every product and expert kernel (the launchers' 256 threads)
+
+// acc[j] += w_row · x_row(j) for the nr <= R rows xrow[j] (k a multiple of 8): each lane decodes
+// 8 values at c = 8·lane + 256·i straight from the row. Every output's sum runs over c in that
+// order whatever R is, so a row's result does not depend on how many rows share the call (batch
+// invariance) and equals the one-row result. (Staging the row through shared memory with 16-byte
+// loads was measured slower: these kernels are bound by the decode's instructions, not by the
+// load pattern; see PERF.md.)
 template <int F, int R>
 __device__ __forceinline__ void qrows_dot(float* acc, const u8* __restrict__ wr, const u8* __restrict__ sr,
                                           const float* const* xrow, int nr, int k, int lane) {
@@ -180,31 +184,58 @@ __device__ __forceinline__ void qrows_dot(float* acc, const u8* __restrict__ wr,
     }
 }
 
-// out[r, o] = x[r, (o / rpg)·k .. +k] · w[o, :] for r < n, o < m (as gemv_bf16).
-template <int F, int R>
+// The rows of one output (or expert) in groups: 8 at a time while 8 remain, then 4, 2, 1 — a
+// register budget per group that fits its size (a lone row gets one accumulator).
+// `xrow_of(r)` gives input row r, `store(r, v)` writes output row r.
+template <int F, int R, typename XR, typename ST>
+__device__ __forceinline__ void rows_group(const u8* wr, const u8* sr, int r0, int nr, int k, int lane, XR xrow_of,
+                                           ST store) {
+    float acc[R];
+    const float* xrow[R];
+#pragma unroll
+    for (int j = 0; j < R; j++) {
+        acc[j] = 0.f;
+        xrow[j] = xrow_of(r0 + min(j, nr - 1));
+    }
+    qrows_dot<F, R>(acc, wr, sr, xrow, nr, k, lane);
+#pragma unroll
+    for (int j = 0; j < R; j++) {
+        float v = warp_sum(acc[j]);
+        if (j < nr) store(r0 + j, v);
+    }
+}
+
+// ONE: the caller has a single row (decode at batch 1): only the one-accumulator code is
+// compiled in, for the registers (and occupancy) of the smallest group.
+template <int F, bool ONE, typename XR, typename ST>
+__device__ __forceinline__ void rows_all(const u8* wr, const u8* sr, int nrows, int k, int lane, XR xr, ST st) {
+    if (ONE) {
+        if (nrows > 0) rows_group<F, 1>(wr, sr, 0, 1, k, lane, xr, st);
+        return;
+    }
+    int r0 = 0;
+    while (r0 < nrows) {
+        int left = nrows - r0;
+        if (left >= 8) { rows_group<F, 8>(wr, sr, r0, 8, k, lane, xr, st); r0 += 8; }
+        else if (left >= 4) { rows_group<F, 4>(wr, sr, r0, 4, k, lane, xr, st); r0 += 4; }
+        else if (left >= 2) { rows_group<F, 2>(wr, sr, r0, 2, k, lane, xr, st); r0 += 2; }
+        else { rows_group<F, 1>(wr, sr, r0, 1, k, lane, xr, st); r0 += 1; }
+    }
+}
+
+// out[r, o] = x[r, (o / rpg)·k .. +k] · w[o, :] for r < n, o < m (as gemv_bf16). One warp per
+// output.
+template <int F, bool ONE>
 __device__ void gemv_q(float* __restrict__ out, const float* __restrict__ x, const u8* __restrict__ w,
                        const u8* __restrict__ s, int n, int k, int m, int ldx, int rpg) {
-    int o = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
+    int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int o = blockIdx.x * Q_WARPS + wp;
     if (o >= m) return;
     const u8* wr = w + (long long)o * row_bytes(F, k);
     const u8* sr = scale_row(F, s, o, k);
     long long xoff = (long long)(o / rpg) * k;
-    for (int r0 = 0; r0 < n; r0 += R) {
-        int nr = min(R, n - r0);
-        float acc[R];
-        const float* xrow[R];
-#pragma unroll
-        for (int j = 0; j < R; j++) {
-            acc[j] = 0.f;
-            xrow[j] = x + (long long)(r0 + min(j, nr - 1)) * ldx + xoff;
-        }
-        qrows_dot<F, R>(acc, wr, sr, xrow, nr, k, lane);
-#pragma unroll
-        for (int j = 0; j < R; j++) {
-            float v = warp_sum(acc[j]);
-            if (j < nr && lane == 0) out[(long long)(r0 + j) * m + o] = v;
-        }
-    }
+    rows_all<F, ONE>(wr, sr, n, k, lane, [&](int r) { return x + (long long)r * ldx + xoff; },
+                [&](int r, float v) { if (lane == 0) out[(long long)r * m + o] = v; });
 }
 
 __device__ __forceinline__ float swiglu_q(float g, float u, float limit) {
@@ -213,72 +244,63 @@ __device__ __forceinline__ float swiglu_q(float g, float u, float limit) {
     return g * sigmoid_(g) * u;
 }
 
-// Routed experts, grouped by expert as moe_up_g / moe_down_g in bf16.cu. ptrs holds 6·E device
-// addresses: w1, w3, w2 blocks of every expert, then w1, w3, w2 scales.
-template <int F, int R>
+// Routed experts, grouped by expert (moe_sort): block x is the x-th active expert, one warp per
+// output row of it; the expert's (row, slot) pairs order[off[e]..off[e+1]] run in row groups.
+// ptrs holds 6·E device addresses: w1, w3, w2 blocks of every expert, then w1, w3, w2 scales.
+template <int F, bool ONE>
 __device__ void moe_up_q(float* __restrict__ h, const float* __restrict__ x, const unsigned* order,
                          const unsigned* off, const unsigned* active, const unsigned long long* ptrs, int nexp, int k,
                          int d, int inter, float limit) {
     if (blockIdx.x >= active[nexp]) return;
     unsigned e = active[blockIdx.x];
-    int o = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int o = blockIdx.y * Q_WARPS + wp;
     if (o >= inter) return;
     long long rb = row_bytes(F, d);
     const u8* w1 = (const u8*)ptrs[e] + o * rb;
     const u8* w3 = (const u8*)ptrs[nexp + e] + o * rb;
     const u8* s1 = scale_row(F, (const u8*)ptrs[3 * nexp + e], o, d);
     const u8* s3 = scale_row(F, (const u8*)ptrs[4 * nexp + e], o, d);
-    unsigned b0 = off[e], b1 = off[e + 1];
-    for (unsigned s0 = b0; s0 < b1; s0 += R) {
-        int nr = min(R, (int)(b1 - s0));
-        float ag[R], au[R];
-        const float* xrow[R];
-        unsigned slot[R];
-#pragma unroll
-        for (int j = 0; j < R; j++) {
-            ag[j] = au[j] = 0.f;
-            slot[j] = order[s0 + min(j, nr - 1)];
-            xrow[j] = x + (long long)(slot[j] / k) * d;
+    unsigned b0 = off[e];
+    int cnt = (int)(off[e + 1] - b0);
+    auto xr = [&](int r) { return x + (long long)(order[b0 + r] / k) * d; };
+    if (ONE) {  // one token row: at most one pair per expert, both sums in registers
+        if (cnt > 0) {
+            float g = 0.f, u = 0.f;
+            rows_group<F, 1>(w1, s1, 0, 1, d, lane, xr, [&](int, float v) { g = v; });
+            rows_group<F, 1>(w3, s3, 0, 1, d, lane, xr, [&](int, float v) { u = v; });
+            if (lane == 0) h[(long long)order[b0] * inter + o] = swiglu_q(g, u, limit);
         }
-        qrows_dot<F, R>(ag, w1, s1, xrow, nr, d, lane);
-        qrows_dot<F, R>(au, w3, s3, xrow, nr, d, lane);
-#pragma unroll
-        for (int j = 0; j < R; j++) {
-            float g = warp_sum(ag[j]), u = warp_sum(au[j]);
-            if (j < nr && lane == 0) h[(long long)slot[j] * inter + o] = swiglu_q(g, u, limit);
-        }
+        return;
+    }
+    // The gate products of a group of up to 8 pairs first, then the up ones.
+    int r0 = 0;
+    while (r0 < cnt) {
+        int nr = min(8, cnt - r0);
+        float g[8];
+        rows_all<F, ONE>(w1, s1, nr, d, lane, [&](int r) { return xr(r0 + r); }, [&](int r, float v) { g[r] = v; });
+        rows_all<F, ONE>(w3, s3, nr, d, lane, [&](int r) { return xr(r0 + r); }, [&](int r, float v) {
+            if (lane == 0) h[(long long)order[b0 + r0 + r] * inter + o] = swiglu_q(g[r], v, limit);
+        });
+        r0 += nr;
     }
 }
 
-template <int F, int R>
+template <int F, bool ONE>
 __device__ void moe_down_q(float* __restrict__ y, const float* __restrict__ h, const unsigned* order,
                            const unsigned* off, const unsigned* active, const unsigned long long* ptrs, int nexp,
                            int d, int inter) {
     if (blockIdx.x >= active[nexp]) return;
     unsigned e = active[blockIdx.x];
-    int c = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int c = blockIdx.y * Q_WARPS + wp;
     if (c >= d) return;
     const u8* w2 = (const u8*)ptrs[2 * nexp + e] + c * row_bytes(F, inter);
     const u8* s2 = scale_row(F, (const u8*)ptrs[5 * nexp + e], c, inter);
-    unsigned b0 = off[e], b1 = off[e + 1];
-    for (unsigned s0 = b0; s0 < b1; s0 += R) {
-        int nr = min(R, (int)(b1 - s0));
-        float acc[R];
-        const float* hrow[R];
-        unsigned slot[R];
-#pragma unroll
-        for (int j = 0; j < R; j++) {
-            acc[j] = 0.f;
-            slot[j] = order[s0 + min(j, nr - 1)];
-            hrow[j] = h + (long long)slot[j] * inter;
-        }
-        qrows_dot<F, R>(acc, w2, s2, hrow, nr, inter, lane);
-#pragma unroll
-        for (int j = 0; j < R; j++) {
-            float v = warp_sum(acc[j]);
-            if (j < nr && lane == 0) y[(long long)slot[j] * d + c] = v;
-        }
-    }
+    unsigned b0 = off[e];
+    int cnt = (int)(off[e + 1] - b0);
+    rows_all<F, ONE>(w2, s2, cnt, inter, lane, [&](int r) { return h + (long long)order[b0 + r] * inter; },
+                [&](int r, float v) { if (lane == 0) y[(long long)order[b0 + r] * d + c] = v; });
 }
 
 __device__ __forceinline__ u16 f2bf_q(float f) {
@@ -302,26 +324,26 @@ __device__ void deq_bf16(u16* out, const u8* w, const u8* s, long long rows, int
     }
 }
 
-// Every kernel twice: `name` for up to GV_ROWS rows at a time, `name1` for one row.
-#define ROW_KERNELS(F, N, R, S)                                                                                      \
+// Every product and expert kernel twice: `name` for any number of rows, `name1` for one.
+#define ROW_KERNELS(F, N, ONE, S)                                                                                    \
     extern "C" __global__ void gemv##S##_##N(float* out, const float* x, const u8* w, const u8* s, int n, int k,    \
                                              int m, int ldx, int rpg) {                                              \
-        gemv_q<F, R>(out, x, w, s, n, k, m, ldx, rpg);                                                               \
+        gemv_q<F, ONE>(out, x, w, s, n, k, m, ldx, rpg);                                                             \
     }                                                                                                                \
     extern "C" __global__ void moe_up##S##_##N(float* h, const float* x, const unsigned* order, const unsigned* off, \
                                                const unsigned* active, const unsigned long long* ptrs, int nexp,    \
                                                int k, int d, int inter, float limit) {                               \
-        moe_up_q<F, R>(h, x, order, off, active, ptrs, nexp, k, d, inter, limit);                                    \
+        moe_up_q<F, ONE>(h, x, order, off, active, ptrs, nexp, k, d, inter, limit);                                  \
     }                                                                                                                \
     extern "C" __global__ void moe_down##S##_##N(float* y, const float* h, const unsigned* order,                   \
                                                  const unsigned* off, const unsigned* active,                        \
                                                  const unsigned long long* ptrs, int nexp, int d, int inter) {       \
-        moe_down_q<F, R>(y, h, order, off, active, ptrs, nexp, d, inter);                                            \
+        moe_down_q<F, ONE>(y, h, order, off, active, ptrs, nexp, d, inter);                                          \
     }
 
 #define QUANT_KERNELS(F, N)                                                                                          \
-    ROW_KERNELS(F, N, GV_ROWS, )                                                                                     \
-    ROW_KERNELS(F, N, 1, 1)                                                                                          \
+    ROW_KERNELS(F, N, false, )                                                                                       \
+    ROW_KERNELS(F, N, true, 1)                                                                                       \
     extern "C" __global__ void deq_bf16_##N(u16* out, const u8* w, const u8* s, long long rows, int k) {            \
         deq_bf16<F>(out, w, s, rows, k);                                                                             \
     }

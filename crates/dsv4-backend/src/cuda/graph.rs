@@ -1,0 +1,201 @@
+//! Recorded steps (CUDA graphs): a forward of `rows` rows with `out` output rows is captured
+//! once and replayed for every later step of that shape (decode and speculative verify steps).
+//!
+//! What makes a forward replayable:
+//! - its inputs live in buffers that outlast it: the row table and the output-row indices
+//!   ([`StepIo::dev`]) are written by one stream-ordered copy from pinned memory before each
+//!   launch ([`CudaBackend::stage`]), never by the host while queued work may read them;
+//! - nothing it launches depends on host data but the shape: hash routes are looked up on the
+//!   device, the indexer's grids are sized by the entry capacity, per-row lengths are read from
+//!   the row table;
+//! - the cache buffers it addresses do not move: entries are reserved before recording and
+//!   replaying ([`CudaCache::reserve_batch`]); a move bumps [`CudaCache::generation`], and a
+//!   graph recorded under another generation is recorded again;
+//! - every buffer it allocates is freed inside it (graph memory nodes: the driver keeps that
+//!   memory mapped between replays, so a replay allocates nothing), and its logits are copied
+//!   into the step's own output buffer with a nonfinite flag beside them.
+
+use super::state::CudaCache;
+use super::{ck, CudaBackend, CudaTensor};
+use crate::batch::Batch;
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice, LaunchConfig, PinnedHostSlice, PushKernelArg};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// The largest step recorded: the grouped expert kernels serve up to this many rows without a
+/// host synchronisation (above it the MoE reads expert offsets back).
+pub const GRAPH_MAX_ROWS: usize = super::bf16::GROUPED_MAX_ROWS;
+
+/// Writes `batch`'s row table into `v` (`6·n` u32) in the layout of `common.cuh`: sequence,
+/// position, token, segment start, segment first position, segment length.
+pub(crate) fn row_table(batch: &Batch, v: &mut [u32]) {
+    let n = batch.len();
+    for s in &batch.segments {
+        for i in s.start..s.start + s.len {
+            let r = batch.rows[i];
+            v[i] = r.seq as u32;
+            v[n + i] = r.pos as u32;
+            v[2 * n + i] = r.token;
+            v[3 * n + i] = s.start as u32;
+            v[4 * n + i] = s.pos0 as u32;
+            v[5 * n + i] = s.len as u32;
+        }
+    }
+}
+
+/// One step shape's persistent buffers.
+pub(crate) struct StepIo {
+    /// Staging for the inputs; its own event makes a rewrite wait for the last copy out of it.
+    host: PinnedHostSlice<u32>,
+    /// The row table (`6·rows`) then the output rows (`out`).
+    pub(crate) dev: Arc<CudaSlice<u32>>,
+    /// The logits `[out, cols]` the replay writes.
+    logits: CudaSlice<f32>,
+    /// `0xffffffff − first nonfinite output row`, or 0.
+    flag: CudaSlice<u32>,
+}
+
+/// Recorded-step state of a backend.
+#[derive(Default)]
+pub struct Steps {
+    io: HashMap<(usize, usize), StepIo>,
+    /// The shape being recorded: `rows()` and `select_rows()` then hand out its buffers.
+    recording: Option<(usize, usize)>,
+}
+
+/// A recorded step.
+pub struct StepGraph {
+    graph: CudaGraph,
+    key: (usize, usize),
+}
+
+// SAFETY: a graph is used by one thread at a time: the model that owns it runs its steps on
+// whichever thread owns the model (the engine's), and launching needs `&Model`'s backend.
+unsafe impl Send for StepGraph {}
+// SAFETY: as above; `&StepGraph` is only used to launch, under the model's `&mut` borrow.
+unsafe impl Sync for StepGraph {}
+
+impl CudaBackend {
+    pub(crate) fn recording(&self) -> bool {
+        self.steps.lock().unwrap().recording.is_some()
+    }
+
+    /// The recorded step's row table when a forward of `n` rows is being recorded.
+    pub(crate) fn recorded_rows(&self, n: usize) -> Option<Arc<CudaSlice<u32>>> {
+        let st = self.steps.lock().unwrap();
+        let key = st.recording.filter(|k| k.0 == n)?;
+        Some(st.io[&key].dev.clone())
+    }
+
+    /// The recorded step's whole input buffer (its last `out` entries are the output rows).
+    pub(crate) fn recorded_out_rows(&self, out: usize) -> Option<Arc<CudaSlice<u32>>> {
+        let st = self.steps.lock().unwrap();
+        let key = st.recording.filter(|k| k.1 == out)?;
+        Some(st.io[&key].dev.clone())
+    }
+
+    /// Copies a step's inputs into its persistent buffers (one stream-ordered copy).
+    pub(crate) fn stage(&self, batch: &Batch, out_rows: &[usize], cols: usize) {
+        let (n, no) = (batch.len(), out_rows.len());
+        let mut st = self.steps.lock().unwrap();
+        let io = st.io.entry((n, no)).or_insert_with(|| StepIo {
+            // SAFETY: written below before any copy reads it.
+            host: ck(unsafe { self.ctx.alloc_pinned::<u32>(6 * n + no) }, "pin step inputs"),
+            dev: Arc::new(self.alloc::<u32>(6 * n + no)),
+            logits: self.alloc::<f32>(no * cols),
+            flag: ck(self.stream.alloc_zeros::<u32>(1), "alloc step flag"),
+        });
+        // Waits for the previous copy out of the staging buffer (long done: its step's output
+        // was read back).
+        let v = ck(io.host.as_mut_slice(), "step staging");
+        row_table(batch, &mut v[..6 * n]);
+        for (d, &r) in v[6 * n..].iter_mut().zip(out_rows) {
+            *d = r as u32;
+        }
+        let dev = Arc::get_mut(&mut io.dev).expect("a step's inputs are staged while no forward holds them");
+        ck(self.stream.memcpy_htod(&io.host, dev), "stage step inputs");
+    }
+
+    pub(crate) fn begin_record(&self, rows: usize, out: usize) -> bool {
+        let mut st = self.steps.lock().unwrap();
+        if st.recording.is_some() || !st.io.contains_key(&(rows, out)) {
+            return false;
+        }
+        if let Err(e) = self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) {
+            tracing::warn!("CUDA graph capture could not start: {e:?}");
+            return false;
+        }
+        st.recording = Some((rows, out));
+        true
+    }
+
+    /// Ends the recording: the logits go to the step's output buffer and are checked for
+    /// nonfinite values there; `logits` is freed inside the graph.
+    pub(crate) fn end_record(&self, logits: CudaTensor) -> Result<StepGraph, String> {
+        let key = self.steps.lock().unwrap().recording.ok_or("no step is being recorded")?;
+        {
+            let mut st = self.steps.lock().unwrap();
+            let io = st.io.get_mut(&key).expect("recorded step's buffers");
+            let len = logits.rows * logits.cols;
+            if len == io.logits.len() {
+                ck(self.stream.memcpy_dtod(&logits.data.slice(..len), &mut io.logits), "copy step logits");
+                ck(self.stream.memset_zeros(&mut io.flag), "clear step flag");
+                let blocks = len.div_ceil(256).min(528) as u32;
+                let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+                // SAFETY: argument types and buffer sizes match the kernel.
+                ck(
+                    unsafe {
+                        self.stream
+                            .launch_builder(&self.k.probe_finite)
+                            .arg(&mut io.flag)
+                            .arg(&0i32)
+                            .arg(&io.logits)
+                            .arg(&(len as i64))
+                            .arg(&(logits.cols.max(1) as i32))
+                            .launch(cfg)
+                    },
+                    "probe step logits",
+                );
+            }
+        }
+        let shape_ok = logits.rows == key.1;
+        drop(logits);
+        let res = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        self.steps.lock().unwrap().recording = None;
+        let graph = match res {
+            Ok(Some(g)) => g,
+            Ok(None) => return Err("the capture recorded nothing".into()),
+            Err(e) => return Err(format!("CUDA graph capture failed: {e:?}")),
+        };
+        if !shape_ok {
+            return Err(format!("recorded step {key:?}: the forward returned another number of rows"));
+        }
+        graph.upload().map_err(|e| format!("CUDA graph upload: {e:?}"))?;
+        Ok(StepGraph { graph, key })
+    }
+
+    pub(crate) fn replay(&self, g: &StepGraph) {
+        ck(g.graph.launch(), "graph launch");
+    }
+
+    /// The replayed step's logits on the host, and the first output row holding a nonfinite
+    /// value (one synchronisation).
+    pub(crate) fn step_output(&self, g: &StepGraph) -> (Vec<f32>, Option<usize>) {
+        let st = self.steps.lock().unwrap();
+        let io = &st.io[&g.key];
+        let v = ck(self.stream.clone_dtoh(&io.logits), "download step logits");
+        let f = ck(self.stream.clone_dtoh(&io.flag), "download step flag");
+        ck(self.stream.synchronize(), "synchronize");
+        (v, (f[0] != 0).then(|| (u32::MAX - f[0]) as usize))
+    }
+
+    /// Everything a step needs before it is recorded or replayed, outside the recorded work:
+    /// entry room for its positions and the slots' written-position bookkeeping.
+    pub(crate) fn prepare_step(&self, cache: &mut CudaCache, batch: &Batch, out_rows: &[usize], cols: usize) -> u64 {
+        cache.reserve_batch(self, batch);
+        cache.note_written(batch);
+        self.stage(batch, out_rows, cols);
+        cache.generation
+    }
+}

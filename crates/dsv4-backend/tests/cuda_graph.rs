@@ -1,0 +1,103 @@
+//! Recorded steps (CUDA graphs) give bitwise the eager path's logits: prefill chunks, decode
+//! steps of several sequences, speculative verify blocks with cut-backs, a shape re-recorded
+//! after the compressed entries grew, and hash-routed layers (looked up on the device). A NaN
+//! planted in a weight is still named by stage. Built with `--features cuda`; prints
+//! "skipping: no CUDA device" elsewhere.
+#![cfg(feature = "cuda")]
+
+mod common;
+use common::{tokens, write_random};
+use dsv4_backend::cuda::CudaBackend;
+use dsv4_backend::{Batch, Model, Row};
+use dsv4_model::synth::tiny_config;
+
+/// Every forward of a script: prefill chunks for three sequences, 3-row decode steps long
+/// enough that the compressed entries grow (a recorded shape is then recorded again), and
+/// verify blocks of 1 + 2 rows per sequence cut back to the anchor plus one draft.
+fn script(m: &mut Model<CudaBackend>, vocab: usize) -> Vec<Vec<f32>> {
+    let mut out = Vec::new();
+    let seqs: Vec<usize> = (0..3).map(|_| m.alloc_seq().unwrap()).collect();
+    for (i, &s) in seqs.iter().enumerate() {
+        let t = tokens(20, vocab, 5 + i as u64);
+        out.push(m.forward(&Batch::chunk(s, 0, &t).unwrap(), &[19]).unwrap());
+    }
+    let mut pos = [20usize; 3];
+    for step in 0..70 {
+        let rows: Vec<Row> =
+            (0..3).map(|i| Row { seq: seqs[i], pos: pos[i], token: ((7 * step + 3 * i + 1) % vocab) as u32 }).collect();
+        out.push(m.forward(&Batch::new(rows).unwrap(), &[0, 1, 2]).unwrap());
+        pos.iter_mut().for_each(|p| *p += 1);
+    }
+    for round in 0..4 {
+        let rows: Vec<Row> = (0..3)
+            .flat_map(|i| (0..3).map(move |k| (i, k)))
+            .map(|(i, k)| Row { seq: seqs[i], pos: pos[i] + k, token: ((11 * round + 5 * k + i) % vocab) as u32 })
+            .collect();
+        let all: Vec<usize> = (0..rows.len()).collect();
+        out.push(m.forward(&Batch::new(rows).unwrap(), &all).unwrap());
+        for i in 0..3 {
+            m.truncate(seqs[i], pos[i] + 2).unwrap();
+            pos[i] += 2;
+        }
+    }
+    out
+}
+
+fn check(exact: bool) {
+    let Some(a) = CudaBackend::exact_or_skip(false) else { return };
+    a.set_exact(exact);
+    let b = CudaBackend::new(0).unwrap();
+    b.set_exact(exact);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny_config(97);
+    write_random(dir.path(), &cfg, 33);
+    let mut eager = Model::load(a, dir.path(), 3, false).unwrap();
+    eager.set_graphs(false);
+    let mut graphs = Model::load(b, dir.path(), 3, false).unwrap();
+    graphs.set_graphs(true);
+    let want = script(&mut eager, cfg.vocab_size);
+    let got = script(&mut graphs, cfg.vocab_size);
+    assert!(graphs.recorded_steps() >= 3, "only {} step shapes were recorded", graphs.recorded_steps());
+    assert_eq!(eager.recorded_steps(), 0);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(g == w, "forward {i}: replayed logits differ from the eager ones (exact mode {exact})");
+    }
+    println!("{} forwards bitwise equal, {} shapes recorded (exact mode {exact})", got.len(), graphs.recorded_steps());
+}
+
+#[test]
+fn replayed_steps_equal_eager_exact() {
+    check(true);
+}
+
+#[test]
+fn replayed_steps_equal_eager_fast() {
+    check(false);
+}
+
+#[test]
+fn nonfinite_in_a_replayed_step_is_named() {
+    let Some(b) = CudaBackend::exact_or_skip(false) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny_config(97);
+    write_random(dir.path(), &cfg, 34);
+    // A NaN in layer 3's KV projection (as in `nonfinite.rs`): the first nonfinite stage is
+    // that layer's `attn.kv`, which the replayed step only sees in its logits.
+    let mut m = Model::load_with(b, dir.path(), 1, false, |t| {
+        if t.name == "layers.3.attn.wkv.weight" {
+            let i = t.data.len() / 3;
+            t.data[i] = f32::NAN;
+        }
+    })
+    .unwrap();
+    m.set_graphs(true);
+    let s = m.alloc_seq().unwrap();
+    // Eager (first sighting of the shape), then recorded and replayed: both name the stage.
+    let e1 = m.forward(&Batch::chunk(s, 0, &[3]).unwrap(), &[0]).unwrap_err();
+    m.free_seq(s);
+    let s = m.alloc_seq().unwrap();
+    let e2 = m.forward(&Batch::chunk(s, 0, &[3]).unwrap(), &[0]).unwrap_err();
+    assert_eq!(m.recorded_steps(), 1, "the second 1-row step was recorded");
+    assert_eq!(e1.to_string(), e2.to_string());
+    assert_eq!(e2.stage().unwrap().to_string(), "layers.3.attn.kv", "{e2}");
+}

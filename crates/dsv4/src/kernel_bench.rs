@@ -1,0 +1,112 @@
+//! `dsv4 bench --backend cuda --synthetic kernels`: every weight format's product kernel on
+//! its own (llm.c's `dev/cuda` habit): random valid blocks drawn on the device, checked against
+//! the CPU decoder (`dsv4_model::quant`, f64 dot products), then timed at 1, 2, 4, 8 and 16
+//! rows with CUDA events. The figure is weight bytes read once per call over the time, against
+//! the 4.3 TB/s the H200 copies at.
+
+use anyhow::{bail, Context, Result};
+use dsv4_backend::cuda::{CudaBackend, CudaWeight};
+use dsv4_backend::Backend;
+use dsv4_model::{Packed, PackedFormat};
+
+const HBM_BYTES_PER_S: f64 = 4.3e12;
+const ROWS: [usize; 5] = [1, 2, 4, 8, 16];
+
+/// The weight's f32 values as the CPU decoder gives them (bf16: the rounded values).
+fn host_values(b: &CudaBackend, w: &CudaWeight) -> Vec<f32> {
+    if let Some(q) = &w.q {
+        let blocks = b.download_bytes(&q.blocks);
+        let raw = b.download_bytes(&q.scales);
+        let scales: Vec<f32> = match q.format {
+            PackedFormat::Fp8 => raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            PackedFormat::Fp4 => raw.iter().map(|&e| f32::from_bits((e as u32) << 23)).collect(),
+            _ => Vec::new(),
+        };
+        return Packed { format: q.format, blocks, scales }.dequantize(w.rows, w.cols);
+    }
+    b.download_weight_f32(w)
+}
+
+/// Max |gpu − ref| / max |ref| of `x · wᵀ` on `n` rows.
+fn check(b: &CudaBackend, w: &CudaWeight, vals: &[f32], n: usize) -> f64 {
+    let (m, k) = (w.rows, w.cols);
+    let x: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * 2.0).collect();
+    let xd = b.to_device(n, k, &x);
+    let got = b.to_host(&b.matmul(&xd, w));
+    let (mut err, mut scale) = (0f64, 0f64);
+    for r in 0..n {
+        for o in 0..m {
+            let s: f64 = (0..k).map(|c| x[r * k + c] as f64 * vals[o * k + c] as f64).sum();
+            err = err.max((got[r * m + o] as f64 - s).abs());
+            scale = scale.max(s.abs());
+        }
+    }
+    err / scale.max(f64::MIN_POSITIVE)
+}
+
+/// Median time of `reps` products of `n` rows, in seconds.
+fn time(b: &CudaBackend, w: &CudaWeight, n: usize, reps: usize) -> f64 {
+    let x: Vec<f32> = (0..n * w.cols).map(|i| (i % 17) as f32 * 0.01).collect();
+    let xd = b.to_device(n, w.cols, &x);
+    for _ in 0..3 {
+        b.matmul(&xd, w);
+    }
+    let mut ts: Vec<f64> = (0..reps)
+        .map(|_| {
+            let e0 = b.timing_event();
+            let y = b.matmul(&xd, w);
+            let e1 = b.timing_event();
+            drop(y);
+            b.synchronize();
+            e0.elapsed_ms(&e1).unwrap_or(f32::NAN) as f64 / 1e3
+        })
+        .collect();
+    ts.sort_by(f64::total_cmp);
+    ts[ts.len() / 2]
+}
+
+pub fn run() -> Result<()> {
+    let b = CudaBackend::new(0).context("starting the CUDA backend")?;
+    println!("kernel bench on {}: products x[n, k] · w[m, k]ᵀ (bytes = weight bytes read once)", b.device_name());
+    // (format, m, k): an attention projection (wq_b), the output projection's second half
+    // (wo_b) and a routed expert's gate/up shape, in the formats V4 checkpoints use.
+    let shapes = [(32768usize, 1024usize), (4096, 8192), (2048, 4096)];
+    let formats: [Option<PackedFormat>; 7] = [
+        None,
+        Some(PackedFormat::Q8_0),
+        Some(PackedFormat::Q4_K),
+        Some(PackedFormat::Q2_K),
+        Some(PackedFormat::IQ2_XXS),
+        Some(PackedFormat::Fp8),
+        Some(PackedFormat::Fp4),
+    ];
+    let mut table = Vec::new();
+    for f in formats {
+        for (si, &(m, k)) in shapes.iter().enumerate() {
+            let w = match f {
+                Some(f) => b.upload_random_packed(f, m, k, 0.02, 11 + si as u64),
+                None => b.upload_random("layers.0.attn.wq_b.weight", &[m, k], 0.0, 0.02, 11 + si as u64),
+            };
+            let name = f.map_or("bf16", |f| f.name());
+            let vals = host_values(&b, &w);
+            let err = check(&b, &w, &vals, 3);
+            if !(err < 1e-4) {
+                bail!("{name} [{m}, {k}]: product differs from the CPU decoder's by {err:.2e}");
+            }
+            let bytes = w.bytes() as f64;
+            let mut line = format!("{name:>8} [{m:>5}, {k:>4}] {:7.1} MB  err {err:.1e}:", bytes / 1e6);
+            let mut gbs = Vec::new();
+            for n in ROWS {
+                let t = time(&b, &w, n, 50);
+                let r = bytes / t;
+                gbs.push(r / 1e9);
+                line += &format!("  {n:>2} rows {:6.0} GB/s ({:3.0}%)", r / 1e9, 100.0 * r / HBM_BYTES_PER_S);
+            }
+            println!("{line}");
+            table.push(serde_json::json!({"format": name, "m": m, "k": k, "bytes": bytes, "rel_err": err,
+                "rows": ROWS, "gb_per_s": gbs}));
+        }
+    }
+    println!("{}", serde_json::json!({"device": b.device_name(), "kernels": table}));
+    Ok(())
+}
