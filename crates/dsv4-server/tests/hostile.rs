@@ -256,3 +256,48 @@ fn a_dead_engine_fails_health() {
     assert_eq!(code, 503);
     drop(s.rt);
 }
+
+#[test]
+fn idle_keep_alive_connections_are_closed() {
+    let limits = Limits { header_timeout: Duration::from_secs(1), ..Limits::default() };
+    let s = start(None, Guard { limits, ..Guard::default() });
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    c.write_all(b"GET /health HTTP/1.1\r\nhost: localhost\r\n\r\n").unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut buf = [0u8; 1024];
+    let n = c.read(&mut buf).unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    // Then nothing: the server hangs up after the header timeout instead of holding the socket.
+    let t = Instant::now();
+    let mut rest = Vec::new();
+    assert!(c.read_to_end(&mut rest).is_ok(), "idle connection kept open");
+    assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+}
+
+/// When the engine thread ends, `serve` returns an error (the process exits non-zero) rather
+/// than answering 503 forever.
+#[test]
+fn serve_ends_with_an_error_when_the_engine_dies() {
+    let tok = Tokenizer::deepseek_v4().unwrap();
+    let engine = dsv4_engine::scripted(tok.vocab_size(), vec![tok.special.eos], vec![5]);
+    let state = Arc::new(AppState {
+        engine: engine.clone(),
+        tok,
+        model_name: "m".into(),
+        aliases: vec![],
+        api_key: None,
+        max_body: 1 << 20,
+        default_max_tokens: 16,
+        guard: Guard::default(),
+    });
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let served = rt.spawn(dsv4_server::serve(state, addr));
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!served.is_finished());
+    engine.shutdown(Duration::from_secs(5));
+    let r = rt.block_on(async { tokio::time::timeout(Duration::from_secs(10), served).await });
+    let err = r.expect("serve kept running with a dead engine").unwrap().unwrap_err();
+    assert!(err.to_string().contains("engine"), "{err}");
+}
