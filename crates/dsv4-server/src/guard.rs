@@ -127,7 +127,7 @@ pub struct Guard {
     /// Stop strings per request, and bytes per stop string, at most.
     pub max_stops: usize,
     pub max_stop_bytes: usize,
-    /// How many prompts are tokenised at once (half the cores, at least one).
+    /// How many prompts are tokenised at once (half the cores, one or two).
     pub tokenize: Arc<Permits>,
 }
 
@@ -143,7 +143,8 @@ impl Default for Guard {
             max_prompt_bytes: 64 << 20,
             max_stops: 64,
             max_stop_bytes: 1024,
-            tokenize: Arc::new(Permits { free: Mutex::new((n / 2).max(1)), cv: Condvar::new() }),
+            // Tokenising takes ~150x the text in memory: two at a time bound the peak.
+            tokenize: Arc::new(Permits { free: Mutex::new((n / 2).clamp(1, 2)), cv: Condvar::new() }),
         }
     }
 }
@@ -153,7 +154,11 @@ impl Guard {
     /// vocabulary entry, so a text longer than `max_context` of those needs more than
     /// `max_context` tokens and would be refused after tokenising anyway.
     pub fn for_context(mut self, tok: &dsv4_tokenizer::Tokenizer, max_context: usize) -> Self {
-        let longest = tok.hf().get_vocab(true).keys().map(|k| k.len()).max().unwrap_or(1).max(1);
+        // Byte-level BPE entries spell one byte per character; added tokens are literal text.
+        let hf = tok.hf();
+        let bpe = hf.get_vocab(false).keys().map(|k| k.chars().count()).max().unwrap_or(1);
+        let added = hf.get_added_tokens_decoder().values().map(|t| t.content.len()).max().unwrap_or(1);
+        let longest = bpe.max(added).max(1);
         self.max_prompt_bytes = max_context.saturating_mul(longest);
         self
     }

@@ -301,3 +301,15 @@ fn serve_ends_with_an_error_when_the_engine_dies() {
     let err = r.expect("serve kept running with a dead engine").unwrap().unwrap_err();
     assert!(err.to_string().contains("engine"), "{err}");
 }
+
+/// The prompt limit is exact: the longest DeepSeek V4 token spells 128 bytes, so 4096 tokens
+/// hold at most 512 KiB of text.
+#[test]
+fn prompt_limit_follows_the_context() {
+    let tok = Tokenizer::deepseek_v4().unwrap();
+    let g = Guard::default().for_context(&tok, 4096);
+    assert_eq!(g.max_prompt_bytes, 4096 * 128);
+    // A run of spaces that long still fits in the tokens the limit assumes.
+    let text = " ".repeat(128 * 50);
+    assert!(tok.encode(&text, false).unwrap().len() >= 50);
+}
