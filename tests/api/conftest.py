@@ -45,10 +45,12 @@ def start_server(model_dir, extra=(), tag="server"):
     """Starts `dsv4 serve` and waits for /health; returns a Server."""
     port = free_port()
     log = open(os.path.join(os.path.dirname(model_dir), f"{tag}-{port}.log"), "w")
+    # Defaults that `extra` may override.
+    defaults = [a for k, v in (("--max-seqs", "8"), ("--max-context", "4096"), ("--max-body-mb", "1"))
+                if k not in extra for a in (k, v)]
     proc = subprocess.Popen(
         [BIN, "serve", "--model", model_dir, "--port", str(port), "--api-key", API_KEY,
-         "--served-model-name", MODEL, "--max-seqs", "8", "--max-context", "4096", "--max-body-mb", "1",
-         *extra],
+         "--served-model-name", MODEL, *defaults, *extra],
         stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     for _ in range(600):

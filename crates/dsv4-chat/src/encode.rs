@@ -70,6 +70,17 @@ const SCHEMA_TYPES: [&str; 7] = ["string", "number", "integer", "boolean", "arra
 /// path does. The text begins with BOS when [`EncodeOptions::add_bos`] is set;
 /// the V4 tokenizer must then be called without adding another one.
 pub fn encode_chat(messages: &[Message], tools: &[Tool], opts: &EncodeOptions) -> Result<String, ChatError> {
+    encode_chat_spans(messages, tools, opts).map(|(text, _)| text)
+}
+
+/// [`encode_chat`], plus the byte ranges of the text that hold user and tool content. Those are
+/// to be tokenised as plain text (special-token strings there must not become control tokens,
+/// or content could forge turns); the rest is the template's.
+pub fn encode_chat_spans(
+    messages: &[Message],
+    tools: &[Tool],
+    opts: &EncodeOptions,
+) -> Result<(String, Vec<std::ops::Range<usize>>), ChatError> {
     validate(messages, tools, opts)?;
     let effort_preamble = effort_preamble(opts)?;
 
@@ -100,7 +111,7 @@ pub fn encode_chat(messages: &[Message], tools: &[Tool], opts: &EncodeOptions) -
         turns = drop_old_thinking(turns);
     }
 
-    let ctx = Ctx { opts, tools, drop_thinking, effort_preamble };
+    let ctx = Ctx { opts, tools, drop_thinking, effort_preamble, literal: Default::default() };
     let mut prompt = String::new();
     if opts.add_bos {
         prompt.push_str(BOS);
@@ -109,7 +120,7 @@ pub fn encode_chat(messages: &[Message], tools: &[Tool], opts: &EncodeOptions) -
     for i in 0..turns.len() {
         render_turn(&mut prompt, i, &turns, last_user, &ctx)?;
     }
-    Ok(prompt)
+    Ok((prompt, ctx.literal.into_inner()))
 }
 
 struct Ctx<'a> {
@@ -117,6 +128,19 @@ struct Ctx<'a> {
     tools: &'a [Tool],
     drop_thinking: bool,
     effort_preamble: &'static str,
+    /// Byte ranges of user and tool content in the prompt.
+    literal: std::cell::RefCell<Vec<std::ops::Range<usize>>>,
+}
+
+impl Ctx<'_> {
+    /// Appends client content, recording where it lies.
+    fn content(&self, out: &mut String, text: &str) {
+        let start = out.len();
+        out.push_str(text);
+        if !text.is_empty() {
+            self.literal.borrow_mut().push(start..out.len());
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -492,16 +516,16 @@ fn render_turn(
                             out.push_str("\n\n");
                         }
                         match b {
-                            Block::Text(text) => out.push_str(text),
+                            Block::Text(text) => ctx.content(out, text),
                             Block::ToolResult { content, .. } => {
                                 out.push_str("<tool_result>");
-                                out.push_str(content);
+                                ctx.content(out, content);
                                 out.push_str("</tool_result>");
                             }
                         }
                     }
                 }
-                _ => out.push_str(t.content),
+                _ => ctx.content(out, t.content),
             }
         }
         Role::LatestReminder => {

@@ -27,7 +27,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-pub use encode::encode_chat;
+pub use encode::{encode_chat, encode_chat_spans};
 pub use parse::{parse_output, Event, OutputParser, ParsedOutput};
 
 /// The special-token strings the encoder writes into prompt text.

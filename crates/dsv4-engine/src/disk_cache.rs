@@ -5,8 +5,11 @@
 //! `b"DSV4KVC\0"`, version u32, model fingerprint u64, token count u64, tokens (u32 each),
 //! state length u64, state bytes ([`SeqState::to_bytes`]), FNV-1a 64 checksum of all before.
 //! Files are written to a temporary name, fsynced and renamed, so a killed writer leaves only a
-//! temporary file, which is never read. A file that is truncated, corrupted, of another model
-//! or of another version is ignored with a warning and never produces a token.
+//! temporary file, which is never read (and is removed at the next start). A file that is
+//! truncated, corrupted, of another model or of another version, or whose state does not fit the
+//! model and its tokens, is refused with a warning, never produces a token and is deleted (it
+//! would otherwise sit outside the disk budget forever). Anything in the directory that is not a
+//! regular file (a FIFO, a device, a symlink) is skipped without being opened.
 
 use crate::prefix_cache::prefix_hashes;
 use dsv4_backend::{SeqState, Snapshot};
@@ -59,9 +62,31 @@ pub enum DiskError {
     OtherModel,
     #[error("truncated or corrupted snapshot: {0}")]
     Corrupt(String),
+    #[error("not a regular file")]
+    NotAFile,
+}
+
+/// Opening a FIFO for reading blocks until a writer comes: only regular files are opened.
+fn check_regular(path: &Path) -> Result<(), DiskError> {
+    let md = std::fs::symlink_metadata(path)?;
+    if !md.file_type().is_file() {
+        return Err(DiskError::NotAFile);
+    }
+    Ok(())
+}
+
+/// Deletes a refused snapshot file (never anything but a regular file).
+fn discard(path: &Path, why: &DiskError) {
+    tracing::warn!("deleting refused KV snapshot {}: {why}", path.display());
+    if check_regular(path).is_ok() {
+        if let Err(e) = std::fs::remove_file(path) {
+            tracing::warn!("could not delete {}: {e}", path.display());
+        }
+    }
 }
 
 fn read_header(path: &Path, fingerprint: u64) -> Result<Vec<u32>, DiskError> {
+    check_regular(path)?;
     let mut f = std::fs::File::open(path)?;
     let mut head = [0u8; 28];
     f.read_exact(&mut head).map_err(|_| DiskError::Corrupt("short header".into()))?;
@@ -87,6 +112,7 @@ fn read_header(path: &Path, fingerprint: u64) -> Result<Vec<u32>, DiskError> {
 
 /// Reads and fully checks one file.
 pub fn read_file(path: &Path, fingerprint: u64, model: &Config) -> Result<(Vec<u32>, Snapshot), DiskError> {
+    check_regular(path)?;
     let bytes = std::fs::read(path)?;
     if bytes.len() < 28 + 16 + 8 {
         return Err(DiskError::Corrupt("file too short".into()));
@@ -111,6 +137,8 @@ pub fn read_file(path: &Path, fingerprint: u64, model: &Config) -> Result<(Vec<u
     }
     let state = SeqState::from_bytes(model, state).map_err(|e| DiskError::Corrupt(e.to_string()))?;
     let len = tokens.len();
+    // A checksum only says the bytes are those written: the state must also fit the tokens.
+    state.check(model, len).map_err(|e| DiskError::Corrupt(e.to_string()))?;
     Ok((tokens, Snapshot { len, state }))
 }
 
@@ -153,7 +181,13 @@ impl DiskCache {
                 continue;
             }
             if p.extension().is_some_and(|x| x == EXT) {
+                // `DirEntry::metadata` does not follow symlinks: a FIFO or link is never opened.
                 let md = e.metadata()?;
+                if !md.file_type().is_file() {
+                    dc.rejected += 1;
+                    tracing::warn!("ignoring {}: not a regular file", p.display());
+                    continue;
+                }
                 files.push((md.modified().unwrap_or(std::time::UNIX_EPOCH), p, md.len()));
             }
         }
@@ -165,9 +199,13 @@ impl DiskCache {
                     let hash = *prefix_hashes(&tokens).last().expect("non-empty");
                     dc.index.push(DiskEntry { tokens, hash, path, bytes, stamp: dc.stamp });
                 }
-                Err(e) => {
+                Err(e @ (DiskError::Io(_) | DiskError::NotAFile)) => {
                     dc.rejected += 1;
                     tracing::warn!("ignoring KV snapshot {}: {e}", path.display());
+                }
+                Err(e) => {
+                    dc.rejected += 1;
+                    discard(&path, &e);
                 }
             }
         }
@@ -204,7 +242,11 @@ impl DiskCache {
                 }
                 Err(e) => {
                     self.rejected += 1;
-                    tracing::warn!("ignoring KV snapshot {}: {e}", path.display());
+                    if matches!(e, DiskError::Io(_) | DiskError::NotAFile) {
+                        tracing::warn!("ignoring KV snapshot {}: {e}", path.display());
+                    } else {
+                        discard(&path, &e);
+                    }
                     self.index[i].tokens.clear(); // never matches again
                 }
             }

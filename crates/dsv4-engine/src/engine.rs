@@ -9,7 +9,7 @@ use crate::sequence::{CancelToken, Event, FinishReason, Request, Sequence, Token
 use crate::speculative::{Planned, SpecConfig, SpecSeq};
 use dsv4_backend::{Backend, Batch, Capture, Model, Row};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
 use std::sync::Arc;
 use std::time::Instant;
@@ -83,6 +83,11 @@ enum Msg {
 pub struct EngineHandle {
     tx: Sender<Msg>,
     next_id: Arc<AtomicU64>,
+    /// False once the engine thread has ended (stopped, or died of a panic outside a step).
+    alive: Arc<AtomicBool>,
+    /// Requests queued for a slot: counted when accepted, uncounted when the engine admits or
+    /// drops them (the `queue_depth` gauge is only refreshed between steps).
+    waiting: Arc<AtomicU64>,
     pub metrics: Arc<Metrics>,
     pub config: EngineConfig,
     pub vocab_size: usize,
@@ -113,14 +118,17 @@ impl EngineHandle {
                 limit: self.config.max_context,
             });
         }
-        let waiting = Metrics::get(&m.queue_depth) as usize;
-        if waiting >= self.config.max_waiting {
-            return refuse(AdmitError::QueueFull { waiting });
-        }
         let sampler = match Sampler::new(req.sampling.clone()) {
             Ok(s) => s,
             Err(e) => return refuse(AdmitError::Sampling(e.to_string())),
         };
+        // Take a place in the queue atomically: concurrent submits never overshoot the limit.
+        let max = self.config.max_waiting as u64;
+        if let Err(waiting) =
+            self.waiting.fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| (w < max).then_some(w + 1))
+        {
+            return refuse(AdmitError::QueueFull { waiting: waiting as usize });
+        }
         let (etx, erx) = unbounded_channel();
         let cancel = CancelToken::default();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -142,9 +150,15 @@ impl EngineHandle {
         m.requests_total.fetch_add(1, Ordering::Relaxed);
         if self.tx.send(Msg::Seq(Box::new(seq))).is_err() {
             m.queue_depth.fetch_sub(1, Ordering::Relaxed);
+            self.waiting.fetch_sub(1, Ordering::AcqRel);
             return Err(AdmitError::Stopped);
         }
         Ok(Submission { id, events: erx, cancel })
+    }
+
+    /// Whether the engine thread still runs.
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::Acquire)
     }
 
     /// Persists the prefix cache and stops the engine; waits up to `timeout`.
@@ -161,15 +175,20 @@ impl EngineHandle {
 pub fn scripted(vocab_size: usize, eos_ids: Vec<u32>, script: Vec<u32>) -> EngineHandle {
     let (tx, rx) = channel::<Msg>();
     let metrics = Arc::new(Metrics::default());
+    let alive = Arc::new(AtomicBool::new(true));
+    let waiting = Arc::new(AtomicU64::new(0));
     let handle = EngineHandle {
         tx,
         next_id: Arc::new(AtomicU64::new(1)),
+        alive: alive.clone(),
+        waiting: waiting.clone(),
         metrics: metrics.clone(),
         vocab_size,
         eos_ids,
         config: EngineConfig::default(),
     };
     std::thread::spawn(move || {
+        let _alive = AliveGuard(alive);
         while let Ok(m) = rx.recv() {
             let s = match m {
                 Msg::Seq(s) => s,
@@ -179,6 +198,7 @@ pub fn scripted(vocab_size: usize, eos_ids: Vec<u32>, script: Vec<u32>) -> Engin
                 }
             };
             metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+            waiting.fetch_sub(1, Ordering::AcqRel);
             let mut n = 0;
             let mut reason = FinishReason::Length;
             for &id in script.iter().take(s.req.max_tokens) {
@@ -215,9 +235,13 @@ where
     let metrics = Arc::new(Metrics::default());
     metrics.pool_capacity.store(max_seqs as u64, Ordering::Relaxed);
     let prefix = config.prefix_cache.clone().map(|pc| PrefixCache::new(pc, &model.cfg));
+    let alive = Arc::new(AtomicBool::new(true));
+    let queued = Arc::new(AtomicU64::new(0));
     let handle = EngineHandle {
         tx,
         next_id: Arc::new(AtomicU64::new(1)),
+        alive: alive.clone(),
+        waiting: queued.clone(),
         metrics: metrics.clone(),
         vocab_size: model.cfg.vocab_size,
         eos_ids: model.cfg.eos_token_ids.clone(),
@@ -226,10 +250,29 @@ where
     std::thread::Builder::new()
         .name("dsv4-engine".into())
         .spawn(move || {
-            Engine { model, config, rx, waiting: VecDeque::new(), running: Vec::new(), metrics, prefix }.run()
+            let _alive = AliveGuard(alive);
+            let waiting = VecDeque::new();
+            Engine { model, config, rx, waiting, running: Vec::new(), metrics, prefix, queued, max_seqs }.run()
         })
         .expect("spawning the engine thread");
     handle
+}
+
+/// Marks the engine dead when its thread ends, however it ends.
+struct AliveGuard(Arc<AtomicBool>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+/// The message of a caught panic.
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic".into())
 }
 
 struct Engine<B: Backend> {
@@ -240,6 +283,9 @@ struct Engine<B: Backend> {
     waiting: VecDeque<Sequence>,
     running: Vec<Sequence>,
     metrics: Arc<Metrics>,
+    /// The handle's count of queued requests (see [`EngineHandle::submit`]).
+    queued: Arc<AtomicU64>,
+    max_seqs: usize,
 }
 
 /// Where logits rows of the step go.
@@ -291,10 +337,29 @@ impl<B: Backend> Engine<B> {
                     }
                 }
             }
-            self.drop_cancelled();
-            self.admit();
-            self.step();
+            // A panic inside a step (a backend bug, a state that does not fit) fails the
+            // requests of that step; the engine goes on with the others.
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.drop_cancelled();
+                self.admit();
+                self.step();
+            }));
+            if let Err(p) = r {
+                self.recover(&panic_message(p.as_ref()));
+            }
             self.publish();
+        }
+    }
+
+    /// After a panic: every running sequence's state is suspect, so they all fail (with a clear
+    /// error, not a dropped stream) and every slot is freed; waiting requests stay queued.
+    fn recover(&mut self, msg: &str) {
+        tracing::error!("engine step panicked: {msg}; failing its {} running requests", self.running.len());
+        for s in std::mem::take(&mut self.running) {
+            let _ = s.events.send(Event::Error("internal error in the engine; the request was aborted".into()));
+        }
+        for slot in 0..self.max_seqs {
+            self.model.free_seq(slot);
         }
     }
 
@@ -343,6 +408,7 @@ impl<B: Backend> Engine<B> {
         while i < self.waiting.len() {
             if self.waiting[i].cancel.is_cancelled() || self.waiting[i].events.is_closed() {
                 let s = self.waiting.remove(i).expect("index in range");
+                self.queued.fetch_sub(1, Ordering::AcqRel);
                 self.finish(s, FinishReason::Cancelled);
             } else {
                 i += 1;
@@ -364,6 +430,7 @@ impl<B: Backend> Engine<B> {
             match self.model.alloc_seq() {
                 Ok(slot) => {
                     let mut s = self.waiting.pop_front().expect("not empty");
+                    self.queued.fetch_sub(1, Ordering::AcqRel);
                     s.slot = Some(slot);
                     if let Some(sc) = &self.config.dspark {
                         if sc.applies(s.sampler.params.temperature) {

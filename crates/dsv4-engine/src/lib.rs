@@ -2,6 +2,7 @@
 
 pub mod disk_cache;
 pub mod engine;
+pub mod fingerprint;
 pub mod generate;
 pub mod metrics;
 pub mod prefix_cache;

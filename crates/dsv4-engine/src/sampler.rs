@@ -106,14 +106,16 @@ impl Sampler {
     /// Candidates sorted by scaled logit, their probabilities and how many survive the filters.
     fn filtered(&self, logits: &[f32]) -> (Vec<(u32, f32)>, Vec<f64>, usize) {
         let p = &self.params;
-        let mut cand: Vec<(u32, f32)> =
-            logits.iter().enumerate().map(|(i, &v)| (i as u32, v / p.temperature)).collect();
+        // Sorted by the raw logit (same order for any temperature > 0) and scaled after
+        // subtracting the maximum, in f64: a tiny temperature then gives -inf (probability 0),
+        // never inf - inf = NaN.
+        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &v)| (i as u32, v)).collect();
         cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         if p.top_k > 0 {
             cand.truncate(p.top_k);
         }
-        let m = cand[0].1;
-        let mut probs: Vec<f64> = cand.iter().map(|c| ((c.1 - m) as f64).exp()).collect();
+        let (m, t) = (cand[0].1 as f64, p.temperature as f64);
+        let mut probs: Vec<f64> = cand.iter().map(|c| ((c.1 as f64 - m) / t).exp()).collect();
         let total: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|x| *x /= total);
         let mut keep = probs.len();
@@ -183,6 +185,23 @@ mod tests {
         top5.sort_by(|x, y| logits[*y as usize].total_cmp(&logits[*x as usize]));
         assert!(a.iter().all(|t| top5[..5].contains(t)));
         assert!(a.iter().collect::<std::collections::HashSet<_>>().len() > 1);
+    }
+
+    #[test]
+    fn tiny_temperatures_pick_the_argmax_not_nan() {
+        let logits = [0.5f32, 3.0, -2.0, 2.9999, 1.0];
+        for t in [1e-40f32, f32::MIN_POSITIVE, 1e-45, 1e-20] {
+            let mut s = Sampler::new(SamplingParams { temperature: t, seed: 7, ..Default::default() }).unwrap();
+            for _ in 0..20 {
+                assert_eq!(s.sample(&logits).unwrap(), 1, "temperature {t}");
+            }
+            let p = s.probs(&logits).unwrap();
+            assert!(p.iter().all(|x| x.is_finite()), "temperature {t}: {p:?}");
+            assert_eq!(p[1], 1.0, "temperature {t}: {p:?}");
+        }
+        // Ties at a tiny temperature share the mass, in id order.
+        let s = Sampler::new(SamplingParams { temperature: 1e-40, ..Default::default() }).unwrap();
+        assert_eq!(s.probs(&[1.0, 4.0, 4.0]).unwrap(), vec![0.0, 0.5, 0.5]);
     }
 
     #[test]

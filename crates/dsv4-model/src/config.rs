@@ -174,9 +174,17 @@ impl<'a> Fields<'a> {
             None => Ok(vec![default]),
             Some(Value::Array(a)) => a
                 .iter()
-                .map(|v| v.as_u64().map(|x| x as u32).ok_or_else(|| field_err(key, format!("bad token id {v}"))))
+                .map(|v| {
+                    v.as_u64()
+                        .and_then(|x| u32::try_from(x).ok())
+                        .ok_or_else(|| field_err(key, format!("bad token id {v}")))
+                })
                 .collect(),
-            Some(v) => v.as_u64().map(|x| vec![x as u32]).ok_or_else(|| field_err(key, format!("bad token id {v}"))),
+            Some(v) => v
+                .as_u64()
+                .and_then(|x| u32::try_from(x).ok())
+                .map(|x| vec![x])
+                .ok_or_else(|| field_err(key, format!("bad token id {v}"))),
         }
     }
 }
@@ -532,6 +540,15 @@ impl Config {
         if self.rms_eps.is_nan() || self.rms_eps <= 0.0 {
             return Err(field_err("rms_norm_eps", "must be > 0"));
         }
+        // A model that can hold no position, or would stop on a token it can never emit, loads
+        // but cannot serve: refuse it here with the field named.
+        pos("max_position_embeddings", self.max_position)?;
+        if self.eos_token_ids.is_empty() {
+            return Err(field_err("eos_token_id", "must name at least one token"));
+        }
+        if let Some(&e) = self.eos_token_ids.iter().find(|&&e| e as usize >= self.vocab_size) {
+            return Err(field_err("eos_token_id", format!("{e} is outside the vocabulary (size {})", self.vocab_size)));
+        }
         Ok(())
     }
 
@@ -742,6 +759,32 @@ fn ratios_to_kinds(r: &[usize], field: &str) -> Result<Vec<(AttnKind, usize)>, C
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn unservable_configs_are_refused() {
+        let ok = crate::synth::tiny_config(97);
+        ok.validate().unwrap();
+        let mut c = ok.clone();
+        c.max_position = 0;
+        assert!(c.validate().unwrap_err().to_string().contains("max_position_embeddings"));
+        let mut c = ok.clone();
+        c.eos_token_ids = vec![c.vocab_size as u32];
+        assert!(c.validate().unwrap_err().to_string().contains("eos_token_id"));
+        let mut c = ok.clone();
+        c.eos_token_ids = vec![];
+        assert!(c.validate().is_err());
+        // Through config.json too.
+        let mut j = ok.to_hf_json();
+        j["eos_token_id"] = serde_json::json!(1_000_000);
+        let e = super::Config::from_json(&j).unwrap_err().to_string();
+        assert!(e.contains("eos_token_id"), "{e}");
+        // Ids beyond u32 are not truncated into the vocabulary.
+        j["eos_token_id"] = serde_json::json!((1u64 << 32) + 1);
+        assert!(super::Config::from_json(&j).is_err());
+        let mut j = ok.to_hf_json();
+        j["max_position_embeddings"] = serde_json::json!(0);
+        assert!(super::Config::from_json(&j).unwrap_err().to_string().contains("max_position_embeddings"));
+    }
+
     use super::*;
 
     #[test]

@@ -5,7 +5,7 @@ use crate::error::{ApiError, Flavor};
 use crate::gen::{Finish, Gen, Piece, Usage};
 use crate::params::Fields;
 use crate::Shared;
-use dsv4_chat::{encode_chat, EncodeOptions, Message, OutputParser, Tool};
+use dsv4_chat::{encode_chat_spans, EncodeOptions, Message, OutputParser, Tool};
 use dsv4_engine::TokenEvent;
 use serde_json::Value;
 use std::collections::VecDeque;
@@ -118,9 +118,10 @@ pub fn encode_prompt(s: &Shared, conv: &Conversation, flavor: Flavor) -> Result<
         reasoning_effort: conv.reasoning_effort.clone(),
         ..Default::default()
     };
-    let text = encode_chat(&conv.messages, &conv.tools, &opts)
+    let (text, literal) = encode_chat_spans(&conv.messages, &conv.tools, &opts)
         .map_err(|e| ApiError::bad(flavor, e.to_string()).param("messages"))?;
-    s.tok.encode(&text, false).map_err(|e| ApiError::bad(flavor, e.to_string()))
+    // User and tool content is plain text: special-token strings there stay text.
+    s.guard.encode(text.len(), flavor, || s.tok.encode_with_literals(&text, &literal).map_err(|e| e.to_string()))
 }
 
 /// Encodes the conversation and starts generation.
@@ -133,14 +134,7 @@ pub fn start_chat(
     top_logprobs: Option<usize>,
     id: u64,
 ) -> Result<ChatGen, ApiError> {
-    let opts = EncodeOptions {
-        thinking: conv.thinking,
-        reasoning_effort: conv.reasoning_effort.clone(),
-        ..Default::default()
-    };
-    let text = encode_chat(&conv.messages, &conv.tools, &opts)
-        .map_err(|e| ApiError::bad(f.flavor, e.to_string()).param("messages"))?;
-    let prompt = s.tok.encode(&text, false).map_err(|e| ApiError::bad(f.flavor, e.to_string()))?;
+    let prompt = encode_prompt(s, conv, f.flavor)?;
     // The prompt's last token opens or closes the thinking block of the new turn; the next turn
     // renders this turn's assistant message differently from there, so snapshot just before it.
     let snapshot_at = vec![prompt.len().saturating_sub(1)];

@@ -74,6 +74,27 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body())).into_response()
+        let mut r = (self.status, axum::Json(self.body())).into_response();
+        // Clients (the OpenAI and Anthropic SDKs among them) wait this long before retrying.
+        if matches!(self.status, StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE) {
+            r.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
+        }
+        r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusals_for_load_carry_retry_after() {
+        let r = ApiError::from_admit(Flavor::OpenAi, AdmitError::QueueFull { waiting: 3 }).into_response();
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(r.headers()["retry-after"], "1");
+        let r = ApiError::from_admit(Flavor::Anthropic, AdmitError::Stopped).into_response();
+        assert_eq!(r.headers()["retry-after"], "1");
+        let r = ApiError::bad(Flavor::OpenAi, "no").into_response();
+        assert!(r.headers().get("retry-after").is_none());
     }
 }

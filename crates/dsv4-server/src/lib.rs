@@ -6,6 +6,7 @@ pub mod anthropic;
 pub mod chat;
 pub mod error;
 pub mod gen;
+pub mod guard;
 pub mod openai;
 pub mod openai_chat;
 pub mod params;
@@ -35,6 +36,8 @@ pub struct AppState {
     pub max_body: usize,
     /// Default `max_tokens` when a chat request gives none.
     pub default_max_tokens: usize,
+    /// Host/Origin checks, CORS, limits (see [`guard`]).
+    pub guard: guard::Guard,
 }
 
 pub type Shared = Arc<AppState>;
@@ -43,12 +46,7 @@ impl AppState {
     /// Checks the API key (`Authorization: Bearer` or `x-api-key`).
     pub fn authorize(&self, headers: &HeaderMap, flavor: Flavor) -> Result<(), ApiError> {
         let Some(key) = &self.api_key else { return Ok(()) };
-        let bearer = headers
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")));
-        let x = headers.get("x-api-key").and_then(|v| v.to_str().ok());
-        if bearer == Some(key.as_str()) || x == Some(key.as_str()) {
+        if guard::key_matches(headers, key) {
             Ok(())
         } else {
             Err(ApiError::new(StatusCode::UNAUTHORIZED, flavor, "invalid or missing API key"))
@@ -58,13 +56,7 @@ impl AppState {
     /// Reads and parses the JSON body, within the size limit, after the auth check.
     pub async fn body(&self, headers: &HeaderMap, body: Body, flavor: Flavor) -> Result<Value, ApiError> {
         self.authorize(headers, flavor)?;
-        let bytes = axum::body::to_bytes(body, self.max_body).await.map_err(|_| {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                flavor,
-                format!("request body exceeds the limit of {} bytes", self.max_body),
-            )
-        })?;
+        let bytes = guard::read_body(self, body, flavor).await?;
         let v: Value =
             serde_json::from_slice(&bytes).map_err(|e| ApiError::bad(flavor, format!("invalid JSON body: {e}")))?;
         if !v.is_object() {
@@ -92,12 +84,22 @@ impl AppState {
     }
 }
 
-async fn health() -> impl IntoResponse {
-    axum::Json(serde_json::json!({"status": "ok"}))
+/// 200 only while the engine thread runs: a server whose engine died must not look alive.
+async fn health(State(s): State<Shared>) -> Response {
+    if s.engine.is_alive() {
+        axum::Json(serde_json::json!({"status": "ok"})).into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, axum::Json(serde_json::json!({"status": "engine stopped"}))).into_response()
+    }
 }
 
-async fn metrics(State(s): State<Shared>) -> impl IntoResponse {
-    ([("content-type", "text/plain; version=0.0.4")], s.engine.metrics.render())
+async fn metrics(State(s): State<Shared>, headers: HeaderMap) -> Response {
+    if s.guard.metrics_auth {
+        if let Err(e) = s.authorize(&headers, Flavor::OpenAi) {
+            return e.into_response();
+        }
+    }
+    ([("content-type", "text/plain; version=0.0.4")], s.engine.metrics.render()).into_response()
 }
 
 async fn models(State(s): State<Shared>, headers: HeaderMap) -> Response {
@@ -127,18 +129,31 @@ pub fn router(state: Shared) -> Router {
         .route("/tokenize", post(openai::tokenize))
         .route("/v1/tokenize", post(openai::tokenize))
         .fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(state.clone(), guard::check_request))
         .with_state(state)
 }
 
-/// Serves until ctrl-c.
+/// Serves until SIGINT or SIGTERM (or until the engine stops: then an error, so the process
+/// exits non-zero instead of answering 503 forever).
 pub async fn serve(state: Shared, addr: std::net::SocketAddr) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!("listening on http://{}", listener.local_addr()?);
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
-        .await
+    let engine = state.engine.clone();
+    let dead = {
+        let engine = engine.clone();
+        async move {
+            while engine.is_alive() {
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+        }
+    };
+    let limits = state.guard.limits.clone();
+    let drain = std::time::Duration::from_secs(30);
+    guard::serve(listener, router(state), limits, guard::shutdown_signal(dead), drain).await?;
+    if !engine.is_alive() {
+        return Err(std::io::Error::other("the engine thread stopped"));
+    }
+    Ok(())
 }
 
 /// Seconds since the Unix epoch (response `created` fields).

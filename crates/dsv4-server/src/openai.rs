@@ -83,6 +83,7 @@ pub fn start(
     snapshot_at: Vec<usize>,
     id: u64,
 ) -> Result<Gen, ApiError> {
+    s.guard.check_stops(&stop, f.flavor)?;
     let sampling = f.sampling(id)?;
     let n = prompt.len();
     // End of sequence, plus any `stop_token_ids` (vLLM's extension) the client adds.
@@ -136,13 +137,14 @@ async fn completions_inner(s: Shared, headers: HeaderMap, body: Body) -> Result<
     if f.bool("echo")? {
         return Err(ApiError::bad(fl, "`echo` is not supported").param("echo"));
     }
+    let special = f.bool("parse_special_tokens")?;
     let prompt: Vec<u32> = match v.get("prompt") {
-        Some(Value::String(t)) => s.tok.encode(t, false).map_err(|e| ApiError::bad(fl, e.to_string()))?,
+        Some(Value::String(t)) => encode_raw(&s, t, special, fl)?,
         Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_u64) => {
             a.iter().map(|x| x.as_u64().unwrap_or(0).min(u32::MAX as u64) as u32).collect()
         }
         Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-            s.tok.encode(a[0].as_str().unwrap_or(""), false).map_err(|e| ApiError::bad(fl, e.to_string()))?
+            encode_raw(&s, a[0].as_str().unwrap_or(""), special, fl)?
         }
         Some(other) => {
             return Err(ApiError::bad(fl, format!("`prompt` must be a string or a list of token ids, found {other}"))
@@ -208,6 +210,19 @@ async fn completions_inner(s: Shared, headers: HeaderMap, body: Body) -> Result<
     })
     .flatten();
     Ok(sse(body))
+}
+
+/// A raw prompt's ids. Special-token strings are plain text unless the request sets
+/// `"parse_special_tokens": true` (a hand-rendered chat prompt: the earlier behaviour).
+pub fn encode_raw(s: &Shared, text: &str, special: bool, fl: Flavor) -> Result<Vec<u32>, ApiError> {
+    s.guard.encode(text.len(), fl, || {
+        let r = if special {
+            s.tok.encode(text, false)
+        } else {
+            s.tok.encode_with_literals(text, std::slice::from_ref(&(0..text.len())))
+        };
+        r.map_err(|e| e.to_string())
+    })
 }
 
 pub fn server_error(fl: Flavor, e: String) -> ApiError {

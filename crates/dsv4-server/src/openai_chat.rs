@@ -430,8 +430,9 @@ pub async fn tokenize_inner(s: Shared, headers: HeaderMap, body: Body) -> Result
         let conv = Conversation { messages: chat_messages(&v)?, tools: chat_tools(&v)?, thinking, reasoning_effort };
         encode_prompt(&s, &conv, FL)?
     } else {
-        let p = Fields::new(&v, FL).str("prompt")?.ok_or_else(|| ApiError::bad(FL, "give `messages` or `prompt`"))?;
-        s.tok.encode(p, false).map_err(|e| ApiError::bad(FL, e.to_string()))?
+        let f = Fields::new(&v, FL);
+        let p = f.str("prompt")?.ok_or_else(|| ApiError::bad(FL, "give `messages` or `prompt`"))?;
+        crate::openai::encode_raw(&s, p, f.bool("parse_special_tokens")?, FL)?
     };
     Ok(axum::Json(json!({"count": tokens.len(), "tokens": tokens, "max_model_len": s.engine.config.max_context}))
         .into_response())

@@ -37,6 +37,7 @@ fn start(thinking: bool) -> (String, tokio::runtime::Runtime) {
         api_key: None,
         max_body: 1 << 20,
         default_max_tokens: 256,
+        guard: Default::default(),
     });
     let rt = tokio::runtime::Runtime::new().unwrap();
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
@@ -49,7 +50,7 @@ fn start(thinking: bool) -> (String, tokio::runtime::Runtime) {
 fn post(addr: &str, path: &str, body: &Value) -> (u16, String) {
     let mut s = TcpStream::connect(addr).unwrap();
     let b = body.to_string();
-    write!(s, "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{b}", b.len()).unwrap();
+    write!(s, "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{b}", b.len()).unwrap();
     let mut r = BufReader::new(s);
     let mut status = String::new();
     r.read_line(&mut status).unwrap();

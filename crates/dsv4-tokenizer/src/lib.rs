@@ -288,6 +288,8 @@ impl SpecialTokens {
 struct Inner {
     hf: tokenizers::Tokenizer,
     vocab_size: usize,
+    /// Finds every added-token string (chat markers, BOS/EOS, placeholders) in a text.
+    added: aho_corasick::AhoCorasick,
 }
 
 /// The DeepSeek V4 tokenizer.
@@ -358,7 +360,11 @@ impl Tokenizer {
         // call, so compute it once. Added tokens that share an id with a model
         // token (ids 0..=2 here) are counted once.
         let vocab_size = hf.get_vocab_size(true);
-        Ok(Tokenizer { inner: Arc::new(Inner { hf, vocab_size }), special })
+        let strings: Vec<String> =
+            hf.get_added_tokens_decoder().into_values().map(|t| t.content).filter(|c| !c.is_empty()).collect();
+        let added = aho_corasick::AhoCorasick::new(&strings)
+            .map_err(|e| Error::Embedded(format!("indexing the added tokens: {e}")))?;
+        Ok(Tokenizer { inner: Arc::new(Inner { hf, vocab_size, added }), special })
     }
 
     /// Encodes `text` into token ids.
@@ -382,6 +388,39 @@ impl Tokenizer {
             out.push(self.special.bos);
         }
         out.extend_from_slice(ids);
+        Ok(out)
+    }
+
+    /// Encodes `text` in which the bytes in `literal` (sorted, non-overlapping ranges: user and
+    /// tool content of a chat prompt) are plain text: a special-token string there (`<｜User｜>`,
+    /// `</think>`) becomes ordinary tokens, never its control id, so content cannot forge turns.
+    /// Elsewhere special-token strings are control ids as in [`Tokenizer::encode`]. A text with
+    /// no special-token string in a literal range encodes exactly as [`Tokenizer::encode`] does.
+    pub fn encode_with_literals(&self, text: &str, literal: &[std::ops::Range<usize>]) -> Result<Vec<u32>> {
+        // Every occurrence of an added token that overlaps a literal range is cut inside that
+        // range (pieces are tokenised separately), so no piece holds the whole token string.
+        let mut cuts: Vec<usize> = Vec::new();
+        for m in self.inner.added.find_overlapping_iter(text) {
+            let (a, b) = (m.start(), m.end());
+            let Some(r) = literal.iter().find(|r| r.start < b && a < r.end) else { continue };
+            let cut = if a < r.start { r.start } else { a + text[a..].chars().next().map_or(1, char::len_utf8) };
+            if cut > a && cut < b {
+                cuts.push(cut);
+            }
+        }
+        if cuts.is_empty() {
+            return self.encode(text, false);
+        }
+        cuts.sort_unstable();
+        cuts.dedup();
+        let mut out = Vec::new();
+        let mut start = 0;
+        for c in cuts.into_iter().chain(std::iter::once(text.len())) {
+            if c > start {
+                out.extend(self.encode(&text[start..c], false)?);
+            }
+            start = c;
+        }
         Ok(out)
     }
 

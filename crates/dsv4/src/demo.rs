@@ -54,39 +54,3 @@ pub fn demo_model_dir() -> Result<PathBuf> {
     tracing::warn!("using the built-in DEMO model (random weights, output is gibberish): {}", dir.display());
     Ok(dir)
 }
-
-/// Identifies a checkpoint for the disk KV cache: config.json and, for each safetensors or GGUF
-/// file (or the file `dir` itself), its name, size, and first and last MiB. A snapshot written for
-/// other weights is never used.
-pub fn model_fingerprint(dir: &Path) -> u64 {
-    use std::io::{Read, Seek, SeekFrom};
-    let mut bytes = std::fs::read(dir.join("config.json")).unwrap_or_default();
-    let mut files: Vec<PathBuf> = if dir.is_file() {
-        vec![dir.to_path_buf()]
-    } else {
-        std::fs::read_dir(dir)
-            .map(|r| {
-                r.flatten()
-                    .map(|e| e.path())
-                    .filter(|p| p.extension().is_some_and(|x| x == "safetensors" || x == "gguf"))
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
-    files.sort();
-    for p in files {
-        bytes.extend_from_slice(p.file_name().map(|n| n.as_encoded_bytes()).unwrap_or_default());
-        if let Ok(mut f) = std::fs::File::open(&p) {
-            let len = f.metadata().map(|m| m.len()).unwrap_or(0);
-            bytes.extend_from_slice(&len.to_le_bytes());
-            let mut buf = vec![0u8; (1 << 20).min(len as usize)];
-            if f.read_exact(&mut buf).is_ok() {
-                bytes.extend_from_slice(&buf);
-            }
-            if f.seek(SeekFrom::End(-(buf.len() as i64))).is_ok() && f.read_exact(&mut buf).is_ok() {
-                bytes.extend_from_slice(&buf);
-            }
-        }
-    }
-    dsv4_engine::disk_cache::fnv1a(&bytes)
-}

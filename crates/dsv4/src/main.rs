@@ -240,6 +240,33 @@ struct ServeArgs {
     cuda_fast: bool,
     #[command(flatten)]
     dspark: DsparkArgs,
+    #[command(flatten)]
+    guard: GuardArgs,
+}
+
+/// Defences against hostile clients (see README, "Security and robustness").
+#[derive(clap::Args)]
+struct GuardArgs {
+    /// More `Host` names a loopback-bound server answers (besides localhost and loopback IPs);
+    /// other names are refused (DNS rebinding).
+    #[arg(long, value_delimiter = ',')]
+    allowed_hosts: Vec<String>,
+    /// Web origins allowed to call the API from a browser, with CORS headers (`*`: any). Without
+    /// it, requests carrying a non-local `Origin` are refused and no CORS header is sent.
+    #[arg(long, value_delimiter = ',')]
+    cors_allow_origin: Vec<String>,
+    /// `/metrics` requires the API key too.
+    #[arg(long)]
+    metrics_auth: bool,
+    /// Open connections at most; more get a 503 and are closed.
+    #[arg(long, default_value_t = 512)]
+    max_connections: usize,
+    /// Seconds to receive a request's headers (also how long an idle connection is kept).
+    #[arg(long, default_value_t = 10)]
+    header_timeout_secs: u64,
+    /// Seconds to receive a request's body.
+    #[arg(long, default_value_t = 30)]
+    body_timeout_secs: u64,
 }
 
 fn main() {
@@ -261,13 +288,17 @@ where
         Some(d) => (d.clone(), d.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or("dsv4".into())),
         None => (demo::demo_model_dir()?, "dsv4-demo".to_string()),
     };
-    let model = load(backend, &dir, a.max_seqs)?;
+    let mut model = load(backend, &dir, a.max_seqs)?;
     let tok = tokenizer_for(&dir)?;
+    check_servable(&mut model, &tok)?;
     if a.model.is_none() {
         eprintln!("dsv4: serving the built-in DEMO model (random weights); pass --model DIR for a real checkpoint");
     }
-    let fingerprint = demo::model_fingerprint(&dir);
-    let mut model = model;
+    // Only the disk KV cache needs it; the whole weights are hashed (once per file version).
+    let fingerprint = a
+        .kv_disk_dir
+        .as_ref()
+        .map_or(0, |d| dsv4_engine::fingerprint::model_fingerprint(&dir, Some(&d.join(".weight-hashes"))));
     // In the server, DSpark speculates for greedy requests; sampled ones decode plainly (their
     // seeded outputs stay those of a plain run).
     let dspark = a.dspark.config(&dir, &mut model, false)?;
@@ -301,20 +332,71 @@ where
         prefix_cache,
         dspark,
     };
+    let api_key = dsv4_server::guard::check_api_key(a.api_key)?;
+    let addr: std::net::SocketAddr = format!("{}:{}", a.host, a.port).parse().context("--host/--port")?;
+    for w in dsv4_server::guard::bind_warnings(&addr, api_key.is_some()) {
+        tracing::warn!("{w}");
+    }
     let engine = dsv4_engine::spawn(model, cfg, a.max_seqs);
+    let g = a.guard;
+    let guard = dsv4_server::guard::Guard {
+        loopback: addr.ip().is_loopback(),
+        allowed_hosts: g.allowed_hosts.iter().map(|h| h.trim().to_ascii_lowercase()).collect(),
+        cors_origins: g.cors_allow_origin,
+        metrics_auth: g.metrics_auth,
+        limits: dsv4_server::guard::Limits {
+            max_connections: g.max_connections,
+            header_timeout: std::time::Duration::from_secs(g.header_timeout_secs.max(1)),
+            body_timeout: std::time::Duration::from_secs(g.body_timeout_secs.max(1)),
+        },
+        ..Default::default()
+    }
+    .for_context(&tok, engine.config.max_context);
     let state = std::sync::Arc::new(dsv4_server::AppState {
         engine: engine.clone(),
         tok,
         model_name: a.served_model_name.unwrap_or(default_name),
         aliases: a.model_alias,
-        api_key: a.api_key,
+        api_key,
         max_body: a.max_body_mb << 20,
         default_max_tokens: 4096,
+        guard,
     });
-    let addr: std::net::SocketAddr = format!("{}:{}", a.host, a.port).parse().context("--host/--port")?;
-    tokio::runtime::Runtime::new()?.block_on(dsv4_server::serve(state, addr))?;
-    // Graceful stop: the prefix cache goes to disk before the process exits.
+    let served = tokio::runtime::Runtime::new()?.block_on(dsv4_server::serve(state, addr));
+    // Graceful stop (SIGINT or SIGTERM): the prefix cache goes to disk before the process exits.
     engine.shutdown(std::time::Duration::from_secs(60));
+    served?;
+    Ok(())
+}
+
+/// Refuses checkpoints that load but cannot serve: a tokenizer with ids beyond the model's
+/// vocabulary, or weights that give non-finite logits (every request would fail).
+fn check_servable<B: Backend>(model: &mut Model<B>, tok: &dsv4_tokenizer::Tokenizer) -> Result<()> {
+    let (tv, mv) = (tok.vocab_size(), model.cfg.vocab_size);
+    if tv > mv {
+        bail!(
+            "the tokenizer has {tv} ids but the model's vocabulary has {mv}: wrong tokenizer.json for this checkpoint"
+        );
+    }
+    // A few tokens through every layer: NaN or inf in the weights shows in the logits.
+    let probe: Vec<u32> = [tok.special.bos, 100, 2000, 30000].iter().map(|&t| t.min(mv as u32 - 1)).collect();
+    let seq = model.alloc_seq()?;
+    let logits = model.prefill_chunks(seq, &probe, &[probe.len()]);
+    model.free_seq(seq);
+    let logits = match logits {
+        Err(e @ dsv4_backend::ModelError::NonFinite { .. }) => {
+            bail!("the checkpoint gives non-finite values in a probe forward ({e}): its weights hold NaN or inf; refusing to serve it")
+        }
+        other => other.context("a probe forward of the checkpoint failed")?,
+    };
+    if let Some(i) = logits.iter().position(|v| !v.is_finite()) {
+        bail!(
+            "the checkpoint gives non-finite logits (value {} at index {i} of a {}-token probe): its weights hold \
+             NaN or inf; refusing to serve it",
+            logits[i],
+            probe.len()
+        );
+    }
     Ok(())
 }
 
@@ -350,6 +432,11 @@ fn tokenizer_for(dir: &std::path::Path) -> Result<dsv4_tokenizer::Tokenizer> {
     Ok(if local.exists() {
         dsv4_tokenizer::Tokenizer::from_file(&local)?
     } else {
+        tracing::warn!(
+            "{} has no tokenizer.json: using the embedded DeepSeek V4 tokenizer; if this checkpoint has another \
+             vocabulary its text will be wrong",
+            dir.display()
+        );
         dsv4_tokenizer::Tokenizer::deepseek_v4()?
     })
 }

@@ -384,6 +384,49 @@ impl SeqState {
         Ok(st)
     }
 
+    /// Checks that the state is one a sequence of `len` tokens can hold: every window position
+    /// in its ring slot, one compressed entry per completed window, the open rows of the current
+    /// one, history ending at `len`, and no NaN. A state that passes cannot make the forward
+    /// index outside what it holds (a forged or mismatched snapshot is refused here, not found
+    /// by an assertion in the attention).
+    pub fn check(&self, cfg: &Config, len: usize) -> Result<(), StateFormatError> {
+        let bad = |m: String| Err(StateFormatError::Shape(m));
+        if self.layers.len() != cfg.n_layers() {
+            return bad("layer count".into());
+        }
+        for (i, l) in self.layers.iter().enumerate() {
+            let cap = l.cap();
+            if cap == 0 || l.ring.len() != cap * cfg.head_dim {
+                return bad(format!("window ring of layer {i}"));
+            }
+            if l.ring_pos.iter().any(|&p| p != usize::MAX && p >= len) {
+                return bad(format!("layer {i}: window ring holds a position beyond {len} tokens"));
+            }
+            if let Some(p) = (len.saturating_sub(cfg.window)..len).find(|&p| l.ring_pos[p % cap] != p) {
+                return bad(format!("layer {i}: window ring lacks position {p}"));
+            }
+            if l.ring.iter().any(|v| !v.is_finite()) {
+                return bad(format!("layer {i}: non-finite window row"));
+            }
+            for c in [&l.comp, &l.index].into_iter().flatten() {
+                let (m, w) = (c.ratio, c.width());
+                let rows = c.hist_u.len() / w;
+                let ok = m > 0
+                    && c.n_entries() == len / m
+                    && c.n_open() == len % m
+                    && c.hist_start + rows == len
+                    && [&c.open_u, &c.prev_u, &c.entries, &c.hist_u].iter().all(|v| v.iter().all(|x| x.is_finite()))
+                    && [&c.open_z, &c.prev_z, &c.hist_z]
+                        .iter()
+                        .all(|v| v.iter().all(|x| !x.is_nan() && *x != f32::INFINITY));
+                if !ok {
+                    return bad(format!("layer {i}: compressor state does not hold {len} tokens"));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Bytes of memory the state holds (cache budgets).
     pub fn size_bytes(&self) -> usize {
         self.layers
