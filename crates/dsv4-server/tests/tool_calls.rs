@@ -36,7 +36,10 @@ fn start(thinking: bool) -> (String, tokio::runtime::Runtime) {
         aliases: vec![],
         api_key: None,
         max_body: 1 << 20,
-        default_max_tokens: 256,
+        default_max_tokens: Some(256),
+        strict_model_name: true,
+        max_tokens_limit: None,
+        live: Default::default(),
     });
     let rt = tokio::runtime::Runtime::new().unwrap();
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
