@@ -26,10 +26,12 @@ def client(name):
 
 @pytest.fixture(scope="module")
 def agent_server(model_dir):
-    # The agents' prompts are long (system prompt and tools): a 64K context; completions are
-    # capped so the random model's never-ending answers stay short.
-    srv = start_server(model_dir, extra=["--max-context", "65536", "--max-tokens-limit", "16"], tag="agents",
-                       strict=False)
+    # The agents' prompts are long (system prompt and tools): a 64K context. A random model
+    # almost never samples EOS; an operator default bias towards it (id 1) ends its answers after
+    # a few tokens, as a real model's would end (an answer cut at max_tokens is an error to the
+    # agents).
+    srv = start_server(model_dir, extra=["--max-context", "65536", "--request-defaults",
+                                         '{"logit_bias": {"1": 12}}'], tag="agents", strict=False)
     yield srv
     stop_server(srv)
 

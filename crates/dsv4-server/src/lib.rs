@@ -41,6 +41,8 @@ pub struct AppState {
     /// Unknown model names get a 404 (otherwise, with one model served, any name is accepted
     /// and echoed back: agents send their own vendor's names).
     pub strict_model_name: bool,
+    /// Fields added to every request body that lacks them (`--request-defaults`).
+    pub request_defaults: serde_json::Map<String, Value>,
     /// The most tokens any request may generate (None: what the context leaves).
     pub max_tokens_limit: Option<usize>,
     /// What the server keeps while it runs (stored responses, the grammar engine, counters).
@@ -85,10 +87,13 @@ impl AppState {
         })?;
         let v: Value =
             serde_json::from_slice(&bytes).map_err(|e| ApiError::bad(flavor, format!("invalid JSON body: {e}")))?;
-        if !v.is_object() {
+        let Value::Object(mut m) = v else {
             return Err(ApiError::bad(flavor, "the request body must be a JSON object"));
+        };
+        for (k, d) in &self.request_defaults {
+            m.entry(k.clone()).or_insert_with(|| d.clone());
         }
-        Ok(v)
+        Ok(Value::Object(m))
     }
 
     /// Checks the `model` field and returns the name to echo back: the requested one when it

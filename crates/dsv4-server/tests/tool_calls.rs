@@ -39,6 +39,7 @@ fn start(thinking: bool) -> (String, tokio::runtime::Runtime) {
         default_max_tokens: Some(256),
         strict_model_name: true,
         max_tokens_limit: None,
+        request_defaults: Default::default(),
         live: Default::default(),
     });
     let rt = tokio::runtime::Runtime::new().unwrap();

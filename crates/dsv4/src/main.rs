@@ -216,6 +216,10 @@ struct ServeArgs {
     /// `length`), like those beyond the context (default: no limit but the context).
     #[arg(long)]
     max_tokens_limit: Option<usize>,
+    /// Request fields (a JSON object) added to every request that lacks them, as vLLM's
+    /// --override-generation-config: e.g. '{"temperature": 0.6, "top_p": 0.95}'.
+    #[arg(long, value_parser = parse_defaults)]
+    request_defaults: Option<serde_json::Map<String, serde_json::Value>>,
     /// Answer 404 for model names other than --served-model-name and --model-alias (by
     /// default any name is accepted and echoed back, so agents work with their own names).
     #[arg(long)]
@@ -324,8 +328,9 @@ where
     let addr: std::net::SocketAddr = format!("{}:{}", a.host, a.port).parse().context("--host/--port")?;
     // What the server runs with, in one place (the flags' effective values).
     tracing::info!(
-        "serving `{model_name}` on {addr}: max-context {max_context}, default-max-tokens {}, max-seqs {}, \
+        "serving `{model_name}` on {addr}: request defaults {}, max-context {max_context}, default-max-tokens {}, max-seqs {}, \
          max-tokens-limit {}, token-budget {}, max-waiting {}, prefix-cache {} MiB{}, DSpark {}, api-key {}, model names {}",
+        a.request_defaults.as_ref().map_or("none".to_string(), |d| serde_json::Value::Object(d.clone()).to_string()),
         a.default_max_tokens.map_or("remaining context".to_string(), |n| n.to_string()),
         a.max_seqs,
         a.max_tokens_limit.map_or("none".to_string(), |n| n.to_string()),
@@ -347,12 +352,21 @@ where
         default_max_tokens: a.default_max_tokens,
         strict_model_name: a.strict_model_name,
         max_tokens_limit: a.max_tokens_limit,
+        request_defaults: a.request_defaults.unwrap_or_default(),
         live: Default::default(),
     });
     tokio::runtime::Runtime::new()?.block_on(dsv4_server::serve(state, addr))?;
     // Graceful stop: the prefix cache goes to disk before the process exits.
     engine.shutdown(std::time::Duration::from_secs(60));
     Ok(())
+}
+
+fn parse_defaults(s: &str) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    match serde_json::from_str(s) {
+        Ok(serde_json::Value::Object(m)) => Ok(m),
+        Ok(_) => Err("must be a JSON object".into()),
+        Err(e) => Err(format!("invalid JSON: {e}")),
+    }
 }
 
 /// The longest context by default: the model's maximum, or less where the backend knows its
