@@ -105,11 +105,34 @@ fn lit(s: &str) -> String {
 
 /// A literal in which each DSML marker is the marker's own token (`<[id]>`), as the model
 /// writes it, not its bytes.
+/// Newlines, `<` and a `/` after it are lexemes of their own: alternatives that share them
+/// (another parameter or the end of the call after a newline) then stay apart until they differ;
+/// one literal `"\n</"` would hold the lexer to it past the point where the paths split.
 fn dsml_lit(s: &str, dsml: u32) -> String {
-    s.split(DSML)
-        .map(|p| if p.is_empty() { String::new() } else { lit(p) })
-        .collect::<Vec<_>>()
-        .join(&format!(" <[{dsml}]> "))
+    let mut items = Vec::new();
+    for (i, part) in s.split(DSML).enumerate() {
+        if i > 0 {
+            items.push(format!("<[{dsml}]>"));
+        }
+        let mut cur = String::new();
+        let mut prev = ' ';
+        for c in part.chars() {
+            if c == '\n' || c == '<' || (c == '/' && prev == '<') {
+                if !cur.is_empty() {
+                    items.push(lit(&cur));
+                    cur.clear();
+                }
+                items.push(lit(&c.to_string()));
+            } else {
+                cur.push(c);
+            }
+            prev = c;
+        }
+        if !cur.is_empty() {
+            items.push(lit(&cur));
+        }
+    }
+    items.join(" ")
 }
 
 /// Compact JSON for the schema of one parameter, as a `%json` grammar item.
@@ -119,7 +142,10 @@ fn json_item(schema: &Value) -> String {
         _ => serde_json::json!({}),
     };
     if let Value::Object(m) = &mut s {
-        m.entry("x-guidance").or_insert_with(|| serde_json::json!({"whitespace_flexible": false}));
+        // The encoder's (Python's) separators: what the model saw in every rendered call.
+        m.entry("x-guidance").or_insert_with(
+            || serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}),
+        );
     }
     format!("%json {s}")
 }
@@ -195,14 +221,38 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tool_grammar_has_every_parameter_and_the_block() {
-        let t = Tool {
-            name: "get_weather".into(),
+    fn tool_grammar_accepts_what_the_encoder_renders() {
+        let tok = dsv4_tokenizer::Tokenizer::deepseek_v4().unwrap();
+        let json: Value = serde_json::from_str(&tok.hf().to_string(false).unwrap()).unwrap();
+        let env = dsv4_engine::GrammarEnv::from_tokenizer_json(&json, tok.vocab_size(), tok.special.eos).unwrap();
+        let tool = Tool {
+            name: "add".into(),
             description: None,
-            parameters: serde_json::json!({"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]}),
+            parameters: serde_json::json!({"type": "object", "properties": {
+                "n": {"type": "integer"}, "xs": {"type": "array", "items": {"type": "integer"}},
+                "opt": {"type": "boolean"}}, "required": ["n", "xs"]}),
         };
-        let g = tool_call_grammar(&[t], 7);
-        assert!(g.contains("p0_0:") && g.contains("p0_1:") && g.contains("inv0:"));
-        assert!(g.contains("\"<\" <[7]> \"tool_calls>\\n\""), "{g}");
+        let g =
+            env.compile(&GrammarSpec::Lark(tool_call_grammar(std::slice::from_ref(&tool), tok.special.dsml))).unwrap();
+        // The encoder's own rendering of a call (JSON values are `string="false"`).
+        let block = |args: &str| {
+            let mut m = dsv4_chat::Message::assistant("");
+            m.tool_calls.push(dsv4_chat::ToolCall { id: "c".into(), name: "add".into(), arguments: args.into() });
+            let text = dsv4_chat::encode_chat(
+                &[dsv4_chat::Message::user("x"), m],
+                std::slice::from_ref(&tool),
+                &Default::default(),
+            )
+            .unwrap();
+            // The last block: the system prompt's tool instructions hold an example one.
+            let start = text.rfind("\n\n<｜DSML｜tool_calls>").unwrap();
+            let end = text.rfind("</｜DSML｜tool_calls>").unwrap() + "</｜DSML｜tool_calls>".len();
+            tok.encode(&text[start..end], false).unwrap()
+        };
+        assert!(g.accepts(&block(r#"{"n": 3, "xs": [1, 2]}"#)));
+        assert!(g.accepts(&block(r#"{"n": 3, "xs": [], "opt": true}"#)));
+        // A required parameter missing, or a value of the wrong type, does not match.
+        assert!(!g.accepts(&block(r#"{"xs": [1]}"#)));
+        assert!(!g.accepts(&block(r#"{"n": [1], "xs": [1]}"#)));
     }
 }
