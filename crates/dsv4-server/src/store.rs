@@ -17,9 +17,12 @@ pub struct Stored {
     pub response: Value,
 }
 
+/// The entries and their ids, oldest first.
+type Entries = (HashMap<String, Arc<Stored>>, VecDeque<String>);
+
 pub struct ResponseStore {
     cap: usize,
-    inner: Mutex<(HashMap<String, Arc<Stored>>, VecDeque<String>)>,
+    inner: Mutex<Entries>,
 }
 
 impl Default for ResponseStore {
