@@ -46,13 +46,13 @@ class Server:
         return out
 
 
-def start_server(model_dir, extra=(), tag="server", strict=True):
+def start_server(model_dir, extra=(), tag="server", strict=True, auth=True):
     """Starts `dsv4 serve` and waits for /health; returns a Server. `strict`: unknown model
     names get 404 (the hostile-request tests rely on it; agents' own names are tested apart)."""
     port = free_port()
     log = open(os.path.join(os.path.dirname(model_dir), f"{tag}-{port}.log"), "w")
     proc = subprocess.Popen(
-        [BIN, "serve", "--model", model_dir, "--port", str(port), "--api-key", API_KEY,
+        [BIN, "serve", "--model", model_dir, "--port", str(port), *(["--api-key", API_KEY] if auth else []),
          "--served-model-name", MODEL, "--max-seqs", "8", "--max-body-mb", "1",
          *([] if "--max-context" in extra else ["--max-context", "4096"]),
          *(["--strict-model-name"] if strict else []), *extra],
