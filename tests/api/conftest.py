@@ -22,10 +22,15 @@ def free_port():
 
 
 class Server:
-    def __init__(self, base, proc, model_dir):
+    def __init__(self, base, proc, model_dir, log_path):
         self.base = base
         self.proc = proc
         self.model_dir = model_dir
+        self.log_path = log_path
+
+    def log(self):
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
 
     def url(self, path):
         return self.base + path
@@ -41,16 +46,17 @@ class Server:
         return out
 
 
-def start_server(model_dir, extra=(), tag="server"):
-    """Starts `dsv4 serve` and waits for /health; returns a Server."""
+def start_server(model_dir, extra=(), tag="server", strict=True, auth=True):
+    """Starts `dsv4 serve` and waits for /health; returns a Server. `strict`: unknown model
+    names get 404 (the hostile-request tests rely on it; agents' own names are tested apart)."""
     port = free_port()
     log = open(os.path.join(os.path.dirname(model_dir), f"{tag}-{port}.log"), "w")
     # Defaults that `extra` may override.
     defaults = [a for k, v in (("--max-seqs", "8"), ("--max-context", "4096"), ("--max-body-mb", "1"))
                 if k not in extra for a in (k, v)]
     proc = subprocess.Popen(
-        [BIN, "serve", "--model", model_dir, "--port", str(port), "--api-key", API_KEY,
-         "--served-model-name", MODEL, *defaults, *extra],
+        [BIN, "serve", "--model", model_dir, "--port", str(port), *(["--api-key", API_KEY] if auth else []),
+         "--served-model-name", MODEL, *defaults, *(["--strict-model-name"] if strict else []), *extra],
         stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -64,7 +70,7 @@ def start_server(model_dir, extra=(), tag="server"):
             time.sleep(0.1)
     else:
         raise RuntimeError("dsv4 serve did not come up")
-    return Server(base, proc, model_dir)
+    return Server(base, proc, model_dir, log.name)
 
 
 def stop_server(srv, sig=None):

@@ -36,7 +36,7 @@ def hostile_requests():
              ("messages", [{"content": "x"}]), ("messages", [{"role": "user", "content": 5}]),
              ("max_tokens", 0), ("max_tokens", -5), ("max_tokens", "ten"), ("temperature", "hot"),
              ("temperature", -1), ("top_p", 0), ("top_p", 7), ("model", "gpt-9"), ("stream", "yes"),
-             ("n", 3), ("seed", "x"), ("stop", 5), ("tools", "none"),
+             ("n", 99), ("seed", "x"), ("stop", 5), ("tools", "none"),
              ("tools", [{"type": "function", "function": {"name": 5}}]),
              ("tools", [{"type": "function", "function": {"name": "f", "parameters": "nope"}}]),
              ("messages", [{"role": "user", "content": "x" * 20000}] * 2),

@@ -69,6 +69,8 @@ pub struct Submission {
     pub id: u64,
     pub events: UnboundedReceiver<Event>,
     pub cancel: CancelToken,
+    /// Prompt tokens restored from the prefix cache, once the sequence is admitted.
+    pub cached: Arc<std::sync::OnceLock<usize>>,
 }
 
 /// Cheap to clone; talks to the engine thread.
@@ -129,6 +131,7 @@ impl EngineHandle {
         {
             return refuse(AdmitError::QueueFull { waiting: waiting as usize });
         }
+        let processor = req.logits.start(&req.prompt);
         let (etx, erx) = unbounded_channel();
         let cancel = CancelToken::default();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -145,7 +148,10 @@ impl EngineHandle {
             last_token_at: None,
             cached: 0,
             spec: None,
+            admitted: Arc::new(std::sync::OnceLock::new()),
+            processor,
         };
+        let cached = seq.admitted.clone();
         m.queue_depth.fetch_add(1, Ordering::Relaxed);
         m.requests_total.fetch_add(1, Ordering::Relaxed);
         if self.tx.send(Msg::Seq(Box::new(seq))).is_err() {
@@ -153,7 +159,7 @@ impl EngineHandle {
             self.waiting.fetch_sub(1, Ordering::AcqRel);
             return Err(AdmitError::Stopped);
         }
-        Ok(Submission { id, events: erx, cancel })
+        Ok(Submission { id, events: erx, cancel, cached })
     }
 
     /// Whether the engine thread still runs.
@@ -199,6 +205,7 @@ pub fn scripted(vocab_size: usize, eos_ids: Vec<u32>, script: Vec<u32>) -> Engin
             };
             metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
             waiting.fetch_sub(1, Ordering::AcqRel);
+            let _ = s.admitted.set(0);
             let mut n = 0;
             let mut reason = FinishReason::Length;
             for &id in script.iter().take(s.req.max_tokens) {
@@ -433,7 +440,8 @@ impl<B: Backend> Engine<B> {
                     self.queued.fetch_sub(1, Ordering::AcqRel);
                     s.slot = Some(slot);
                     if let Some(sc) = &self.config.dspark {
-                        if sc.applies(s.sampler.params.temperature) {
+                        // Rows with a host pass (grammar, penalties) decode plainly.
+                        if sc.applies(s.sampler.params.temperature) && s.processor.is_none() {
                             s.spec = Some(SpecSeq::new(sc, s.sampler.params.seed));
                         }
                     }
@@ -450,6 +458,7 @@ impl<B: Backend> Engine<B> {
                             }
                         }
                     }
+                    let _ = s.admitted.set(s.cached);
                     self.running.push(s);
                 }
                 Err(_) => break, // pool full: wait for a slot to be freed
@@ -698,6 +707,7 @@ impl<B: Backend> Engine<B> {
             self.running[i].prefilled += n;
             self.metrics.prompt_tokens_total.fetch_add(*n as u64, Ordering::Relaxed);
             let p = self.running[i].prefilled;
+            log_prefill_progress(&self.running[i], *n);
             if *n > 0 && self.is_snapshot_point(&self.running[i], p) {
                 let (slot, toks) = (self.running[i].slot.expect("admitted"), self.running[i].req.prompt[..p].to_vec());
                 let interval = self.prefix.as_ref().map_or(0, |pc| pc.interval());
@@ -721,7 +731,7 @@ impl<B: Backend> Engine<B> {
                     self.metrics.spec.record(&before, &st.stats);
                     r.map(|r| r.tokens).map_err(|e| e.to_string())
                 }
-                _ => s.sampler.sample(l).map(|t| vec![t]).map_err(|e| e.to_string()),
+                _ => sample_row(&mut s.sampler, s.processor.as_mut(), l).map(|t| vec![t]),
             };
             let emitted = match emitted {
                 Ok(t) => t,
@@ -765,6 +775,35 @@ impl<B: Backend> Engine<B> {
             }
         }
     }
+}
+
+/// Long prompts report their prefill every [`PREFILL_LOG_EVERY`] tokens (and when done), so an
+/// operator sees a 100K-token prompt progress rather than a silent server.
+const PREFILL_LOG_EVERY: usize = 8192;
+
+fn log_prefill_progress(s: &Sequence, fed: usize) {
+    let (p, total) = (s.prefilled, s.req.prompt.len());
+    if fed == 0 || total - s.cached < PREFILL_LOG_EVERY {
+        return;
+    }
+    if p / PREFILL_LOG_EVERY != (p - fed) / PREFILL_LOG_EVERY || p == total {
+        let secs = s.arrived.elapsed().as_secs_f64();
+        tracing::info!(id = s.id, "prefill {p}/{total} tokens ({} cached), {secs:.1}s", s.cached);
+    }
+}
+
+/// Samples one row, through the request's host pass (bias, penalties, grammar) when it has one.
+fn sample_row(
+    sampler: &mut Sampler,
+    processor: Option<&mut crate::logits::RowProcessor>,
+    l: &[f32],
+) -> Result<u32, String> {
+    let Some(p) = processor else { return sampler.sample(l).map_err(|e| e.to_string()) };
+    let mut row = l.to_vec();
+    p.apply(&mut row).map_err(|e| e.to_string())?;
+    let t = sampler.sample(&row).map_err(|e| e.to_string())?;
+    p.accept(t).map_err(|e| e.to_string())?;
+    Ok(t)
 }
 
 /// Log-softmax of the raw logits: the sampled token's logprob and the `n` best alternatives.

@@ -18,6 +18,8 @@ pub struct Request {
     pub top_logprobs: Option<usize>,
     /// Prompt positions after which the prefix cache should keep a snapshot.
     pub snapshot_at: Vec<usize>,
+    /// Bias, penalties and grammar applied to this request's logits on the host before sampling.
+    pub logits: crate::logits::LogitsSpec,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,6 +85,11 @@ pub struct Sequence {
     pub cached: usize,
     /// DSpark state (drafter ring, statistics) when the engine speculates for this sequence.
     pub spec: Option<crate::speculative::SpecSeq>,
+    /// Set to the prompt tokens restored from the prefix cache when the sequence is admitted
+    /// (the API layer reports them before the first token).
+    pub admitted: Arc<std::sync::OnceLock<usize>>,
+    /// The live state of `req.logits` (None when the request needs no row pass).
+    pub processor: Option<crate::logits::RowProcessor>,
 }
 
 impl Sequence {

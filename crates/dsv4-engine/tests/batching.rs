@@ -72,6 +72,7 @@ fn parallel_requests_equal_their_sequential_runs() {
                 stop_ids: vec![],
                 top_logprobs: None,
                 snapshot_at: vec![],
+                logits: Default::default(),
             })
             .unwrap()
         })
@@ -95,6 +96,7 @@ fn cancelled_and_dropped_requests_free_their_slots() {
         stop_ids: vec![],
         top_logprobs: Some(3),
         snapshot_at: vec![],
+        logits: Default::default(),
     };
     let a = h.submit(req(4000)).unwrap();
     let mut b = h.submit(req(4000)).unwrap();
@@ -141,6 +143,7 @@ fn bad_requests_get_typed_refusals() {
         stop_ids: vec![],
         top_logprobs: None,
         snapshot_at: vec![],
+        logits: Default::default(),
     };
     let with = |f: &dyn Fn(&mut Request)| {
         let mut r = base.clone();

@@ -34,6 +34,7 @@ fn request(prompt: &[u32], n: usize) -> Request {
         stop_ids: vec![],
         top_logprobs: None,
         snapshot_at: vec![],
+        logits: Default::default(),
     }
 }
 

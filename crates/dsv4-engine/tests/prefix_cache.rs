@@ -39,6 +39,7 @@ fn run(h: &EngineHandle, prompt: &[u32], n: usize) -> (Vec<u32>, usize) {
         stop_ids: vec![],
         top_logprobs: None,
         snapshot_at: vec![prompt.len() - 1],
+        logits: Default::default(),
     };
     let mut sub = h.submit(req).unwrap();
     let mut toks = Vec::new();

@@ -379,6 +379,7 @@ fn engine_with_dspark_gives_the_plain_tokens() {
                     stop_ids: vec![],
                     top_logprobs: None,
                     snapshot_at: vec![],
+                    logits: Default::default(),
                 })
                 .unwrap()
             })

@@ -1,10 +1,12 @@
 //! Anthropic Messages API (`/v1/messages`), with its streaming event sequence.
 
-use crate::chat::{start_chat, tool_from, ChatEvent, Conversation};
+use crate::chat::{encode_prompt, start_chat, tool_from, ChatEvent, Conversation};
 use crate::error::{ApiError, Flavor};
 use crate::gen::{Finish, Usage};
+use crate::openai::StartOpts;
 use crate::openai::{next_id, server_error, sse};
 use crate::params::Fields;
+use crate::structured::{forced_tools, grammar_of, Shape};
 use crate::Shared;
 use axum::body::Body;
 use axum::extract::State;
@@ -127,7 +129,11 @@ fn convert_messages(v: &Value) -> Result<Vec<Message>, ApiError> {
                 }
                 out.push(msg);
             }
-            other => return Err(bad(format!("`{field}.role` must be `user` or `assistant`, found `{other}`"))),
+            // Agents (Claude Code) put system reminders mid-conversation.
+            "system" => out.push(Message::system(block_text(content, &field)?)),
+            other => {
+                return Err(bad(format!("`{field}.role` must be `user`, `assistant` or `system`, found `{other}`")))
+            }
         }
     }
     if !out.iter().any(|m| m.role != Role::System) {
@@ -152,11 +158,8 @@ pub async fn messages(State(s): State<Shared>, headers: HeaderMap, body: Body) -
     }
 }
 
-async fn inner(s: Shared, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
-    let v = s.body(&headers, body, FL).await?;
-    s.check_model(&v, FL, true)?;
-    let f = Fields::new(&v, FL);
-    let max_tokens = f.positive("max_tokens")?.ok_or_else(|| bad("`max_tokens` is required").param("max_tokens"))?;
+/// The conversation and answer shape of a Messages request (also what `count_tokens` counts).
+fn conversation(v: &Value) -> Result<(Conversation, Shape), ApiError> {
     let thinking = match v.get("thinking") {
         None | Some(Value::Null) => false,
         Some(t) => match t.get("type").and_then(Value::as_str) {
@@ -172,6 +175,10 @@ async fn inner(s: Shared, headers: HeaderMap, body: Body) -> Result<Response, Ap
         None | Some(Value::Null) => Vec::new(),
         Some(Value::Array(a)) => a
             .iter()
+            // Server tools (web search and friends) carry no schema: not ours to run.
+            .filter(|t| {
+                t.get("input_schema").is_some() || t.get("type").is_none() || t.get("type") == Some(&json!("custom"))
+            })
             .map(|t| match t.get("input_schema") {
                 Some(Value::Object(_)) => tool_from(FL, t.get("name"), t.get("description"), t.get("input_schema")),
                 _ => Err(bad("every tool needs an `input_schema` object").param("tools")),
@@ -180,19 +187,59 @@ async fn inner(s: Shared, headers: HeaderMap, body: Body) -> Result<Response, Ap
         Some(other) => return Err(bad(format!("`tools` must be a list, found {other}")).param("tools")),
     };
     let tools = if v.pointer("/tool_choice/type").and_then(Value::as_str) == Some("none") { Vec::new() } else { tools };
-    let conv = Conversation { messages: convert_messages(&v)?, tools, thinking, reasoning_effort: None };
-    let stop = f.strings("stop_sequences")?;
+    let forced = forced_tools(FL, v.get("tool_choice"), &tools)?;
+    let shape = if forced.is_empty() { Shape::Free } else { Shape::ToolCall(forced) };
+    Ok((
+        Conversation { messages: convert_messages(v)?, tools, thinking, reasoning_effort: None, response_format: None },
+        shape,
+    ))
+}
+
+/// `POST /v1/messages/count_tokens`: the prompt tokens a Messages request would use.
+pub async fn count_tokens(State(s): State<Shared>, headers: HeaderMap, body: Body) -> Response {
+    let r = async {
+        let v = s.body(&headers, body, FL).await?;
+        s.check_model(&v, FL, false)?;
+        let (conv, _) = conversation(&v)?;
+        let n = encode_prompt(&s, &conv, FL)?.len();
+        Ok::<_, ApiError>(axum::Json(json!({"input_tokens": n})).into_response())
+    };
+    r.await.unwrap_or_else(|e| e.into_response())
+}
+
+fn usage_json(u: &Usage) -> Value {
+    json!({"input_tokens": u.prompt_tokens - u.cached_tokens.min(u.prompt_tokens), "output_tokens": u.completion_tokens,
+           "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0})
+}
+
+async fn inner(s: Shared, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let v = s.body(&headers, body, FL).await?;
+    let model = s.check_model(&v, FL, true)?;
+    let f = Fields::new(&v, FL);
+    let max_tokens = f.positive("max_tokens")?.ok_or_else(|| bad("`max_tokens` is required").param("max_tokens"))?;
+    let (conv, shape) = conversation(&v)?;
+    let thinking = conv.thinking;
+    let o = StartOpts {
+        max_tokens: Some(max_tokens),
+        stop: f.strings("stop_sequences")?,
+        logits: crate::openai::logits_spec(&s, &f, grammar_of(&shape, s.tok.special.dsml), thinking)?,
+        ..Default::default()
+    };
+    let mut o = o;
+    if crate::structured::choice_is_none(v.get("tool_choice")) {
+        crate::structured::ban_tool_calls(&mut o.logits, s.tok.special.dsml);
+    }
     let stream = f.bool("stream")?;
     let idn = next_id();
-    let g = start_chat(&s, &conv, &f, max_tokens, stop, None, idn)?;
-    let (id, model) = (format!("msg_{idn}"), s.model_name.clone());
+    let g = start_chat(&s, &conv, &f, &o, idn)?;
+    let id = format!("msg_{idn}");
     if !stream {
         let r = g.collect().await.map_err(|e| server_error(FL, e))?;
         let mut content = Vec::new();
-        if thinking {
+        if thinking && !r.reasoning.is_empty() {
             content.push(json!({"type": "thinking", "thinking": r.reasoning, "signature": ""}));
         }
-        if !r.content.is_empty() || r.tool_calls.is_empty() {
+        if !r.content.is_empty() {
             content.push(json!({"type": "text", "text": r.content}));
         }
         for (tid, name, args) in &r.tool_calls {
@@ -203,19 +250,24 @@ async fn inner(s: Shared, headers: HeaderMap, body: Body) -> Result<Response, Ap
         let (reason, seq) = stop_reason(&r.finish.unwrap_or(Finish::Stop), r.tool_calls.len());
         return Ok(axum::Json(json!({
             "id": id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": reason, "stop_sequence": seq,
-            "usage": {"input_tokens": u.prompt_tokens - u.cached_tokens, "output_tokens": u.completion_tokens,
-                      "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0},
+            "stop_reason": reason, "stop_sequence": seq, "usage": usage_json(&u),
         }))
         .into_response());
     }
-    let ev = |name: &str, v: Value| SseEvent::default().event(name).data(v.to_string());
-    let start = ev(
-        "message_start",
-        json!({"type": "message_start", "message": {
-        "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
-        "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": 0, "output_tokens": 0}}}),
-    );
+    // `message_start` waits for the engine's first event, so its usage (prompt, cache read)
+    // is the final one, as in the non-streaming reply.
+    let start = move |g: &crate::chat::ChatGen| {
+        let (prompt, cached) = g.prompt_usage();
+        let u = Usage { prompt_tokens: prompt, completion_tokens: 0, cached_tokens: cached };
+        let mut usage = usage_json(&u);
+        usage["output_tokens"] = json!(1);
+        SseEvent::default().event("message_start").data(
+            json!({"type": "message_start", "message": {
+            "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
+            "stop_reason": null, "stop_sequence": null, "usage": usage}})
+            .to_string(),
+        )
+    };
     /// Which content block is open.
     #[derive(PartialEq)]
     enum Open {
@@ -253,13 +305,17 @@ async fn inner(s: Shared, headers: HeaderMap, body: Body) -> Result<Response, Ap
         );
         st.open = want;
     }
-    let state = (g, St { open: Open::None, index: 0 }, false);
-    let rest = stream::unfold(state, |(mut g, mut st, ended)| async move {
+    let state = (g, St { open: Open::None, index: 0 }, false, Some(start));
+    let rest = stream::unfold(state, |(mut g, mut st, ended, mut start)| async move {
         if ended {
             return None;
         }
         let e = g.next().await?;
         let mut out = Vec::new();
+        if let Some(start) = start.take() {
+            out.push(start(&g));
+            out.push(SseEvent::default().event("ping").data(json!({"type": "ping"}).to_string()));
+        }
         let delta = |st: &St, d: Value| {
             SseEvent::default()
                 .event("content_block_delta")
@@ -292,30 +348,25 @@ async fn inner(s: Shared, headers: HeaderMap, body: Body) -> Result<Response, Ap
             ChatEvent::ToolEnd { .. } => close(&mut st, &mut out),
             ChatEvent::Tokens(_) => {}
             ChatEvent::Done { finish, usage, tool_calls } => {
-                if st.index == 0 && st.open == Open::None {
-                    // Always at least one (possibly empty) text block, like the API.
-                    open(&mut st, Open::Text, json!({"type": "text", "text": ""}), &mut out);
-                }
                 close(&mut st, &mut out);
                 let (reason, seq) = stop_reason(&finish, tool_calls);
                 out.push(
                     SseEvent::default().event("message_delta").data(
                         json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                           "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}})
+                           "usage": usage_json(&usage)})
                         .to_string(),
                     ),
                 );
                 out.push(SseEvent::default().event("message_stop").data(json!({"type": "message_stop"}).to_string()));
-                return Some((stream::iter(out), (g, st, true)));
+                return Some((stream::iter(out), (g, st, true, start)));
             }
             ChatEvent::Error(e) => {
                 out.push(SseEvent::default().event("error").data(server_error(FL, e).body().to_string()));
-                return Some((stream::iter(out), (g, st, true)));
+                return Some((stream::iter(out), (g, st, true, start)));
             }
         }
-        Some((stream::iter(out), (g, st, false)))
+        Some((stream::iter(out), (g, st, false, start)))
     })
     .flatten();
-    let ping = ev("ping", json!({"type": "ping"}));
-    Ok(sse(stream::iter(vec![start, ping]).chain(rest)))
+    Ok(sse(rest))
 }

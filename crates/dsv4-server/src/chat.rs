@@ -3,6 +3,7 @@
 
 use crate::error::{ApiError, Flavor};
 use crate::gen::{Finish, Gen, Piece, Usage};
+use crate::openai::StartOpts;
 use crate::params::Fields;
 use crate::Shared;
 use dsv4_chat::{encode_chat_spans, EncodeOptions, Message, OutputParser, Tool};
@@ -16,6 +17,8 @@ pub struct Conversation {
     pub tools: Vec<Tool>,
     pub thinking: bool,
     pub reasoning_effort: Option<String>,
+    /// The JSON schema the answer must follow, shown to the model in the system header.
+    pub response_format: Option<Value>,
 }
 
 /// Maps an OpenAI-style effort onto DeepSeek's: `none` turns thinking off, `max`/`xhigh` asks
@@ -116,6 +119,7 @@ pub fn encode_prompt(s: &Shared, conv: &Conversation, flavor: Flavor) -> Result<
     let opts = EncodeOptions {
         thinking: conv.thinking,
         reasoning_effort: conv.reasoning_effort.clone(),
+        response_format: conv.response_format.clone(),
         ..Default::default()
     };
     let (text, literal) = encode_chat_spans(&conv.messages, &conv.tools, &opts)
@@ -129,17 +133,27 @@ pub fn start_chat(
     s: &Shared,
     conv: &Conversation,
     f: &Fields<'_>,
-    max_tokens: usize,
-    stop: Vec<String>,
-    top_logprobs: Option<usize>,
+    o: &StartOpts,
     id: u64,
 ) -> Result<ChatGen, ApiError> {
     let prompt = encode_prompt(s, conv, f.flavor)?;
     // The prompt's last token opens or closes the thinking block of the new turn; the next turn
     // renders this turn's assistant message differently from there, so snapshot just before it.
-    let snapshot_at = vec![prompt.len().saturating_sub(1)];
-    let gen = crate::openai::start(s, prompt, f, max_tokens, stop, top_logprobs, snapshot_at, id)?;
+    let o = StartOpts { snapshot_at: vec![prompt.len().saturating_sub(1)], ..o.clone() };
+    let gen = crate::openai::start(s, prompt, f, &o, id)?;
     Ok(ChatGen { gen, parser: OutputParser::new(conv.thinking), queue: VecDeque::new(), tools: 0, done: false })
+}
+
+/// `n` generations of one conversation (the i-th seeded `seed + i`).
+pub fn start_chats(
+    s: &Shared,
+    conv: &Conversation,
+    f: &Fields<'_>,
+    o: &StartOpts,
+    id: u64,
+    n: usize,
+) -> Result<Vec<ChatGen>, ApiError> {
+    (0..n).map(|i| start_chat(s, conv, f, &StartOpts { choice: i as u64, ..o.clone() }, id)).collect()
 }
 
 /// One step of a chat completion as the APIs stream it.
@@ -164,6 +178,11 @@ pub struct ChatGen {
 }
 
 impl ChatGen {
+    /// (prompt tokens, cached tokens) once the engine admitted the sequence.
+    pub fn prompt_usage(&self) -> (usize, usize) {
+        self.gen.prompt_usage()
+    }
+
     fn push_events(&mut self, evs: Vec<dsv4_chat::Event>) {
         for e in evs {
             self.queue.push_back(match e {

@@ -42,6 +42,8 @@ pub struct Gen {
     prompt_tokens: usize,
     cached_tokens: usize,
     done: bool,
+    /// The HTTP request's counters (the operator's log line).
+    stats: Option<crate::ops::ReqStats>,
 }
 
 /// Length of the longest suffix of `s` that is a proper prefix of some stop string: linear in
@@ -99,7 +101,14 @@ impl Gen {
             prompt_tokens,
             cached_tokens: 0,
             done: false,
+            stats: crate::ops::ReqStats::current(),
         }
+    }
+
+    /// Prompt tokens and how many of them the prefix cache supplied, once the engine has admitted
+    /// the sequence (always so after the first piece).
+    pub fn prompt_usage(&self) -> (usize, usize) {
+        (self.prompt_tokens, self.sub.cached.get().copied().unwrap_or(self.cached_tokens))
     }
 
     fn usage(&self) -> Usage {
@@ -142,6 +151,11 @@ impl Gen {
             }
             match self.sub.events.recv().await {
                 Some(Event::Token(t)) => {
+                    if self.completion_tokens == 0 {
+                        if let Some(st) = &self.stats {
+                            st.first_token();
+                        }
+                    }
                     self.completion_tokens += 1;
                     match self.dec.push(t.id) {
                         Ok(s) => self.pending.push_str(&s),
@@ -161,6 +175,9 @@ impl Gen {
                     }
                     self.prompt_tokens = prompt_tokens;
                     self.completion_tokens = completion_tokens;
+                    if let Some(st) = &self.stats {
+                        st.add(prompt_tokens, cached_tokens, completion_tokens);
+                    }
                     self.release(true);
                     if !self.done {
                         let f = match reason {

@@ -9,7 +9,10 @@ pub mod gen;
 pub mod guard;
 pub mod openai;
 pub mod openai_chat;
+pub mod ops;
 pub mod params;
+pub mod store;
+pub mod structured;
 
 use axum::body::Body;
 use axum::extract::State;
@@ -27,17 +30,34 @@ use std::sync::Arc;
 pub struct AppState {
     pub engine: EngineHandle,
     pub tok: Tokenizer,
-    /// Name served under `/v1/models`; requests naming another model get a 404.
+    /// Name served under `/v1/models`.
     pub model_name: String,
     /// Other names accepted as this model (agents often send their own model names).
     pub aliases: Vec<String>,
     pub api_key: Option<String>,
     /// Largest accepted request body in bytes.
     pub max_body: usize,
-    /// Default `max_tokens` when a chat request gives none.
-    pub default_max_tokens: usize,
+    /// Default `max_tokens` when a chat request gives none (None: the remaining context).
+    pub default_max_tokens: Option<usize>,
+    /// Unknown model names get a 404 (otherwise, with one model served, any name is accepted
+    /// and echoed back: agents send their own vendor's names).
+    pub strict_model_name: bool,
+    /// Fields added to every request body that lacks them (`--request-defaults`).
+    pub request_defaults: serde_json::Map<String, Value>,
+    /// The most tokens any request may generate (None: what the context leaves).
+    pub max_tokens_limit: Option<usize>,
+    /// What the server keeps while it runs (stored responses, the grammar engine, counters).
+    pub live: Live,
     /// Host/Origin checks, CORS, limits (see [`guard`]).
     pub guard: guard::Guard,
+}
+
+/// Server-side state built on demand or filled as requests come.
+#[derive(Default)]
+pub struct Live {
+    pub responses: store::ResponseStore,
+    pub grammar: std::sync::OnceLock<Result<Arc<dsv4_engine::GrammarEnv>, String>>,
+    pub http: ops::HttpMetrics,
 }
 
 pub type Shared = Arc<AppState>;
@@ -59,17 +79,23 @@ impl AppState {
         let bytes = guard::read_body(self, body, flavor).await?;
         let v: Value =
             serde_json::from_slice(&bytes).map_err(|e| ApiError::bad(flavor, format!("invalid JSON body: {e}")))?;
-        if !v.is_object() {
+        let Value::Object(mut m) = v else {
             return Err(ApiError::bad(flavor, "the request body must be a JSON object"));
+        };
+        for (k, d) in &self.request_defaults {
+            m.entry(k.clone()).or_insert_with(|| d.clone());
         }
-        Ok(v)
+        Ok(Value::Object(m))
     }
 
-    /// The `model` field must name this model (or an alias).
-    pub fn check_model(&self, v: &Value, flavor: Flavor, required: bool) -> Result<(), ApiError> {
+    /// Checks the `model` field and returns the name to echo back: the requested one when it
+    /// names this model, an alias, or (unless `strict_model_name`) anything at all.
+    pub fn check_model(&self, v: &Value, flavor: Flavor, required: bool) -> Result<String, ApiError> {
         match v.get("model") {
-            None | Some(Value::Null) if !required => Ok(()),
-            Some(Value::String(m)) if *m == self.model_name || self.aliases.contains(m) => Ok(()),
+            None | Some(Value::Null) if !required => Ok(self.model_name.clone()),
+            Some(Value::String(m)) if *m == self.model_name || self.aliases.contains(m) || !self.strict_model_name => {
+                Ok(m.clone())
+            }
             Some(Value::String(m)) => Err(ApiError::new(
                 StatusCode::NOT_FOUND,
                 flavor,
@@ -99,7 +125,26 @@ async fn metrics(State(s): State<Shared>, headers: HeaderMap) -> Response {
             return e.into_response();
         }
     }
-    ([("content-type", "text/plain; version=0.0.4")], s.engine.metrics.render()).into_response()
+    let mut text = s.engine.metrics.render();
+    s.live.http.render(&mut text);
+    ([("content-type", "text/plain; version=0.0.4")], text).into_response()
+}
+
+impl AppState {
+    /// The grammar engine over this server's tokenizer (built on first use: a few hundred ms).
+    pub fn grammar_env(&self, flavor: Flavor) -> Result<Arc<dsv4_engine::GrammarEnv>, ApiError> {
+        self.live
+            .grammar
+            .get_or_init(|| {
+                let json = self.tok.hf().to_string(false).map_err(|e| e.to_string())?;
+                let json: Value = serde_json::from_str(&json).map_err(|e| e.to_string())?;
+                dsv4_engine::GrammarEnv::from_tokenizer_json(&json, self.engine.vocab_size, self.tok.special.eos)
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string())
+            })
+            .clone()
+            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, flavor, e))
+    }
 }
 
 async fn models(State(s): State<Shared>, headers: HeaderMap) -> Response {
@@ -113,6 +158,35 @@ async fn models(State(s): State<Shared>, headers: HeaderMap) -> Response {
     axum::Json(serde_json::json!({"object": "list", "data": data})).into_response()
 }
 
+/// `GET /v1/models/{id}` (both SDKs' `models.retrieve`).
+async fn model(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    let anthropic = headers.contains_key("anthropic-version");
+    let flavor = if anthropic { Flavor::Anthropic } else { Flavor::OpenAi };
+    if let Err(e) = s.authorize(&headers, flavor) {
+        return e.into_response();
+    }
+    let known = id == s.model_name || s.aliases.contains(&id) || !s.strict_model_name;
+    if !known {
+        return ApiError::new(
+            StatusCode::NOT_FOUND,
+            flavor,
+            format!("model `{id}` does not exist; this server serves `{}`", s.model_name),
+        )
+        .into_response();
+    }
+    if anthropic {
+        return axum::Json(
+            serde_json::json!({"type": "model", "id": id, "display_name": id, "created_at": "1970-01-01T00:00:00Z"}),
+        )
+        .into_response();
+    }
+    axum::Json(serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "dsv4"})).into_response()
+}
+
 async fn not_found(uri: axum::http::Uri) -> Response {
     ApiError::new(StatusCode::NOT_FOUND, Flavor::OpenAi, format!("no route for {uri}")).into_response()
 }
@@ -122,14 +196,18 @@ pub fn router(state: Shared) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/responses", post(openai::responses))
+        .route("/v1/responses/{id}", get(store::get_response).delete(store::delete_response))
         .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/tokenize", post(openai::tokenize))
         .route("/v1/tokenize", post(openai::tokenize))
         .fallback(not_found)
         .layer(axum::middleware::from_fn_with_state(state.clone(), guard::check_request))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), ops::track))
         .with_state(state)
 }
 

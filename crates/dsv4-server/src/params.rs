@@ -90,7 +90,9 @@ impl<'a> Fields<'a> {
             },
         };
         let seed = match self.get("seed") {
-            None => request_id.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            // A fresh seed each time: the same prompt must not give the same answer after
+            // every restart.
+            None => crate::ops::random_u64() ^ request_id,
             Some(x) => x
                 .as_i64()
                 .map(|s| s as u64)

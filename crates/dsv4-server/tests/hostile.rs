@@ -29,7 +29,11 @@ fn start(key: Option<&str>, guard: Guard) -> Srv {
         aliases: vec![],
         api_key: key.map(str::to_string),
         max_body: 1 << 20,
-        default_max_tokens: 16,
+        default_max_tokens: Some(16),
+        strict_model_name: true,
+        max_tokens_limit: None,
+        request_defaults: Default::default(),
+        live: Default::default(),
         guard,
     });
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
@@ -287,7 +291,11 @@ fn serve_ends_with_an_error_when_the_engine_dies() {
         aliases: vec![],
         api_key: None,
         max_body: 1 << 20,
-        default_max_tokens: 16,
+        default_max_tokens: Some(16),
+        strict_model_name: true,
+        max_tokens_limit: None,
+        request_defaults: Default::default(),
+        live: Default::default(),
         guard: Guard::default(),
     });
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();

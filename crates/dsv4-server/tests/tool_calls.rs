@@ -36,7 +36,11 @@ fn start(thinking: bool) -> (String, tokio::runtime::Runtime) {
         aliases: vec![],
         api_key: None,
         max_body: 1 << 20,
-        default_max_tokens: 256,
+        default_max_tokens: Some(256),
+        strict_model_name: true,
+        max_tokens_limit: None,
+        request_defaults: Default::default(),
+        live: Default::default(),
         guard: Default::default(),
     });
     let rt = tokio::runtime::Runtime::new().unwrap();

@@ -207,9 +207,25 @@ struct ServeArgs {
     /// Tokens per engine step (decode rows + prefill chunks).
     #[arg(long, default_value_t = 512)]
     token_budget: usize,
-    /// Longest prompt + completion accepted.
-    #[arg(long, default_value_t = 32768)]
-    max_context: usize,
+    /// Longest prompt + completion accepted (default: the model's own maximum, limited to what
+    /// the state pool can hold for --max-seqs sequences where the backend knows its memory).
+    #[arg(long)]
+    max_context: Option<usize>,
+    /// `max_tokens` for requests that give none (default: whatever the context leaves).
+    #[arg(long)]
+    default_max_tokens: Option<usize>,
+    /// Largest completion granted to any request; larger `max_tokens` are clamped (finish reason
+    /// `length`), like those beyond the context (default: no limit but the context).
+    #[arg(long)]
+    max_tokens_limit: Option<usize>,
+    /// Request fields (a JSON object) added to every request that lacks them, as vLLM's
+    /// --override-generation-config: e.g. '{"temperature": 0.6, "top_p": 0.95}'.
+    #[arg(long, value_parser = parse_defaults)]
+    request_defaults: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Answer 404 for model names other than --served-model-name and --model-alias (by
+    /// default any name is accepted and echoed back, so agents work with their own names).
+    #[arg(long)]
+    strict_model_name: bool,
     /// Requests allowed to wait for a slot before new ones get 429.
     #[arg(long, default_value_t = 256)]
     max_waiting: usize,
@@ -270,9 +286,12 @@ struct GuardArgs {
 }
 
 fn main() {
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
+        // Colour codes only for a terminal: log files and journald get plain text.
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     if let Err(e) = run(Cli::parse()) {
         eprintln!("error: {e:#}");
@@ -324,11 +343,16 @@ where
         fingerprint,
         interval: a.kv_snapshot_interval,
     });
+    let max_context = match a.max_context {
+        Some(n) => n.min(model.cfg.max_position),
+        None => default_max_context(&model, a.max_seqs),
+    };
+    let speculative = dspark.is_some();
     let cfg = dsv4_engine::EngineConfig {
         token_budget: a.token_budget,
         prefill_chunk: a.token_budget,
         max_waiting: a.max_waiting,
-        max_context: a.max_context,
+        max_context,
         prefix_cache,
         dspark,
     };
@@ -352,14 +376,35 @@ where
         ..Default::default()
     }
     .for_context(&tok, engine.config.max_context);
+    let model_name = a.served_model_name.unwrap_or(default_name);
+    // What the server runs with, in one place (the flags' effective values).
+    tracing::info!(
+        "serving `{model_name}` on {addr}: request defaults {}, max-context {max_context}, default-max-tokens {}, max-seqs {}, \
+         max-tokens-limit {}, token-budget {}, max-waiting {}, prefix-cache {} MiB{}, DSpark {}, api-key {}, model names {}",
+        a.request_defaults.as_ref().map_or("none".to_string(), |d| serde_json::Value::Object(d.clone()).to_string()),
+        a.default_max_tokens.map_or("remaining context".to_string(), |n| n.to_string()),
+        a.max_seqs,
+        a.max_tokens_limit.map_or("none".to_string(), |n| n.to_string()),
+        a.token_budget,
+        a.max_waiting,
+        a.prefix_cache_mb,
+        a.kv_disk_dir.as_ref().map_or(String::new(), |d| format!(" + disk {} ({} MiB)", d.display(), a.kv_disk_budget_mb)),
+        if speculative { "on" } else { "off" },
+        if api_key.is_some() { "required" } else { "none" },
+        if a.strict_model_name { "strict" } else { "any accepted" },
+    );
     let state = std::sync::Arc::new(dsv4_server::AppState {
         engine: engine.clone(),
         tok,
-        model_name: a.served_model_name.unwrap_or(default_name),
+        model_name,
         aliases: a.model_alias,
         api_key,
         max_body: a.max_body_mb << 20,
-        default_max_tokens: 4096,
+        default_max_tokens: a.default_max_tokens,
+        strict_model_name: a.strict_model_name,
+        max_tokens_limit: a.max_tokens_limit,
+        request_defaults: a.request_defaults.unwrap_or_default(),
+        live: Default::default(),
         guard,
     });
     let served = tokio::runtime::Runtime::new()?.block_on(dsv4_server::serve(state, addr));
@@ -398,6 +443,43 @@ fn check_servable<B: Backend>(model: &mut Model<B>, tok: &dsv4_tokenizer::Tokeni
         );
     }
     Ok(())
+}
+
+fn parse_defaults(s: &str) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    match serde_json::from_str(s) {
+        Ok(serde_json::Value::Object(m)) => Ok(m),
+        Ok(_) => Err("must be a JSON object".into()),
+        Err(e) => Err(format!("invalid JSON: {e}")),
+    }
+}
+
+/// The longest context by default: the model's maximum, or less where the backend knows its
+/// free memory and `max_seqs` full-length states (an estimate from the compressed caches,
+/// which grow with the sequence) would not fit in 90% of it.
+fn default_max_context<B: Backend>(model: &Model<B>, max_seqs: usize) -> usize {
+    let cfg = &model.cfg;
+    let max = cfg.max_position;
+    let per_token: f64 = cfg
+        .layers
+        .iter()
+        .filter(|l| l.ratio > 0)
+        .map(|l| {
+            let idx = if l.attn == dsv4_model::config::AttnKind::Csa { cfg.index_head_dim } else { 0 };
+            ((cfg.head_dim + idx) * 4) as f64 / l.ratio as f64
+        })
+        .sum();
+    match model.backend.memory_free() {
+        Some(free) if per_token > 0.0 => {
+            let fit = (free as f64 * 0.9 / (per_token * max_seqs.max(1) as f64)) as usize;
+            if fit < max {
+                tracing::info!(
+                    "max-context {fit}: what {max_seqs} sequences' states fit in free memory (model maximum {max})"
+                );
+            }
+            fit.clamp(1, max)
+        }
+        _ => max,
+    }
 }
 
 /// `serve --synthetic-flash-layers N`: random weights at full V4-Flash dimensions drawn on the
