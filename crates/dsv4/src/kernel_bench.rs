@@ -90,7 +90,7 @@ pub fn run() -> Result<()> {
             let name = f.map_or("bf16", |f| f.name());
             let vals = host_values(&b, &w);
             let err = check(&b, &w, &vals, 3);
-            if !(err < 1e-4) {
+            if err.is_nan() || err >= 1e-4 {
                 bail!("{name} [{m}, {k}]: product differs from the CPU decoder's by {err:.2e}");
             }
             let bytes = w.bytes() as f64;

@@ -46,6 +46,8 @@ macro_rules! with_backend {
 }
 
 #[derive(Subcommand)]
+// Parsed once at start: the size of `serve`'s arguments costs nothing.
+#[allow(clippy::large_enum_variant)]
 enum Cmd {
     /// Logits at every input position, fed in the given chunks, as a float32 .npy [T, vocab].
     Logits(LogitsArgs),

@@ -298,10 +298,13 @@ pub struct CudaBackend {
     /// Recorded steps' persistent inputs and outputs, and the step being recorded.
     pub(crate) steps: Mutex<graph::Steps>,
     /// Device copies of hash layers' `tid2eid` tables, by host address and length.
-    hash_tables: Mutex<HashMap<(usize, usize), Arc<CudaSlice<u32>>>>,
+    hash_tables: Mutex<HashTables>,
     /// cuBLAS's workspace, set explicitly so that recorded products never allocate.
     _blas_workspace: CudaSlice<u8>,
 }
+
+/// Device `tid2eid` tables by the host table's address and length.
+type HashTables = HashMap<(usize, usize), Arc<CudaSlice<u32>>>;
 
 /// Bytes of cuBLAS workspace (what cuBLAS takes by default on Hopper).
 const BLAS_WORKSPACE: usize = 32 << 20;
