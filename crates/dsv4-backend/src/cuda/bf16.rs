@@ -245,7 +245,12 @@ impl CudaBackend {
 
 pub(crate) fn probe(b: &CudaBackend, cache: &mut CudaCache, t: &CudaTensor, slot: usize) {
     assert!(slot < cache.probes.len(), "probe slot {slot} beyond {}", cache.probes.len());
-    let len = t.rows * t.cols;
+    probe_into(b, &mut cache.probes, slot, &t.data, t.rows * t.cols, t.cols);
+}
+
+/// Queues `flags[slot] = max(flags[slot], 0xffffffff − first row of `x` holding a NaN/±∞)`
+/// over the first `len` values of `x` (rows of `cols`).
+pub(crate) fn probe_into(b: &CudaBackend, flags: &mut CudaSlice<u32>, slot: usize, x: &CudaSlice<f32>, len: usize, cols: usize) {
     if len == 0 {
         return;
     }
@@ -256,11 +261,11 @@ pub(crate) fn probe(b: &CudaBackend, cache: &mut CudaCache, t: &CudaTensor, slot
         unsafe {
             b.stream
                 .launch_builder(&b.k.probe_finite)
-                .arg(&mut cache.probes)
+                .arg(flags)
                 .arg(&(slot as i32))
-                .arg(&t.data)
+                .arg(x)
                 .arg(&(len as i64))
-                .arg(&(t.cols.max(1) as i32))
+                .arg(&(cols.max(1) as i32))
                 .launch(cfg)
         },
         "probe_finite",

@@ -19,7 +19,7 @@ use super::state::CudaCache;
 use super::{ck, CudaBackend, CudaTensor};
 use crate::batch::Batch;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaGraph, CudaSlice, LaunchConfig, PinnedHostSlice, PushKernelArg};
+use cudarc::driver::{CudaGraph, CudaSlice, PinnedHostSlice};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -141,22 +141,7 @@ impl CudaBackend {
             if len == io.logits.len() {
                 ck(self.stream.memcpy_dtod(&logits.data.slice(..len), &mut io.logits), "copy step logits");
                 ck(self.stream.memset_zeros(&mut io.flag), "clear step flag");
-                let blocks = len.div_ceil(256).min(528) as u32;
-                let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-                // SAFETY: argument types and buffer sizes match the kernel.
-                ck(
-                    unsafe {
-                        self.stream
-                            .launch_builder(&self.k.probe_finite)
-                            .arg(&mut io.flag)
-                            .arg(&0i32)
-                            .arg(&io.logits)
-                            .arg(&(len as i64))
-                            .arg(&(logits.cols.max(1) as i32))
-                            .launch(cfg)
-                    },
-                    "probe step logits",
-                );
+                super::bf16::probe_into(self, &mut io.flag, 0, &io.logits, len, logits.cols);
             }
         }
         let shape_ok = logits.rows == key.1;

@@ -43,11 +43,36 @@ extern "C" __global__ void rms_norm(float* out, const float* x, const float* w, 
     __shared__ float sh[32];
     const float* g = x + (long long)blockIdx.x * group;
     float* o = out + (long long)blockIdx.x * group;
+    // Loads of 8 strided elements issued before their adds (same order of the sum): a lone
+    // block (one decode row) would otherwise wait for each load in turn.
     float s = 0.f;
-    for (int c = threadIdx.x; c < group; c += blockDim.x) s += g[c] * g[c];
+    for (int c0 = threadIdx.x; c0 < group; c0 += 8 * blockDim.x) {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int c = c0 + j * blockDim.x;
+            v[j] = c < group ? g[c] : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (c0 + j * (int)blockDim.x < group) s += v[j] * v[j];
+    }
     s = block_sum(s, sh);
     float r = 1.0f / sqrtf(s / (float)group + eps);
-    for (int c = threadIdx.x; c < group; c += blockDim.x) o[c] = has_w ? g[c] * r * w[c] : g[c] * r;
+    for (int c0 = threadIdx.x; c0 < group; c0 += 8 * blockDim.x) {
+        float v[8], wv[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int c = c0 + j * blockDim.x;
+            v[j] = c < group ? g[c] : 0.f;
+            wv[j] = (has_w && c < group) ? w[c] : 1.f;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int c = c0 + j * blockDim.x;
+            if (c < group) o[c] = has_w ? v[j] * r * wv[j] : v[j] * r;
+        }
+    }
 }
 
 // Interleaved RoPE on the last 2·npairs channels of every `head`-wide slice of each row; the

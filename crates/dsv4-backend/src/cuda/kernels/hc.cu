@@ -4,48 +4,91 @@
 #define MAX_HC 8
 
 // Sinkhorn normalisation of an n×n matrix after a row softmax, in the oracle's exact order.
-// Called by all of warp 0: lane j < n owns row j in the row passes and column j in the column
-// passes, each summed and divided in the serial loop's order (so the result is the same), with
-// the ~2·iters passes no longer serialised on one thread.
+// Called by all of warp 0. Each lane owns elements e = lane, lane + 32, ...; for each it forms the
+// sum of its row (or column) itself, in the serial loop's order, then divides: every value is the
+// serial result, with one division in each pass's critical path instead of n.
 __device__ void sinkhorn_warp(float* c, const float* a, int n, int iters, float eps) {
-    int j = threadIdx.x;
-    if (j < n) {
+    int lane = threadIdx.x;
+    float v[MAX_HC * MAX_HC / 32 + 1];
+    int ne = n * n, k = 0;
+    for (int e = lane; e < ne; e += 32, k++) {
+        int j = e / n, q = e % n;
         float m = -INFINITY;
-        for (int k = 0; k < n; k++) m = fmaxf(m, a[j * n + k]);
+        for (int t = 0; t < n; t++) m = fmaxf(m, a[j * n + t]);
         float s = 0.f;
-        for (int k = 0; k < n; k++) s += expf(a[j * n + k] - m);
-        for (int k = 0; k < n; k++) c[j * n + k] = expf(a[j * n + k] - m) / s + eps;
+        for (int t = 0; t < n; t++) s += expf(a[j * n + t] - m);
+        v[k] = expf(a[j * n + q] - m) / s + eps;
     }
+    k = 0;
+    for (int e = lane; e < ne; e += 32, k++) c[e] = v[k];
     __syncwarp();
     for (int it = 0; it < iters; it++) {
-        if (it > 0) {
-            if (j < n) {
+        for (int pass = (it > 0 ? 0 : 1); pass < 2; pass++) {
+            k = 0;
+            for (int e = lane; e < ne; e += 32, k++) {
+                int j = e / n, q = e % n;
                 float s = 0.f;
-                for (int k = 0; k < n; k++) s += c[j * n + k];
+                if (pass == 0)
+                    for (int t = 0; t < n; t++) s += c[j * n + t];  // row j
+                else
+                    for (int r = 0; r < n; r++) s += c[r * n + q];  // column q
                 s += eps;
-                for (int k = 0; k < n; k++) c[j * n + k] /= s;
+                v[k] = c[e] / s;
             }
             __syncwarp();
+            k = 0;
+            for (int e = lane; e < ne; e += 32, k++) c[e] = v[k];
+            __syncwarp();
         }
-        if (j < n) {
-            float s = 0.f;
-            for (int r = 0; r < n; r++) s += c[r * n + j];
-            s += eps;
-            for (int r = 0; r < n; r++) c[r * n + j] /= s;
-        }
-        __syncwarp();
     }
 }
+
+// Σ over the thread's strided slice k = t, t + B, ... of f(k), summed in that order, with the
+// loads of 8 iterations issued before their adds (a single block would otherwise wait for each
+// load in turn).
+#define STRIDED_SUM(acc, start, end, step, EXPR)                                      \
+    for (int k0_ = (start); k0_ < (end); k0_ += 8 * (step)) {                          \
+        float v_[8];                                                                  \
+        _Pragma("unroll") for (int j_ = 0; j_ < 8; j_++) {                            \
+            int k = k0_ + j_ * (step);                                                \
+            v_[j_] = k < (end) ? (EXPR) : 0.f;                                        \
+        }                                                                             \
+        _Pragma("unroll") for (int j_ = 0; j_ < 8; j_++) if (k0_ + j_ * (step) < (end)) acc += v_[j_]; \
+    }
 
 // ρ = 1/sqrt(mean(x²) + eps) over the whole n·d row.
 __device__ float hc_rho(const float* xr, int width, float eps, float* sh) {
     float s = 0.f;
-    for (int k = threadIdx.x; k < width; k += blockDim.x) s += xr[k] * xr[k];
+    STRIDED_SUM(s, (int)threadIdx.x, width, (int)blockDim.x, xr[k] * xr[k])
     s = block_sum(s, sh);
     return 1.0f / sqrtf(s / (float)width + eps);
 }
 
-// One block per row: y = Σ_s pre_s·X_s, post, comb = Sinkhorn(...).
+// y[c] = Σ_s pre_s·X_s[c] for the block's columns, the loads of 4 columns issued together.
+__device__ __forceinline__ void hc_mix(float* yr, const float* xr, const float* pre, int n, int d) {
+    for (int c0 = threadIdx.x; c0 < d; c0 += 4 * blockDim.x) {
+        float xv[4][MAX_HC];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int c = c0 + u * blockDim.x;
+#pragma unroll
+            for (int s = 0; s < MAX_HC; s++) xv[u][s] = (s < n && c < d) ? xr[s * d + c] : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int c = c0 + u * blockDim.x;
+            if (c >= d) continue;
+            float acc = 0.f;
+#pragma unroll
+            for (int s = 0; s < MAX_HC; s++)
+                if (s < n) acc += pre[s] * xv[u][s];
+            yr[c] = acc;
+        }
+    }
+}
+
+// One block per row: y = Σ_s pre_s·X_s, post, comb = Sinkhorn(...). The (2 + n)·n mix values
+// are formed by one thread each (the same expression per element as one thread in turn).
 extern "C" __global__ void hc_pre(float* y, float* post, float* comb, const float* x, const float* m,
                                   const float* base, const float* scale, int n, int d, int iters, float rms_eps,
                                   float hc_eps) {
@@ -53,25 +96,19 @@ extern "C" __global__ void hc_pre(float* y, float* post, float* comb, const floa
     __shared__ float pre[MAX_HC];
     __shared__ float a[MAX_HC * MAX_HC];
     __shared__ float cm[MAX_HC * MAX_HC];
-    int i = blockIdx.x, mix = (2 + n) * n;
+    int i = blockIdx.x, mix = (2 + n) * n, t = threadIdx.x;
     const float* xr = x + (long long)i * n * d;
     float rho = hc_rho(xr, n * d, rms_eps, sh);
-    if (threadIdx.x == 0) {
-        const float* mi = m + (long long)i * mix;
-        for (int j = 0; j < n; j++) pre[j] = sigmoid_(mi[j] * rho * scale[0] + base[j]) + hc_eps;
-        for (int j = 0; j < n; j++) post[i * n + j] = 2.0f * sigmoid_(mi[n + j] * rho * scale[1] + base[n + j]);
-        for (int j = 0; j < n * n; j++) a[j] = mi[2 * n + j] * rho * scale[2] + base[2 * n + j];
-    }
+    const float* mi = m + (long long)i * mix;
+    if (t < n) pre[t] = sigmoid_(mi[t] * rho * scale[0] + base[t]) + hc_eps;
+    else if (t < 2 * n) post[i * n + t - n] = 2.0f * sigmoid_(mi[t] * rho * scale[1] + base[t]);
+    else if (t < mix) a[t - 2 * n] = mi[t] * rho * scale[2] + base[t];
     __syncthreads();
     // In shared memory (its ~2·iters dependent passes would each wait on global memory).
     if (threadIdx.x < 32) sinkhorn_warp(cm, a, n, iters, hc_eps);
     __syncthreads();
     for (int j = threadIdx.x; j < n * n; j += blockDim.x) comb[(long long)i * n * n + j] = cm[j];
-    for (int c = threadIdx.x; c < d; c += blockDim.x) {
-        float acc = 0.f;
-        for (int s = 0; s < n; s++) acc += pre[s] * xr[s * d + c];
-        y[(long long)i * d + c] = acc;
-    }
+    hc_mix(y + (long long)i * d, xr, pre, n, d);
 }
 
 // X'[j] = post[j]·f + Σ_s comb[s][j]·X[s].
@@ -95,12 +132,8 @@ extern "C" __global__ void hc_head(float* y, const float* x, const float* m, con
     int i = blockIdx.x;
     const float* xr = x + (long long)i * n * d;
     float rho = hc_rho(xr, n * d, rms_eps, sh);
-    if (threadIdx.x == 0)
-        for (int s = 0; s < n; s++) pre[s] = sigmoid_(m[(long long)i * n + s] * rho * scale[0] + base[s]) + hc_eps;
+    int t = threadIdx.x;
+    if (t < n) pre[t] = sigmoid_(m[(long long)i * n + t] * rho * scale[0] + base[t]) + hc_eps;
     __syncthreads();
-    for (int c = threadIdx.x; c < d; c += blockDim.x) {
-        float acc = 0.f;
-        for (int s = 0; s < n; s++) acc += pre[s] * xr[s * d + c];
-        y[(long long)i * d + c] = acc;
-    }
+    hc_mix(y + (long long)i * d, xr, pre, n, d);
 }
