@@ -134,6 +134,17 @@ pub async fn track(State(s): State<Shared>, req: Request, next: Next) -> Respons
         return resp;
     }
     let guard = LogOnDrop { rid, method, endpoint, status, start, stats };
+    // A complete body is logged now and keeps its Content-Length; only a stream is wrapped, so
+    // that its line is written when the stream ends.
+    let streaming = resp
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    if !streaming {
+        drop(guard);
+        return resp;
+    }
     let (parts, body) = resp.into_parts();
     let body = Body::from_stream(body.into_data_stream().map(move |chunk| {
         let _ = &guard;

@@ -250,7 +250,14 @@ pub(crate) fn probe(b: &CudaBackend, cache: &mut CudaCache, t: &CudaTensor, slot
 
 /// Queues `flags[slot] = max(flags[slot], 0xffffffff − first row of `x` holding a NaN/±∞)`
 /// over the first `len` values of `x` (rows of `cols`).
-pub(crate) fn probe_into(b: &CudaBackend, flags: &mut CudaSlice<u32>, slot: usize, x: &CudaSlice<f32>, len: usize, cols: usize) {
+pub(crate) fn probe_into(
+    b: &CudaBackend,
+    flags: &mut CudaSlice<u32>,
+    slot: usize,
+    x: &CudaSlice<f32>,
+    len: usize,
+    cols: usize,
+) {
     if len == 0 {
         return;
     }
