@@ -164,7 +164,7 @@ def test_bad_schema_is_a_400(oai):
 
 def test_constraint_applies_after_the_reasoning(server, oai):
     import urllib.request
-    req = urllib.request.Request(server.url("/tokenize"), data=json.dumps({"prompt": "</think>"}).encode(),
+    req = urllib.request.Request(server.url("/tokenize"), data=json.dumps({"prompt": "</think>", "parse_special_tokens": True}).encode(),
                                  headers={"content-type": "application/json", "authorization": f"Bearer {API_KEY}"})
     think_end = json.loads(urllib.request.urlopen(req).read())["tokens"]
     assert len(think_end) == 1
@@ -234,7 +234,7 @@ def test_forced_tool_calls_anthropic(ant, choice):
 
 def test_tool_choice_none_never_calls(server, oai, ant):
     import urllib.request
-    req = urllib.request.Request(server.url("/tokenize"), data=json.dumps({"prompt": "｜DSML｜"}).encode(),
+    req = urllib.request.Request(server.url("/tokenize"), data=json.dumps({"prompt": "｜DSML｜", "parse_special_tokens": True}).encode(),
                                  headers={"content-type": "application/json", "authorization": f"Bearer {API_KEY}"})
     dsml = json.loads(urllib.request.urlopen(req).read())["tokens"]
     assert len(dsml) == 1
