@@ -66,7 +66,8 @@ SCHEMAS = [
 
 def bounded(schema):
     """What keeps a random model's answer finite: objects closed (`additionalProperties: false`),
-    numbers bounded, strings capped. A random model never stops a free-length number or key."""
+    numbers bounded (and non-integers on a grid: a fraction of free length never ends either),
+    strings capped. A random model never stops a free-length number or key."""
     if isinstance(schema, list):
         return [bounded(x) for x in schema]
     if not isinstance(schema, dict):
@@ -78,6 +79,8 @@ def bounded(schema):
     if ("integer" in types or "number" in types) and not any(k in s for k in ("maximum", "exclusiveMaximum")):
         s.setdefault("minimum", -1000)
         s["maximum"] = 1000
+    if "number" in types:
+        s.setdefault("multipleOf", 0.25)
     if "string" in types and "pattern" not in s:
         s.setdefault("maxLength", 16)
     return s
@@ -117,8 +120,9 @@ def validate(text, schema):
 def test_json_schema_from_the_random_model(oai, i):
     schema = SCHEMAS[i]
     fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}}
+    # Seeded: each case is the same on every run (a failure reproduces).
     r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Answer in JSON."}],
-                                    temperature=1, max_tokens=1500, response_format=fmt)
+                                    temperature=1, max_tokens=1500, response_format=fmt, seed=100 + i)
     assert r.choices[0].finish_reason == "stop", r.choices[0]
     validate(r.choices[0].message.content, schema)
 
@@ -127,7 +131,8 @@ def test_json_schema_from_the_random_model(oai, i):
 def test_responses_text_format(oai, i):
     schema = SCHEMAS[i]
     r = oai.responses.create(model=MODEL, input="JSON please", temperature=1, max_output_tokens=1500,
-                             text={"format": {"type": "json_schema", "name": f"s{i}", "schema": schema}})
+                             text={"format": {"type": "json_schema", "name": f"s{i}", "schema": schema}},
+                             extra_body={"seed": 200 + i})
     assert r.status == "completed"
     validate(r.output_text, schema)
 
@@ -178,7 +183,7 @@ def test_constraint_applies_after_the_reasoning(server, oai):
     # keeps pushing `</think>`, which the grammar now masks).
     r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1500,
                                     temperature=1, response_format=fmt, logit_bias={str(think_end[0]): 100},
-                                    extra_body={"chat_template_kwargs": {"thinking": True}})
+                                    seed=7, extra_body={"chat_template_kwargs": {"thinking": True}})
     assert r.choices[0].message.reasoning_content == ""
     validate(r.choices[0].message.content, schema)
 
@@ -205,7 +210,7 @@ def test_forced_tool_calls_openai_chat(oai, choice):
 def test_forced_tool_call_responses(oai):
     tools = [{"type": "function", **t} for t in TOOLS]
     r = oai.responses.create(model=MODEL, input="weather?", temperature=1, max_output_tokens=1500, tools=tools,
-                             tool_choice={"type": "function", "name": "get_weather"})
+                             tool_choice={"type": "function", "name": "get_weather"}, extra_body={"seed": 3})
     calls = [o for o in r.output if o.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather"
     jsonschema.validate(json.loads(calls[0].arguments), BY_NAME["get_weather"])
