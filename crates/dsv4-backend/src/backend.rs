@@ -19,6 +19,19 @@ pub enum CompSlot {
     Index,
 }
 
+/// What a replayed step hands back ([`Backend::step_output`]).
+#[derive(Clone, Debug, Default)]
+pub struct StepResult {
+    /// `[out, vocab]`, when asked for.
+    pub logits: Vec<f32>,
+    /// Each output row's argmax, when the logits were not asked for.
+    pub ids: Vec<u32>,
+    /// `[rows, hidden_cols]` tapped stream means (empty without taps).
+    pub hidden: Vec<f32>,
+    /// The first output row holding a NaN or ±∞.
+    pub nonfinite: Option<usize>,
+}
+
 pub trait Backend: Send + Sync {
     /// A weight resident on the backend.
     type W: Send + Sync;
@@ -92,6 +105,13 @@ pub trait Backend: Send + Sync {
 
     /// `n` identical copies of each row: the mHC streams after the embedding.
     fn hc_expand(&self, x: &Self::T, n: usize) -> Self::T;
+    /// A `[rows, cols]` tensor for ops that fill it completely (its contents are unspecified).
+    fn empty(&self, rows: usize, cols: usize) -> Self::T;
+    /// `out[:, col..col + d] = mean of the n streams of x [rows, n·d]`, summed in stream order
+    /// from 0 and then divided by `n` (the same f32 operations on every backend): DSpark's
+    /// `main_hidden` tap (dspark §3.2), written on the backend so no layer output crosses to
+    /// the host mid-forward.
+    fn stream_mean_into(&self, out: &mut Self::T, col: usize, x: &Self::T, n: usize);
     /// HC_PRE (spec §4.3): returns `(y [rows, d], post [rows, n], comb [rows, n·n])`.
     fn hc_pre(&self, x: &Self::T, hc: &Hc<Self::W>, cfg: &Config) -> (Self::T, Self::T, Self::T);
     /// HC_POST (spec §4.5): `X'[j] = post[j]·f + Σ_i comb[i][j]·X[i]`.
@@ -172,26 +192,35 @@ pub trait Backend: Send + Sync {
     }
     /// Before a recorded step is recorded or replayed: copies its inputs (row table, output
     /// rows) into the shape's persistent buffers with one stream-ordered copy, and does on the
-    /// host what the recorded work cannot (state growth, bookkeeping). Returns the cache's
+    /// host what the recorded work cannot (state growth, bookkeeping). `cols` is the logits'
+    /// width, `hidden_cols` the tapped stream means' (0: no taps). Returns the cache's
     /// generation: a graph recorded under another one addresses buffers that have moved.
-    fn prepare_step(&self, _cache: &mut Self::Cache, _batch: &Batch, _out_rows: &[usize], _cols: usize) -> u64 {
+    fn prepare_step(
+        &self,
+        _cache: &mut Self::Cache,
+        _batch: &Batch,
+        _out_rows: &[usize],
+        _cols: usize,
+        _hidden_cols: usize,
+    ) -> u64 {
         0
     }
     /// Starts recording the forward of the prepared step of this shape (nothing runs until
     /// [`Backend::replay`]); `false` where it cannot.
-    fn begin_record(&self, _rows: usize, _out: usize) -> bool {
+    fn begin_record(&self, _rows: usize, _out: usize, _hidden_cols: usize) -> bool {
         false
     }
-    /// Ends the recording; the forward's `logits` go to the step's output buffer.
-    fn end_record(&self, _logits: Self::T) -> Result<Self::Graph, String> {
+    /// Ends the recording; the forward's `logits` (and tapped `hidden`) go to the step's output
+    /// buffers, with the logits' nonfinite check and row argmax recorded beside them.
+    fn end_record(&self, _logits: Self::T, _hidden: Option<Self::T>) -> Result<Self::Graph, String> {
         Err(format!("the {} backend records no steps", self.name()))
     }
     /// Runs a recorded step over the inputs [`Backend::prepare_step`] staged.
     fn replay(&self, _g: &Self::Graph) {}
-    /// The replayed step's logits on the host and the first output row holding a nonfinite
-    /// value.
-    fn step_output(&self, _g: &Self::Graph) -> (Vec<f32>, Option<usize>) {
-        (Vec::new(), Some(0))
+    /// The replayed step's results on the host (one synchronisation): the logits only when
+    /// `logits` is set, else the output rows' argmax.
+    fn step_output(&self, _g: &Self::Graph, _logits: bool) -> StepResult {
+        StepResult { nonfinite: Some(0), ..Default::default() }
     }
 
     // DSpark drafter ops (spec `dspark.md` §3.3–§3.6).

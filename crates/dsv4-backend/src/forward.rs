@@ -74,6 +74,26 @@ impl<B: Backend> Ctx<'_, '_, B> {
     }
 }
 
+/// What a forward computes beyond the state update: the logits of `out_rows` and, for every
+/// row, the stream mean of each layer in `taps` (DSpark's `main_hidden`, dspark §3.2).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Outputs<'a> {
+    /// Rows whose logits are returned (`[out_rows.len(), vocab]`).
+    pub out_rows: &'a [usize],
+    /// Layers (ascending) whose output stream mean is returned for every row of the batch,
+    /// concatenated per row: `[rows, taps.len()·hidden]`.
+    pub taps: &'a [usize],
+}
+
+/// A forward's results on the backend.
+pub struct Forwarded<T> {
+    pub logits: T,
+    /// The tapped stream means; `None` when no layer is tapped.
+    pub hidden: Option<T>,
+    /// The probed stages in forward order (checked forwards only).
+    pub stages: Vec<Stage>,
+}
+
 /// Runs `batch` through the model, updating every sequence's state, and returns the logits of
 /// the rows listed in `out_rows` (`[out_rows.len(), vocab]`).
 ///
@@ -89,25 +109,26 @@ pub fn forward<B: Backend>(
     out_rows: &[usize],
     cap: Option<&mut dyn Capture<B>>,
 ) -> B::T {
-    run(b, cfg, w, rope, cache, batch, out_rows, cap, false).0
+    run(b, cfg, w, rope, cache, batch, Outputs { out_rows, taps: &[] }, cap, false).logits
 }
 
-/// [`forward`] that also probes every named stage for nonfinite values
-/// ([`Backend::probe_finite`], no synchronisation): returns the logits and the probed stages
-/// in forward order; probe slot `i` of the cache belongs to stage `i`
-/// (read them with [`Backend::read_probes`]).
+/// The forward with its [`Outputs`] spelled out and, when `probe` is set, every named stage
+/// probed for nonfinite values ([`Backend::probe_finite`], no synchronisation): probe slot `i`
+/// of the cache belongs to stage `i` of the result's `stages` (read them with
+/// [`Backend::read_probes`]).
 #[allow(clippy::too_many_arguments)]
-pub fn forward_checked<B: Backend>(
+pub fn forward_outputs<B: Backend>(
     b: &B,
     cfg: &Config,
     w: &Weights<B::W>,
     rope: &RopeTables,
     cache: &mut B::Cache,
     batch: &Batch,
-    out_rows: &[usize],
+    outs: Outputs<'_>,
     cap: Option<&mut dyn Capture<B>>,
-) -> (B::T, Vec<Stage>) {
-    run(b, cfg, w, rope, cache, batch, out_rows, cap, true)
+    probe: bool,
+) -> Forwarded<B::T> {
+    run(b, cfg, w, rope, cache, batch, outs, cap, probe)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -118,10 +139,10 @@ fn run<B: Backend>(
     rope: &RopeTables,
     cache: &mut B::Cache,
     batch: &Batch,
-    out_rows: &[usize],
+    outs: Outputs<'_>,
     cap: Option<&mut dyn Capture<B>>,
     probe: bool,
-) -> (B::T, Vec<Stage>) {
+) -> Forwarded<B::T> {
     let rows = b.rows(batch);
     if probe {
         b.reset_probes(cache);
@@ -131,20 +152,24 @@ fn run<B: Backend>(
     let e = b.embed(&w.embed, &rows);
     cx.cap(None, "embed", &e);
     let mut x = b.hc_expand(&e, cfg.hc_mult);
+    let mut hidden = (!outs.taps.is_empty()).then(|| b.empty(batch.len(), outs.taps.len() * cfg.hidden));
     for (l, lw) in w.layers.iter().enumerate() {
         let names = ["attn.hc_pre", "attn.norm", "attn.residual"];
         x = sub_block(&mut cx, l, &x, &lw.hc_attn, &lw.attn_norm, names, |cx, a| attention(cx, l, lw, a));
         let names = ["ffn.hc_pre", "ffn.norm", "ffn.residual"];
         x = sub_block(&mut cx, l, &x, &lw.hc_ffn, &lw.ffn_norm, names, |cx, f| moe(cx, l, lw, f));
+        if let (Some(h), Some(j)) = (hidden.as_mut(), outs.taps.iter().position(|&t| t == l)) {
+            b.stream_mean_into(h, j * cfg.hidden, &x, cfg.hc_mult);
+        }
     }
-    let xs = b.select_rows(&x, out_rows);
+    let xs = b.select_rows(&x, outs.out_rows);
     let h = b.hc_head(&xs, &w.hc_head, cfg);
     cx.cap(None, "head.hc", &h);
     let h = b.rms_norm(&h, Some(&w.norm), cfg.hidden, cfg.rms_eps);
     cx.cap(None, "head.norm", &h);
     let logits = b.matmul(&h, &w.head);
     cx.cap(None, "logits", &logits);
-    (logits, cx.probes.unwrap_or_default())
+    Forwarded { logits, hidden, stages: cx.probes.unwrap_or_default() }
 }
 
 /// One pre-norm sub-block through mHC: collapse the streams (HC_PRE), normalise, run `body`,

@@ -14,8 +14,8 @@ pub mod forward;
 pub mod model;
 pub mod synth;
 
-pub use backend::{Backend, CompSlot};
+pub use backend::{Backend, CompSlot, StepResult};
 pub use batch::{Batch, BatchError, Row, Segment};
 pub use cpu::state::{SeqState, StateFormatError, TruncateError, MAX_ROLLBACK};
-pub use forward::{Capture, Stage};
-pub use model::{Model, ModelError, Snapshot};
+pub use forward::{Capture, Forwarded, Outputs, Stage};
+pub use model::{Model, ModelError, Snapshot, StepOut, StepPlan};

@@ -4,7 +4,7 @@
 use crate::backend::Backend;
 use crate::batch::{Batch, BatchError};
 use crate::cpu::state::SeqState;
-use crate::forward::{forward, forward_checked, Capture, RopeTables, Stage};
+use crate::forward::{forward_outputs, Capture, Outputs, RopeTables, Stage};
 use dsv4_model::{
     load_weights_with, Checkpoint, Component, Config, HostTensor, LoadError, LoadOptions, MemoryStats, Weights,
 };
@@ -13,6 +13,31 @@ use std::path::Path;
 
 /// Recorded step shapes kept at once (decode and verify steps of a deployment use a handful).
 const MAX_GRAPHS: usize = 64;
+
+/// A recorded step's shape: rows, output rows, tapped hidden columns.
+type StepShape = (usize, usize, usize);
+
+/// One step as the engine plans it: the rows, what comes back, and whether the host needs the
+/// output rows' logits (sampling with a host pass, logprobs, speculative acceptance) or only
+/// their argmax (greedy rows: then only token ids cross to the host).
+#[derive(Clone, Copy, Debug)]
+pub struct StepPlan<'a> {
+    pub batch: &'a Batch,
+    pub outputs: Outputs<'a>,
+    pub logits: bool,
+}
+
+/// A step's results on the host.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepOut {
+    /// `[out_rows, vocab]` when the plan asked for logits, else empty.
+    pub logits: Vec<f32>,
+    /// The argmax of each output row (first index of the maximum) when the plan asked for no
+    /// logits, else empty.
+    pub ids: Vec<u32>,
+    /// `[rows, taps·hidden]`: the tapped layers' stream means of every row (empty: no taps).
+    pub hidden: Vec<f32>,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -26,6 +51,8 @@ pub enum ModelError {
     Chunks { chunks: Vec<usize>, sum: usize, tokens: usize },
     #[error("a chunk size of 0 is not allowed")]
     EmptyChunk,
+    #[error("tapped layers {taps:?} must be ascending and below the model's {layers} layers")]
+    Taps { taps: Vec<usize>, layers: usize },
     #[error("rollback failed: {0}")]
     Truncate(String),
     /// The weights would not fit the device (checked before anything is allocated).
@@ -114,12 +141,12 @@ pub struct Model<B: Backend> {
     cache: B::Cache,
     /// Tokens held by each allocated sequence slot.
     seqs: Vec<Option<usize>>,
-    /// Recorded steps by shape `(rows, output rows)`, with the cache generation each was
-    /// recorded under.
-    graphs: HashMap<(usize, usize), (u64, B::Graph)>,
+    /// Recorded steps by shape `(rows, output rows, tapped columns)`, with the cache
+    /// generation each was recorded under.
+    graphs: HashMap<StepShape, (u64, B::Graph)>,
     /// Shapes run once: a shape is recorded the second time it comes (one-off shapes, such as
     /// a short prompt's only chunk, stay eager; the first run also fills the backend's tables).
-    seen: HashSet<(usize, usize)>,
+    seen: HashSet<StepShape>,
     /// Whether steps the backend can record are recorded and replayed (`DSV4_GRAPHS=0`: never).
     graphs_on: bool,
 }
@@ -264,51 +291,80 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
-    /// Runs a batch and returns the logits of `out_rows` as `[out_rows.len() × vocab]` on the host.
+    /// Runs `batch`, returning the logits of `out_rows` (`[out_rows.len(), vocab]`) on the host.
     ///
-    /// Every named stage is probed for nonfinite values on the backend (no synchronisation per
+    /// Every named stage is checked for nonfinite values (one synchronisation at the end, no
     /// stage); the first one found fails the call with [`ModelError::NonFinite`]. The sequences'
     /// states have then advanced over the batch and should be freed.
     pub fn forward(&mut self, batch: &Batch, out_rows: &[usize]) -> Result<Vec<f32>, ModelError> {
         self.forward_with(batch, out_rows, None)
     }
 
-    /// [`Model::forward`] handing every named intermediate to `cap`. Without a capture, steps
-    /// of up to [`Backend::graph_max_rows`] rows are recorded once per shape and replayed
-    /// (the same kernels on the same inputs: bitwise the eager result); their logits are checked
-    /// for nonfinite values, and when one is found the step is cut back and run again with every
-    /// stage probed, so the error still names the first stage.
+    /// [`Model::forward`] handing every named intermediate to `cap` (an eager, fully probed
+    /// forward); without a capture, [`Model::step`].
     pub fn forward_with(
         &mut self,
         batch: &Batch,
         out_rows: &[usize],
         cap: Option<&mut dyn Capture<B>>,
     ) -> Result<Vec<f32>, ModelError> {
-        self.check(batch)?;
-        if cap.is_none() && self.graphs_on && !out_rows.is_empty() && batch.len() <= self.backend.graph_max_rows() {
-            return self.forward_recorded(batch, out_rows);
+        let plan = StepPlan { batch, outputs: Outputs { out_rows, taps: &[] }, logits: true };
+        match cap {
+            None => self.step(&plan).map(|o| o.logits),
+            Some(c) => {
+                self.check(batch)?;
+                self.forward_eager(&plan, Some(c)).map(|o| o.logits)
+            }
         }
-        self.forward_eager(batch, out_rows, cap)
     }
 
-    fn forward_recorded(&mut self, batch: &Batch, out_rows: &[usize]) -> Result<Vec<f32>, ModelError> {
-        let key = (batch.len(), out_rows.len());
-        if !self.graphs.contains_key(&key) && self.seen.insert(key) {
-            return self.forward_eager(batch, out_rows, None);
+    /// Runs one step. Steps of up to [`Backend::graph_max_rows`] rows are recorded once per
+    /// shape and replayed (the same kernels on the same inputs: bitwise the eager result);
+    /// their logits are checked for nonfinite values, and when one is found the step is cut
+    /// back and run again with every stage probed, so the error still names the first stage.
+    /// Longer steps run eagerly with every stage probed.
+    pub fn step(&mut self, plan: &StepPlan<'_>) -> Result<StepOut, ModelError> {
+        self.check(plan.batch)?;
+        let taps = plan.outputs.taps;
+        if taps.windows(2).any(|w| w[0] >= w[1]) || taps.last().is_some_and(|&l| l >= self.cfg.layers.len()) {
+            return Err(ModelError::Taps { taps: taps.to_vec(), layers: self.cfg.layers.len() });
         }
-        let generation = self.backend.prepare_step(&mut self.cache, batch, out_rows, self.cfg.vocab_size);
+        let (batch, out_rows) = (plan.batch, plan.outputs.out_rows);
+        if self.graphs_on && !out_rows.is_empty() && batch.len() <= self.backend.graph_max_rows() {
+            return self.step_recorded(plan);
+        }
+        self.forward_eager(plan, None)
+    }
+
+    fn step_recorded(&mut self, plan: &StepPlan<'_>) -> Result<StepOut, ModelError> {
+        let (batch, out_rows) = (plan.batch, plan.outputs.out_rows);
+        let hidden_cols = plan.outputs.taps.len() * self.cfg.hidden;
+        let key = (batch.len(), out_rows.len(), hidden_cols);
+        if !self.graphs.contains_key(&key) && self.seen.insert(key) {
+            return self.forward_eager(plan, None);
+        }
+        let generation = self.backend.prepare_step(&mut self.cache, batch, out_rows, self.cfg.vocab_size, hidden_cols);
         if self.graphs.get(&key).map(|g| g.0) != Some(generation) {
             self.graphs.remove(&key);
             if self.graphs.len() >= MAX_GRAPHS {
                 let old = *self.graphs.keys().next().expect("a recorded step");
                 self.graphs.remove(&old);
             }
-            if !self.backend.begin_record(key.0, key.1) {
-                return self.forward_eager(batch, out_rows, None);
+            if !self.backend.begin_record(key.0, key.1, key.2) {
+                return self.forward_eager(plan, None);
             }
-            let logits =
-                forward(&self.backend, &self.cfg, &self.weights, &self.rope, &mut self.cache, batch, out_rows, None);
-            match self.backend.end_record(logits) {
+            let f = forward_outputs(
+                &self.backend,
+                &self.cfg,
+                &self.weights,
+                &self.rope,
+                &mut self.cache,
+                batch,
+                plan.outputs,
+                None,
+                false,
+            );
+            match self.backend.end_record(f.logits, f.hidden) {
                 Ok(g) => {
                     self.graphs.insert(key, (generation, g));
                 }
@@ -316,7 +372,7 @@ impl<B: Backend> Model<B> {
                     // Nothing ran while recording: the step runs eagerly, and so do later ones.
                     tracing::warn!("recording a step of {} rows failed ({e}); running steps eagerly", key.0);
                     self.set_graphs(false);
-                    return self.forward_eager(batch, out_rows, None);
+                    return self.forward_eager(plan, None);
                 }
             }
         }
@@ -325,47 +381,58 @@ impl<B: Backend> Model<B> {
         for s in &batch.segments {
             self.seqs[s.seq] = Some(s.pos0 + s.len);
         }
-        let (out, bad) = self.backend.step_output(g);
-        match bad {
-            None => Ok(out),
-            Some(row) => Err(self.locate_nonfinite(batch, out_rows, row)),
+        let r = self.backend.step_output(g, plan.logits);
+        match r.nonfinite {
+            None => Ok(StepOut { logits: r.logits, ids: r.ids, hidden: r.hidden }),
+            Some(row) => Err(self.locate_nonfinite(plan, row)),
         }
     }
 
     /// A replayed step's logits held a nonfinite value in output row `row`: cut the step back
     /// and run it again with every stage probed, for the error that names the first stage.
-    fn locate_nonfinite(&mut self, batch: &Batch, out_rows: &[usize], row: usize) -> ModelError {
+    fn locate_nonfinite(&mut self, plan: &StepPlan<'_>, row: usize) -> ModelError {
+        let out_rows = plan.outputs.out_rows;
         let fallback =
             ModelError::NonFinite { layer: None, stage: "logits", row: out_rows.get(row).copied().unwrap_or(row) };
-        if batch.segments.iter().any(|s| self.truncate(s.seq, s.pos0).is_err()) {
+        if plan.batch.segments.iter().any(|s| self.truncate(s.seq, s.pos0).is_err()) {
             return fallback;
         }
-        match self.forward_eager(batch, out_rows, None) {
+        match self.forward_eager(plan, None) {
             Err(e) => e,
             Ok(_) => fallback,
         }
     }
 
-    fn forward_eager(
-        &mut self,
-        batch: &Batch,
-        out_rows: &[usize],
-        cap: Option<&mut dyn Capture<B>>,
-    ) -> Result<Vec<f32>, ModelError> {
-        let (logits, stages) =
-            forward_checked(&self.backend, &self.cfg, &self.weights, &self.rope, &mut self.cache, batch, out_rows, cap);
+    fn forward_eager(&mut self, plan: &StepPlan<'_>, cap: Option<&mut dyn Capture<B>>) -> Result<StepOut, ModelError> {
+        let (batch, out_rows) = (plan.batch, plan.outputs.out_rows);
+        let f = forward_outputs(
+            &self.backend,
+            &self.cfg,
+            &self.weights,
+            &self.rope,
+            &mut self.cache,
+            batch,
+            plan.outputs,
+            cap,
+            true,
+        );
         for s in &batch.segments {
             self.seqs[s.seq] = Some(s.pos0 + s.len);
         }
-        let out = self.backend.to_host(&logits);
-        let probes = self.backend.read_probes(&self.cache, stages.len());
+        let probes = self.backend.read_probes(&self.cache, f.stages.len());
         if let Some((i, row)) = probes.iter().enumerate().find_map(|(i, p)| p.map(|r| (i, r))) {
-            let st = stages[i];
+            let st = f.stages[i];
             let head = st.layer.is_none() && st.name != "embed";
             let row = if head { out_rows.get(row).copied().unwrap_or(row) } else { row };
             return Err(ModelError::NonFinite { layer: st.layer, stage: st.name, row });
         }
-        Ok(out)
+        let (logits, ids) = if plan.logits {
+            (self.backend.to_host(&f.logits), Vec::new())
+        } else {
+            (Vec::new(), self.backend.argmax_rows(&f.logits))
+        };
+        let hidden = f.hidden.map(|h| self.backend.to_host(&h)).unwrap_or_default();
+        Ok(StepOut { logits, ids, hidden })
     }
 
     /// Feeds `tokens` to `seq` in the given chunks and returns the logits at every position

@@ -1,4 +1,5 @@
-//! Recorded steps (CUDA graphs) give bitwise the eager path's logits: prefill chunks, decode
+//! Recorded steps (CUDA graphs) give bitwise the eager path's logits, greedy ids and tapped
+//! stream means: prefill chunks, decode
 //! steps of several sequences, speculative verify blocks with cut-backs, a shape re-recorded
 //! after the compressed entries grew, and hash-routed layers (looked up on the device). A NaN
 //! planted in a weight is still named by stage. Built with `--features cuda`; prints
@@ -8,24 +9,30 @@
 mod common;
 use common::{tokens, write_random};
 use dsv4_backend::cuda::CudaBackend;
-use dsv4_backend::{Batch, Model, Row};
+use dsv4_backend::{Batch, Model, Outputs, Row, StepOut, StepPlan};
 use dsv4_model::synth::tiny_config;
 
 /// Every forward of a script: prefill chunks for three sequences, 3-row decode steps long
 /// enough that the compressed entries grow (a recorded shape is then recorded again), and
-/// verify blocks of 1 + 2 rows per sequence cut back to the anchor plus one draft.
-fn script(m: &mut Model<CudaBackend>, vocab: usize) -> Vec<Vec<f32>> {
+/// verify blocks of 1 + 2 rows per sequence cut back to the anchor plus one draft. Decode
+/// steps alternate between logits and greedy ids and tap two layers' stream means (DSpark's
+/// `main_hidden`), as the engine's steps do.
+fn script(m: &mut Model<CudaBackend>, vocab: usize) -> Vec<StepOut> {
     let mut out = Vec::new();
     let seqs: Vec<usize> = (0..3).map(|_| m.alloc_seq().unwrap()).collect();
+    let wrap = |logits| StepOut { logits, ..Default::default() };
     for (i, &s) in seqs.iter().enumerate() {
         let t = tokens(20, vocab, 5 + i as u64);
-        out.push(m.forward(&Batch::chunk(s, 0, &t).unwrap(), &[19]).unwrap());
+        out.push(wrap(m.forward(&Batch::chunk(s, 0, &t).unwrap(), &[19]).unwrap()));
     }
     let mut pos = [20usize; 3];
+    let taps = [1usize, 3];
     for step in 0..70 {
         let rows: Vec<Row> =
             (0..3).map(|i| Row { seq: seqs[i], pos: pos[i], token: ((7 * step + 3 * i + 1) % vocab) as u32 }).collect();
-        out.push(m.forward(&Batch::new(rows).unwrap(), &[0, 1, 2]).unwrap());
+        let batch = Batch::new(rows).unwrap();
+        let outputs = Outputs { out_rows: &[0, 1, 2], taps: if step % 3 == 0 { &[] } else { &taps } };
+        out.push(m.step(&StepPlan { batch: &batch, outputs, logits: step % 2 == 0 }).unwrap());
         pos.iter_mut().for_each(|p| *p += 1);
     }
     for round in 0..4 {
@@ -34,7 +41,11 @@ fn script(m: &mut Model<CudaBackend>, vocab: usize) -> Vec<Vec<f32>> {
             .map(|(i, k)| Row { seq: seqs[i], pos: pos[i] + k, token: ((11 * round + 5 * k + i) % vocab) as u32 })
             .collect();
         let all: Vec<usize> = (0..rows.len()).collect();
-        out.push(m.forward(&Batch::new(rows).unwrap(), &all).unwrap());
+        let batch = Batch::new(rows).unwrap();
+        out.push(
+            m.step(&StepPlan { batch: &batch, outputs: Outputs { out_rows: &all, taps: &taps }, logits: true })
+                .unwrap(),
+        );
         for i in 0..3 {
             m.truncate(seqs[i], pos[i] + 2).unwrap();
             pos[i] += 2;
@@ -60,7 +71,10 @@ fn check(exact: bool) {
     assert!(graphs.recorded_steps() >= 3, "only {} step shapes were recorded", graphs.recorded_steps());
     assert_eq!(eager.recorded_steps(), 0);
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        assert!(g == w, "forward {i}: replayed logits differ from the eager ones (exact mode {exact})");
+        assert!(
+            g == w,
+            "forward {i}: the replayed step's logits, ids or taps differ from the eager ones (exact mode {exact})"
+        );
     }
     println!("{} forwards bitwise equal, {} shapes recorded (exact mode {exact})", got.len(), graphs.recorded_steps());
 }

@@ -6,7 +6,7 @@ mod common;
 
 use common::{drafter, fixtures, maxabs, model_dir, rel, Errors, Golden};
 use dsv4_backend::cpu::CpuBackend;
-use dsv4_backend::{Batch, Capture, Model};
+use dsv4_backend::{Batch, Capture, Model, ModelError, Outputs, StepPlan};
 use dsv4_dspark::drafter::argmax;
 use dsv4_dspark::verify::accept_greedy;
 use dsv4_dspark::HiddenCapture;
@@ -79,6 +79,42 @@ fn captured_main_hidden_is_the_hc_mean_of_the_layer_outputs() {
     let r = rel(&wrong, &gmh[..41 * 192]);
     eprintln!("  capturing layer inputs instead would be off by {r:.3} (relative)");
     assert!(r > 1e-2);
+}
+
+/// The step's taps (the stream means the backend writes, [`StepPlan`]'s `taps`) are the capture
+/// bitwise, over a prefill chunk and decode steps; a step that asks for no logits returns their
+/// argmax; taps out of order or past the last layer are refused.
+#[test]
+fn step_taps_equal_the_capture_and_ids_the_argmax() {
+    let t = Golden::open("target_golden.safetensors");
+    let seq_ids = t.u32("sequence_ids");
+    let (mut a, mut b) = (load_model(), load_model());
+    let (sa, sb) = (a.alloc_seq().unwrap(), b.alloc_seq().unwrap());
+    let layers = [3, 4, 5];
+    for (p0, n) in [(0usize, 41usize), (41, 1), (42, 6), (48, 1)] {
+        let toks = &seq_ids[p0..p0 + n];
+        let (lg, mh) = forward(&mut a, sa, p0, toks, &layers);
+        let batch = Batch::chunk(sb, p0, toks).unwrap();
+        let all: Vec<usize> = (0..n).collect();
+        let outputs = Outputs { out_rows: &all, taps: &layers };
+        if n == 1 {
+            let out = b.step(&StepPlan { batch: &batch, outputs, logits: false }).unwrap();
+            assert_eq!(out.ids, vec![argmax(&lg) as u32], "ids at {p0}");
+            assert!(out.logits.is_empty());
+            assert_eq!(out.hidden, mh, "taps at {p0}");
+        } else {
+            let out = b.step(&StepPlan { batch: &batch, outputs, logits: true }).unwrap();
+            assert_eq!(out.logits, lg, "logits at {p0}");
+            assert!(out.ids.is_empty());
+            assert_eq!(out.hidden, mh, "taps at {p0}");
+        }
+    }
+    let n_layers = b.cfg.layers.len();
+    for bad in [vec![4, 3], vec![3, 3], vec![n_layers]] {
+        let batch = Batch::chunk(sb, 49, &seq_ids[49..50]).unwrap();
+        let plan = StepPlan { batch: &batch, outputs: Outputs { out_rows: &[0], taps: &bad }, logits: true };
+        assert!(matches!(b.step(&plan), Err(ModelError::Taps { .. })), "taps {bad:?}");
+    }
 }
 
 /// How the target is cut back after a rejection.

@@ -7,7 +7,7 @@ use crate::prefix_cache::{PrefixCache, PrefixCacheConfig};
 use crate::sampler::{argmax_margin, Sampler};
 use crate::sequence::{CancelToken, Event, FinishReason, Request, Sequence, TokenEvent};
 use crate::speculative::{Planned, SpecConfig, SpecSeq};
-use dsv4_backend::{Backend, Batch, Capture, Model, Row};
+use dsv4_backend::{Backend, Batch, Model, Outputs, Row, StepPlan};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
@@ -669,14 +669,22 @@ impl<B: Backend> Engine<B> {
         for c in &chunks {
             fed[c.seq] += c.len;
         }
-        let mut cap = self.config.dspark.as_ref().map(|sc| sc.capture(&self.model.cfg));
+        let taps: Vec<usize> = self.config.dspark.as_ref().map(|sc| sc.taps().to_vec()).unwrap_or_default();
+        // Only greedy rows with no host pass: then only their argmax crosses to the host.
+        let logits = outs.iter().any(|o| {
+            let s = &self.running[o.seq];
+            o.plan.is_some()
+                || s.processor.is_some()
+                || s.req.top_logprobs.is_some()
+                || s.sampler.params.temperature != 0.0
+        });
         let result = Batch::new(rows).map_err(|e| e.to_string()).and_then(|b| {
-            let c = cap.as_mut().map(|c| c as &mut dyn Capture<B>);
-            self.model.forward_with(&b, &out_rows, c).map_err(|e| e.to_string())
+            let plan = StepPlan { batch: &b, outputs: Outputs { out_rows: &out_rows, taps: &taps }, logits };
+            self.model.step(&plan).map_err(|e| e.to_string())
         });
         self.metrics.steps_total.fetch_add(1, Ordering::Relaxed);
-        let logits = match result {
-            Ok(l) => l,
+        let out = match result {
+            Ok(o) => o,
             Err(e) => {
                 // A failed forward leaves the batch's states unusable: fail those sequences only.
                 let ids: Vec<usize> =
@@ -688,7 +696,7 @@ impl<B: Backend> Engine<B> {
                 return;
             }
         };
-        let hidden = cap.and_then(|c| c.finish()).unwrap_or_default();
+        let (hidden, logits) = (out.hidden, out.logits);
         let width = self.config.dspark.as_ref().map_or(0, |sc| sc.hidden_width(&self.model.cfg));
         let mut done: Vec<(usize, Result<FinishReason, String>)> = Vec::new();
         // Prefill rows enter the drafter rings.
@@ -715,10 +723,11 @@ impl<B: Backend> Engine<B> {
             }
         }
         let vocab = self.model.cfg.vocab_size;
-        let mut k = 0; // logits row
+        let mut k = 0; // output row
         for o in outs {
             let nrows = o.plan.as_ref().map_or(1, |p| p.rows());
-            let l = &logits[k * vocab..(k + nrows) * vocab];
+            let l = logits.get(k * vocab..(k + nrows) * vocab).unwrap_or(&[]);
+            let greedy_id = out.ids.get(k).copied();
             k += nrows;
             let s = &mut self.running[o.seq];
             // Decode rows of a speculating sequence: accept, cut back, commit (speculative.rs).
@@ -730,6 +739,9 @@ impl<B: Backend> Engine<B> {
                     let r = st.finish(sc, &mut self.model, slot, plan, l, h, &mut s.sampler, &s.req.stop_ids);
                     self.metrics.spec.record(&before, &st.stats);
                     r.map(|r| r.tokens).map_err(|e| e.to_string())
+                }
+                _ if l.is_empty() => {
+                    greedy_id.map(|t| vec![t]).ok_or_else(|| "the step returned no token id".to_string())
                 }
                 _ => sample_row(&mut s.sampler, s.processor.as_mut(), l).map(|t| vec![t]),
             };

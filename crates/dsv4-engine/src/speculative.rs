@@ -3,8 +3,9 @@
 //! after the anchor) and [`SpecSeq::finish`] (accept, cut the target back with
 //! `Model::truncate` — accepted rows are never re-fed — and commit the surviving rows to the
 //! drafter's context ring). The verify forward itself (`[anchor, d0..d(l-1)]`, alone or inside a
-//! batch with other sequences' rows and prefill chunks) is the caller's, with a
-//! [`HiddenCapture`] over every row so that committed rows can be fed to the drafter.
+//! batch with other sequences' rows and prefill chunks) is the caller's, tapping the drafter's
+//! layers over every row ([`SpecConfig::taps`] in the step's plan) so that committed rows can
+//! be fed to the drafter.
 //!
 //! Lossless: at temperature 0 acceptance is greedy (the emitted stream is the plain greedy
 //! stream); at temperature > 0 it is token-level rejection sampling against the sequence's
@@ -12,9 +13,9 @@
 //! draft's exact proposal distribution.
 
 use crate::sampler::{SampleError, Sampler};
-use dsv4_backend::{Backend, Capture, Model, ModelError, MAX_ROLLBACK};
+use dsv4_backend::{Backend, Model, ModelError, Outputs, StepPlan, MAX_ROLLBACK};
 use dsv4_dspark::verify::{accept_greedy, accept_sampled};
-use dsv4_dspark::{ContextRing, Draft, DraftRequest, Drafter, DsparkError, HiddenCapture, Ring};
+use dsv4_dspark::{ContextRing, Draft, DraftRequest, Drafter, DsparkError, Ring};
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::any::Any;
@@ -293,8 +294,9 @@ impl SpecConfig {
     }
 
     /// A capture for a forward whose rows feed the drafter.
-    pub fn capture(&self, cfg: &dsv4_model::Config) -> HiddenCapture {
-        HiddenCapture::new(self.proposer.layers(), cfg.hc_mult, cfg.hidden)
+    /// The target layers whose output stream means feed the drafter ([`StepPlan`]'s taps).
+    pub fn taps(&self) -> &[usize] {
+        self.proposer.layers()
     }
 
     /// Width of one captured row.
@@ -311,7 +313,7 @@ pub enum SpecError {
     Dspark(#[from] DsparkError),
     #[error(transparent)]
     Sample(#[from] SampleError),
-    #[error("the forward captured no drafter rows")]
+    #[error("the forward tapped no drafter rows")]
     NoCapture,
 }
 
@@ -609,10 +611,9 @@ pub fn round_with<B: Backend>(
 ) -> Result<RoundResult, SpecError> {
     let batch = dsv4_backend::Batch::chunk(slot, plan.anchor_pos, &plan.tokens()).map_err(ModelError::from)?;
     let all: Vec<usize> = (0..plan.rows()).collect();
-    let mut cap = cfg.capture(&model.cfg);
-    let logits = model.forward_with(&batch, &all, Some(&mut cap as &mut dyn Capture<B>))?;
-    let hidden = cap.finish().ok_or(SpecError::NoCapture)?;
-    spec.finish(cfg, model, slot, plan, &logits, &hidden, sampler, stop_ids)
+    let out =
+        model.step(&StepPlan { batch: &batch, outputs: Outputs { out_rows: &all, taps: cfg.taps() }, logits: true })?;
+    spec.finish(cfg, model, slot, plan, &out.logits, &out.hidden, sampler, stop_ids)
 }
 
 /// Prefills `tokens` from position `pos0` in chunks with a capture and commits every row.
@@ -631,9 +632,10 @@ pub fn prefill<B: Backend>(
     for (i, c) in tokens.chunks(chunk.max(1)).enumerate() {
         let p = pos0 + i * chunk.max(1);
         let batch = dsv4_backend::Batch::chunk(slot, p, c).map_err(ModelError::from)?;
-        let mut cap = cfg.capture(&model.cfg);
-        logits = model.forward_with(&batch, &[c.len() - 1], Some(&mut cap as &mut dyn Capture<B>))?;
-        let hidden = cap.finish().ok_or(SpecError::NoCapture)?;
+        let outputs = Outputs { out_rows: &[c.len() - 1], taps: cfg.taps() };
+        let out = model.step(&StepPlan { batch: &batch, outputs, logits: true })?;
+        let hidden = out.hidden;
+        logits = out.logits;
         spec.commit(cfg, p, &hidden, width)?;
     }
     Ok(logits)

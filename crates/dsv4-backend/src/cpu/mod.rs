@@ -217,6 +217,23 @@ impl Backend for CpuBackend {
         Tensor::new(x.rows, n * x.cols, data)
     }
 
+    fn empty(&self, rows: usize, cols: usize) -> Tensor {
+        Tensor::new(rows, cols, vec![0.0; rows * cols])
+    }
+
+    fn stream_mean_into(&self, out: &mut Tensor, col: usize, x: &Tensor, n: usize) {
+        let d = x.cols / n;
+        assert!(x.cols == n * d && out.rows == x.rows && col + d <= out.cols, "stream_mean_into shape");
+        for r in 0..x.rows {
+            let o = &mut out.data[r * out.cols + col..r * out.cols + col + d];
+            o.fill(0.0);
+            for s in 0..n {
+                o.iter_mut().zip(&x.row(r)[s * d..(s + 1) * d]).for_each(|(a, b)| *a += b);
+            }
+            o.iter_mut().for_each(|a| *a /= n as f32);
+        }
+    }
+
     fn hc_pre(&self, x: &Tensor, hc: &Hc<Tensor>, cfg: &Config) -> (Tensor, Tensor, Tensor) {
         let (n, d) = (cfg.hc_mult, cfg.hidden);
         let mix = cfg.hc_mix();

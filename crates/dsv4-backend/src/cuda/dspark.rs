@@ -6,7 +6,7 @@
 //! [`super::Kernels`]).
 
 use super::{cfg1d, ck, compile_ptx_kernel, CudaBackend, CudaTensor, CudaWeight};
-use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 use std::sync::{Arc, Mutex};
 
 pub(crate) const SOURCE: (&str, &str) = ("dspark.cu", include_str!("kernels/dspark.cu"));
@@ -76,18 +76,28 @@ pub(crate) fn argmax_rows(b: &CudaBackend, x: &CudaTensor) -> Vec<u32> {
     if x.rows == 0 {
         return Vec::new();
     }
-    let k = kernels(b);
     let mut out = b.alloc::<u32>(x.rows);
-    let cfg = LaunchConfig { grid_dim: (x.rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-    // SAFETY: argument types and sizes match the kernel's signature.
-    ck(
-        unsafe { b.stream.launch_builder(&k.argmax_rows).arg(&mut out).arg(&x.data).arg(&(x.cols as i32)).launch(cfg) },
-        "argmax_rows",
-    );
+    argmax_into(b, &mut out, &x.data, x.rows, x.cols);
     let mut v = ck(b.stream.clone_dtoh(&out), "download argmax");
     ck(b.stream.synchronize(), "synchronize");
     v.truncate(x.rows);
     v
+}
+
+/// `out[r]` = the first index of the maximum of row `r` of `x [rows, cols]`, queued on the
+/// stream (recorded steps write their greedy ids with it).
+pub(crate) fn argmax_into(b: &CudaBackend, out: &mut CudaSlice<u32>, x: &CudaSlice<f32>, rows: usize, cols: usize) {
+    assert!(out.len() >= rows && x.len() >= rows * cols, "argmax_into shape");
+    if rows == 0 {
+        return;
+    }
+    let k = kernels(b);
+    let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: argument types and sizes match the kernel's signature; sizes checked above.
+    ck(
+        unsafe { b.stream.launch_builder(&k.argmax_rows).arg(out).arg(x).arg(&(cols as i32)).launch(cfg) },
+        "argmax_rows",
+    );
 }
 
 pub(crate) fn block_attention(

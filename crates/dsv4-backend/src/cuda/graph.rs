@@ -17,6 +17,7 @@
 
 use super::state::CudaCache;
 use super::{ck, CudaBackend, CudaTensor};
+use crate::backend::StepResult;
 use crate::batch::Batch;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice, PinnedHostSlice};
@@ -52,6 +53,10 @@ pub(crate) struct StepIo {
     pub(crate) dev: Arc<CudaSlice<u32>>,
     /// The logits `[out, cols]` the replay writes.
     logits: CudaSlice<f32>,
+    /// Each output row's argmax (greedy ids: what crosses to the host when no logits do).
+    ids: CudaSlice<u32>,
+    /// The tapped stream means `[rows, hidden_cols]` (DSpark's `main_hidden`).
+    hidden: CudaSlice<f32>,
     /// `0xffffffff − first nonfinite output row`, or 0.
     flag: CudaSlice<u32>,
 }
@@ -59,15 +64,18 @@ pub(crate) struct StepIo {
 /// Recorded-step state of a backend.
 #[derive(Default)]
 pub struct Steps {
-    io: HashMap<(usize, usize), StepIo>,
+    io: HashMap<Shape, StepIo>,
     /// The shape being recorded: `rows()` and `select_rows()` then hand out its buffers.
-    recording: Option<(usize, usize)>,
+    recording: Option<Shape>,
 }
+
+/// A step's shape: rows, output rows, tapped hidden columns.
+type Shape = (usize, usize, usize);
 
 /// A recorded step.
 pub struct StepGraph {
     graph: CudaGraph,
-    key: (usize, usize),
+    key: Shape,
 }
 
 // SAFETY: a graph is used by one thread at a time: the model that owns it runs its steps on
@@ -96,14 +104,16 @@ impl CudaBackend {
     }
 
     /// Copies a step's inputs into its persistent buffers (one stream-ordered copy).
-    pub(crate) fn stage(&self, batch: &Batch, out_rows: &[usize], cols: usize) {
+    pub(crate) fn stage(&self, batch: &Batch, out_rows: &[usize], cols: usize, hidden_cols: usize) {
         let (n, no) = (batch.len(), out_rows.len());
         let mut st = self.steps.lock().unwrap();
-        let io = st.io.entry((n, no)).or_insert_with(|| StepIo {
+        let io = st.io.entry((n, no, hidden_cols)).or_insert_with(|| StepIo {
             // SAFETY: written below before any copy reads it.
             host: ck(unsafe { self.ctx.alloc_pinned::<u32>(6 * n + no) }, "pin step inputs"),
             dev: Arc::new(self.alloc::<u32>(6 * n + no)),
             logits: self.alloc::<f32>(no * cols),
+            ids: self.alloc::<u32>(no),
+            hidden: self.alloc::<f32>(n * hidden_cols),
             flag: ck(self.stream.alloc_zeros::<u32>(1), "alloc step flag"),
         });
         // Waits for the previous copy out of the staging buffer (long done: its step's output
@@ -117,24 +127,27 @@ impl CudaBackend {
         ck(self.stream.memcpy_htod(&io.host, dev), "stage step inputs");
     }
 
-    pub(crate) fn begin_record(&self, rows: usize, out: usize) -> bool {
+    pub(crate) fn begin_record(&self, rows: usize, out: usize, hidden_cols: usize) -> bool {
         let mut st = self.steps.lock().unwrap();
-        if st.recording.is_some() || !st.io.contains_key(&(rows, out)) {
+        if st.recording.is_some() || !st.io.contains_key(&(rows, out, hidden_cols)) {
             return false;
         }
         if let Err(e) = self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) {
             tracing::warn!("CUDA graph capture could not start: {e:?}");
             return false;
         }
-        st.recording = Some((rows, out));
+        st.recording = Some((rows, out, hidden_cols));
         true
     }
 
     /// Ends the recording: the logits go to the step's output buffer and are checked for
-    /// nonfinite values there; `logits` is freed inside the graph.
-    pub(crate) fn end_record(&self, logits: CudaTensor) -> Result<StepGraph, String> {
+    /// nonfinite values there, their row argmax beside them; the tapped stream means go to the
+    /// step's hidden buffer. `logits` and `hidden` are freed inside the graph.
+    pub(crate) fn end_record(&self, logits: CudaTensor, hidden: Option<CudaTensor>) -> Result<StepGraph, String> {
         let key = self.steps.lock().unwrap().recording.ok_or("no step is being recorded")?;
-        {
+        let hidden_len = hidden.as_ref().map_or(0, |h| h.rows * h.cols);
+        let shape_ok = logits.rows == key.1 && hidden_len == key.0 * key.2;
+        if shape_ok {
             let mut st = self.steps.lock().unwrap();
             let io = st.io.get_mut(&key).expect("recorded step's buffers");
             let len = logits.rows * logits.cols;
@@ -142,10 +155,16 @@ impl CudaBackend {
                 ck(self.stream.memcpy_dtod(&logits.data.slice(..len), &mut io.logits), "copy step logits");
                 ck(self.stream.memset_zeros(&mut io.flag), "clear step flag");
                 super::bf16::probe_into(self, &mut io.flag, 0, &io.logits, len, logits.cols);
+                super::dspark::argmax_into(self, &mut io.ids, &io.logits, logits.rows, logits.cols);
+            }
+            if let Some(h) = &hidden {
+                if hidden_len > 0 {
+                    ck(self.stream.memcpy_dtod(&h.data.slice(..hidden_len), &mut io.hidden), "copy step hidden");
+                }
             }
         }
-        let shape_ok = logits.rows == key.1;
         drop(logits);
+        drop(hidden);
         let res = self.stream.end_capture(CUgraphInstantiate_flags(0));
         self.steps.lock().unwrap().recording = None;
         let graph = match res {
@@ -154,7 +173,7 @@ impl CudaBackend {
             Err(e) => return Err(format!("CUDA graph capture failed: {e:?}")),
         };
         if !shape_ok {
-            return Err(format!("recorded step {key:?}: the forward returned another number of rows"));
+            return Err(format!("recorded step {key:?}: the forward returned other output shapes"));
         }
         graph.upload().map_err(|e| format!("CUDA graph upload: {e:?}"))?;
         Ok(StepGraph { graph, key })
@@ -164,23 +183,43 @@ impl CudaBackend {
         ck(g.graph.launch(), "graph launch");
     }
 
-    /// The replayed step's logits on the host, and the first output row holding a nonfinite
-    /// value (one synchronisation).
-    pub(crate) fn step_output(&self, g: &StepGraph) -> (Vec<f32>, Option<usize>) {
+    /// The replayed step's results on the host: the logits when asked for, else the output
+    /// rows' argmax; the tapped stream means; the first output row holding a nonfinite value
+    /// (one synchronisation).
+    pub(crate) fn step_output(&self, g: &StepGraph, logits: bool) -> StepResult {
         let st = self.steps.lock().unwrap();
         let io = &st.io[&g.key];
-        let v = ck(self.stream.clone_dtoh(&io.logits), "download step logits");
+        let (rows, out, hidden_cols) = g.key;
+        let mut r = StepResult::default();
+        if logits {
+            r.logits = ck(self.stream.clone_dtoh(&io.logits), "download step logits");
+        } else {
+            r.ids = ck(self.stream.clone_dtoh(&io.ids), "download step ids");
+            r.ids.truncate(out);
+        }
+        if hidden_cols > 0 {
+            r.hidden = ck(self.stream.clone_dtoh(&io.hidden), "download step hidden");
+            r.hidden.truncate(rows * hidden_cols);
+        }
         let f = ck(self.stream.clone_dtoh(&io.flag), "download step flag");
         ck(self.stream.synchronize(), "synchronize");
-        (v, (f[0] != 0).then(|| (u32::MAX - f[0]) as usize))
+        r.nonfinite = (f[0] != 0).then(|| (u32::MAX - f[0]) as usize);
+        r
     }
 
     /// Everything a step needs before it is recorded or replayed, outside the recorded work:
     /// entry room for its positions and the slots' written-position bookkeeping.
-    pub(crate) fn prepare_step(&self, cache: &mut CudaCache, batch: &Batch, out_rows: &[usize], cols: usize) -> u64 {
+    pub(crate) fn prepare_step(
+        &self,
+        cache: &mut CudaCache,
+        batch: &Batch,
+        out_rows: &[usize],
+        cols: usize,
+        hidden_cols: usize,
+    ) -> u64 {
         cache.reserve_batch(self, batch);
         cache.note_written(batch);
-        self.stage(batch, out_rows, cols);
+        self.stage(batch, out_rows, cols, hidden_cols);
         cache.generation
     }
 }

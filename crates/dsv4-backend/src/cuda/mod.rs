@@ -126,6 +126,7 @@ pub(crate) struct Kernels {
     pub add: CudaFunction,
     pub copy_blocks: CudaFunction,
     pub hc_expand: CudaFunction,
+    pub stream_mean: CudaFunction,
     pub swiglu_act: CudaFunction,
     pub rms_norm: CudaFunction,
     pub rope: CudaFunction,
@@ -216,7 +217,17 @@ impl Kernels {
         let d = compile(
             ctx,
             0,
-            &["gather_rows", "add", "copy_blocks", "hc_expand", "swiglu_act", "rms_norm", "rope", "gemv_f32"],
+            &[
+                "gather_rows",
+                "add",
+                "copy_blocks",
+                "hc_expand",
+                "stream_mean",
+                "swiglu_act",
+                "rms_norm",
+                "rope",
+                "gemv_f32",
+            ],
         )?;
         let h = compile(ctx, 1, &["hc_pre", "hc_post", "hc_head"])?;
         let a = compile(ctx, 2, &["comp_pool", "comp_store", "index_score", "index_topk", "attention", "ring_write"])?;
@@ -247,6 +258,7 @@ impl Kernels {
             add: n(&mut d),
             copy_blocks: n(&mut d),
             hc_expand: n(&mut d),
+            stream_mean: n(&mut d),
             swiglu_act: n(&mut d),
             rms_norm: n(&mut d),
             rope: n(&mut d),
@@ -818,6 +830,34 @@ impl Backend for CudaBackend {
         out
     }
 
+    fn empty(&self, rows: usize, cols: usize) -> CudaTensor {
+        self.tensor(rows, cols)
+    }
+
+    fn stream_mean_into(&self, out: &mut CudaTensor, col: usize, x: &CudaTensor, n: usize) {
+        let d = x.cols / n;
+        assert!(x.cols == n * d && out.rows == x.rows && col + d <= out.cols, "stream_mean_into shape");
+        if x.rows == 0 {
+            return;
+        }
+        // SAFETY: argument types and sizes match the kernel's signature; shapes checked above.
+        ck(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.k.stream_mean)
+                    .arg(&mut out.data)
+                    .arg(&x.data)
+                    .arg(&(x.rows as i32))
+                    .arg(&(d as i32))
+                    .arg(&(n as i32))
+                    .arg(&(out.cols as i32))
+                    .arg(&(col as i32))
+                    .launch(cfg1d(x.rows * d, 256))
+            },
+            "stream_mean",
+        );
+    }
+
     fn hc_pre(&self, x: &CudaTensor, hc: &Hc<CudaWeight>, cfg: &Config) -> (CudaTensor, CudaTensor, CudaTensor) {
         let (n, d) = (cfg.hc_mult, cfg.hidden);
         assert!(n <= 8, "hc_mult {n} > 8");
@@ -1000,24 +1040,31 @@ impl Backend for CudaBackend {
         graph::GRAPH_MAX_ROWS
     }
 
-    fn prepare_step(&self, cache: &mut CudaCache, batch: &Batch, out_rows: &[usize], cols: usize) -> u64 {
-        CudaBackend::prepare_step(self, cache, batch, out_rows, cols)
+    fn prepare_step(
+        &self,
+        cache: &mut CudaCache,
+        batch: &Batch,
+        out_rows: &[usize],
+        cols: usize,
+        hidden_cols: usize,
+    ) -> u64 {
+        CudaBackend::prepare_step(self, cache, batch, out_rows, cols, hidden_cols)
     }
 
-    fn begin_record(&self, rows: usize, out: usize) -> bool {
-        CudaBackend::begin_record(self, rows, out)
+    fn begin_record(&self, rows: usize, out: usize, hidden_cols: usize) -> bool {
+        CudaBackend::begin_record(self, rows, out, hidden_cols)
     }
 
-    fn end_record(&self, logits: CudaTensor) -> Result<graph::StepGraph, String> {
-        CudaBackend::end_record(self, logits)
+    fn end_record(&self, logits: CudaTensor, hidden: Option<CudaTensor>) -> Result<graph::StepGraph, String> {
+        CudaBackend::end_record(self, logits, hidden)
     }
 
     fn replay(&self, g: &graph::StepGraph) {
         CudaBackend::replay(self, g)
     }
 
-    fn step_output(&self, g: &graph::StepGraph) -> (Vec<f32>, Option<usize>) {
-        CudaBackend::step_output(self, g)
+    fn step_output(&self, g: &graph::StepGraph, logits: bool) -> crate::backend::StepResult {
+        CudaBackend::step_output(self, g, logits)
     }
 
     fn to_device(&self, rows: usize, cols: usize, data: &[f32]) -> CudaTensor {

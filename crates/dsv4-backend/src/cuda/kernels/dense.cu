@@ -29,6 +29,18 @@ extern "C" __global__ void hc_expand(float* out, const float* x, int rows, int d
     }
 }
 
+// out[i, col + c] = (Σ_s x[i, s*d + c]) / nstreams, summed in stream order from 0 (cpu:
+// `CpuBackend::stream_mean_into`, bitwise): DSpark's `main_hidden` tap (dspark §3.2).
+extern "C" __global__ void stream_mean(float* out, const float* x, int rows, int d, int nstreams, int ocols,
+                                       int col) {
+    GRID_STRIDE(e, (long long)rows * d) {
+        long long i = e / d, c = e % d;
+        float s = 0.0f;
+        for (int k = 0; k < nstreams; k++) s = __fadd_rn(s, x[(i * nstreams + k) * d + c]);
+        out[i * ocols + col + c] = __fdiv_rn(s, (float)nstreams);
+    }
+}
+
 // Clamped SwiGLU activation: h = min(g, L)·σ(min(g, L))·clamp(u, −L, L).
 extern "C" __global__ void swiglu_act(float* h, const float* g, const float* u, long long len, float limit) {
     GRID_STRIDE(e, len) {
