@@ -41,10 +41,47 @@ fn toks(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
 /// Device bytes of the synthetic weights: the embedding (only gathered rows are read), the
 /// routed experts, and everything else (read once per decode step).
 #[derive(Default)]
-struct WeightBytes {
+pub struct WeightBytes {
     embed: usize,
     routed: usize,
     other: usize,
+}
+
+/// The synthetic weight layouts: bf16, ds4's GGUF q2 (IQ2_XXS/Q2_K experts, Q8_0 dense) and
+/// q4 (Q4_K experts), and the official FP8 + FP4 checkpoint's.
+pub const SCHEMES: [&str; 4] = ["bf16", "q2", "q4", "official"];
+
+pub fn check_scheme(scheme: &str, flag: &str) -> Result<()> {
+    if !SCHEMES.contains(&scheme) {
+        bail!("{flag} must be bf16, q2, q4 or official, not {scheme:?}");
+    }
+    Ok(())
+}
+
+/// Random V4-Flash weights of `cfg` in the layout `scheme` ([`SCHEMES`]), drawn on the device,
+/// and their bytes by part.
+pub fn draw_weights(
+    b: &CudaBackend,
+    cfg: &Config,
+    scheme: &str,
+) -> (dsv4_model::Weights<dsv4_backend::cuda::CudaWeight>, WeightBytes) {
+    let mut wb = WeightBytes::default();
+    let w = synth_weights(cfg, 1, |name, shape, mean, std, seed| {
+        let w = match packed_format(scheme, name, shape) {
+            Some(f) => b.upload_random_packed(f, shape[0], shape[1], std, seed),
+            None => b.upload_random(name, shape, mean, std, seed),
+        };
+        let n = w.bytes();
+        if name.starts_with("embed") {
+            wb.embed += n;
+        } else if name.contains(".ffn.experts.") {
+            wb.routed += n;
+        } else {
+            wb.other += n;
+        }
+        w
+    });
+    (w, wb)
 }
 
 /// Bytes one decode step reads: every weight the batch touches once (routed experts in the
@@ -76,31 +113,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let cfg = flash_layers(a.layers);
     let kinds: Vec<String> = cfg.layers.iter().map(|l| format!("{:?}", l.attn)).collect();
     let scheme = a.weights.as_str();
-    if !["bf16", "q2", "q4", "official"].contains(&scheme) {
-        bail!("--weights must be bf16, q2, q4 or official, not {scheme:?}");
-    }
+    check_scheme(scheme, "--weights")?;
     let reserve = parse_reserve(&a.reserve)?;
     let b = CudaBackend::new(0).context("starting the CUDA backend")?;
     let dev = b.device_name();
     let total_mem = b.mem_total();
     let free0 = b.mem_free();
     let t0 = Instant::now();
-    let mut wb = WeightBytes::default();
-    let w = synth_weights(&cfg, 1, |name, shape, mean, std, seed| {
-        let w = match packed_format(scheme, name, shape) {
-            Some(f) => b.upload_random_packed(f, shape[0], shape[1], std, seed),
-            None => b.upload_random(name, shape, mean, std, seed),
-        };
-        let n = w.bytes();
-        if name.starts_with("embed") {
-            wb.embed += n;
-        } else if name.contains(".ffn.experts.") {
-            wb.routed += n;
-        } else {
-            wb.other += n;
-        }
-        w
-    });
+    let (w, wb) = draw_weights(&b, &cfg, scheme);
     b.synchronize();
     let free1 = b.mem_free();
     eprintln!(

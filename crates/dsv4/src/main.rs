@@ -250,6 +250,10 @@ struct ServeArgs {
     /// (benchmarks only; needs `--features cuda`).
     #[arg(long)]
     synthetic_flash_layers: Option<usize>,
+    /// The synthetic weights' layout: bf16, q2 (ds4's IQ2_XXS/Q2_K experts, Q8_0 dense), q4
+    /// (Q4_K experts) or official (FP8 + FP4), as `bench --synthetic flash --weights`.
+    #[arg(long, default_value = "bf16")]
+    synthetic_flash_weights: String,
     /// CUDA: the fast kernels (bf16 activations and cuBLAS for larger batches). They depend on
     /// how many rows share a step, so a sequence's greedy tokens can change with the load; the
     /// default keeps every row's result independent of the batch (f32 activations into every
@@ -489,15 +493,16 @@ fn default_max_context<B: Backend>(model: &Model<B>, max_seqs: usize) -> usize {
 #[cfg(feature = "cuda")]
 fn serve_flash(a: ServeArgs, layers: usize) -> Result<()> {
     use dsv4_backend::cuda::CudaBackend;
+    let scheme = a.synthetic_flash_weights.clone();
+    flash_bench::check_scheme(&scheme, "--synthetic-flash-weights")?;
     let cfg = flash_bench::flash_layers(layers);
     let b = CudaBackend::new(0).context("starting the CUDA backend")?;
     b.set_exact(!a.cuda_fast);
-    let w = dsv4_backend::synth::synth_weights(&cfg, 1, |name, shape, mean, std, seed| {
-        b.upload_random(name, shape, mean, std, seed)
-    });
+    let (w, _) = flash_bench::draw_weights(&b, &cfg, &scheme);
     let model = Model::new(b, cfg, w, a.max_seqs);
-    eprintln!("dsv4: serving SYNTHETIC V4-Flash weights ({layers} layers, random) for benchmarks");
-    serve_model(model, dsv4_tokenizer::Tokenizer::deepseek_v4()?, a, format!("synthetic-flash-{layers}l"), 0, None)
+    eprintln!("dsv4: serving SYNTHETIC V4-Flash weights ({layers} layers, {scheme}, random) for benchmarks");
+    let name = format!("synthetic-flash-{layers}l-{scheme}");
+    serve_model(model, dsv4_tokenizer::Tokenizer::deepseek_v4()?, a, name, 0, None)
 }
 
 #[cfg(not(feature = "cuda"))]
