@@ -308,7 +308,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
     }
     if a.dspark_round {
-        dspark_round(&cfg, &batches, dctx, a.decode_tokens.max(1), &mut results)?;
+        let target = Target { m: &mut m, seqs: &seqs, pos: &mut pos };
+        dspark_round(&cfg, &batches, dctx, a.decode_tokens.max(1), target, &mut results)?;
     }
     println!(
         "{}",
@@ -411,18 +412,97 @@ fn time_median(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     Ok(xs[xs.len() / 2])
 }
 
+/// The target model of the bench and its decode sequences (prefilled, at `pos`).
+struct Target<'a> {
+    m: &'a mut Model<CudaBackend>,
+    seqs: &'a [usize],
+    pos: &'a mut [usize],
+}
+
+/// Whole DSpark rounds measured end to end on the bench's target (all of its layers, the
+/// recorded-step path) with the drafter `d`, at forced acceptance length `tau`: draft a block
+/// for each of the first `bs` sequences, verify `[anchor, d0..d(τ-2)]` in one step that taps
+/// the drafter's layers, keep every row (all drafts accepted, the last row's argmax is the
+/// bonus token), commit the τ tapped rows to the rings. Returns the median ms per round.
+fn measured_rounds(
+    t: &mut Target<'_>,
+    d: &dsv4_dspark::Drafter<CudaBackend>,
+    rings: &mut [dsv4_dspark::Ring<dsv4_backend::cuda::CudaTensor>],
+    bs: usize,
+    tau: usize,
+    reps: usize,
+    noise: &[f32],
+) -> Result<f64> {
+    use dsv4_backend::{Outputs, StepPlan};
+    use dsv4_dspark::DraftRequest;
+    let taps: Vec<usize> = d.config().target_layer_ids.clone();
+    let (hw, win) = (d.hidden_width(), rings[0].window());
+    // The rings hold the window before each sequence's position (noise rows).
+    {
+        let rows: Vec<Vec<(usize, &[f32])>> = (0..bs)
+            .map(|i| {
+                (t.pos[i].saturating_sub(win)..t.pos[i])
+                    .map(|p| (p, &noise[(p % win) * hw..(p % win + 1) * hw]))
+                    .collect()
+            })
+            .collect();
+        let mut items: Vec<_> = rings[..bs].iter_mut().zip(&rows).map(|(r, x)| (r, x.as_slice())).collect();
+        d.commit_batch(&mut items)?;
+    }
+    let mut anchors: Vec<u32> = (0..bs).map(|i| (1000 + 37 * i) as u32).collect();
+    let mut round = || -> Result<()> {
+        let reqs: Vec<DraftRequest<_>> = rings[..bs]
+            .iter()
+            .enumerate()
+            .map(|(i, ring)| DraftRequest { ring, anchor: anchors[i], anchor_pos: t.pos[i] })
+            .collect();
+        let drafts = d.draft_batch(&reqs, false)?;
+        drop(reqs);
+        let rows: Vec<Row> = (0..bs)
+            .flat_map(|i| {
+                let toks: Vec<u32> =
+                    std::iter::once(anchors[i]).chain(drafts[i].tokens[..tau - 1].iter().copied()).collect();
+                let (seq, p0) = (t.seqs[i], t.pos[i]);
+                toks.into_iter().enumerate().map(move |(k, token)| Row { seq, pos: p0 + k, token })
+            })
+            .collect();
+        let all: Vec<usize> = (0..rows.len()).collect();
+        let batch = Batch::new(rows)?;
+        let out =
+            t.m.step(&StepPlan { batch: &batch, outputs: Outputs { out_rows: &all, taps: &taps }, logits: false })?;
+        let committed: Vec<Vec<(usize, &[f32])>> = (0..bs)
+            .map(|i| {
+                (0..tau).map(|k| (t.pos[i] + k, &out.hidden[(i * tau + k) * hw..(i * tau + k + 1) * hw])).collect()
+            })
+            .collect();
+        let mut items: Vec<_> = rings[..bs].iter_mut().zip(&committed).map(|(r, x)| (r, x.as_slice())).collect();
+        d.commit_batch(&mut items)?;
+        for (i, (a, p)) in anchors.iter_mut().zip(t.pos.iter_mut()).enumerate() {
+            *a = out.ids[i * tau + tau - 1];
+            *p += tau;
+        }
+        Ok(())
+    };
+    round()?;
+    round()?;
+    Ok(time_median(reps, round)? * 1e3)
+}
+
 /// `--dspark-round`: a synthetic V4-Flash DSpark drafter on the GPU (its own backend on the same
 /// device, weights drawn there), per decode batch: one batched draft (3 stages over B·γ rows,
 /// the LM head, the γ-step Markov loop with a device argmax), the commit of 1 + n captured rows
 /// per sequence into the device rings, and the round cost against the plain decode step and
 /// the verify forwards timed above. The target side (decode step, verify) is extrapolated to
 /// the 43 layers of V4-Flash by scaling its time by 43 / layers (as the throughput lines above
-/// do); the drafter is timed as is (it has its 3 full stages).
+/// do); the drafter is timed as is (it has its 3 full stages). Then whole rounds are measured on
+/// the target itself ([`measured_rounds`]: draft, verify with the taps, commit), with no
+/// extrapolation when the bench runs all 43 layers.
 fn dspark_round(
     cfg: &Config,
     batches: &[usize],
     dctx: usize,
     reps: usize,
+    target: Target<'_>,
     results: &mut Vec<serde_json::Value>,
 ) -> Result<()> {
     use dsv4_dspark::weights::DrafterWeights;
@@ -474,6 +554,8 @@ fn dspark_round(
     };
     let scale = FLASH_LAYERS as f64 / nl as f64;
     let mut out = Vec::new();
+    let mut target = target;
+    let target_seqs = target.seqs.len();
     for &bs in batches {
         let mut rings: Vec<_> = (0..bs).map(|_| d.new_ring()).collect();
         {
@@ -558,6 +640,18 @@ fn dspark_round(
         }
         out.push(serde_json::json!({"kind": "dspark_draft", "batch": bs, "draft_ms": t_draft, "block_ms": t_block,
             "commit_ms": t_commit}));
+        // Measured: whole rounds on the bench's target (its own layers, not extrapolated).
+        if bs <= target_seqs {
+            let mut line = format!("dspark batch {bs:>3}, measured rounds on the {nl}-layer target:");
+            for tau in 2..=4usize {
+                let rt = measured_rounds(&mut target, &d, &mut rings, bs, tau, reps, &hidden)?;
+                let sp = tau as f64 * dm / rt;
+                line += &format!("  τ = {tau}: {rt:.3} ms/round = {sp:.2}x tokens/s");
+                out.push(serde_json::json!({"kind": "dspark_measured", "batch": bs, "acceptance_length": tau,
+                    "round_ms": rt, "decode_ms": dm, "speedup": sp}));
+            }
+            println!("{line} vs plain decode");
+        }
     }
     results.extend(out);
     Ok(())
