@@ -8,14 +8,20 @@ use crate::drafter::{argmax, sample};
 /// `[anchor, d_0..d_{ℓ-1}]` (row `i` predicts the token after input `i`). Returns the number of
 /// accepted drafts `n ≤ ℓ` and the bonus/correction token `argmax(row n)`.
 pub fn accept_greedy(drafts: &[u32], target_logits: &[f32], vocab: usize) -> (usize, u32) {
-    let l = target_logits.len() / vocab - 1;
+    let ids: Vec<u32> = target_logits.chunks(vocab).map(|r| argmax(r) as u32).collect();
+    accept_greedy_ids(drafts, &ids)
+}
+
+/// [`accept_greedy`] from the verify rows' argmax alone (`target_ids [ℓ+1]`, the first index of
+/// each row's maximum): what a step that brings back only token ids gives.
+pub fn accept_greedy_ids(drafts: &[u32], target_ids: &[u32]) -> (usize, u32) {
+    let l = target_ids.len() - 1;
     assert!(drafts.len() >= l, "{} drafts for {} verified slots", drafts.len(), l);
-    let row = |i: usize| &target_logits[i * vocab..(i + 1) * vocab];
     let mut n = 0;
-    while n < l && drafts[n] as usize == argmax(row(n)) {
+    while n < l && drafts[n] == target_ids[n] {
         n += 1;
     }
-    (n, argmax(row(n)) as u32)
+    (n, target_ids[n])
 }
 
 /// Token-level rejection sampling (Leviathan/Chen). `target_probs [ℓ+1, vocab]` are the target
@@ -63,6 +69,11 @@ mod tests {
         assert_eq!(accept_greedy(&[2, 1], &logits, v), (1, 0));
         assert_eq!(accept_greedy(&[0, 0], &logits, v), (0, 2));
         assert_eq!(accept_greedy(&[0, 0], &logits[..3], v), (0, 2));
+        // From the rows' argmax alone (a step that brings back only ids): the same verdicts.
+        assert_eq!(accept_greedy_ids(&[2, 0], &[2, 0, 1]), (2, 1));
+        assert_eq!(accept_greedy_ids(&[2, 1], &[2, 0, 1]), (1, 0));
+        assert_eq!(accept_greedy_ids(&[0, 0], &[2, 0, 1]), (0, 2));
+        assert_eq!(accept_greedy_ids(&[0, 0], &[2]), (0, 2));
     }
 
     /// The first emitted token of a round is distributed as the target's first row, whatever the

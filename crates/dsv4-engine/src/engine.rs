@@ -6,7 +6,7 @@ use crate::metrics::Metrics;
 use crate::prefix_cache::{PrefixCache, PrefixCacheConfig};
 use crate::sampler::{argmax_margin, Sampler};
 use crate::sequence::{CancelToken, Event, FinishReason, Request, Sequence, TokenEvent};
-use crate::speculative::{Planned, SpecConfig, SpecSeq};
+use crate::speculative::{Planned, SpecConfig, SpecSeq, Verdict};
 use dsv4_backend::{Backend, Batch, Model, Outputs, Row, StepPlan};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -670,13 +670,11 @@ impl<B: Backend> Engine<B> {
             fed[c.seq] += c.len;
         }
         let taps: Vec<usize> = self.config.dspark.as_ref().map(|sc| sc.taps().to_vec()).unwrap_or_default();
-        // Only greedy rows with no host pass: then only their argmax crosses to the host.
+        // Only greedy rows with no host pass (plain or speculative): then only their argmax
+        // crosses to the host.
         let logits = outs.iter().any(|o| {
             let s = &self.running[o.seq];
-            o.plan.is_some()
-                || s.processor.is_some()
-                || s.req.top_logprobs.is_some()
-                || s.sampler.params.temperature != 0.0
+            s.processor.is_some() || s.req.top_logprobs.is_some() || s.sampler.params.temperature != 0.0
         });
         let result = Batch::new(rows).map_err(|e| e.to_string()).and_then(|b| {
             let plan = StepPlan { batch: &b, outputs: Outputs { out_rows: &out_rows, taps: &taps }, logits };
@@ -727,7 +725,7 @@ impl<B: Backend> Engine<B> {
         for o in outs {
             let nrows = o.plan.as_ref().map_or(1, |p| p.rows());
             let l = logits.get(k * vocab..(k + nrows) * vocab).unwrap_or(&[]);
-            let greedy_id = out.ids.get(k).copied();
+            let ids = out.ids.get(k..k + nrows).unwrap_or(&[]);
             k += nrows;
             let s = &mut self.running[o.seq];
             // Decode rows of a speculating sequence: accept, cut back, commit (speculative.rs).
@@ -736,12 +734,13 @@ impl<B: Backend> Engine<B> {
                     let h = hidden.get(o.row0 * width..(o.row0 + nrows) * width).unwrap_or(&[]);
                     let before = st.stats.clone();
                     let slot = s.slot.expect("admitted");
-                    let r = st.finish(sc, &mut self.model, slot, plan, l, h, &mut s.sampler, &s.req.stop_ids);
+                    let verdict = if l.is_empty() { Verdict::Ids(ids) } else { Verdict::Logits(l) };
+                    let r = st.finish(sc, &mut self.model, slot, plan, verdict, h, &mut s.sampler, &s.req.stop_ids);
                     self.metrics.spec.record(&before, &st.stats);
                     r.map(|r| r.tokens).map_err(|e| e.to_string())
                 }
                 _ if l.is_empty() => {
-                    greedy_id.map(|t| vec![t]).ok_or_else(|| "the step returned no token id".to_string())
+                    ids.first().map(|&t| vec![t]).ok_or_else(|| "the step returned no token id".to_string())
                 }
                 _ => sample_row(&mut s.sampler, s.processor.as_mut(), l).map(|t| vec![t]),
             };

@@ -14,7 +14,7 @@
 
 use crate::sampler::{SampleError, Sampler};
 use dsv4_backend::{Backend, Model, ModelError, Outputs, StepPlan, MAX_ROLLBACK};
-use dsv4_dspark::verify::{accept_greedy, accept_sampled};
+use dsv4_dspark::verify::{accept_greedy, accept_greedy_ids, accept_sampled};
 use dsv4_dspark::{ContextRing, Draft, DraftRequest, Drafter, DsparkError, Ring};
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -315,6 +315,16 @@ pub enum SpecError {
     Sample(#[from] SampleError),
     #[error("the forward tapped no drafter rows")]
     NoCapture,
+    #[error("a verify of {want} rows got {rows} token ids at temperature {t} (ids serve greedy rounds only)")]
+    Verdict { rows: usize, want: usize, t: f32 },
+}
+
+/// What a verify step brought back for [`SpecSeq::finish`]: the rows' logits, or (greedy
+/// rounds) only their argmax.
+#[derive(Clone, Copy, Debug)]
+pub enum Verdict<'a> {
+    Logits(&'a [f32]),
+    Ids(&'a [u32]),
 }
 
 /// Acceptance statistics.
@@ -524,8 +534,8 @@ impl SpecSeq {
         Planned { anchor, anchor_pos, drafts, q }
     }
 
-    /// Finishes a round after the verify forward: `logits` are the `1+l` verify rows
-    /// `[1+l, vocab]`, `hidden` their captured rows. Accepts (greedy, or rejection sampling at
+    /// Finishes a round after the verify forward: `verdict` holds the `1+l` verify rows' logits
+    /// `[1+l, vocab]` (or, at temperature 0, only their argmax), `hidden` their tapped rows. Accepts (greedy, or rejection sampling at
     /// temperature > 0; a round without drafts samples exactly as plain decoding does), cuts the
     /// target back to `anchor_pos + tokens.len()` tokens, and commits the anchor and accepted
     /// rows to the ring. Emitted tokens stop after the first of `stop_ids`.
@@ -536,13 +546,24 @@ impl SpecSeq {
         model: &mut Model<B>,
         slot: usize,
         plan: &Planned,
-        logits: &[f32],
+        verdict: Verdict<'_>,
         hidden: &[f32],
         sampler: &mut Sampler,
         stop_ids: &[u32],
     ) -> Result<RoundResult, SpecError> {
         let vocab = model.cfg.vocab_size;
         let l = plan.drafts.len();
+        let logits = match verdict {
+            Verdict::Ids(ids) if sampler.params.temperature == 0.0 && ids.len() == l + 1 => {
+                // The step checked its logits for nonfinite values on the backend.
+                let (n, bonus) = accept_greedy_ids(&plan.drafts, ids);
+                return self.settle(cfg, model, slot, plan, n, bonus, hidden, stop_ids);
+            }
+            Verdict::Ids(ids) => {
+                return Err(SpecError::Verdict { rows: ids.len(), want: l + 1, t: sampler.params.temperature })
+            }
+            Verdict::Logits(x) => x,
+        };
         debug_assert_eq!(logits.len(), (l + 1) * vocab);
         let (n, bonus) = if l == 0 {
             (0, sampler.sample(&logits[..vocab])?)
@@ -558,6 +579,24 @@ impl SpecSeq {
             }
             (cfg.sampled_acceptance)(&plan.drafts, plan.q.as_deref(), &probs, vocab, sampler.rng_mut())
         };
+        self.settle(cfg, model, slot, plan, n, bonus, hidden, stop_ids)
+    }
+
+    /// The round's outcome (`n` drafts accepted, then `bonus`): statistics, the target cut back
+    /// to the emitted tokens, their tapped rows committed to the drafter.
+    #[allow(clippy::too_many_arguments)]
+    fn settle<B: Backend>(
+        &mut self,
+        cfg: &SpecConfig,
+        model: &mut Model<B>,
+        slot: usize,
+        plan: &Planned,
+        n: usize,
+        bonus: u32,
+        hidden: &[f32],
+        stop_ids: &[u32],
+    ) -> Result<RoundResult, SpecError> {
+        let l = plan.drafts.len();
         self.stats.record(l, n);
         if l > 0 {
             self.ewma = 0.8 * self.ewma + 0.2 * n as f64;
@@ -611,9 +650,11 @@ pub fn round_with<B: Backend>(
 ) -> Result<RoundResult, SpecError> {
     let batch = dsv4_backend::Batch::chunk(slot, plan.anchor_pos, &plan.tokens()).map_err(ModelError::from)?;
     let all: Vec<usize> = (0..plan.rows()).collect();
-    let out =
-        model.step(&StepPlan { batch: &batch, outputs: Outputs { out_rows: &all, taps: cfg.taps() }, logits: true })?;
-    spec.finish(cfg, model, slot, plan, &out.logits, &out.hidden, sampler, stop_ids)
+    let greedy = sampler.params.temperature == 0.0;
+    let outputs = Outputs { out_rows: &all, taps: cfg.taps() };
+    let out = model.step(&StepPlan { batch: &batch, outputs, logits: !greedy })?;
+    let verdict = if greedy { Verdict::Ids(&out.ids) } else { Verdict::Logits(&out.logits) };
+    spec.finish(cfg, model, slot, plan, verdict, &out.hidden, sampler, stop_ids)
 }
 
 /// Prefills `tokens` from position `pos0` in chunks with a capture and commits every row.
