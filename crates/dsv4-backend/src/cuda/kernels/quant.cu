@@ -36,6 +36,16 @@ __device__ __forceinline__ float h2f(u16 h) {
 
 __device__ __forceinline__ u16 ld16(const u8* p) { return *(const u16*)p; }
 
+// Byte j of w as a float, minus `bias`, without the quarter-rate int→float conversion: the
+// byte becomes the low mantissa bits of 2^23 (0x4B0000bb is 2^23 + b exactly) and the
+// subtraction is exact. bias 2^23 gives the byte (0..255); 2^23 + 128 gives the int8 whose
+// sign bit was flipped (w ^ 0x80808080). The same value as `(float)b`, bit for bit.
+#define BIAS_U8 8388608.f
+#define BIAS_S8 8388736.f
+__device__ __forceinline__ float bytef(unsigned w, int j, float bias) {
+    return __fsub_rn(__uint_as_float(__byte_perm(w, 0x4B000000u, 0x7540u | j)), bias);
+}
+
 __device__ __forceinline__ float e4m3(u8 b) {
     unsigned s = ((unsigned)b & 0x80u) << 24, e = (b >> 3) & 15, m = b & 7;
     if (e == 15 && m == 7) return __uint_as_float(0x7fc00000u);
@@ -79,12 +89,10 @@ __device__ __forceinline__ void deq8(const u8* __restrict__ w, const u8* __restr
         const u8* blk = w + (c >> 5) * 34;
         float d = h2f(ld16(blk));
         const u16* q = (const u16*)(blk + 2 + (c & 31));  // 2-byte aligned (34-byte blocks)
+        unsigned lo = ((unsigned)q[0] | ((unsigned)q[1] << 16)) ^ 0x80808080u;
+        unsigned hi = ((unsigned)q[2] | ((unsigned)q[3] << 16)) ^ 0x80808080u;
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            u16 v = q[j];
-            y[2 * j] = __fmul_rn((float)(signed char)(v & 255), d);
-            y[2 * j + 1] = __fmul_rn((float)(signed char)(v >> 8), d);
-        }
+        for (int j = 0; j < 8; j++) y[j] = __fmul_rn(bytef(j < 4 ? lo : hi, j & 3, BIAS_S8), d);
     } else if (F == F_Q4_K) {
         const u8* blk = w + (c >> 8) * 144;
         int v = c & 255, g = v >> 6, half = (v >> 5) & 1, l = v & 31, j = 2 * g + half;
@@ -99,11 +107,9 @@ __device__ __forceinline__ void deq8(const u8* __restrict__ w, const u8* __restr
         }
         float dl = __fmul_rn(h2f(ld16(blk)), (float)sv), ml = __fmul_rn(h2f(ld16(blk + 2)), (float)mv);
         uint2 qv = *(const uint2*)(blk + 16 + 32 * g + l);  // 8-byte aligned (144-byte blocks)
+        unsigned lo = (qv.x >> (4 * half)) & 0x0F0F0F0Fu, hi = (qv.y >> (4 * half)) & 0x0F0F0F0Fu;
 #pragma unroll
-        for (int jj = 0; jj < 8; jj++) {
-            unsigned qb = ((jj < 4 ? qv.x : qv.y) >> (8 * (jj & 3))) & 255;
-            y[jj] = __fsub_rn(__fmul_rn(dl, (float)((qb >> (4 * half)) & 15)), ml);
-        }
+        for (int jj = 0; jj < 8; jj++) y[jj] = __fsub_rn(__fmul_rn(dl, bytef(jj < 4 ? lo : hi, jj & 3, BIAS_U8)), ml);
     } else if (F == F_Q2_K) {
         const u8* blk = w + (c >> 8) * 84;
         int v = c & 255, h = v >> 7, sh = 2 * ((v >> 5) & 3), l = v & 31;
@@ -111,12 +117,9 @@ __device__ __forceinline__ void deq8(const u8* __restrict__ w, const u8* __restr
         float dl = __fmul_rn(h2f(ld16(blk + 80)), (float)(k & 15));
         float ml = __fmul_rn(h2f(ld16(blk + 82)), (float)(k >> 4));
         const unsigned* q = (const unsigned*)(blk + 16 + 32 * h + l);  // 4-byte aligned (84-byte blocks)
-        unsigned q0 = q[0], q1 = q[1];
+        unsigned lo = (q[0] >> sh) & 0x03030303u, hi = (q[1] >> sh) & 0x03030303u;
 #pragma unroll
-        for (int jj = 0; jj < 8; jj++) {
-            unsigned qb = ((jj < 4 ? q0 : q1) >> (8 * (jj & 3))) & 255;
-            y[jj] = __fsub_rn(__fmul_rn(dl, (float)((qb >> sh) & 3)), ml);
-        }
+        for (int jj = 0; jj < 8; jj++) y[jj] = __fsub_rn(__fmul_rn(dl, bytef(jj < 4 ? lo : hi, jj & 3, BIAS_U8)), ml);
     } else if (F == F_IQ2_XXS) {
         const u8* blk = w + (c >> 8) * 66;
         int v = c & 255, ib = v >> 5, kk = (v >> 3) & 3;
@@ -126,11 +129,12 @@ __device__ __forceinline__ void deq8(const u8* __restrict__ w, const u8* __restr
         float db = __fmul_rn(__fmul_rn(h2f(ld16(blk)), 0.5f + (float)(sg >> 28)), 0.25f);
         unsigned long long grid = IQ2XXS_GRID[(a >> (8 * kk)) & 255];
         unsigned signs = KSIGNS_IQ2XS[(sg >> (7 * kk)) & 127];
+        unsigned lo = (unsigned)grid, hi = (unsigned)(grid >> 32);
+        // ×(−1) is a flip of the sign bit, exactly.
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
-            float g = (float)((grid >> (8 * j)) & 255);
-            y[j] = __fmul_rn(__fmul_rn(db, g), (signs >> j) & 1 ? -1.f : 1.f);
-        }
+        for (int j = 0; j < 8; j++)
+            y[j] = __uint_as_float(__float_as_uint(__fmul_rn(db, bytef(j < 4 ? lo : hi, j & 3, BIAS_U8))) ^
+                                   (((signs >> j) & 1u) << 31));
     } else if (F == F_FP8) {
         float sc = ((const float*)s)[c >> 7];
         uint2 b = *(const uint2*)(w + c);

@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""Offline instruction counts of a CUDA kernel's hot loop (no GPU needed).
+
+Compiles one of `crates/dsv4-backend/src/cuda/kernels/*.cu` the way the backend does (NVRTC,
+compute_90a, the file's fmad setting, `common.cuh` prepended; quant.cu gets zeroed IQ2_XXS
+tables, which do not change the code), assembles it for sm_90a with ptxas, disassembles it,
+and reports for each named kernel its longest loop: instructions, a weighted issue cost and the
+most frequent opcodes. The weights are cycles a warp instruction occupies one SM sub-partition
+on Hopper: FP32 1, integer/logic/PRMT 2, conversions and MUFU 8. A static predictor only:
+time the kernels with `dsv4 bench --backend cuda --synthetic kernels` (the device compiles
+with its own NVRTC, CUDA 13.0, whose code may differ a little).
+
+Needs NVRTC, ptxas, cuobjdump and nvdisasm; pinned wheels from PyPI hold them:
+  pip download --no-deps -d /tmp/cuda-tools nvidia-cuda-nvrtc==13.5.37 nvidia-cuda-nvcc==13.5.37 \
+      nvidia-cuda-cuobjdump==13.5.37 nvidia-cuda-nvdisasm==13.5.37
+  (cd /tmp/cuda-tools && for f in *.whl; do unzip -qo "$f"; done)
+  python3 tools/kernel_sass.py --cuda /tmp/cuda-tools/nvidia/cu13 quant.cu gemv1_iq2_xxs gemv1_q8_0
+
+`--against REV` also compiles the file as of git revision REV and prints both.
+"""
+import argparse
+import collections
+import ctypes
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+KDIR = "crates/dsv4-backend/src/cuda/kernels"
+# The files the backend compiles with contraction on (cuda/mod.rs, `ptx`).
+FMAD = {"bf16.cu", "quant.cu"}
+INT_OPS = {"IADD3", "LOP3", "SHF", "IMAD", "PRMT", "ISETP", "SEL", "LEA", "IABS", "BMSK", "SGXT", "IMNMX", "POPC",
+           "FLO", "BREV", "VIADD"}
+SLOW = {"I2F", "F2I", "F2F", "MUFU"}
+
+
+def source(name, rev):
+    def read(path):
+        if rev is None:
+            with open(os.path.join(ROOT, path)) as f:
+                return f.read()
+        return subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{path}"], check=True, capture_output=True,
+                              text=True).stdout
+    src = read(f"{KDIR}/common.cuh") + "\n"
+    if name == "quant.cu":
+        src += ("__device__ const unsigned long long IQ2XXS_GRID[256] = {0};\n"
+                "__device__ const unsigned char KSIGNS_IQ2XS[128] = {0};\n")
+    return src + read(f"{KDIR}/{name}")
+
+
+def ptx(nvrtc, src, name):
+    prog = ctypes.c_void_p()
+    if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), name.encode(), 0, None, None) != 0:
+        sys.exit("nvrtcCreateProgram failed")
+    opts = [b"--gpu-architecture=compute_90a", b"--std=c++17",
+            b"--fmad=true" if name in FMAD else b"--fmad=false"]
+    r = nvrtc.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    n = ctypes.c_size_t()
+    if r != 0:
+        nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+        log = ctypes.create_string_buffer(n.value)
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        sys.exit(log.value.decode())
+    nvrtc.nvrtcGetPTXSize(prog, ctypes.byref(n))
+    buf = ctypes.create_string_buffer(n.value)
+    nvrtc.nvrtcGetPTX(prog, buf)
+    return buf.value.decode()
+
+
+def cost(op):
+    base = op.split(".")[0]
+    return 8 if base in SLOW else 2 if base in INT_OPS else 1
+
+
+def hot_loop(sass):
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(3), m.group(4)))
+    loops = []
+    for a, op, args in ins:
+        t = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
+        if t and int(t.group(1), 16) < a:
+            loops.append((int(t.group(1), 16), a))
+    if not loops:
+        return None
+    lo, hi = max(loops, key=lambda x: x[1] - x[0])
+    return [op for a, op, _ in ins if lo <= a <= hi]
+
+
+def report(tools, nvrtc, name, kernels, rev):
+    with tempfile.TemporaryDirectory() as d:
+        p, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+        with open(p, "w") as f:
+            f.write(ptx(nvrtc, source(name, rev), name))
+        subprocess.run([os.path.join(tools, "bin", "ptxas"), "-arch=sm_90a", "-O3", p, "-o", cubin], check=True)
+        env = dict(os.environ, PATH=os.path.join(tools, "bin") + os.pathsep + os.environ.get("PATH", ""))
+        for k in kernels:
+            sass = subprocess.run([os.path.join(tools, "bin", "cuobjdump"), "-sass", "-fun", k, cubin], env=env,
+                                  check=True, capture_output=True, text=True).stdout
+            body = hot_loop(sass)
+            tag = rev or "worktree"
+            if body is None:
+                print(f"{tag:>10} {k}: no loop")
+                continue
+            top = collections.Counter(op.split(".")[0] for op in body).most_common(8)
+            print(f"{tag:>10} {k}: loop {len(body)} instructions, weighted {sum(map(cost, body))}; "
+                  + ", ".join(f"{o} {n}" for o, n in top))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cuda", required=True, help="folder holding lib/libnvrtc.so* and bin/{ptxas,cuobjdump,nvdisasm}")
+    ap.add_argument("--against", help="a git revision to compare with")
+    ap.add_argument("file")
+    ap.add_argument("kernels", nargs="+")
+    a = ap.parse_args()
+    lib = os.path.join(a.cuda, "lib")
+    so = next(f for f in sorted(os.listdir(lib)) if f.startswith("libnvrtc.so"))
+    nvrtc = ctypes.CDLL(os.path.join(lib, so))
+    if a.against:
+        report(a.cuda, nvrtc, a.file, a.kernels, a.against)
+    report(a.cuda, nvrtc, a.file, a.kernels, None)
+
+
+if __name__ == "__main__":
+    main()
