@@ -1,0 +1,217 @@
+//! The CUDA kernels' dequantisation (`deq8` in `cuda/kernels/quant.cu`) compiled for the host
+//! and checked bit for bit against the CPU decoders (`dsv4_model::quant`) on random blocks of
+//! every packed format, so an edit of the device decode is checked without a GPU. The device
+//! intrinsics it uses get host definitions with the same IEEE results (`__fmul_rn` is a plain
+//! f32 multiply with contraction off, `__byte_perm` picks bytes). Needs a C++17 compiler
+//! (`$CXX`, else `c++`); prints "skipping: no C++ compiler" without one.
+
+use dsv4_model::quant::{
+    dequant_fp4, dequant_fp8_blocks, dequant_iq2_xxs, dequant_q2_k, dequant_q4_k, dequant_q8_0, e8m0_to_f32,
+    IQ2XXS_GRID, KSIGNS_IQ2XS,
+};
+use rand::{Rng, SeedableRng};
+use std::path::Path;
+use std::process::Command;
+
+const QUANT_CU: &str = include_str!("../src/cuda/kernels/quant.cu");
+
+const SHIM: &str = r#"
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+struct uint2 { unsigned x, y; };
+struct uint4 { unsigned x, y, z, w; };
+static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __uint2float_rn(unsigned x) { return (float)x; }
+static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    unsigned char b[8];
+    std::memcpy(b, &x, 4);
+    std::memcpy(b + 4, &y, 4);
+    unsigned r = 0;
+    for (int i = 0; i < 4; i++) r |= (unsigned)b[(s >> (4 * i)) & 7] << (8 * i);
+    return r;
+}
+"#;
+
+/// Reads records `(format, k, row bytes, scale bytes, row, scales)` from stdin and writes each
+/// row's `k` dequantised values (`deq8` over c = 0, 8, 16, …) to stdout.
+const MAIN: &str = r#"
+template <int F> static void row(const u8* w, const u8* s, int k, float* out) {
+    for (int c = 0; c < k; c += 8) deq8<F>(w, s, c, out + c);
+}
+int main() {
+    int hdr[4];
+    while (fread(hdr, 4, 4, stdin) == 4) {
+        int f = hdr[0], k = hdr[1];
+        std::vector<u8> w(hdr[2]), s(hdr[3] + 16);
+        if (fread(w.data(), 1, w.size(), stdin) != w.size() || fread(s.data(), 1, hdr[3], stdin) != (size_t)hdr[3]) return 2;
+        std::vector<float> out(k);
+        switch (f) {
+            case F_Q8_0: row<F_Q8_0>(w.data(), s.data(), k, out.data()); break;
+            case F_Q4_K: row<F_Q4_K>(w.data(), s.data(), k, out.data()); break;
+            case F_Q2_K: row<F_Q2_K>(w.data(), s.data(), k, out.data()); break;
+            case F_IQ2_XXS: row<F_IQ2_XXS>(w.data(), s.data(), k, out.data()); break;
+            case F_FP8: row<F_FP8>(w.data(), s.data(), k, out.data()); break;
+            case F_FP4: row<F_FP4>(w.data(), s.data(), k, out.data()); break;
+            case F_BF16: row<F_BF16>(w.data(), s.data(), k, out.data()); break;
+            default: return 3;
+        }
+        fwrite(out.data(), 4, k, stdout);
+    }
+    return 0;
+}
+"#;
+
+/// The device decode: `quant.cu` from its format ids up to the first dot product, with the
+/// IQ2_XXS tables the launcher prepends (`cuda::quant::source`).
+fn device_decode() -> String {
+    let a = QUANT_CU.find("#define F_Q8_0").expect("format ids in quant.cu");
+    let b = QUANT_CU.find("__device__ __forceinline__ float dot8q").expect("dot8q in quant.cu");
+    let grid: Vec<String> = IQ2XXS_GRID.iter().map(|g| format!("0x{g:016x}ull")).collect();
+    let signs: Vec<String> = KSIGNS_IQ2XS.iter().map(|s| s.to_string()).collect();
+    format!(
+        "{SHIM}\nstatic const unsigned long long IQ2XXS_GRID[256] = {{{}}};\nstatic const unsigned char KSIGNS_IQ2XS[128] = {{{}}};\n{}\n{MAIN}",
+        grid.join(","),
+        signs.join(","),
+        QUANT_CU[a..b].replace("__device__ const float E2M1", "static const float E2M1")
+    )
+}
+
+fn compile(dir: &Path) -> Option<std::path::PathBuf> {
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let src = dir.join("deq8.cpp");
+    std::fs::write(&src, device_decode()).unwrap();
+    let exe = dir.join("deq8");
+    let out = Command::new(&cxx).args(["-O2", "-ffp-contract=off", "-std=c++17", "-o"]).arg(&exe).arg(&src).output();
+    match out {
+        Err(_) => None,
+        Ok(o) if !o.status.success() => {
+            panic!("{cxx} failed on the host build of quant.cu:\n{}", String::from_utf8_lossy(&o.stderr))
+        }
+        Ok(_) => Some(exe),
+    }
+}
+
+/// f16 bits: a normal value of magnitude 2^-5..2^3 with probability 15/16, else raw bits
+/// (zero, subnormals, ±∞ and NaN too).
+fn f16_bits(rng: &mut impl Rng) -> [u8; 2] {
+    if rng.gen_range(0..16) == 0 {
+        return rng.gen::<u16>().to_le_bytes();
+    }
+    let (sign, exp, man) = (rng.gen_range(0..2u16), rng.gen_range(10..18u16), rng.gen_range(0..1024u16));
+    ((sign << 15) | (exp << 10) | man).to_le_bytes()
+}
+
+struct Case {
+    format: i32,
+    k: usize,
+    row: Vec<u8>,
+    scales: Vec<u8>,
+    want: Vec<f32>,
+}
+
+fn case(format: i32, k: usize, rng: &mut impl Rng) -> Case {
+    let row: Vec<u8>;
+    let mut scales: Vec<u8> = Vec::new();
+    let mut want = vec![0f32; k];
+    let mut blocks = |bytes: usize, n: usize, scale_at: &[usize]| {
+        let mut r = vec![0u8; bytes * (k / n)];
+        rng.fill(&mut r[..]);
+        for b in r.chunks_mut(bytes) {
+            for &o in scale_at {
+                b[o..o + 2].copy_from_slice(&f16_bits(rng));
+            }
+        }
+        r
+    };
+    match format {
+        0 => {
+            row = blocks(34, 32, &[0]);
+            dequant_q8_0(&row, &mut want);
+        }
+        1 => {
+            row = blocks(144, 256, &[0, 2]);
+            dequant_q4_k(&row, &mut want);
+        }
+        2 => {
+            row = blocks(84, 256, &[80, 82]);
+            dequant_q2_k(&row, &mut want);
+        }
+        3 => {
+            row = blocks(66, 256, &[0]);
+            dequant_iq2_xxs(&row, &mut want);
+        }
+        4 => {
+            row = (0..k).map(|_| rng.gen()).collect();
+            let s: Vec<f32> = (0..k.div_ceil(128)).map(|_| rng.gen_range(-3.0f32..3.0)).collect();
+            scales = s.iter().flat_map(|x| x.to_le_bytes()).collect();
+            want = dequant_fp8_blocks(&row, &s, 1, k, 128);
+        }
+        5 => {
+            row = (0..k / 2).map(|_| rng.gen()).collect();
+            scales = (0..k / 32).map(|_| rng.gen()).collect();
+            let s: Vec<f32> = scales.iter().map(|&b| e8m0_to_f32(b)).collect();
+            want = dequant_fp4(&row, &s, 1, k, 32);
+        }
+        _ => {
+            row = (0..2 * k).map(|_| rng.gen()).collect();
+            want = row.chunks(2).map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)).collect();
+        }
+    }
+    Case { format, k, row, scales, want }
+}
+
+#[test]
+fn device_dequant_built_for_the_host_equals_the_cpu_decoders() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(exe) = compile(dir.path()) else {
+        println!("skipping: no C++ compiler");
+        return;
+    };
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(8);
+    // Formats as numbered in quant.cu: Q8_0, Q4_K, Q2_K, IQ2_XXS, FP8, FP4, BF16.
+    let cases: Vec<Case> = (0..7).flat_map(|f| (0..200).map(move |_| f)).map(|f| case(f, 1024, &mut rng)).collect();
+    let mut input = Vec::new();
+    for c in &cases {
+        for v in [c.format, c.k as i32, c.row.len() as i32, c.scales.len() as i32] {
+            input.extend(v.to_le_bytes());
+        }
+        input.extend(&c.row);
+        input.extend(&c.scales);
+    }
+    let inp = dir.path().join("in.bin");
+    std::fs::write(&inp, &input).unwrap();
+    let out = Command::new(&exe).stdin(std::fs::File::open(&inp).unwrap()).output().unwrap();
+    assert!(out.status.success(), "host deq8 exited with {:?}", out.status);
+    let got: Vec<f32> = out.stdout.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    assert_eq!(got.len(), cases.iter().map(|c| c.k).sum::<usize>());
+    let names = ["Q8_0", "Q4_K", "Q2_K", "IQ2_XXS", "FP8", "FP4", "BF16"];
+    let mut off = 0;
+    let mut checked = [0usize; 7];
+    for c in &cases {
+        for (i, (&g, &w)) in got[off..off + c.k].iter().zip(&c.want).enumerate() {
+            let same = g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan());
+            assert!(
+                same,
+                "{} value {i}: device decode {g:e} ({:08x}), CPU {w:e} ({:08x})",
+                names[c.format as usize],
+                g.to_bits(),
+                w.to_bits()
+            );
+        }
+        checked[c.format as usize] += c.k;
+        off += c.k;
+    }
+    println!(
+        "bitwise equal: {}",
+        names.iter().zip(checked).map(|(n, k)| format!("{n} {k}")).collect::<Vec<_>>().join(", ")
+    );
+}
