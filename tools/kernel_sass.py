@@ -46,7 +46,8 @@ def source(name, rev):
     src = read(f"{KDIR}/common.cuh") + "\n"
     if name == "quant.cu":
         src += ("__device__ const unsigned long long IQ2XXS_GRID[256] = {0};\n"
-                "__device__ const unsigned char KSIGNS_IQ2XS[128] = {0};\n")
+                "__device__ const unsigned char KSIGNS_IQ2XS[128] = {0};\n"
+                "__device__ const unsigned long long KMASK_IQ2XS[128] = {0};\n")
     return src + read(f"{KDIR}/{name}")
 
 

@@ -13,6 +13,7 @@ pub mod diff;
 pub mod forward;
 pub mod model;
 pub mod synth;
+pub mod x8;
 
 pub use backend::{Backend, CompSlot, StepResult};
 pub use batch::{Batch, BatchError, Row, Segment};

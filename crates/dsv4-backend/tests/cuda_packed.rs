@@ -159,6 +159,70 @@ fn cuda_packed_experts_match_cpu() {
     }
 }
 
+/// The int8-activation path (`set_int8`, one row): products equal the CPU twin
+/// (`dsv4_backend::x8`, the same integer sums and f32 operations) bit for bit, and the exact
+/// f64 products within 2e-2 (the activations' rounding: at most max|x|/254 per value of a
+/// block of 32, about a bf16 rounding); routed experts (IQ2_XXS/Q2_K, as ds4's q2 file) match
+/// the CPU oracle within the same 2e-2.
+#[test]
+fn cuda_int8_products_match_the_twin() {
+    let Some(b) = gpu() else { return };
+    let (m, k) = (40, 512);
+    b.set_exact(false);
+    b.set_int8(true);
+    for (fi, format) in [PackedFormat::Q8_0, PackedFormat::Q2_K, PackedFormat::IQ2_XXS].into_iter().enumerate() {
+        let p = random_packed(format, m, k, 40 + fi as u64);
+        let w = b.upload(host("layers.0.attn.wq_a.weight", m, k, &p)).unwrap();
+        let (xg, xc) = activations(&b, 1, k, 77 + fi as u64);
+        let got = b.to_host(&b.matmul(&xg, &w));
+        let (xq, xd) = dsv4_backend::x8::quantize(&xc.data);
+        let rb = format.row_bytes(k);
+        for (o, (g, row)) in got.iter().zip(p.blocks.chunks(rb)).enumerate() {
+            let twin = dsv4_backend::x8::dot(format, row, k, &xq, &xd);
+            assert_eq!(g.to_bits(), twin.to_bits(), "{} output {o}: GPU {g} vs twin {twin}", format.name());
+        }
+        let e = rel_err(&got, &reference(&xc, &p.dequantize(m, k), m, k, 1));
+        println!("int8 {}: bitwise the twin; {e:.2e} from the exact product", format.name());
+        assert!(e <= 2e-2, "int8 {} vs exact: {e:.2e}", format.name());
+    }
+    let cpu = CpuBackend;
+    let (d, inter, ne) = (256, 512, 8);
+    let mut gpu_e = Vec::new();
+    let mut cpu_e = Vec::new();
+    for e in 0..ne {
+        let s = 5000 + 10 * e as u64;
+        let (p1, p3, p2) = (
+            random_packed(PackedFormat::IQ2_XXS, inter, d, s),
+            random_packed(PackedFormat::IQ2_XXS, inter, d, s + 1),
+            random_packed(PackedFormat::Q2_K, d, inter, s + 2),
+        );
+        let name = |w: &str| format!("layers.0.ffn.experts.{e}.{w}.weight");
+        gpu_e.push(Expert {
+            w1: b.upload(host(&name("w1"), inter, d, &p1)).unwrap(),
+            w3: b.upload(host(&name("w3"), inter, d, &p3)).unwrap(),
+            w2: b.upload(host(&name("w2"), d, inter, &p2)).unwrap(),
+        });
+        cpu_e.push(Expert {
+            w1: Tensor::new(inter, d, p1.dequantize(inter, d)),
+            w3: Tensor::new(inter, d, p3.dequantize(inter, d)),
+            w2: Tensor::new(d, inter, p2.dequantize(d, inter)),
+        });
+    }
+    let mut c = dsv4_model::synth::tiny_config(64);
+    c.n_routed_experts = ne;
+    c.n_experts_per_tok = 3;
+    let (xg, xc) = activations(&b, 1, d, 6);
+    let (lg, lc) = activations(&b, 1, ne, 10);
+    let bias_g = b.upload(HostTensor::new("bias", vec![ne], vec![0.0; ne])).unwrap();
+    let bias_c = Tensor::new(1, ne, vec![0.0; ne]);
+    let got = b.to_host(&b.moe(&xg, &b.route(&lg, Some(&bias_g), None, &c), &gpu_e, 10.0));
+    let want = cpu.moe(&xc, &cpu.route(&lc, Some(&bias_c), None, &c), &cpu_e, 10.0);
+    let e = rel_err(&got, &want.data);
+    println!("int8 IQ2_XXS/Q2_K experts, one row: {e:.2e}");
+    assert!(e <= 2e-2, "int8 experts vs the CPU oracle: {e:.2e}");
+    b.set_int8(false);
+}
+
 /// Synthetic packed weights drawn on the device dequantise to finite values of about the
 /// requested size (what `dsv4 bench --synthetic flash --experts q2` relies on).
 #[test]

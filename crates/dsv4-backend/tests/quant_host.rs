@@ -7,7 +7,6 @@
 
 use dsv4_model::quant::{
     dequant_fp4, dequant_fp8_blocks, dequant_iq2_xxs, dequant_q2_k, dequant_q4_k, dequant_q8_0, e8m0_to_f32,
-    IQ2XXS_GRID, KSIGNS_IQ2XS,
 };
 use rand::{Rng, SeedableRng};
 use std::path::Path;
@@ -16,6 +15,7 @@ use std::process::Command;
 const QUANT_CU: &str = include_str!("../src/cuda/kernels/quant.cu");
 
 const SHIM: &str = r#"
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -31,6 +31,12 @@ static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __uint2float_rn(unsigned x) { return (float)x; }
+static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+static inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
+static inline int __dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; i++) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+    return c;
+}
 static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
     unsigned char b[8];
     std::memcpy(b, &x, 4);
@@ -47,10 +53,34 @@ const MAIN: &str = r#"
 template <int F> static void row(const u8* w, const u8* s, int k, float* out) {
     for (int c = 0; c < k; c += 8) deq8<F>(w, s, c, out + c);
 }
+// Format ids + 100: the int8 path's `xdot32` over each 32-value chunk, the activations and
+// their scales following the row (k int8, then k/32 floats); the accumulator starts at 0.375.
+template <int F> static void xrow(const u8* w, const u8* s, int k, float* out) {
+    const signed char* xq = (const signed char*)s;
+    const float* xd = (const float*)(s + k);
+    for (int c = 0; c < k; c += 32) {
+        int x[8];
+        std::memcpy(x, xq + c, 32);
+        out[c / 32] = xdot32<F>(w, c, x, xd[c / 32], 0.375f);
+    }
+}
 int main() {
     int hdr[4];
     while (fread(hdr, 4, 4, stdin) == 4) {
         int f = hdr[0], k = hdr[1];
+        if (f >= 100) {
+            std::vector<u8> w(hdr[2]), s(hdr[3]);
+            if (fread(w.data(), 1, w.size(), stdin) != w.size() || fread(s.data(), 1, s.size(), stdin) != s.size()) return 2;
+            std::vector<float> out(k / 32);
+            switch (f - 100) {
+                case F_Q8_0: xrow<F_Q8_0>(w.data(), s.data(), k, out.data()); break;
+                case F_Q2_K: xrow<F_Q2_K>(w.data(), s.data(), k, out.data()); break;
+                case F_IQ2_XXS: xrow<F_IQ2_XXS>(w.data(), s.data(), k, out.data()); break;
+                default: return 3;
+            }
+            fwrite(out.data(), 4, k / 32, stdout);
+            continue;
+        }
         std::vector<u8> w(hdr[2]), s(hdr[3] + 16);
         if (fread(w.data(), 1, w.size(), stdin) != w.size() || fread(s.data(), 1, hdr[3], stdin) != (size_t)hdr[3]) return 2;
         std::vector<float> out(k);
@@ -74,13 +104,10 @@ int main() {
 /// IQ2_XXS tables the launcher prepends (`cuda::quant::source`).
 fn device_decode() -> String {
     let a = QUANT_CU.find("#define F_Q8_0").expect("format ids in quant.cu");
-    let b = QUANT_CU.find("__device__ __forceinline__ float dot8q").expect("dot8q in quant.cu");
-    let grid: Vec<String> = IQ2XXS_GRID.iter().map(|g| format!("0x{g:016x}ull")).collect();
-    let signs: Vec<String> = KSIGNS_IQ2XS.iter().map(|s| s.to_string()).collect();
+    let b = QUANT_CU.find("// ---- end of the per-lane decode").expect("the end marker in quant.cu");
     format!(
-        "{SHIM}\nstatic const unsigned long long IQ2XXS_GRID[256] = {{{}}};\nstatic const unsigned char KSIGNS_IQ2XS[128] = {{{}}};\n{}\n{MAIN}",
-        grid.join(","),
-        signs.join(","),
+        "{SHIM}\n{}\n{}\n{MAIN}",
+        dsv4_backend::x8::iq2_tables_source("static const"),
         QUANT_CU[a..b].replace("__device__ const float E2M1", "static const float E2M1")
     )
 }
@@ -214,4 +241,48 @@ fn device_dequant_built_for_the_host_equals_the_cpu_decoders() {
         "bitwise equal: {}",
         names.iter().zip(checked).map(|(n, k)| format!("{n} {k}")).collect::<Vec<_>>().join(", ")
     );
+}
+
+/// The int8 path's per-chunk product (`xdot32`) built for the host equals its CPU twin
+/// (`dsv4_backend::x8::xdot32`) bit for bit, for the three formats it serves.
+#[test]
+fn device_int8_products_built_for_the_host_equal_the_twin() {
+    use dsv4_backend::x8;
+    use dsv4_model::packed::PackedFormat;
+    let dir = tempfile::tempdir().unwrap();
+    let Some(exe) = compile(dir.path()) else {
+        println!("skipping: no C++ compiler");
+        return;
+    };
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
+    let k = 1024;
+    let formats = [(0, PackedFormat::Q8_0), (2, PackedFormat::Q2_K), (3, PackedFormat::IQ2_XXS)];
+    let mut input = Vec::new();
+    let mut want = Vec::new();
+    for &(id, f) in &formats {
+        for _ in 0..200 {
+            let c = case(id, k, &mut rng);
+            let x: Vec<f32> = (0..k).map(|_| rng.gen_range(-4.0f32..4.0)).collect();
+            let (xq, xd) = x8::quantize(&x);
+            let mut side: Vec<u8> = xq.iter().map(|&q| q as u8).collect();
+            side.extend(xd.iter().flat_map(|d| d.to_le_bytes()));
+            for v in [100 + id, k as i32, c.row.len() as i32, side.len() as i32] {
+                input.extend(v.to_le_bytes());
+            }
+            input.extend(&c.row);
+            input.extend(&side);
+            want.extend((0..k).step_by(32).map(|ch| x8::xdot32(f, &c.row, ch, &xq[ch..ch + 32], xd[ch / 32], 0.375)));
+        }
+    }
+    let inp = dir.path().join("x8.bin");
+    std::fs::write(&inp, &input).unwrap();
+    let out = Command::new(&exe).stdin(std::fs::File::open(&inp).unwrap()).output().unwrap();
+    assert!(out.status.success(), "host xdot32 exited with {:?}", out.status);
+    let got: Vec<f32> = out.stdout.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        let same = g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan());
+        assert!(same, "chunk {i} ({}): device {g:e}, twin {w:e}", formats[i / (200 * k / 32)].1.name());
+    }
+    println!("int8 chunks bitwise equal: {}", got.len());
 }

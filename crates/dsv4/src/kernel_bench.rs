@@ -2,7 +2,8 @@
 //! its own (llm.c's `dev/cuda` habit): random valid blocks drawn on the device, checked against
 //! the CPU decoder (`dsv4_model::quant`, f64 dot products), then timed at 1, 2, 4, 8 and 16
 //! rows with CUDA events. The figure is weight bytes read once per call over the time, against
-//! the 4.3 TB/s the H200 copies at.
+//! the 4.3 TB/s the H200 copies at. Then the int8-activation path of Q8_0, Q2_K and IQ2_XXS at
+//! one row, checked against its CPU twin and the exact product.
 
 use anyhow::{bail, Context, Result};
 use dsv4_backend::cuda::{CudaBackend, CudaWeight};
@@ -107,6 +108,46 @@ pub fn run() -> Result<()> {
                 "rows": ROWS, "gb_per_s": gbs}));
         }
     }
-    println!("{}", serde_json::json!({"device": b.device_name(), "kernels": table}));
+    // The int8-activation path (one row, dp4a): checked against its CPU twin (dsv4_backend::x8,
+    // the same sums: expected bitwise) and against the exact product (the activations' rounding).
+    b.set_int8(true);
+    let mut x8_table = Vec::new();
+    for f in [PackedFormat::Q8_0, PackedFormat::Q2_K, PackedFormat::IQ2_XXS] {
+        for (si, &(m, k)) in shapes.iter().enumerate() {
+            let w = b.upload_random_packed(f, m, k, 0.02, 11 + si as u64);
+            let vals = host_values(&b, &w);
+            let raw = b.download_bytes(&w.q.as_ref().expect("packed").blocks);
+            let x: Vec<f32> = (0..k).map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * 2.0).collect();
+            let got = b.to_host(&b.matmul(&b.to_device(1, k, &x), &w));
+            let (xq, xd) = dsv4_backend::x8::quantize(&x);
+            let rb = f.row_bytes(k);
+            let (mut twin, mut exact, mut scale) = (0f64, 0f64, 0f64);
+            for o in 0..m {
+                let t = dsv4_backend::x8::dot(f, &raw[o * rb..(o + 1) * rb], k, &xq, &xd) as f64;
+                let e: f64 = (0..k).map(|c| x[c] as f64 * vals[o * k + c] as f64).sum();
+                twin = twin.max((got[o] as f64 - t).abs());
+                exact = exact.max((got[o] as f64 - e).abs());
+                scale = scale.max(e.abs());
+            }
+            let (twin, exact) = (twin / scale.max(f64::MIN_POSITIVE), exact / scale.max(f64::MIN_POSITIVE));
+            if twin.is_nan() || twin > 1e-6 {
+                bail!("int8 {} [{m}, {k}]: product differs from the CPU twin's by {twin:.2e}", f.name());
+            }
+            let bytes = w.bytes() as f64;
+            let t = time(&b, &w, 1, 50);
+            let r = bytes / t;
+            println!(
+                "int8 {:>8} [{m:>5}, {k:>4}] {:7.1} MB  vs twin {twin:.1e}, vs exact {exact:.1e}:  1 row {:6.0} GB/s ({:3.0}%)",
+                f.name(),
+                bytes / 1e6,
+                r / 1e9,
+                100.0 * r / HBM_BYTES_PER_S
+            );
+            x8_table.push(serde_json::json!({"format": f.name(), "m": m, "k": k, "bytes": bytes, "rel_err_twin": twin,
+                "rel_err_exact": exact, "gb_per_s_1_row": r / 1e9}));
+        }
+    }
+    b.set_int8(false);
+    println!("{}", serde_json::json!({"device": b.device_name(), "kernels": table, "int8": x8_table}));
     Ok(())
 }

@@ -332,42 +332,86 @@ pub(crate) fn moe(
         };
         let down =
             LaunchConfig { grid_dim: (blocks, d.div_ceil(8) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        ck(
-            unsafe {
-                b.stream
-                    .launch_builder(ek.up)
-                    .arg(&mut h)
-                    .arg(&x.data)
-                    .arg(&order)
-                    .arg(&off)
-                    .arg(&active)
-                    .arg(table.as_ref())
-                    .arg(&nei)
-                    .arg(&ki)
-                    .arg(&di)
-                    .arg(&ii)
-                    .arg(&limit)
-                    .launch(up)
-            },
-            "moe_up grouped",
-        );
-        ck(
-            unsafe {
-                b.stream
-                    .launch_builder(ek.down)
-                    .arg(&mut y)
-                    .arg(&h)
-                    .arg(&order)
-                    .arg(&off)
-                    .arg(&active)
-                    .arg(table.as_ref())
-                    .arg(&nei)
-                    .arg(&di)
-                    .arg(&ii)
-                    .launch(down)
-            },
-            "moe_down grouped",
-        );
+        let blk = crate::x8::BLOCK;
+        if let Some((up1x, down1x)) = ek.x8.filter(|_| d.is_multiple_of(blk) && inter.is_multiple_of(blk)) {
+            // One token row on int8 activations: quantise x, gate/up, quantise h, down.
+            let (xq, xd) = b.quant_x8(&x.data, d);
+            ck(
+                unsafe {
+                    b.stream
+                        .launch_builder(up1x)
+                        .arg(&mut h)
+                        .arg(&xq)
+                        .arg(&xd)
+                        .arg(&order)
+                        .arg(&off)
+                        .arg(&active)
+                        .arg(table.as_ref())
+                        .arg(&nei)
+                        .arg(&di)
+                        .arg(&ii)
+                        .arg(&limit)
+                        .launch(up)
+                },
+                "moe_up int8",
+            );
+            let (hq, hd) = b.quant_x8(&h, nk * inter);
+            ck(
+                unsafe {
+                    b.stream
+                        .launch_builder(down1x)
+                        .arg(&mut y)
+                        .arg(&hq)
+                        .arg(&hd)
+                        .arg(&order)
+                        .arg(&off)
+                        .arg(&active)
+                        .arg(table.as_ref())
+                        .arg(&nei)
+                        .arg(&di)
+                        .arg(&ii)
+                        .launch(down)
+                },
+                "moe_down int8",
+            );
+        } else {
+            ck(
+                unsafe {
+                    b.stream
+                        .launch_builder(ek.up)
+                        .arg(&mut h)
+                        .arg(&x.data)
+                        .arg(&order)
+                        .arg(&off)
+                        .arg(&active)
+                        .arg(table.as_ref())
+                        .arg(&nei)
+                        .arg(&ki)
+                        .arg(&di)
+                        .arg(&ii)
+                        .arg(&limit)
+                        .launch(up)
+                },
+                "moe_up grouped",
+            );
+            ck(
+                unsafe {
+                    b.stream
+                        .launch_builder(ek.down)
+                        .arg(&mut y)
+                        .arg(&h)
+                        .arg(&order)
+                        .arg(&off)
+                        .arg(&active)
+                        .arg(table.as_ref())
+                        .arg(&nei)
+                        .arg(&di)
+                        .arg(&ii)
+                        .launch(down)
+                },
+                "moe_down grouped",
+            );
+        }
         ck(
             unsafe {
                 b.stream

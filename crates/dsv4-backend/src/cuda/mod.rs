@@ -307,6 +307,8 @@ pub struct CudaBackend {
     /// f32 activations in every bf16 product (the small-batch kernels at any batch size): the
     /// results then differ from a CPU run on bf16-rounded weights only by summation order.
     exact: std::sync::atomic::AtomicBool,
+    /// One-row packed products on int8-quantised activations ([`crate::x8`], `DSV4_INT8=1`).
+    int8: std::sync::atomic::AtomicBool,
     /// Recorded steps' persistent inputs and outputs, and the step being recorded.
     pub(crate) steps: Mutex<graph::Steps>,
     /// Device copies of hash layers' `tid2eid` tables, by host address and length.
@@ -354,6 +356,17 @@ impl CudaBackend {
 
     pub(crate) fn exact(&self) -> bool {
         self.exact.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// One-row products of Q8_0, Q2_K and IQ2_XXS weights on int8-quantised activations
+    /// (dp4a; [`crate::x8`] is their CPU twin, and says what the rounding costs). Off by
+    /// default; `DSV4_INT8=1` turns it on at start.
+    pub fn set_int8(&self, on: bool) {
+        self.int8.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn int8(&self) -> bool {
+        self.int8.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Opens device `ordinal`, compiles the kernels and creates the stream and cuBLAS handle.
@@ -405,6 +418,7 @@ impl CudaBackend {
             dummy_u32,
             bf16,
             exact: std::sync::atomic::AtomicBool::new(false),
+            int8: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_INT8").is_ok_and(|v| v.trim() == "1")),
             steps: Mutex::new(graph::Steps::default()),
             hash_tables: Mutex::new(HashMap::new()),
             _blas_workspace: ws,

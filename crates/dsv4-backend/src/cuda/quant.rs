@@ -9,7 +9,6 @@
 use super::{cfg1d, ck, CudaBackend, CudaTensor, CudaWeight};
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 use dsv4_model::packed::{Packed, PackedFormat};
-use dsv4_model::quant::{IQ2XXS_GRID, KSIGNS_IQ2XS};
 use dsv4_model::LoadError;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -26,6 +25,9 @@ pub(crate) struct ExpertKernels<'a> {
     pub up: &'a CudaFunction,
     pub down: &'a CudaFunction,
     pub table: Arc<CudaSlice<u64>>,
+    /// The one-row int8-activation kernels (up, down), where the backend's int8 path is on and
+    /// both formats have them.
+    pub x8: Option<(&'a CudaFunction, &'a CudaFunction)>,
 }
 
 /// A weight in a packed format on the device.
@@ -57,15 +59,7 @@ fn suffix(f: PackedFormat) -> &'static str {
 
 /// `quant.cu` with the IQ2_XXS tables of the CPU decoder prepended.
 pub fn source() -> String {
-    let grid: Vec<String> = IQ2XXS_GRID.iter().map(|g| format!("0x{g:016x}ull")).collect();
-    let signs: Vec<String> = KSIGNS_IQ2XS.iter().map(|s| s.to_string()).collect();
-    format!(
-        "__device__ const unsigned long long IQ2XXS_GRID[256] = {{{}}};\n__device__ const unsigned char KSIGNS_IQ2XS[128] = \
-         {{{}}};\n{}",
-        grid.join(","),
-        signs.join(","),
-        include_str!("kernels/quant.cu")
-    )
+    format!("{}{}", crate::x8::iq2_tables_source("__device__ const"), include_str!("kernels/quant.cu"))
 }
 
 /// The `quant.cu` kernels by name.
@@ -74,9 +68,20 @@ pub(crate) struct QuantKernels(HashMap<String, CudaFunction>);
 impl QuantKernels {
     pub(crate) fn load(ctx: &Arc<cudarc::driver::CudaContext>) -> Result<Self, super::CudaInitError> {
         let module = ctx.load_module(super::ptx("quant.cu", &source())?)?;
-        let mut names = vec!["gather_bf16".to_string(), "rand_bytes".into(), "patch_blocks".into(), "fill_u8".into()];
+        let mut names = vec![
+            "gather_bf16".to_string(),
+            "rand_bytes".into(),
+            "patch_blocks".into(),
+            "fill_u8".into(),
+            "quant_x8".into(),
+        ];
         for f in PackedFormat::ALL.into_iter().map(suffix).chain(["bf16w"]) {
             for k in ["gemv", "moe_up", "moe_down", "deq_bf16", "gemv1", "moe_up1", "moe_down1"] {
+                names.push(format!("{k}_{f}"));
+            }
+        }
+        for f in PackedFormat::ALL.into_iter().filter(|&f| crate::x8::supports(f)).map(suffix) {
+            for k in ["gemv1x", "moe_up1x", "moe_down1x"] {
                 names.push(format!("{k}_{f}"));
             }
         }
@@ -250,6 +255,27 @@ impl CudaBackend {
             block_dim: (32 * Q_WARPS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
+        if n == 1 && self.int8() && crate::x8::supports(q.format) && k.is_multiple_of(crate::x8::BLOCK) {
+            let (xq, xd) = self.quant_x8(&x.data, x.cols);
+            // SAFETY: argument types and buffer sizes match the kernel; xq holds the row's
+            // x.cols codes (16-byte aligned: a fresh allocation, chunks of 32).
+            ck(
+                unsafe {
+                    self.stream
+                        .launch_builder(self.qk.of("gemv1x", q.format))
+                        .arg(&mut out.data)
+                        .arg(&xq)
+                        .arg(&xd)
+                        .arg(&q.blocks)
+                        .arg(&(k as i32))
+                        .arg(&(m as i32))
+                        .arg(&((m / groups) as i32))
+                        .launch(cfg)
+                },
+                "gemv packed int8",
+            );
+            return out;
+        }
         // SAFETY: argument types and buffer sizes match the kernel.
         ck(
             unsafe {
@@ -269,6 +295,30 @@ impl CudaBackend {
             "gemv packed",
         );
         out
+    }
+
+    /// The int8 codes and per-32 scales of the first `len` values of `x` (`len` a multiple of
+    /// 32; [`crate::x8::quantize`] is the CPU twin).
+    pub(crate) fn quant_x8(&self, x: &CudaSlice<f32>, len: usize) -> (CudaSlice<i8>, CudaSlice<f32>) {
+        assert!(len.is_multiple_of(crate::x8::BLOCK) && x.len() >= len, "quant_x8: {len} values");
+        let mut xq = self.alloc::<i8>(len);
+        let mut xd = self.alloc::<f32>(len / crate::x8::BLOCK);
+        if len > 0 {
+            // SAFETY: argument types and buffer sizes match the kernel (one warp per block of 32).
+            ck(
+                unsafe {
+                    self.stream
+                        .launch_builder(self.qk.get("quant_x8"))
+                        .arg(&mut xq)
+                        .arg(&mut xd)
+                        .arg(x)
+                        .arg(&((len / crate::x8::BLOCK) as i64))
+                        .launch(cfg1d(len, 256))
+                },
+                "quant_x8",
+            );
+        }
+        (xq, xd)
     }
 
     /// The bf16 values of a packed `[rows, cols]` weight (the large-batch path).
@@ -328,10 +378,15 @@ impl CudaBackend {
             }
         }
         let r = if single { "1" } else { "" };
+        let int8 = |w: &CudaWeight| w.q.as_ref().is_some_and(|q| crate::x8::supports(q.format));
+        let ex = &experts[0];
+        let x8 = (single && self.int8() && int8(&ex.w1) && int8(&ex.w3) && int8(&ex.w2))
+            .then(|| (self.qk.get(&format!("moe_up1x_{f13}")), self.qk.get(&format!("moe_down1x_{f2}"))));
         ExpertKernels {
             up: self.qk.get(&format!("moe_up{r}_{f13}")),
             down: self.qk.get(&format!("moe_down{r}_{f2}")),
             table: self.address_table(ptrs),
+            x8,
         }
     }
 

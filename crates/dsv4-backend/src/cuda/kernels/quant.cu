@@ -159,6 +159,69 @@ __device__ __forceinline__ void deq8(const u8* __restrict__ w, const u8* __restr
     }
 }
 
+// ---- int8 activations (the `x8` path, opt in): products on dp4a, 4 multiply-adds an
+// instruction, where the f32 path spends ~14 instructions a weight (PERF.md v3). CPU twin:
+// `crate::x8` (bitwise: the same integer sums, the same f32 operations, the warp's butterfly).
+
+// An int32 (|v| < 2^22) as a float without I2F: 1.5·2^23 + v exactly, minus 1.5·2^23.
+__device__ __forceinline__ float i2f_small(int v) { return __fsub_rn(__int_as_float(0x4B400000 + v), 12582912.f); }
+
+// acc plus the product of weight values c..c+32 (row `w`, c a multiple of 32: one activation
+// block, one Q8_0 block, one IQ2_XXS sub-block, two Q2_K scale groups) with the activations
+// x[0..8] (32 int8, four a word) of scale dx.
+template <int F>
+__device__ __forceinline__ float xdot32(const u8* __restrict__ w, int c, const int* x, float dx, float acc) {
+    if (F == F_Q8_0) {
+        const u8* blk = w + (c >> 5) * 34;
+        float d = h2f(ld16(blk));
+        const u16* q = (const u16*)(blk + 2);  // 2-byte aligned (34-byte blocks)
+        int is = 0;
+#pragma unroll
+        for (int j = 0; j < 8; j++) is = __dp4a((int)((unsigned)q[2 * j] | ((unsigned)q[2 * j + 1] << 16)), x[j], is);
+        return __fmaf_rn(__fmul_rn(d, dx), i2f_small(is), acc);
+    } else if (F == F_Q2_K) {
+        const u8* blk = w + (c >> 8) * 84;
+        int v = c & 255, h = v >> 7, sh = 2 * ((v >> 5) & 3);
+        const unsigned* q = (const unsigned*)(blk + 16 + 32 * h);  // 4-byte aligned (84-byte blocks)
+        float d = h2f(ld16(blk + 80)), dm = h2f(ld16(blk + 82));
+        // Two groups of 16 values, each with its scale and min.
+#pragma unroll
+        for (int g = 0; g < 2; g++) {
+            unsigned k = blk[(v >> 4) + g];
+            int is = 0, xs = 0;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                is = __dp4a((int)((q[4 * g + j] >> sh) & 0x03030303u), x[4 * g + j], is);
+                xs = __dp4a(0x01010101, x[4 * g + j], xs);
+            }
+            float dl = __fmul_rn(d, (float)(k & 15)), ml = __fmul_rn(dm, (float)(k >> 4));
+            acc = __fmaf_rn(__fmul_rn(dx, dl), i2f_small(is), acc);
+            acc = __fmaf_rn(-__fmul_rn(dx, ml), i2f_small(xs), acc);
+        }
+        return acc;
+    } else {  // F_IQ2_XXS
+        const u8* blk = w + (c >> 8) * 66;
+        const u8* p = blk + 2 + 8 * ((c & 255) >> 5);
+        unsigned a = ld16(p) | ((unsigned)ld16(p + 2) << 16);
+        unsigned sg = ld16(p + 4) | ((unsigned)ld16(p + 6) << 16);
+        float db = __fmul_rn(__fmul_rn(h2f(ld16(blk)), 0.5f + (float)(sg >> 28)), 0.25f);
+        int is = 0;
+        // (g ^ m) − m negates the bytes whose mask is 0xff (−1): Σ((g ^ m) − m)·x.
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            unsigned long long grid = IQ2XXS_GRID[(a >> (8 * kk)) & 255];
+            unsigned long long m = KMASK_IQ2XS[(sg >> (7 * kk)) & 127];
+            int mlo = (int)(unsigned)m, mhi = (int)(unsigned)(m >> 32);
+            is = __dp4a((int)(unsigned)grid ^ mlo, x[2 * kk], is);
+            is = __dp4a((int)(unsigned)(grid >> 32) ^ mhi, x[2 * kk + 1], is);
+            is -= __dp4a(mlo, x[2 * kk], __dp4a(mhi, x[2 * kk + 1], 0));
+        }
+        return __fmaf_rn(__fmul_rn(db, dx), i2f_small(is), acc);
+    }
+}
+
+// ---- end of the per-lane decode (tests/quant_host.rs builds everything above for the host)
+
 __device__ __forceinline__ float dot8q(const float* w, const float* __restrict__ x) {
     float4 a = *(const float4*)x, b = *(const float4*)(x + 4);
     float s = w[0] * a.x;
@@ -359,6 +422,112 @@ QUANT_KERNELS(F_IQ2_XXS, iq2_xxs)
 QUANT_KERNELS(F_FP8, fp8)
 QUANT_KERNELS(F_FP4, fp4)
 QUANT_KERNELS(F_BF16, bf16w)
+// ---- int8-activation kernels (see xdot32)
+
+// A row's activations in blocks of 32: xq = round(x / d) with d = max|x| / 127 (0 for an
+// all-zero block), and d = NaN for a block holding a NaN or ±∞ (its products are then NaN, which
+// the step's nonfinite check sees). One warp per block, lane i taking value i.
+extern "C" __global__ void quant_x8(signed char* __restrict__ xq, float* __restrict__ xd, const float* __restrict__ x,
+                                    long long nblocks) {
+    long long b = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (b >= nblocks) return;
+    float v = x[b * 32 + lane];
+    float a = fabsf(v);
+    int bad = __any_sync(0xffffffffu, !(a <= 3.402823466e38f));
+    for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+    float d = __fdiv_rn(a, 127.f);
+    float id = d != 0.f ? __fdiv_rn(1.f, d) : 0.f;
+    int q = bad ? 0 : (int)roundf(__fmul_rn(v, id));
+    xq[b * 32 + lane] = (signed char)max(-127, min(127, q));
+    if (lane == 0) xd[b] = bad ? __int_as_float(0x7fc00000) : d;
+}
+
+// One output of one row: Σ over the row's 32-value chunks c = 32·lane + 1024·i in that order,
+// then the warp's butterfly (lane 0's value is the result). xq is 16-byte aligned.
+template <int F>
+__device__ __forceinline__ float xrow_dot(const u8* __restrict__ wr, const signed char* __restrict__ xq,
+                                          const float* __restrict__ xd, int k, int lane) {
+    float acc = 0.f;
+#pragma unroll 2
+    for (int c = lane * 32; c < k; c += 1024) {
+        int4 a = *(const int4*)(xq + c), b = *(const int4*)(xq + c + 16);
+        int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        acc = xdot32<F>(wr, c, x, xd[c >> 5], acc);
+    }
+    return warp_sum(acc);
+}
+
+// out[0, o] = x[(o / rpg)·k .. +k] · w[o, :] for one row, from its int8 activations (xq, xd
+// as quant_x8 wrote them over the whole row of width ldx).
+template <int F>
+__device__ void gemv_x8(float* __restrict__ out, const signed char* __restrict__ xq, const float* __restrict__ xd,
+                        const u8* __restrict__ w, int k, int m, int rpg) {
+    int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int o = blockIdx.x * Q_WARPS + wp;
+    if (o >= m) return;
+    long long xoff = (long long)(o / rpg) * k;
+    float v = xrow_dot<F>(w + (long long)o * row_bytes(F, k), xq + xoff, xd + xoff / 32, k, lane);
+    if (lane == 0) out[o] = v;
+}
+
+// The one-row routed experts on int8 activations (see moe_up_q): each active expert has one
+// pair.
+template <int F>
+__device__ void moe_up_x8(float* __restrict__ h, const signed char* __restrict__ xq, const float* __restrict__ xd,
+                          const unsigned* order, const unsigned* off, const unsigned* active,
+                          const unsigned long long* ptrs, int nexp, int d, int inter, float limit) {
+    if (blockIdx.x >= active[nexp]) return;
+    unsigned e = active[blockIdx.x];
+    int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int o = blockIdx.y * Q_WARPS + wp;
+    if (o >= inter) return;
+    unsigned b0 = off[e];
+    if (off[e + 1] == b0) return;
+    long long rb = row_bytes(F, d);
+    float g = xrow_dot<F>((const u8*)ptrs[e] + o * rb, xq, xd, d, lane);
+    float u = xrow_dot<F>((const u8*)ptrs[nexp + e] + o * rb, xq, xd, d, lane);
+    if (lane == 0) h[(long long)order[b0] * inter + o] = swiglu_q(g, u, limit);
+}
+
+// hq/hd: quant_x8 of the up kernel's output rows (one per pair, `inter` wide).
+template <int F>
+__device__ void moe_down_x8(float* __restrict__ y, const signed char* __restrict__ hq, const float* __restrict__ hd,
+                            const unsigned* order, const unsigned* off, const unsigned* active,
+                            const unsigned long long* ptrs, int nexp, int d, int inter) {
+    if (blockIdx.x >= active[nexp]) return;
+    unsigned e = active[blockIdx.x];
+    int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int c = blockIdx.y * Q_WARPS + wp;
+    if (c >= d) return;
+    unsigned b0 = off[e];
+    if (off[e + 1] == b0) return;
+    long long r = order[b0];
+    float v = xrow_dot<F>((const u8*)ptrs[2 * nexp + e] + c * row_bytes(F, inter), hq + r * inter, hd + r * inter / 32,
+                          inter, lane);
+    if (lane == 0) y[r * d + c] = v;
+}
+
+#define X8_KERNELS(F, N)                                                                                             \
+    extern "C" __global__ void gemv1x_##N(float* out, const signed char* xq, const float* xd, const u8* w, int k,   \
+                                          int m, int rpg) {                                                          \
+        gemv_x8<F>(out, xq, xd, w, k, m, rpg);                                                                       \
+    }                                                                                                                \
+    extern "C" __global__ void moe_up1x_##N(float* h, const signed char* xq, const float* xd, const unsigned* order, \
+                                            const unsigned* off, const unsigned* active,                            \
+                                            const unsigned long long* ptrs, int nexp, int d, int inter,              \
+                                            float limit) {                                                           \
+        moe_up_x8<F>(h, xq, xd, order, off, active, ptrs, nexp, d, inter, limit);                                    \
+    }                                                                                                                \
+    extern "C" __global__ void moe_down1x_##N(float* y, const signed char* hq, const float* hd,                     \
+                                              const unsigned* order, const unsigned* off, const unsigned* active,    \
+                                              const unsigned long long* ptrs, int nexp, int d, int inter) {          \
+        moe_down_x8<F>(y, hq, hd, order, off, active, ptrs, nexp, d, inter);                                         \
+    }
+
+X8_KERNELS(F_Q8_0, q8_0)
+X8_KERNELS(F_Q2_K, q2_k)
+X8_KERNELS(F_IQ2_XXS, iq2_xxs)
 
 // out[i, :] = f32(table[idx[i], :]) for a bf16 table (the embedding).
 extern "C" __global__ void gather_bf16(float* out, const u16* table, const unsigned* idx, int n, int cols) {
