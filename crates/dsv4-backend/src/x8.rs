@@ -11,8 +11,9 @@
 //! The twin does what the kernel does, in its order: per lane `l` of a warp, the 32-value chunks
 //! `c = 32l + 1024i` of the row; per chunk (per scale group) an exact integer sum and one fused
 //! multiply-add of `weight scale · activation scale` into the lane's f32 accumulator; then the
-//! warp's butterfly
-//! (`v += shfl_xor(v, o)` for o = 16, 8, 4, 2, 1), whose lane 0 holds the result.
+//! warp's butterfly (`v += shfl_xor(v, o)` for o = 16, 8, 4, 2, 1), whose lane 0 holds the
+//! result. Kernels over several rows decode each weight chunk once and apply it to every row
+//! with the same integer sums and FMAs, so every row's result is this one-row result.
 
 use dsv4_model::packed::PackedFormat;
 use dsv4_model::quant::{IQ2XXS_GRID, KSIGNS_IQ2XS};

@@ -159,7 +159,7 @@ fn cuda_packed_experts_match_cpu() {
     }
 }
 
-/// The int8-activation path (`set_int8`, one row): products equal the CPU twin
+/// The int8-activation path (`set_int8`): products of 1 to 15 rows equal the CPU twin
 /// (`dsv4_backend::x8`, the same integer sums and f32 operations) bit for bit, and the exact
 /// f64 products within 2e-2 (the activations' rounding: at most max|x|/254 per value of a
 /// block of 32, about a bf16 rounding); routed experts (IQ2_XXS/Q2_K, as ds4's q2 file) match
@@ -173,17 +173,28 @@ fn cuda_int8_products_match_the_twin() {
     for (fi, format) in [PackedFormat::Q8_0, PackedFormat::Q2_K, PackedFormat::IQ2_XXS].into_iter().enumerate() {
         let p = random_packed(format, m, k, 40 + fi as u64);
         let w = b.upload(host("layers.0.attn.wq_a.weight", m, k, &p)).unwrap();
-        let (xg, xc) = activations(&b, 1, k, 77 + fi as u64);
-        let got = b.to_host(&b.matmul(&xg, &w));
-        let (xq, xd) = dsv4_backend::x8::quantize(&xc.data);
         let rb = format.row_bytes(k);
-        for (o, (g, row)) in got.iter().zip(p.blocks.chunks(rb)).enumerate() {
-            let twin = dsv4_backend::x8::dot(format, row, k, &xq, &xd);
-            assert_eq!(g.to_bits(), twin.to_bits(), "{} output {o}: GPU {g} vs twin {twin}", format.name());
+        // One row and row groups of every size (8, 4, 2, 1): each row bitwise its twin, so a
+        // row's result does not depend on the rows beside it.
+        for n in [1, 3, 8, 15] {
+            let (xg, xc) = activations(&b, n, k, 77 + fi as u64);
+            let got = b.to_host(&b.matmul(&xg, &w));
+            for r in 0..n {
+                let (xq, xd) = dsv4_backend::x8::quantize(&xc.data[r * k..(r + 1) * k]);
+                for (o, row) in p.blocks.chunks(rb).enumerate() {
+                    let (g, twin) = (got[r * m + o], dsv4_backend::x8::dot(format, row, k, &xq, &xd));
+                    assert_eq!(
+                        g.to_bits(),
+                        twin.to_bits(),
+                        "{} row {r}/{n} output {o}: GPU {g} vs twin {twin}",
+                        format.name()
+                    );
+                }
+            }
+            let e = rel_err(&got, &reference(&xc, &p.dequantize(m, k), m, k, 1));
+            println!("int8 {} {n} rows: bitwise the twin; {e:.2e} from the exact product", format.name());
+            assert!(e <= 2e-2, "int8 {} vs exact: {e:.2e}", format.name());
         }
-        let e = rel_err(&got, &reference(&xc, &p.dequantize(m, k), m, k, 1));
-        println!("int8 {}: bitwise the twin; {e:.2e} from the exact product", format.name());
-        assert!(e <= 2e-2, "int8 {} vs exact: {e:.2e}", format.name());
     }
     let cpu = CpuBackend;
     let (d, inter, ne) = (256, 512, 8);
@@ -211,15 +222,17 @@ fn cuda_int8_products_match_the_twin() {
     let mut c = dsv4_model::synth::tiny_config(64);
     c.n_routed_experts = ne;
     c.n_experts_per_tok = 3;
-    let (xg, xc) = activations(&b, 1, d, 6);
-    let (lg, lc) = activations(&b, 1, ne, 10);
     let bias_g = b.upload(HostTensor::new("bias", vec![ne], vec![0.0; ne])).unwrap();
     let bias_c = Tensor::new(1, ne, vec![0.0; ne]);
-    let got = b.to_host(&b.moe(&xg, &b.route(&lg, Some(&bias_g), None, &c), &gpu_e, 10.0));
-    let want = cpu.moe(&xc, &cpu.route(&lc, Some(&bias_c), None, &c), &cpu_e, 10.0);
-    let e = rel_err(&got, &want.data);
-    println!("int8 IQ2_XXS/Q2_K experts, one row: {e:.2e}");
-    assert!(e <= 2e-2, "int8 experts vs the CPU oracle: {e:.2e}");
+    for n in [1, 5] {
+        let (xg, xc) = activations(&b, n, d, 6);
+        let (lg, lc) = activations(&b, n, ne, 10);
+        let got = b.to_host(&b.moe(&xg, &b.route(&lg, Some(&bias_g), None, &c), &gpu_e, 10.0));
+        let want = cpu.moe(&xc, &cpu.route(&lc, Some(&bias_c), None, &c), &cpu_e, 10.0);
+        let e = rel_err(&got, &want.data);
+        println!("int8 IQ2_XXS/Q2_K experts, {n} rows: {e:.2e}");
+        assert!(e <= 2e-2, "int8 experts ({n} rows) vs the CPU oracle: {e:.2e}");
+    }
     b.set_int8(false);
 }
 

@@ -334,8 +334,8 @@ pub(crate) fn moe(
             LaunchConfig { grid_dim: (blocks, d.div_ceil(8) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let blk = crate::x8::BLOCK;
         if let Some((up1x, down1x)) = ek.x8.filter(|_| d.is_multiple_of(blk) && inter.is_multiple_of(blk)) {
-            // One token row on int8 activations: quantise x, gate/up, quantise h, down.
-            let (xq, xd) = b.quant_x8(&x.data, d);
+            // On int8 activations: quantise x, gate/up, quantise h, down.
+            let (xq, xd) = b.quant_x8(&x.data, n * d);
             ck(
                 unsafe {
                     b.stream
@@ -348,6 +348,7 @@ pub(crate) fn moe(
                         .arg(&active)
                         .arg(table.as_ref())
                         .arg(&nei)
+                        .arg(&ki)
                         .arg(&di)
                         .arg(&ii)
                         .arg(&limit)

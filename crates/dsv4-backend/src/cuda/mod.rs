@@ -307,7 +307,7 @@ pub struct CudaBackend {
     /// f32 activations in every bf16 product (the small-batch kernels at any batch size): the
     /// results then differ from a CPU run on bf16-rounded weights only by summation order.
     exact: std::sync::atomic::AtomicBool,
-    /// One-row packed products on int8-quantised activations ([`crate::x8`], `DSV4_INT8=1`).
+    /// Packed products on int8-quantised activations ([`crate::x8`], `DSV4_INT8=1`).
     int8: std::sync::atomic::AtomicBool,
     /// Recorded steps' persistent inputs and outputs, and the step being recorded.
     pub(crate) steps: Mutex<graph::Steps>,
@@ -358,9 +358,10 @@ impl CudaBackend {
         self.exact.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// One-row products of Q8_0, Q2_K and IQ2_XXS weights on int8-quantised activations
-    /// (dp4a; [`crate::x8`] is their CPU twin, and says what the rounding costs). Off by
-    /// default; `DSV4_INT8=1` turns it on at start.
+    /// Products of Q8_0, Q2_K and IQ2_XXS weights on int8-quantised activations up to 16 rows,
+    /// and the routed experts of those formats at any batch the grouped kernels take (dp4a;
+    /// [`crate::x8`] is their CPU twin, and says what the rounding costs). Off by default;
+    /// `DSV4_INT8=1` turns it on at start.
     pub fn set_int8(&self, on: bool) {
         self.int8.store(on, std::sync::atomic::Ordering::Relaxed);
     }

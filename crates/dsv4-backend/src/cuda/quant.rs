@@ -25,8 +25,8 @@ pub(crate) struct ExpertKernels<'a> {
     pub up: &'a CudaFunction,
     pub down: &'a CudaFunction,
     pub table: Arc<CudaSlice<u64>>,
-    /// The one-row int8-activation kernels (up, down), where the backend's int8 path is on and
-    /// both formats have them.
+    /// The int8-activation kernels (up, down; the one-row ones for `single`), where the
+    /// backend's int8 path is on and both formats have them.
     pub x8: Option<(&'a CudaFunction, &'a CudaFunction)>,
 }
 
@@ -81,7 +81,7 @@ impl QuantKernels {
             }
         }
         for f in PackedFormat::ALL.into_iter().filter(|&f| crate::x8::supports(f)).map(suffix) {
-            for k in ["gemv1x", "moe_up1x", "moe_down1x"] {
+            for k in ["gemv1x", "moe_up1x", "moe_down1x", "gemvx", "moe_upx", "moe_downx"] {
                 names.push(format!("{k}_{f}"));
             }
         }
@@ -255,20 +255,23 @@ impl CudaBackend {
             block_dim: (32 * Q_WARPS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        if n == 1 && self.int8() && crate::x8::supports(q.format) && k.is_multiple_of(crate::x8::BLOCK) {
-            let (xq, xd) = self.quant_x8(&x.data, x.cols);
-            // SAFETY: argument types and buffer sizes match the kernel; xq holds the row's
-            // x.cols codes (16-byte aligned: a fresh allocation, chunks of 32).
+        let blk = crate::x8::BLOCK;
+        if self.int8() && crate::x8::supports(q.format) && k.is_multiple_of(blk) && x.cols.is_multiple_of(blk) {
+            let (xq, xd) = self.quant_x8(&x.data, n * x.cols);
+            // SAFETY: argument types and buffer sizes match the kernel; xq holds the rows'
+            // codes (16-byte aligned: a fresh allocation, rows and chunks of multiples of 32).
             ck(
                 unsafe {
                     self.stream
-                        .launch_builder(self.qk.of("gemv1x", q.format))
+                        .launch_builder(self.qk.of(if n == 1 { "gemv1x" } else { "gemvx" }, q.format))
                         .arg(&mut out.data)
                         .arg(&xq)
                         .arg(&xd)
                         .arg(&q.blocks)
+                        .arg(&(n as i32))
                         .arg(&(k as i32))
                         .arg(&(m as i32))
+                        .arg(&(x.cols as i32))
                         .arg(&((m / groups) as i32))
                         .launch(cfg)
                 },
@@ -380,8 +383,8 @@ impl CudaBackend {
         let r = if single { "1" } else { "" };
         let int8 = |w: &CudaWeight| w.q.as_ref().is_some_and(|q| crate::x8::supports(q.format));
         let ex = &experts[0];
-        let x8 = (single && self.int8() && int8(&ex.w1) && int8(&ex.w3) && int8(&ex.w2))
-            .then(|| (self.qk.get(&format!("moe_up1x_{f13}")), self.qk.get(&format!("moe_down1x_{f2}"))));
+        let x8 = (self.int8() && int8(&ex.w1) && int8(&ex.w3) && int8(&ex.w2))
+            .then(|| (self.qk.get(&format!("moe_up{r}x_{f13}")), self.qk.get(&format!("moe_down{r}x_{f2}"))));
         ExpertKernels {
             up: self.qk.get(&format!("moe_up{r}_{f13}")),
             down: self.qk.get(&format!("moe_down{r}_{f2}")),

@@ -166,58 +166,85 @@ __device__ __forceinline__ void deq8(const u8* __restrict__ w, const u8* __restr
 // An int32 (|v| < 2^22) as a float without I2F: 1.5·2^23 + v exactly, minus 1.5·2^23.
 __device__ __forceinline__ float i2f_small(int v) { return __fsub_rn(__int_as_float(0x4B400000 + v), 12582912.f); }
 
-// acc plus the product of weight values c..c+32 (row `w`, c a multiple of 32: one activation
-// block, one Q8_0 block, one IQ2_XXS sub-block, two Q2_K scale groups) with the activations
-// x[0..8] (32 int8, four a word) of scale dx.
+// One 32-value chunk of a weight row (c a multiple of 32: one activation block, one Q8_0 block,
+// one IQ2_XXS sub-block, two Q2_K scale groups) decoded for dp4a: q holds its 32 codes as
+// signed int8, four a word; d[g] (and Q2_K's min factor m[g]) the scale of group g (Q2_K: two
+// groups of 16 values, the others one of 32).
+struct XChunk {
+    int q[8];
+    float d[2], m[2];
+};
+
 template <int F>
-__device__ __forceinline__ float xdot32(const u8* __restrict__ w, int c, const int* x, float dx, float acc) {
+__device__ __forceinline__ XChunk xdecode32(const u8* __restrict__ w, int c) {
+    XChunk ch;
     if (F == F_Q8_0) {
         const u8* blk = w + (c >> 5) * 34;
-        float d = h2f(ld16(blk));
+        ch.d[0] = h2f(ld16(blk));
         const u16* q = (const u16*)(blk + 2);  // 2-byte aligned (34-byte blocks)
-        int is = 0;
 #pragma unroll
-        for (int j = 0; j < 8; j++) is = __dp4a((int)((unsigned)q[2 * j] | ((unsigned)q[2 * j + 1] << 16)), x[j], is);
-        return __fmaf_rn(__fmul_rn(d, dx), i2f_small(is), acc);
+        for (int j = 0; j < 8; j++) ch.q[j] = (int)((unsigned)q[2 * j] | ((unsigned)q[2 * j + 1] << 16));
     } else if (F == F_Q2_K) {
         const u8* blk = w + (c >> 8) * 84;
         int v = c & 255, h = v >> 7, sh = 2 * ((v >> 5) & 3);
         const unsigned* q = (const unsigned*)(blk + 16 + 32 * h);  // 4-byte aligned (84-byte blocks)
         float d = h2f(ld16(blk + 80)), dm = h2f(ld16(blk + 82));
-        // Two groups of 16 values, each with its scale and min.
+#pragma unroll
+        for (int j = 0; j < 8; j++) ch.q[j] = (int)((q[j] >> sh) & 0x03030303u);
 #pragma unroll
         for (int g = 0; g < 2; g++) {
             unsigned k = blk[(v >> 4) + g];
-            int is = 0, xs = 0;
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                is = __dp4a((int)((q[4 * g + j] >> sh) & 0x03030303u), x[4 * g + j], is);
-                xs = __dp4a(0x01010101, x[4 * g + j], xs);
-            }
-            float dl = __fmul_rn(d, (float)(k & 15)), ml = __fmul_rn(dm, (float)(k >> 4));
-            acc = __fmaf_rn(__fmul_rn(dx, dl), i2f_small(is), acc);
-            acc = __fmaf_rn(-__fmul_rn(dx, ml), i2f_small(xs), acc);
+            ch.d[g] = __fmul_rn(d, (float)(k & 15));
+            ch.m[g] = __fmul_rn(dm, (float)(k >> 4));
         }
-        return acc;
     } else {  // F_IQ2_XXS
         const u8* blk = w + (c >> 8) * 66;
         const u8* p = blk + 2 + 8 * ((c & 255) >> 5);
         unsigned a = ld16(p) | ((unsigned)ld16(p + 2) << 16);
         unsigned sg = ld16(p + 4) | ((unsigned)ld16(p + 6) << 16);
-        float db = __fmul_rn(__fmul_rn(h2f(ld16(blk)), 0.5f + (float)(sg >> 28)), 0.25f);
-        int is = 0;
-        // (g ^ m) − m negates the bytes whose mask is 0xff (−1): Σ((g ^ m) − m)·x.
+        ch.d[0] = __fmul_rn(__fmul_rn(h2f(ld16(blk)), 0.5f + (float)(sg >> 28)), 0.25f);
+        // The bytes whose mask is 0xff are negated: (g ^ 0xff) + 1 = −g, with no carry out of
+        // a byte (grid values are 8..43).
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
             unsigned long long grid = IQ2XXS_GRID[(a >> (8 * kk)) & 255];
             unsigned long long m = KMASK_IQ2XS[(sg >> (7 * kk)) & 127];
-            int mlo = (int)(unsigned)m, mhi = (int)(unsigned)(m >> 32);
-            is = __dp4a((int)(unsigned)grid ^ mlo, x[2 * kk], is);
-            is = __dp4a((int)(unsigned)(grid >> 32) ^ mhi, x[2 * kk + 1], is);
-            is -= __dp4a(mlo, x[2 * kk], __dp4a(mhi, x[2 * kk + 1], 0));
+            unsigned mlo = (unsigned)m, mhi = (unsigned)(m >> 32);
+            ch.q[2 * kk] = (int)((((unsigned)grid) ^ mlo) + (mlo & 0x01010101u));
+            ch.q[2 * kk + 1] = (int)((((unsigned)(grid >> 32)) ^ mhi) + (mhi & 0x01010101u));
         }
-        return __fmaf_rn(__fmul_rn(db, dx), i2f_small(is), acc);
     }
+    return ch;
+}
+
+// acc plus the chunk's product with the activations x[0..8] (32 int8, four a word) of scale dx:
+// exact integer sums, then one FMA per group (Q2_K: and one for its min term).
+template <int F>
+__device__ __forceinline__ float xapply32(const XChunk& ch, const int* x, float dx, float acc) {
+    if (F == F_Q2_K) {
+#pragma unroll
+        for (int g = 0; g < 2; g++) {
+            int is = 0, xs = 0;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                is = __dp4a(ch.q[4 * g + j], x[4 * g + j], is);
+                xs = __dp4a(0x01010101, x[4 * g + j], xs);
+            }
+            acc = __fmaf_rn(__fmul_rn(dx, ch.d[g]), i2f_small(is), acc);
+            acc = __fmaf_rn(-__fmul_rn(dx, ch.m[g]), i2f_small(xs), acc);
+        }
+        return acc;
+    }
+    int is = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j++) is = __dp4a(ch.q[j], x[j], is);
+    return __fmaf_rn(__fmul_rn(ch.d[0], dx), i2f_small(is), acc);
+}
+
+// acc plus weight values c..c+32 of row `w` times the activations x (scale dx).
+template <int F>
+__device__ __forceinline__ float xdot32(const u8* __restrict__ w, int c, const int* x, float dx, float acc) {
+    return xapply32<F>(xdecode32<F>(w, c), x, dx, acc);
 }
 
 // ---- end of the per-lane decode (tests/quant_host.rs builds everything above for the host)
@@ -508,14 +535,127 @@ __device__ void moe_down_x8(float* __restrict__ y, const signed char* __restrict
     if (lane == 0) y[r * d + c] = v;
 }
 
+// Several rows on int8 activations: each chunk's weight codes decoded once, then per row its
+// dp4a sums and FMAs, the same operations as one row alone (integer sums are exact), so a row's
+// result does not depend on how many rows share the call. Row groups of 8/4/2/1 as rows_all.
+template <int F, int R, typename XR, typename ST>
+__device__ __forceinline__ void xrows_group(const u8* wr, int r0, int nr, int k, int lane, XR xr_of, ST store) {
+    float acc[R];
+    const signed char* xq[R];
+    const float* xd[R];
+#pragma unroll
+    for (int j = 0; j < R; j++) {
+        acc[j] = 0.f;
+        xr_of(r0 + min(j, nr - 1), xq[j], xd[j]);
+    }
+    for (int c = lane * 32; c < k; c += 1024) {
+        XChunk ch = xdecode32<F>(wr, c);
+#pragma unroll
+        for (int j = 0; j < R; j++) {
+            if (j < nr) {
+                int4 a = *(const int4*)(xq[j] + c), b = *(const int4*)(xq[j] + c + 16);
+                int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+                acc[j] = xapply32<F>(ch, x, xd[j][c >> 5], acc[j]);
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < R; j++) {
+        float v = warp_sum(acc[j]);
+        if (j < nr) store(r0 + j, v);
+    }
+}
+
+template <int F, typename XR, typename ST>
+__device__ __forceinline__ void xrows_all(const u8* wr, int nrows, int k, int lane, XR xr, ST st) {
+    int r0 = 0;
+    while (r0 < nrows) {
+        int left = nrows - r0;
+        if (left >= 8) { xrows_group<F, 8>(wr, r0, 8, k, lane, xr, st); r0 += 8; }
+        else if (left >= 4) { xrows_group<F, 4>(wr, r0, 4, k, lane, xr, st); r0 += 4; }
+        else if (left >= 2) { xrows_group<F, 2>(wr, r0, 2, k, lane, xr, st); r0 += 2; }
+        else { xrows_group<F, 1>(wr, r0, 1, k, lane, xr, st); r0 += 1; }
+    }
+}
+
+// out[r, o] for n rows (see gemv_q); xq/xd: quant_x8 of x [n, ldx] (ldx a multiple of 32).
+template <int F>
+__device__ void gemvn_x8(float* __restrict__ out, const signed char* __restrict__ xq, const float* __restrict__ xd,
+                         const u8* __restrict__ w, int n, int k, int m, int ldx, int rpg) {
+    int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int o = blockIdx.x * Q_WARPS + wp;
+    if (o >= m) return;
+    long long xoff = (long long)(o / rpg) * k;
+    xrows_all<F>(w + (long long)o * row_bytes(F, k), n, k, lane,
+                 [&](int r, const signed char*& q, const float*& d) {
+                     long long e = (long long)r * ldx + xoff;
+                     q = xq + e;
+                     d = xd + e / 32;
+                 },
+                 [&](int r, float v) { if (lane == 0) out[(long long)r * m + o] = v; });
+}
+
+// Routed experts of several token rows on int8 activations (see moe_up_q): an expert's pairs in
+// groups of up to 8, gate products then up products.
+template <int F>
+__device__ void moe_upn_x8(float* __restrict__ h, const signed char* __restrict__ xq, const float* __restrict__ xd,
+                           const unsigned* order, const unsigned* off, const unsigned* active,
+                           const unsigned long long* ptrs, int nexp, int k, int d, int inter, float limit) {
+    if (blockIdx.x >= active[nexp]) return;
+    unsigned e = active[blockIdx.x];
+    int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int o = blockIdx.y * Q_WARPS + wp;
+    if (o >= inter) return;
+    long long rb = row_bytes(F, d);
+    const u8* w1 = (const u8*)ptrs[e] + o * rb;
+    const u8* w3 = (const u8*)ptrs[nexp + e] + o * rb;
+    unsigned b0 = off[e];
+    int cnt = (int)(off[e + 1] - b0);
+    int r0 = 0;
+    while (r0 < cnt) {
+        int nr = min(8, cnt - r0);
+        auto xr = [&](int r, const signed char*& q, const float*& s) {
+            long long t = order[b0 + r0 + r] / k;
+            q = xq + t * d;
+            s = xd + t * d / 32;
+        };
+        float g[8];
+        xrows_all<F>(w1, nr, d, lane, xr, [&](int r, float v) { g[r] = v; });
+        xrows_all<F>(w3, nr, d, lane, xr, [&](int r, float v) {
+            if (lane == 0) h[(long long)order[b0 + r0 + r] * inter + o] = swiglu_q(g[r], v, limit);
+        });
+        r0 += nr;
+    }
+}
+
+template <int F>
+__device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restrict__ hq, const float* __restrict__ hd,
+                             const unsigned* order, const unsigned* off, const unsigned* active,
+                             const unsigned long long* ptrs, int nexp, int d, int inter) {
+    if (blockIdx.x >= active[nexp]) return;
+    unsigned e = active[blockIdx.x];
+    int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int c = blockIdx.y * Q_WARPS + wp;
+    if (c >= d) return;
+    unsigned b0 = off[e];
+    int cnt = (int)(off[e + 1] - b0);
+    xrows_all<F>((const u8*)ptrs[2 * nexp + e] + c * row_bytes(F, inter), cnt, inter, lane,
+                 [&](int r, const signed char*& q, const float*& s) {
+                     long long p = order[b0 + r];
+                     q = hq + p * inter;
+                     s = hd + p * inter / 32;
+                 },
+                 [&](int r, float v) { if (lane == 0) y[(long long)order[b0 + r] * d + c] = v; });
+}
+
 #define X8_KERNELS(F, N)                                                                                             \
-    extern "C" __global__ void gemv1x_##N(float* out, const signed char* xq, const float* xd, const u8* w, int k,   \
-                                          int m, int rpg) {                                                          \
+    extern "C" __global__ void gemv1x_##N(float* out, const signed char* xq, const float* xd, const u8* w, int n,   \
+                                          int k, int m, int ldx, int rpg) {                                          \
         gemv_x8<F>(out, xq, xd, w, k, m, rpg);                                                                       \
     }                                                                                                                \
     extern "C" __global__ void moe_up1x_##N(float* h, const signed char* xq, const float* xd, const unsigned* order, \
                                             const unsigned* off, const unsigned* active,                            \
-                                            const unsigned long long* ptrs, int nexp, int d, int inter,              \
+                                            const unsigned long long* ptrs, int nexp, int k, int d, int inter,       \
                                             float limit) {                                                           \
         moe_up_x8<F>(h, xq, xd, order, off, active, ptrs, nexp, d, inter, limit);                                    \
     }                                                                                                                \
@@ -523,6 +663,21 @@ __device__ void moe_down_x8(float* __restrict__ y, const signed char* __restrict
                                               const unsigned* order, const unsigned* off, const unsigned* active,    \
                                               const unsigned long long* ptrs, int nexp, int d, int inter) {          \
         moe_down_x8<F>(y, hq, hd, order, off, active, ptrs, nexp, d, inter);                                         \
+    }                                                                                                                \
+    extern "C" __global__ void gemvx_##N(float* out, const signed char* xq, const float* xd, const u8* w, int n,    \
+                                         int k, int m, int ldx, int rpg) {                                           \
+        gemvn_x8<F>(out, xq, xd, w, n, k, m, ldx, rpg);                                                              \
+    }                                                                                                                \
+    extern "C" __global__ void moe_upx_##N(float* h, const signed char* xq, const float* xd, const unsigned* order, \
+                                           const unsigned* off, const unsigned* active,                             \
+                                           const unsigned long long* ptrs, int nexp, int k, int d, int inter,        \
+                                           float limit) {                                                            \
+        moe_upn_x8<F>(h, xq, xd, order, off, active, ptrs, nexp, k, d, inter, limit);                                \
+    }                                                                                                                \
+    extern "C" __global__ void moe_downx_##N(float* y, const signed char* hq, const float* hd,                      \
+                                             const unsigned* order, const unsigned* off, const unsigned* active,     \
+                                             const unsigned long long* ptrs, int nexp, int d, int inter) {           \
+        moe_downn_x8<F>(y, hq, hd, order, off, active, ptrs, nexp, d, inter);                                        \
     }
 
 X8_KERNELS(F_Q8_0, q8_0)
