@@ -206,9 +206,11 @@ struct ServeArgs {
     /// Sequence slots (concurrent sequences holding state).
     #[arg(long, default_value_t = 16)]
     max_seqs: usize,
-    /// Tokens per engine step (decode rows + prefill chunks).
-    #[arg(long, default_value_t = 512)]
-    token_budget: usize,
+    /// Tokens per engine step (decode rows + prefill chunks). Default: 512 on the CPU; on a GPU,
+    /// what the step's activations fit in 10% of the free memory, 512 to 8192 (long prompts
+    /// then prefill in few large chunks).
+    #[arg(long)]
+    token_budget: Option<usize>,
     /// Longest prompt + completion accepted (default: the model's own maximum, limited to what
     /// the state pool can hold for --max-seqs sequences where the backend knows its memory).
     #[arg(long)]
@@ -354,9 +356,10 @@ where
         None => default_max_context(&model, a.max_seqs),
     };
     let speculative = dspark.is_some();
+    let token_budget = a.token_budget.unwrap_or_else(|| default_token_budget(&model.cfg, model.backend.memory_free()));
     let cfg = dsv4_engine::EngineConfig {
-        token_budget: a.token_budget,
-        prefill_chunk: a.token_budget,
+        token_budget,
+        prefill_chunk: token_budget,
         max_waiting: a.max_waiting,
         max_context,
         prefix_cache,
@@ -391,7 +394,7 @@ where
         a.default_max_tokens.map_or("remaining context".to_string(), |n| n.to_string()),
         a.max_seqs,
         a.max_tokens_limit.map_or("none".to_string(), |n| n.to_string()),
-        a.token_budget,
+        token_budget,
         a.max_waiting,
         a.prefix_cache_mb,
         a.kv_disk_dir.as_ref().map_or(String::new(), |d| format!(" + disk {} ({} MiB)", d.display(), a.kv_disk_budget_mb)),
@@ -485,6 +488,26 @@ fn default_max_context<B: Backend>(model: &Model<B>, max_seqs: usize) -> usize {
             fit.clamp(1, max)
         }
         _ => max,
+    }
+}
+
+/// Activation bytes one token of a step holds at its peak, roughly: the mHC streams and their
+/// mixes, the routed experts' gate/up/hidden rows, the attention heads' q/output rows and the
+/// indexer's queries, all f32, with copies in flight.
+fn step_bytes_per_token(cfg: &dsv4_model::Config) -> usize {
+    4 * (4 * cfg.hc_mult * cfg.hidden
+        + 4 * cfg.n_experts_per_tok * cfg.moe_inter
+        + 3 * cfg.n_heads * cfg.head_dim
+        + 2 * cfg.index_n_heads * cfg.index_head_dim)
+}
+
+/// The default tokens per step: 512 where the backend does not know its memory (the CPU);
+/// otherwise what fits in 10% of the free memory (the states may take the other 90%, see
+/// [`default_max_context`]), between 512 and 8192.
+fn default_token_budget(cfg: &dsv4_model::Config, free: Option<u64>) -> usize {
+    match free {
+        Some(f) => ((f / 10) as usize / step_bytes_per_token(cfg)).clamp(512, 8192),
+        None => 512,
     }
 }
 
@@ -659,4 +682,22 @@ fn generate_cmd<B: Backend>(backend: B, a: GenerateArgs) -> Result<()> {
         println!("{text}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_budget_follows_free_memory() {
+        let cfg = dsv4_model::Config::flash();
+        // About 0.9 MB a token at V4-Flash's dimensions.
+        let per = step_bytes_per_token(&cfg);
+        assert!((500_000..1_500_000).contains(&per), "{per} bytes a token");
+        assert_eq!(default_token_budget(&cfg, None), 512);
+        assert_eq!(default_token_budget(&cfg, Some(1 << 30)), 512);
+        let mid = default_token_budget(&cfg, Some(40_000_000_000));
+        assert!((2048..8192).contains(&mid), "40 GB free: {mid}");
+        assert_eq!(default_token_budget(&cfg, Some(1 << 40)), 8192);
+    }
 }
