@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Builds what one device session runs (no GPU needed here): the release `dsv4` binary and every
+# CUDA test binary, stripped, into .devbin/ (ignored by git; carry it with the device tool's
+# `carry: [".devbin"]`), with the DSpark fixtures. Then on the device: tools/device/run.sh.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+grep -qx '/.devbin/' .git/info/exclude 2>/dev/null || echo '/.devbin/' >> .git/info/exclude
+rm -rf .devbin && mkdir -p .devbin/tests
+cargo build --release --locked -p dsv4 --features cuda
+cp target/release/dsv4 .devbin/dsv4
+# Test executables of the crates with CUDA tests, from cargo's own list.
+cargo test --release --locked --features dsv4/cuda -p dsv4-backend -p dsv4-engine -p dsv4 --no-run \
+    --message-format=json 2>/dev/null \
+  | python3 -c '
+import json, sys, shutil, os
+for line in sys.stdin:
+    m = json.loads(line)
+    exe = m.get("executable")
+    name = m.get("target", {}).get("name", "")
+    if exe and m.get("profile", {}).get("test") and name.startswith("cuda"):
+        shutil.copy(exe, os.path.join(".devbin/tests", name))
+        print("test binary:", name)
+'
+strip .devbin/dsv4 .devbin/tests/*
+cp -r crates/dsv4-dspark/tests/fixtures .devbin/dspark_fixtures
+du -sh .devbin
