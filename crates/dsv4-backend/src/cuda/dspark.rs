@@ -38,6 +38,11 @@ fn kernels(b: &CudaBackend) -> Arc<DsparkKernels> {
     k
 }
 
+/// Loads this module's kernels on `b`'s device now (before a recording that launches them).
+pub(crate) fn preload(b: &CudaBackend) {
+    kernels(b);
+}
+
 pub(crate) fn to_device(b: &CudaBackend, rows: usize, cols: usize, data: &[f32]) -> CudaTensor {
     assert_eq!(data.len(), rows * cols, "to_device shape");
     let mut t = b.tensor(rows, cols);

@@ -132,6 +132,9 @@ impl CudaBackend {
         if st.recording.is_some() || !st.io.contains_key(&(rows, out, hidden_cols)) {
             return false;
         }
+        // The argmax kernel's module is loaded on first use: load it now, outside the capture
+        // (a module load inside it could end the capture).
+        super::dspark::preload(self);
         if let Err(e) = self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) {
             tracing::warn!("CUDA graph capture could not start: {e:?}");
             return false;
