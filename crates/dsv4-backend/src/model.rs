@@ -4,7 +4,7 @@
 use crate::backend::Backend;
 use crate::batch::{Batch, BatchError};
 use crate::cpu::state::SeqState;
-use crate::forward::{forward_outputs, Capture, Outputs, RopeTables, Stage};
+use crate::forward::{forward_outputs, Capture, Forwarded, Outputs, RopeTables, Stage};
 use dsv4_model::{
     load_weights_with, Checkpoint, Component, Config, HostTensor, LoadError, LoadOptions, MemoryStats, Weights,
 };
@@ -353,17 +353,7 @@ impl<B: Backend> Model<B> {
             if !self.backend.begin_record(key.0, key.1, key.2) {
                 return self.forward_eager(plan, None);
             }
-            let f = forward_outputs(
-                &self.backend,
-                &self.cfg,
-                &self.weights,
-                &self.rope,
-                &mut self.cache,
-                batch,
-                plan.outputs,
-                None,
-                false,
-            );
+            let f = self.run(plan, None, false);
             match self.backend.end_record(f.logits, f.hidden) {
                 Ok(g) => {
                     self.graphs.insert(key, (generation, g));
@@ -403,19 +393,15 @@ impl<B: Backend> Model<B> {
         }
     }
 
+    /// The forward of `plan` on this model's weights and states (`probe`: every stage probed).
+    fn run(&mut self, plan: &StepPlan<'_>, cap: Option<&mut dyn Capture<B>>, probe: bool) -> Forwarded<B::T> {
+        let (b, w) = (&self.backend, &self.weights);
+        forward_outputs(b, &self.cfg, w, &self.rope, &mut self.cache, plan.batch, plan.outputs, cap, probe)
+    }
+
     fn forward_eager(&mut self, plan: &StepPlan<'_>, cap: Option<&mut dyn Capture<B>>) -> Result<StepOut, ModelError> {
         let (batch, out_rows) = (plan.batch, plan.outputs.out_rows);
-        let f = forward_outputs(
-            &self.backend,
-            &self.cfg,
-            &self.weights,
-            &self.rope,
-            &mut self.cache,
-            batch,
-            plan.outputs,
-            cap,
-            true,
-        );
+        let f = self.run(plan, cap, true);
         for s in &batch.segments {
             self.seqs[s.seq] = Some(s.pos0 + s.len);
         }
