@@ -6,11 +6,13 @@
 pub mod backend;
 pub mod batch;
 pub mod bf16;
+pub mod comm;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod diff;
 pub mod forward;
+pub mod group;
 pub mod model;
 pub mod synth;
 

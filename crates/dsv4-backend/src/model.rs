@@ -3,10 +3,11 @@
 
 use crate::backend::Backend;
 use crate::batch::{Batch, BatchError};
+use crate::comm::{Comm, Single};
 use crate::cpu::state::SeqState;
 use crate::forward::{forward, forward_checked, Capture, RopeTables, Stage};
 use dsv4_model::{
-    load_weights_with, Checkpoint, Component, Config, HostTensor, LoadError, LoadOptions, MemoryStats, Weights,
+    load_weights_with, Checkpoint, Component, Config, HostTensor, LoadError, LoadOptions, MemoryStats, Shard, Weights,
 };
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
@@ -28,6 +29,9 @@ pub enum ModelError {
     EmptyChunk,
     #[error("rollback failed: {0}")]
     Truncate(String),
+    /// A rank of a group on a backend whose MoE op indexes every expert.
+    #[error("the {0} backend cannot hold a share of the routed experts (expert parallelism); run it on one rank")]
+    NoExpertParallel(&'static str),
     /// The weights would not fit the device (checked before anything is allocated).
     #[error(
         "the model does not fit: it needs {} of weights ({}), plus {} for activations, but only {} is free",
@@ -71,11 +75,16 @@ fn memory_budget(free: Option<u64>) -> Option<u64> {
     }
 }
 
-/// Device bytes per [`Component`] that loading `ck` onto `backend` would allocate, from a dry
-/// run of the loader (no tensor data is read).
-pub fn resident_plan<B: Backend>(backend: &B, ck: &Checkpoint, cfg: &Config) -> Result<[u64; 4], LoadError> {
+/// Device bytes per [`Component`] that loading `shard`'s share of `ck` onto `backend` would
+/// allocate, from a dry run of the loader (no tensor data is read).
+pub fn resident_plan<B: Backend>(
+    backend: &B,
+    ck: &Checkpoint,
+    cfg: &Config,
+    shard: Shard,
+) -> Result<[u64; 4], LoadError> {
     let mut need = [0u64; 4];
-    let opts = LoadOptions { keep_packed: backend.keeps_packed(), dry: true };
+    let opts = LoadOptions { keep_packed: backend.keeps_packed(), dry: true, shard };
     load_weights_with(ck.source(), cfg, opts, false, |t| {
         let i = Component::ALL.iter().position(|&c| c == Component::of(&t.name)).unwrap();
         need[i] += backend.resident_bytes(&t);
@@ -108,8 +117,13 @@ pub struct Snapshot {
 
 pub struct Model<B: Backend> {
     pub backend: B,
+    /// The model's configuration (global, whatever share this rank holds).
     pub cfg: Config,
+    /// This rank's share of the weights (all of them on a single rank).
     pub weights: Weights<B::W>,
+    /// What the forward runs with: [`Shard::local_config`] of `cfg` (`cfg` on a single rank).
+    local_cfg: Config,
+    comm: Box<dyn Comm<B>>,
     rope: RopeTables,
     cache: B::Cache,
     /// Tokens held by each allocated sequence slot.
@@ -139,12 +153,31 @@ impl<B: Backend> Model<B> {
         dir: &Path,
         max_seqs: usize,
         progress: bool,
-        mut edit: impl FnMut(&mut HostTensor),
+        edit: impl FnMut(&mut HostTensor),
     ) -> Result<Self, ModelError> {
+        Self::load_rank(backend, dir, max_seqs, progress, edit, Box::new(Single))
+    }
+
+    /// Loads rank `comm.rank()`'s share of `dir` (see [`Shard`]): routed experts it does not
+    /// own are never read, and the memory check counts only what this rank's device holds.
+    /// Every rank of the group loads its own share the same way (e.g. one thread each).
+    pub fn load_rank(
+        backend: B,
+        dir: &Path,
+        max_seqs: usize,
+        progress: bool,
+        mut edit: impl FnMut(&mut HostTensor),
+        comm: Box<dyn Comm<B>>,
+    ) -> Result<Self, ModelError> {
+        let shard = Shard::new(comm.rank(), comm.world());
+        if !shard.is_whole() && !backend.expert_parallel() {
+            return Err(ModelError::NoExpertParallel(backend.name()));
+        }
         let (cfg, ck) = Checkpoint::open(dir)?;
+        shard.check(&cfg)?;
         let keep_packed = backend.keeps_packed();
         if let Some(free) = memory_budget(backend.memory_free()) {
-            let need = resident_plan(&backend, &ck, &cfg)?;
+            let need = resident_plan(&backend, &ck, &cfg, shard)?;
             let total: u64 = need.iter().sum();
             // Room for the activations and workspaces of a forward beside the weights.
             let margin = (2u64 << 30).min(free / 8);
@@ -152,22 +185,35 @@ impl<B: Backend> Model<B> {
                 return Err(ModelError::DoesNotFit { need, free, margin });
             }
         }
-        let opts = LoadOptions { keep_packed, dry: false };
+        let opts = LoadOptions { keep_packed, dry: false, shard };
         let (weights, stats): (_, MemoryStats) = load_weights_with(ck.source(), &cfg, opts, progress, |mut t| {
             edit(&mut t);
             backend.upload(t)
         })?;
+        if !shard.is_whole() {
+            tracing::info!("rank {} of {}", shard.rank, shard.world);
+        }
         tracing::info!("loaded {}: {}", dir.display(), stats.summary());
-        Ok(Self::new(backend, cfg, weights, max_seqs))
+        Ok(Self::with_comm(backend, cfg, weights, max_seqs, comm))
     }
 
     pub fn new(backend: B, cfg: Config, weights: Weights<B::W>, max_seqs: usize) -> Self {
-        let cache = backend.new_cache(&cfg, max_seqs);
-        let graphs_on = std::env::var("DSV4_GRAPHS").map_or(true, |v| v.trim() != "0");
+        Self::with_comm(backend, cfg, weights, max_seqs, Box::new(Single))
+    }
+
+    /// A rank of a group: `weights` are its share (loaded with [`LoadOptions::shard`] of
+    /// `comm`'s rank), `cfg` the global configuration.
+    pub fn with_comm(backend: B, cfg: Config, weights: Weights<B::W>, max_seqs: usize, comm: Box<dyn Comm<B>>) -> Self {
+        let local_cfg = Shard::new(comm.rank(), comm.world()).local_config(&cfg);
+        let cache = backend.new_cache(&local_cfg, max_seqs);
+        // A collective that round-trips through the host cannot be recorded into a step graph.
+        let graphs_on = comm.recordable() && std::env::var("DSV4_GRAPHS").map_or(true, |v| v.trim() != "0");
         Model {
             rope: RopeTables::new(&cfg),
             backend,
             cfg,
+            local_cfg,
+            comm,
             weights,
             cache,
             seqs: vec![None; max_seqs],
@@ -179,7 +225,7 @@ impl<B: Backend> Model<B> {
 
     /// Turns recorded steps (CUDA graphs) on or off; on by default where the backend records.
     pub fn set_graphs(&mut self, on: bool) {
-        self.graphs_on = on;
+        self.graphs_on = on && self.comm.recordable();
         if !on {
             self.graphs.clear();
         }
@@ -220,7 +266,7 @@ impl<B: Backend> Model<B> {
     /// The sequence's whole state and length, on the host; `None` if the backend cannot save.
     pub fn snapshot(&self, seq: usize) -> Option<Snapshot> {
         let len = self.seq_len(seq)?;
-        self.backend.save_seq(&self.cache, &self.cfg, seq, len).map(|state| Snapshot { len, state })
+        self.backend.save_seq(&self.cache, &self.local_cfg, seq, len).map(|state| Snapshot { len, state })
     }
 
     /// Cuts the sequence back to its first `len` tokens without replaying anything (rejected
@@ -236,7 +282,8 @@ impl<B: Backend> Model<B> {
     /// Puts a snapshot into an allocated slot: the sequence continues exactly as if it had
     /// prefilled the snapshot's tokens itself. `false` if the backend cannot restore.
     pub fn restore(&mut self, seq: usize, snap: &Snapshot) -> bool {
-        if self.seq_len(seq).is_none() || !self.backend.load_seq(&mut self.cache, &self.cfg, seq, &snap.state, snap.len)
+        if self.seq_len(seq).is_none()
+            || !self.backend.load_seq(&mut self.cache, &self.local_cfg, seq, &snap.state, snap.len)
         {
             return false;
         }
@@ -306,8 +353,8 @@ impl<B: Backend> Model<B> {
             if !self.backend.begin_record(key.0, key.1) {
                 return self.forward_eager(batch, out_rows, None);
             }
-            let logits =
-                forward(&self.backend, &self.cfg, &self.weights, &self.rope, &mut self.cache, batch, out_rows, None);
+            let (b, cfg, w) = (&self.backend, &self.local_cfg, &self.weights);
+            let logits = forward(b, cfg, w, &self.rope, &mut self.cache, batch, out_rows, None, self.comm.as_ref());
             match self.backend.end_record(logits) {
                 Ok(g) => {
                     self.graphs.insert(key, (generation, g));
@@ -352,8 +399,9 @@ impl<B: Backend> Model<B> {
         out_rows: &[usize],
         cap: Option<&mut dyn Capture<B>>,
     ) -> Result<Vec<f32>, ModelError> {
+        let (b, cfg, w) = (&self.backend, &self.local_cfg, &self.weights);
         let (logits, stages) =
-            forward_checked(&self.backend, &self.cfg, &self.weights, &self.rope, &mut self.cache, batch, out_rows, cap);
+            forward_checked(b, cfg, w, &self.rope, &mut self.cache, batch, out_rows, cap, self.comm.as_ref());
         for s in &batch.segments {
             self.seqs[s.seq] = Some(s.pos0 + s.len);
         }

@@ -150,8 +150,8 @@ fn cuda_packed_experts_match_cpu() {
             let bias_c = Tensor::new(1, ne, vec![0.0; ne]);
             let rg = b.route(&lg, Some(&bias_g), None, &c);
             let rc = cpu.route(&lc, Some(&bias_c), None, &c);
-            let got = b.to_host(&b.moe(&xg, &rg, &gpu_e, 10.0));
-            let want = cpu.moe(&xc, &rc, &cpu_e, 10.0);
+            let got = b.to_host(&b.moe(&xg, &rg, &gpu_e, 0, 10.0));
+            let want = cpu.moe(&xc, &rc, &cpu_e, 0, 10.0);
             let e = rel_err(&got, &want.data);
             println!("{}/{} experts, {n} rows, exact {exact}: {e:.2e}", f13.name(), f2.name());
             assert!(e <= tol, "{}/{} experts, {n} rows (exact {exact}): {e:.2e} > {tol:.0e}", f13.name(), f2.name());

@@ -956,7 +956,17 @@ impl Backend for CudaBackend {
         moe::route(self, logits, bias, hash, cfg)
     }
 
-    fn moe(&self, x: &CudaTensor, route: &CudaRoute, experts: &[Expert<CudaWeight>], limit: f32) -> CudaTensor {
+    fn moe(
+        &self,
+        x: &CudaTensor,
+        route: &CudaRoute,
+        experts: &[Expert<CudaWeight>],
+        first: usize,
+        limit: f32,
+    ) -> CudaTensor {
+        // The kernels index every expert by its global id (`expert_parallel` is false, so a
+        // sharded model refuses this backend before it gets here).
+        assert_eq!(first, 0, "the CUDA MoE kernels hold every expert (no expert parallelism yet)");
         moe::moe(self, x, route, experts, limit)
     }
 
