@@ -16,9 +16,9 @@ pub trait Comm<B: Backend>: Send + Sync {
     fn world(&self) -> usize;
     /// Replaces `x` (`[rows, cols]`, the same shape on every rank) by the sum over ranks.
     fn all_reduce(&self, b: &B, x: &mut B::T);
-    /// Every rank's `[rows, cols_r]` side by side in rank order: `[rows, Σ cols_r]` (widths may
-    /// differ between ranks).
-    fn all_gather_cols(&self, b: &B, x: B::T) -> B::T;
+    /// Every rank's `[rows, cols_r]` side by side in rank order: `[rows, total]`, where rank
+    /// `r` holds columns `⌊r·total/W⌋..⌊(r+1)·total/W⌋` ([`split`]; widths may differ by one).
+    fn all_gather_cols(&self, b: &B, x: B::T, total: usize) -> B::T;
     /// Whether the collectives may be recorded into a backend's step graph (a host round trip
     /// cannot).
     fn recordable(&self) -> bool {
@@ -38,9 +38,15 @@ impl<B: Backend> Comm<B> for Single {
         1
     }
     fn all_reduce(&self, _b: &B, _x: &mut B::T) {}
-    fn all_gather_cols(&self, _b: &B, x: B::T) -> B::T {
+    fn all_gather_cols(&self, _b: &B, x: B::T, _total: usize) -> B::T {
         x
     }
+}
+
+/// Rank `rank`'s part `⌊rank·n/world⌋..⌊(rank+1)·n/world⌋` of `n` columns (as
+/// [`dsv4_model::Shard::vocab_of`] splits the LM head).
+pub fn split(n: usize, world: usize, rank: usize) -> std::ops::Range<usize> {
+    rank * n / world..(rank + 1) * n / world
 }
 
 /// What the ranks of a [`LocalComm`] group share.
@@ -97,8 +103,9 @@ impl<B: Backend> Comm<B> for LocalComm {
         });
         *x = b.to_device(rows, cols, &sum);
     }
-    fn all_gather_cols(&self, b: &B, x: B::T) -> B::T {
+    fn all_gather_cols(&self, b: &B, x: B::T, total: usize) -> B::T {
         let (rows, cols) = b.shape(&x);
+        assert_eq!(cols, split(total, self.world, self.rank).len(), "all_gather_cols: rank {} width", self.rank);
         let (width, out) = self.exchange(cols, b.to_host(&x), |all| {
             let width: usize = all.iter().map(|(c, _)| c).sum();
             let mut out = Vec::with_capacity(rows * width);

@@ -150,7 +150,7 @@ fn run<B: Backend>(
     let h = b.rms_norm(&h, Some(&w.norm), cfg.hidden, cfg.rms_eps);
     cx.cap(None, "head.norm", &h);
     // Each rank holds a share of the vocabulary rows.
-    let logits = comm.all_gather_cols(b, b.matmul(&h, &w.head));
+    let logits = comm.all_gather_cols(b, b.matmul(&h, &w.head), cfg.vocab_size);
     cx.cap(None, "logits", &logits);
     (logits, cx.probes.unwrap_or_default())
 }

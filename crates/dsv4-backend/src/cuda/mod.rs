@@ -16,6 +16,7 @@ pub mod bf16;
 pub mod dspark;
 pub mod graph;
 pub mod moe;
+pub mod nccl;
 pub mod quant;
 pub mod state;
 
