@@ -9,6 +9,7 @@
 //! indexer, router, gate bias, `tid2eid`) is replicated. World 1 is the whole model.
 
 use crate::config::Config;
+use crate::packed::{Packed, PackedFormat, FP4_GROUP, FP8_BLOCK};
 use crate::store::LoadError;
 use std::ops::Range;
 
@@ -148,6 +149,82 @@ impl Part {
     }
 }
 
+impl Part {
+    /// Cuts stored blocks without decoding them, where the cut falls on block boundaries (FP8:
+    /// 128 × 128 scale blocks; FP4 and GGUF: whole blocks along a row, any rows); `None`
+    /// otherwise (the caller then cuts the dequantised values). Empty blocks (a dry run) give
+    /// empty blocks of the same format.
+    pub fn cut_packed(&self, shape: &[usize], p: &Packed) -> Option<Packed> {
+        let (rows, cols) = match shape {
+            [r, c] => (*r, *c),
+            _ => return None,
+        };
+        let f = p.format;
+        let dry = p.blocks.is_empty();
+        let out = |blocks: Vec<u8>, scales: Vec<f32>| Some(Packed { format: f, blocks, scales });
+        // Whole units of `unit` along an axis of length `n`: the cut's ends are multiples of it
+        // (or the axis end).
+        let aligned = |r: &Range<usize>, unit: usize, n: usize| {
+            r.start.is_multiple_of(unit) && (r.end.is_multiple_of(unit) || r.end == n)
+        };
+        let rb = f.row_bytes(cols);
+        match (self, f) {
+            (Part::All, _) => Some(p.clone()),
+            (Part::Rows(r), PackedFormat::Fp8) => {
+                if !aligned(r, FP8_BLOCK, rows) {
+                    return None;
+                }
+                if dry {
+                    return out(vec![], vec![]);
+                }
+                let sc = cols.div_ceil(FP8_BLOCK);
+                let (s0, s1) = (r.start / FP8_BLOCK, r.end.div_ceil(FP8_BLOCK));
+                out(p.blocks[r.start * rb..r.end * rb].to_vec(), p.scales[s0 * sc..s1 * sc].to_vec())
+            }
+            (Part::Rows(r), _) => {
+                if dry {
+                    return out(vec![], vec![]);
+                }
+                let ns = f.n_scales(1, cols);
+                out(p.blocks[r.start * rb..r.end * rb].to_vec(), p.scales[r.start * ns..r.end * ns].to_vec())
+            }
+            (Part::Cols(c), PackedFormat::Fp8) => {
+                if !aligned(c, FP8_BLOCK, cols) {
+                    return None;
+                }
+                if dry {
+                    return out(vec![], vec![]);
+                }
+                let sc = cols.div_ceil(FP8_BLOCK);
+                let (s0, s1) = (c.start / FP8_BLOCK, c.end.div_ceil(FP8_BLOCK));
+                let blocks = p.blocks.chunks(cols).flat_map(|row| row[c.clone()].iter().copied()).collect();
+                let scales = p.scales.chunks(sc).flat_map(|row| row[s0..s1].iter().copied()).collect();
+                out(blocks, scales)
+            }
+            (Part::Cols(c), _) => {
+                let unit = if f == PackedFormat::Fp4 { FP4_GROUP } else { f.block() };
+                if !c.start.is_multiple_of(unit) || !c.end.is_multiple_of(unit) {
+                    return None;
+                }
+                if dry {
+                    return out(vec![], vec![]);
+                }
+                let per = rb / (cols / unit); // bytes of one unit
+                let (b0, b1) = (c.start / unit * per, c.end / unit * per);
+                let blocks = p.blocks.chunks(rb).flat_map(|row| row[b0..b1].iter().copied()).collect();
+                let ns = f.n_scales(1, cols);
+                let scales = if ns == 0 {
+                    vec![]
+                } else {
+                    let (s0, s1) = (c.start / FP4_GROUP, c.end / FP4_GROUP);
+                    p.scales.chunks(ns).flat_map(|row| row[s0..s1].iter().copied()).collect()
+                };
+                out(blocks, scales)
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -164,5 +241,52 @@ mod tests {
         assert_eq!(Shard::new(0, 2).part(&cfg, "head.weight", &[97, 64]), Part::Rows(0..48));
         assert_eq!(Part::Cols(1..2).cut(&[2, 3], vec![0., 1., 2., 3., 4., 5.]), vec![1., 4.]);
         assert_eq!(Part::Rows(1..2).cut(&[2, 3], vec![0., 1., 2., 3., 4., 5.]), vec![3., 4., 5.]);
+    }
+
+    fn bytes(n: usize, seed: u64) -> Vec<u8> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (s >> 56) as u8
+            })
+            .collect()
+    }
+
+    /// Cutting the blocks and then decoding equals decoding and then cutting, bit for bit.
+    #[test]
+    fn packed_cuts_equal_dequantised_cuts() {
+        let (rows, cols) = (300, 512);
+        let fp8_scales = |r: usize, c: usize| (0..r.div_ceil(128) * c.div_ceil(128)).map(|i| 0.5 + i as f32).collect();
+        let fp4_scales = |r: usize, c: usize| (0..r * c / 32).map(|i| (1 << (i % 4)) as f32).collect();
+        // Q8_0: an f16 scale of 1.0 then 32 int8 values per block.
+        let q8: Vec<u8> = (0..rows * cols / 32)
+            .flat_map(|b| [0x00, 0x3c].into_iter().chain(bytes(32, b as u64)))
+            .collect::<Vec<u8>>();
+        let cases = [
+            Packed { format: PackedFormat::Fp8, blocks: bytes(rows * cols, 1), scales: fp8_scales(rows, cols) },
+            Packed { format: PackedFormat::Fp4, blocks: bytes(rows * cols / 2, 2), scales: fp4_scales(rows, cols) },
+            Packed { format: PackedFormat::Q8_0, blocks: q8, scales: vec![] },
+        ];
+        let parts =
+            [Part::Rows(128..256), Part::Rows(256..300), Part::Rows(7..9), Part::Cols(128..384), Part::Cols(384..512)];
+        for p in &cases {
+            let full = p.dequantize(rows, cols);
+            for part in &parts {
+                let shape = part.shape(&[rows, cols]);
+                let Some(cut) = part.cut_packed(&[rows, cols], p) else {
+                    assert!(p.format == PackedFormat::Fp8 && *part == Part::Rows(7..9), "{:?} {part:?}", p.format);
+                    continue;
+                };
+                let got = cut.dequantize(shape[0], shape[1]);
+                let want = part.cut(&[rows, cols], full.clone());
+                assert!(
+                    got.iter().map(|v| v.to_bits()).eq(want.iter().map(|v| v.to_bits())),
+                    "{:?} {part:?}",
+                    p.format
+                );
+            }
+        }
+        assert!(Part::Cols(100..200).cut_packed(&[rows, cols], &cases[0]).is_none());
     }
 }

@@ -597,14 +597,19 @@ impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
         if part == Part::All {
             return self.put(official.to_string(), shape.to_vec(), data, packed, bytes);
         }
-        // A cut tensor is handed over as f32: packed blocks are not cut (yet).
+        let cut = packed.as_ref().and_then(|p| part.cut_packed(shape, p));
+        let share =
+            |b: u64| b * part.shape(shape).iter().product::<usize>() as u64 / shape.iter().product::<usize>() as u64;
+        if cut.is_some() {
+            return self.put(official.to_string(), part.shape(shape), vec![], cut, share(bytes));
+        }
+        // Blocks the cut does not fall on the boundaries of are handed over as f32.
         let mut t = HostTensor { name: official.to_string(), shape: shape.to_vec(), data, packed };
         if !self.opts.dry {
             t.dequantize();
         }
         let data = part.cut(shape, t.data);
-        let bytes = bytes * part.shape(shape).iter().product::<usize>() as u64 / shape.iter().product::<usize>() as u64;
-        self.put(t.name, part.shape(shape), data, None, bytes)
+        self.put(t.name, part.shape(shape), data, None, share(bytes))
     }
 
     /// The hash-routing table `[vocab, k]` of a hash layer.
