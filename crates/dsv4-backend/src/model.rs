@@ -171,6 +171,7 @@ impl<B: Backend> Model<B> {
     ) -> Result<Self, ModelError> {
         let shard = Shard::new(comm.rank(), comm.world());
         if !shard.is_whole() && !backend.expert_parallel() {
+            // Refused before reading anything (`with_comm` checks again).
             return Err(ModelError::NoExpertParallel(backend.name()));
         }
         let (cfg, ck) = Checkpoint::open(dir)?;
@@ -194,21 +195,32 @@ impl<B: Backend> Model<B> {
             tracing::info!("rank {} of {}", shard.rank, shard.world);
         }
         tracing::info!("loaded {}: {}", dir.display(), stats.summary());
-        Ok(Self::with_comm(backend, cfg, weights, max_seqs, comm))
+        Self::with_comm(backend, cfg, weights, max_seqs, comm)
     }
 
     pub fn new(backend: B, cfg: Config, weights: Weights<B::W>, max_seqs: usize) -> Self {
         Self::with_comm(backend, cfg, weights, max_seqs, Box::new(Single))
+            .expect("one rank needs no expert parallelism")
     }
 
     /// A rank of a group: `weights` are its share (loaded with [`LoadOptions::shard`] of
-    /// `comm`'s rank), `cfg` the global configuration.
-    pub fn with_comm(backend: B, cfg: Config, weights: Weights<B::W>, max_seqs: usize, comm: Box<dyn Comm<B>>) -> Self {
+    /// `comm`'s rank), `cfg` the global configuration. A world above one needs a backend whose
+    /// MoE op takes a share of the experts ([`Backend::expert_parallel`]).
+    pub fn with_comm(
+        backend: B,
+        cfg: Config,
+        weights: Weights<B::W>,
+        max_seqs: usize,
+        comm: Box<dyn Comm<B>>,
+    ) -> Result<Self, ModelError> {
+        if comm.world() > 1 && !backend.expert_parallel() {
+            return Err(ModelError::NoExpertParallel(backend.name()));
+        }
         let local_cfg = Shard::new(comm.rank(), comm.world()).local_config(&cfg);
         let cache = backend.new_cache(&local_cfg, max_seqs);
         // A collective that round-trips through the host cannot be recorded into a step graph.
         let graphs_on = comm.recordable() && std::env::var("DSV4_GRAPHS").map_or(true, |v| v.trim() != "0");
-        Model {
+        Ok(Model {
             rope: RopeTables::new(&cfg),
             backend,
             cfg,
@@ -220,7 +232,7 @@ impl<B: Backend> Model<B> {
             graphs: HashMap::new(),
             seen: HashSet::new(),
             graphs_on,
-        }
+        })
     }
 
     /// Turns recorded steps (CUDA graphs) on or off; on by default where the backend records.
