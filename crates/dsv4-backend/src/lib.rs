@@ -12,7 +12,6 @@ pub mod cpu;
 pub mod cuda;
 pub mod diff;
 pub mod forward;
-pub mod group;
 pub mod model;
 pub mod synth;
 

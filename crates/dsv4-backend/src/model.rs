@@ -3,7 +3,7 @@
 
 use crate::backend::Backend;
 use crate::batch::{Batch, BatchError};
-use crate::comm::{Comm, Single};
+use crate::comm::{Comm, LocalComm, Single};
 use crate::cpu::state::SeqState;
 use crate::forward::{forward, forward_checked, Capture, RopeTables, Stage};
 use dsv4_model::{
@@ -11,6 +11,7 @@ use dsv4_model::{
 };
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
+use std::sync::{mpsc, Arc};
 
 /// Recorded step shapes kept at once (decode and verify steps of a deployment use a handful).
 const MAX_GRAPHS: usize = 64;
@@ -136,7 +137,14 @@ pub struct Model<B: Backend> {
     seen: HashSet<(usize, usize)>,
     /// Whether steps the backend can record are recorded and replayed (`DSV4_GRAPHS=0`: never).
     graphs_on: bool,
+    /// Ranks 1.. of an in-process group that this model (rank 0) drives, one worker thread
+    /// each: every state change and forward is run on them too, so callers (the engine) see
+    /// one model. Empty on a single rank and on the ranks themselves.
+    peers: Vec<mpsc::Sender<Job<B>>>,
 }
+
+/// Work sent to a rank's worker thread.
+type Job<B> = Box<dyn FnOnce(&mut Model<B>) + Send>;
 
 impl<B: Backend> Model<B> {
     /// Loads `dir` (config.json + safetensors; or a GGUF written by `dsv4 quantize`, given as the
@@ -232,15 +240,97 @@ impl<B: Backend> Model<B> {
             graphs: HashMap::new(),
             seen: HashSet::new(),
             graphs_on,
+            peers: Vec::new(),
         })
+    }
+
+    /// Loads an in-process group of `backends.len()` ranks (rank `r` on `backends[r]`, each
+    /// loading only its share, in parallel) joined by [`LocalComm`], and returns rank 0 driving
+    /// the others (see [`Model::from_ranks`]).
+    pub fn load_group(backends: Vec<B>, dir: &Path, max_seqs: usize, progress: bool) -> Result<Self, ModelError>
+    where
+        B: 'static,
+        Model<B>: Send,
+    {
+        let comms = LocalComm::group(backends.len());
+        let ranks = std::thread::scope(|s| {
+            let hs: Vec<_> = backends
+                .into_iter()
+                .zip(comms)
+                .enumerate()
+                .map(|(r, (b, c))| {
+                    s.spawn(move || Model::load_rank(b, dir, max_seqs, progress && r == 0, |_| {}, Box::new(c)))
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("a rank panicked while loading")).collect::<Vec<_>>()
+        });
+        Ok(Self::from_ranks(ranks.into_iter().collect::<Result<_, _>>()?))
+    }
+
+    /// Rank 0 of `ranks` (rank `r` at index `r`, all joined by one communicator), driving the
+    /// others from a worker thread each: every call that changes sequence state, and every
+    /// forward, runs on all ranks (the others concurrently with rank 0, meeting it in the
+    /// collectives), so the result is used like a single model. A rank that panics leaves the
+    /// others waiting in a collective.
+    pub fn from_ranks(ranks: Vec<Model<B>>) -> Self
+    where
+        B: 'static,
+        Model<B>: Send,
+    {
+        let mut it = ranks.into_iter();
+        let mut first = it.next().expect("a group needs rank 0");
+        for (r, mut m) in it.enumerate() {
+            let (tx, rx) = mpsc::channel::<Job<B>>();
+            std::thread::Builder::new()
+                .name(format!("dsv4-rank{}", r + 1))
+                .spawn(move || {
+                    while let Ok(job) = rx.recv() {
+                        job(&mut m);
+                    }
+                })
+                .expect("spawning a rank's worker thread");
+            first.peers.push(tx);
+        }
+        first
+    }
+
+    /// How many ranks this model's forward spans (1 on a single device).
+    pub fn world(&self) -> usize {
+        self.comm.world()
+    }
+
+    /// Starts `f` on every peer rank; their results arrive in rank order on the receivers.
+    fn on_peers<R: Send + 'static>(
+        &self,
+        f: impl Fn(&mut Model<B>) -> R + Send + Sync + 'static,
+    ) -> Vec<mpsc::Receiver<R>> {
+        let f = Arc::new(f);
+        self.peers
+            .iter()
+            .map(|p| {
+                let (tx, rx) = mpsc::channel();
+                let f = f.clone();
+                p.send(Box::new(move |m: &mut Model<B>| {
+                    let _ = tx.send(f(m));
+                }))
+                .expect("a rank's worker thread has stopped");
+                rx
+            })
+            .collect()
+    }
+
+    fn from_peers<R>(rx: Vec<mpsc::Receiver<R>>) -> Vec<R> {
+        rx.into_iter().map(|r| r.recv().expect("a rank's worker thread panicked")).collect()
     }
 
     /// Turns recorded steps (CUDA graphs) on or off; on by default where the backend records.
     pub fn set_graphs(&mut self, on: bool) {
+        let peers = self.on_peers(move |m| m.set_graphs(on));
         self.graphs_on = on && self.comm.recordable();
         if !on {
             self.graphs.clear();
         }
+        Self::from_peers(peers);
     }
 
     /// How many step shapes are recorded now.
@@ -250,13 +340,19 @@ impl<B: Backend> Model<B> {
 
     /// Takes a free sequence slot with fresh (reset) state.
     pub fn alloc_seq(&mut self) -> Result<usize, ModelError> {
-        let s = self.seqs.iter().position(Option::is_none).ok_or(ModelError::PoolFull(self.seqs.len()))?;
+        let peers = self.on_peers(|m| m.alloc_seq().ok());
+        let s = self.seqs.iter().position(Option::is_none).ok_or(ModelError::PoolFull(self.seqs.len()));
+        for p in Self::from_peers(peers) {
+            assert_eq!(p, s.as_ref().ok().copied(), "ranks disagree on the free sequence slot");
+        }
+        let s = s?;
         self.backend.reset_seq(&mut self.cache, s);
         self.seqs[s] = Some(0);
         Ok(s)
     }
 
     pub fn free_seq(&mut self, seq: usize) {
+        Self::from_peers(self.on_peers(move |m| m.free_seq(seq)));
         if let Some(s) = self.seqs.get_mut(seq) {
             *s = None;
         }
@@ -266,7 +362,8 @@ impl<B: Backend> Model<B> {
         self.seqs.get(seq).copied().flatten()
     }
 
-    /// The backend and the state of every sequence slot (backend-specific tuning, reservations).
+    /// The backend and the state of every sequence slot (backend-specific tuning, reservations);
+    /// rank 0's only in a group.
     pub fn backend_and_cache(&mut self) -> (&B, &mut B::Cache) {
         (&self.backend, &mut self.cache)
     }
@@ -285,6 +382,12 @@ impl<B: Backend> Model<B> {
     /// speculative tokens): window rows, compressed entries, compressor open and overlap rows
     /// and the indexer state all return to what a plain run to `len` holds.
     pub fn truncate(&mut self, seq: usize, len: usize) -> Result<(), ModelError> {
+        let peers = self.on_peers(move |m| m.truncate(seq, len));
+        let r = self.truncate_here(seq, len);
+        Self::from_peers(peers).into_iter().fold(r, |a, p| a.and(p))
+    }
+
+    fn truncate_here(&mut self, seq: usize, len: usize) -> Result<(), ModelError> {
         let have = self.seq_len(seq).ok_or(BatchError::NoSequence { seq })?;
         self.backend.truncate_seq(&mut self.cache, seq, have, len).map_err(ModelError::Truncate)?;
         self.seqs[seq] = Some(len);
@@ -294,6 +397,17 @@ impl<B: Backend> Model<B> {
     /// Puts a snapshot into an allocated slot: the sequence continues exactly as if it had
     /// prefilled the snapshot's tokens itself. `false` if the backend cannot restore.
     pub fn restore(&mut self, seq: usize, snap: &Snapshot) -> bool {
+        let peers = if self.peers.is_empty() {
+            Vec::new()
+        } else {
+            let shared = Arc::new(snap.clone());
+            self.on_peers(move |m| m.restore(seq, &shared))
+        };
+        let ok = self.restore_here(seq, snap);
+        Self::from_peers(peers).into_iter().all(|p| p == ok) && ok
+    }
+
+    fn restore_here(&mut self, seq: usize, snap: &Snapshot) -> bool {
         if self.seq_len(seq).is_none()
             || !self.backend.load_seq(&mut self.cache, &self.local_cfg, seq, &snap.state, snap.len)
         {
@@ -338,6 +452,23 @@ impl<B: Backend> Model<B> {
     /// for nonfinite values, and when one is found the step is cut back and run again with every
     /// stage probed, so the error still names the first stage.
     pub fn forward_with(
+        &mut self,
+        batch: &Batch,
+        out_rows: &[usize],
+        cap: Option<&mut dyn Capture<B>>,
+    ) -> Result<Vec<f32>, ModelError> {
+        if self.peers.is_empty() {
+            return self.forward_here(batch, out_rows, cap);
+        }
+        // The peers run the same forward (without the capture) concurrently; every rank ends
+        // with the same logits, so rank 0's are returned, or the first error of any rank.
+        let (b, o) = (batch.clone(), out_rows.to_vec());
+        let peers = self.on_peers(move |m| m.forward_with(&b, &o, None).map(|_| ()));
+        let r = self.forward_here(batch, out_rows, cap);
+        Self::from_peers(peers).into_iter().fold(r, |a, p| p.and(a))
+    }
+
+    fn forward_here(
         &mut self,
         batch: &Batch,
         out_rows: &[usize],
@@ -396,6 +527,10 @@ impl<B: Backend> Model<B> {
     fn locate_nonfinite(&mut self, batch: &Batch, out_rows: &[usize], row: usize) -> ModelError {
         let fallback =
             ModelError::NonFinite { layer: None, stage: "logits", row: out_rows.get(row).copied().unwrap_or(row) };
+        if !self.peers.is_empty() {
+            // Re-running eagerly here alone would leave the other ranks out of its collectives.
+            return fallback;
+        }
         if batch.segments.iter().any(|s| self.truncate(s.seq, s.pos0).is_err()) {
             return fallback;
         }

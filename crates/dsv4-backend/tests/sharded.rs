@@ -1,12 +1,13 @@
 //! Tensor + expert parallel forward (issue #15, the CPU acceptance point): the same forward over
 //! 2 and 4 in-process ranks ([`dsv4_backend::comm::LocalComm`], one thread each, every rank
 //! loading only its share) gives the unsharded logits on the HF fixtures, prefill and greedy
-//! decode alike; one rank is bitwise the plain path.
+//! decode alike; one rank is bitwise the plain path. The group is driven as one [`Model`]
+//! ([`Model::load_group`]: rank 0 mirrors every call to the other ranks' threads).
 
 mod common;
 use common::*;
+use dsv4_backend::comm::LocalComm;
 use dsv4_backend::cpu::CpuBackend;
-use dsv4_backend::group::Group;
 use dsv4_backend::{Batch, Model, ModelError};
 use dsv4_model::{Config, Shard, TensorStore};
 
@@ -63,13 +64,9 @@ impl Runner for Model<CpuBackend> {
     }
 }
 
-impl Runner for Group<CpuBackend> {
-    fn alloc(&mut self) -> usize {
-        self.alloc_seq().unwrap()
-    }
-    fn fwd(&mut self, b: &Batch, out: &[usize]) -> Vec<f32> {
-        self.forward(b, out).unwrap()
-    }
+/// `world` in-process CPU ranks of `name`, as one model.
+fn group(name: &str, world: usize, max_seqs: usize) -> Result<Model<CpuBackend>, ModelError> {
+    Model::load_group((0..world).map(|_| CpuBackend).collect(), &fixtures_dir().join(name), max_seqs, false)
 }
 
 #[test]
@@ -86,7 +83,7 @@ fn sharded_forward_matches_unsharded_on_hf_fixtures() {
                 println!("{name}: {world} ranks skipped: {e}");
                 continue;
             }
-            let got = Group::load(&dir, world, 1, |_| CpuBackend).unwrap().run(&ids, v);
+            let got = group(name, world, 1).unwrap().run(&ids, v);
             let pre = rel_err(&got.0, &want.0);
             let dec = rel_err(&got.2, &want.2);
             println!("{name}: {world} ranks: prefill rel err {pre:.2e}, decode {dec:.2e} (tol {TOL:.2e})");
@@ -111,7 +108,7 @@ fn one_rank_is_bitwise_the_plain_path() {
         let ids = prompt(name);
         let v = Config::from_dir(&dir).unwrap().vocab_size;
         let want = load(&dir, 1).run(&ids, v);
-        let got = Group::load(&dir, 1, 1, |_| CpuBackend).unwrap().run(&ids, v);
+        let got = group(name, 1, 1).unwrap().run(&ids, v);
         assert!(got == want, "{name}: one rank differs from the plain path");
     }
 }
@@ -125,7 +122,7 @@ fn sharded_chunked_prefill_matches() {
     let mut plain = load(&dir, 1);
     let s = plain.alloc_seq().unwrap();
     let want = plain.prefill_chunks(s, &ids, &[ids.len()]).unwrap();
-    let mut g = Group::load(&dir, 4, 1, |_| CpuBackend).unwrap();
+    let mut g = group("pro_like", 4, 1).unwrap();
     let s = g.alloc_seq().unwrap();
     let got = g.prefill_chunks(s, &ids, &[13, 1, 7, ids.len() - 21]).unwrap();
     let err = rel_err(&got, &want);
@@ -136,9 +133,8 @@ fn sharded_chunked_prefill_matches() {
 #[test]
 fn ranks_hold_their_share() {
     let dir = fixtures_dir().join("pro_like");
-    let g = Group::load(&dir, 4, 1, |_| CpuBackend).unwrap();
-    for r in 0..4 {
-        let m = g.rank(r);
+    for (r, c) in LocalComm::group(4).into_iter().enumerate() {
+        let m = Model::load_rank(CpuBackend, &dir, 1, false, |_| {}, Box::new(c)).unwrap();
         let l = &m.weights.layers[3];
         assert_eq!((l.ffn.experts.len(), l.ffn.expert0), (3, 3 * r));
         assert_eq!(l.attn.sinks.cols, 2);
@@ -152,9 +148,31 @@ fn ranks_hold_their_share() {
 /// A world that does not divide the head groups is refused, naming the tensor and its shape.
 #[test]
 fn indivisible_world_names_the_tensor() {
-    let dir = fixtures_dir().join("tiny_mixed");
-    let Err(e) = Group::load(&dir, 4, 1, |_| CpuBackend) else { panic!("tiny_mixed split over 4 ranks") };
+    let Err(e) = group("tiny_mixed", 4, 1) else { panic!("tiny_mixed split over 4 ranks") };
     let msg = e.to_string();
     assert!(matches!(e, ModelError::Load(_)), "{msg}");
     assert!(msg.contains("layers.0.attn.wo_a.weight") && msg.contains("[32, 64]") && msg.contains("4 ranks"), "{msg}");
+}
+
+/// Rollback, snapshots and restores reach every rank: after cutting a sequence back and
+/// replaying, and in a slot restored from a snapshot, the group continues bitwise as before.
+#[test]
+fn rollback_and_restore_reach_every_rank() {
+    let ids = prompt("pro_like");
+    let mut m = group("pro_like", 4, 2).unwrap();
+    let v = m.cfg.vocab_size;
+    let s = m.alloc_seq().unwrap();
+    let first = m.prefill_chunks(s, &ids[..30], &[30]).unwrap();
+    m.truncate(s, 20).unwrap();
+    let again = m.prefill_chunks(s, &ids[20..30], &[10]).unwrap();
+    assert!(again == first[20 * v..], "replay after rollback differs");
+    let snap = m.snapshot(s).unwrap();
+    let next = m.forward(&Batch::chunk(s, 30, &ids[30..31]).unwrap(), &[0]).unwrap();
+    let t = m.alloc_seq().unwrap();
+    assert!(m.restore(t, &snap));
+    let restored = m.forward(&Batch::chunk(t, 30, &ids[30..31]).unwrap(), &[0]).unwrap();
+    assert!(restored == next, "the restored slot continues differently");
+    m.free_seq(s);
+    m.free_seq(t);
+    assert_eq!(m.alloc_seq().unwrap(), s, "freeing reached every rank");
 }
