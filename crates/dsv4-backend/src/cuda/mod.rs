@@ -341,7 +341,8 @@ impl CudaBackend {
         self.exact.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
-    pub(crate) fn exact(&self) -> bool {
+    /// Whether exact mode is on (see [`CudaBackend::set_exact`]).
+    pub fn exact(&self) -> bool {
         self.exact.load(std::sync::atomic::Ordering::Relaxed)
     }
 
