@@ -73,6 +73,11 @@ impl LocalComm {
         (0..world).map(|rank| LocalComm { rank, world, meet: meet.clone() }).collect()
     }
 
+    /// [`LocalComm::group`] as trait objects (for [`crate::Model::load_group`]).
+    pub fn boxed<B: Backend>(world: usize) -> Vec<Box<dyn Comm<B>>> {
+        Self::group(world).into_iter().map(|c| Box::new(c) as Box<dyn Comm<B>>).collect()
+    }
+
     /// Posts this rank's data, waits for all, reads with `f`, and waits again so no rank posts
     /// the next collective's data before every rank has read this one's.
     fn exchange<R>(&self, cols: usize, data: Vec<f32>, f: impl FnOnce(&[(usize, Vec<f32>)]) -> R) -> R {

@@ -3,7 +3,9 @@
 
 use crate::backend::Backend;
 use crate::batch::{Batch, BatchError};
-use crate::comm::{Comm, LocalComm, Single};
+#[cfg(doc)]
+use crate::comm::LocalComm;
+use crate::comm::{Comm, Single};
 use crate::cpu::state::SeqState;
 use crate::forward::{forward, forward_checked, Capture, RopeTables, Stage};
 use dsv4_model::{
@@ -244,23 +246,28 @@ impl<B: Backend> Model<B> {
         })
     }
 
-    /// Loads an in-process group of `backends.len()` ranks (rank `r` on `backends[r]`, each
-    /// loading only its share, in parallel) joined by [`LocalComm`], and returns rank 0 driving
-    /// the others (see [`Model::from_ranks`]).
-    pub fn load_group(backends: Vec<B>, dir: &Path, max_seqs: usize, progress: bool) -> Result<Self, ModelError>
+    /// Loads an in-process group of `backends.len()` ranks (rank `r` on `backends[r]` with
+    /// `comms[r]`, e.g. [`LocalComm::boxed`] or the CUDA backend's NCCL communicators; each
+    /// loads only its share, in parallel) and returns rank 0 driving the others (see
+    /// [`Model::from_ranks`]).
+    pub fn load_group(
+        backends: Vec<B>,
+        comms: Vec<Box<dyn Comm<B>>>,
+        dir: &Path,
+        max_seqs: usize,
+        progress: bool,
+    ) -> Result<Self, ModelError>
     where
         B: 'static,
         Model<B>: Send,
     {
-        let comms = LocalComm::group(backends.len());
+        assert_eq!(backends.len(), comms.len(), "one communicator per rank");
         let ranks = std::thread::scope(|s| {
             let hs: Vec<_> = backends
                 .into_iter()
                 .zip(comms)
                 .enumerate()
-                .map(|(r, (b, c))| {
-                    s.spawn(move || Model::load_rank(b, dir, max_seqs, progress && r == 0, |_| {}, Box::new(c)))
-                })
+                .map(|(r, (b, c))| s.spawn(move || Model::load_rank(b, dir, max_seqs, progress && r == 0, |_| {}, c)))
                 .collect();
             hs.into_iter().map(|h| h.join().expect("a rank panicked while loading")).collect::<Vec<_>>()
         });

@@ -66,7 +66,8 @@ impl Runner for Model<CpuBackend> {
 
 /// `world` in-process CPU ranks of `name`, as one model.
 fn group(name: &str, world: usize, max_seqs: usize) -> Result<Model<CpuBackend>, ModelError> {
-    Model::load_group((0..world).map(|_| CpuBackend).collect(), &fixtures_dir().join(name), max_seqs, false)
+    let backends = (0..world).map(|_| CpuBackend).collect();
+    Model::load_group(backends, LocalComm::boxed(world), &fixtures_dir().join(name), max_seqs, false)
 }
 
 #[test]

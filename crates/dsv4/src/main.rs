@@ -13,6 +13,7 @@ mod quantize;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use cli_util::{parse_list, parse_tokens, write_npy};
+use dsv4_backend::comm::Comm;
 use dsv4_backend::cpu::CpuBackend;
 use dsv4_backend::{Backend, Model};
 use dsv4_engine::{generate, generate_speculative, GenerateOptions, Sampler, SamplingParams, SpecConfig, StopReason};
@@ -87,8 +88,8 @@ struct LogitsArgs {
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendKind,
     /// Ranks to split the model over (tensor + expert parallel, a thread each): in-process
-    /// ranks with `--backend cpu`; GPUs 0..N with `--backend cuda` (refused for N > 1 until the
-    /// CUDA MoE kernels take a share of the experts; docs/multi-gpu.md).
+    /// ranks with `--backend cpu`; GPUs 0..N over NCCL with `--backend cuda` (not yet run on
+    /// hardware; docs/multi-gpu.md).
     #[arg(long, default_value_t = 1)]
     gpus: usize,
     #[arg(long)]
@@ -125,8 +126,8 @@ struct GenerateArgs {
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendKind,
     /// Ranks to split the model over (tensor + expert parallel, a thread each): in-process
-    /// ranks with `--backend cpu`; GPUs 0..N with `--backend cuda` (refused for N > 1 until the
-    /// CUDA MoE kernels take a share of the experts; docs/multi-gpu.md).
+    /// ranks with `--backend cpu`; GPUs 0..N over NCCL with `--backend cuda` (not yet run on
+    /// hardware; docs/multi-gpu.md).
     #[arg(long, default_value_t = 1)]
     gpus: usize,
     /// Print {"tokens":[...],"text":"...",...} instead of the text.
@@ -205,8 +206,8 @@ struct ServeArgs {
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendKind,
     /// Ranks to split the model over (tensor + expert parallel, a thread each): in-process
-    /// ranks with `--backend cpu`; GPUs 0..N with `--backend cuda` (refused for N > 1 until the
-    /// CUDA MoE kernels take a share of the experts; docs/multi-gpu.md).
+    /// ranks with `--backend cpu`; GPUs 0..N over NCCL with `--backend cuda` (not yet run on
+    /// hardware; docs/multi-gpu.md).
     #[arg(long, default_value_t = 1)]
     gpus: usize,
     /// Require this key (`Authorization: Bearer KEY` or `x-api-key: KEY`).
@@ -520,15 +521,20 @@ fn serve_flash(_a: ServeArgs, _layers: usize) -> Result<()> {
     bail!("--synthetic-flash-layers draws full-size weights on the GPU: rebuild with `--features cuda`")
 }
 
-/// A backend that can open the backends of more ranks (`--gpus N`).
+/// A backend that can open the backends of more ranks (`--gpus N`) and join them.
 pub(crate) trait Ranks: Backend + Sized + 'static {
     /// The backend of rank `r` (r ≥ 1), configured as `self`.
     fn for_rank(&self, r: usize) -> Result<Self>;
+    /// One communicator per rank.
+    fn comms(backends: &[Self]) -> Result<Vec<Box<dyn Comm<Self>>>>;
 }
 
 impl Ranks for CpuBackend {
     fn for_rank(&self, _r: usize) -> Result<Self> {
         Ok(CpuBackend)
+    }
+    fn comms(backends: &[Self]) -> Result<Vec<Box<dyn Comm<Self>>>> {
+        Ok(dsv4_backend::comm::LocalComm::boxed(backends.len()))
     }
 }
 
@@ -538,6 +544,12 @@ impl Ranks for dsv4_backend::cuda::CudaBackend {
         let b = Self::new(r).with_context(|| format!("starting the CUDA backend on GPU {r}"))?;
         b.set_exact(self.exact());
         Ok(b)
+    }
+    /// NCCL, a communicator per GPU on its backend's stream (not yet run on hardware).
+    fn comms(backends: &[Self]) -> Result<Vec<Box<dyn Comm<Self>>>> {
+        let refs: Vec<&Self> = backends.iter().collect();
+        let comms = dsv4_backend::cuda::nccl::NcclComm::group(&refs)?;
+        Ok(comms.into_iter().map(|c| Box::new(c) as Box<dyn Comm<Self>>).collect())
     }
 }
 
@@ -559,7 +571,8 @@ where
                 backends.push(backend.for_rank(r)?);
             }
             backends.insert(0, backend);
-            let m = Model::load_group(backends, dir, max_seqs, true).with_context(ctx)?;
+            let comms = B::comms(&backends)?;
+            let m = Model::load_group(backends, comms, dir, max_seqs, true).with_context(ctx)?;
             tracing::info!("split over {n} ranks (tensor + expert parallel)");
             Ok(m)
         }

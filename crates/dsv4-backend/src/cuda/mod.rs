@@ -93,6 +93,8 @@ pub struct CudaSel {
 /// Expert ids and weights, `[rows, k]` each.
 pub struct CudaRoute {
     pub k: usize,
+    /// Experts the router chose from (all of them, whatever share a rank holds).
+    pub experts: usize,
     pub ids: CudaSlice<u32>,
     pub weights: CudaSlice<f32>,
 }
@@ -597,6 +599,11 @@ impl Backend for CudaBackend {
         true
     }
 
+    /// The bf16 and packed expert paths take a share of the experts; the f32 one does not.
+    fn expert_parallel(&self) -> bool {
+        self.bf16
+    }
+
     fn resident_bytes(&self, t: &HostTensor) -> u64 {
         let (r, c) = t.rows_cols();
         match &t.packed {
@@ -966,10 +973,7 @@ impl Backend for CudaBackend {
         first: usize,
         limit: f32,
     ) -> CudaTensor {
-        // The kernels index every expert by its global id (`expert_parallel` is false, so a
-        // sharded model refuses this backend before it gets here).
-        assert_eq!(first, 0, "the CUDA MoE kernels hold every expert (no expert parallelism yet)");
-        moe::moe(self, x, route, experts, limit)
+        moe::moe(self, x, route, experts, first, limit)
     }
 
     fn swiglu(&self, x: &CudaTensor, e: &Expert<CudaWeight>, limit: f32) -> CudaTensor {

@@ -8,6 +8,7 @@
 //! missing.
 //!
 //! Not yet run on hardware: written and compiled without a GPU (see `docs/multi-gpu.md`).
+//! `Model::load_group` with these communicators forms a multi-GPU group.
 
 use super::{ck, CudaBackend, CudaTensor};
 use crate::comm::{split, Comm};
