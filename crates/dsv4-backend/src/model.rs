@@ -286,7 +286,9 @@ impl<B: Backend> Model<B> {
     {
         let mut it = ranks.into_iter();
         let mut first = it.next().expect("a group needs rank 0");
+        assert_eq!((first.comm.rank(), first.peers.len()), (0, 0), "rank 0 first, and not a group already");
         for (r, mut m) in it.enumerate() {
+            assert_eq!(m.comm.rank(), r + 1, "ranks in order");
             let (tx, rx) = mpsc::channel::<Job<B>>();
             std::thread::Builder::new()
                 .name(format!("dsv4-rank{}", r + 1))
