@@ -536,8 +536,9 @@ impl<B: Backend> Model<B> {
     fn locate_nonfinite(&mut self, batch: &Batch, out_rows: &[usize], row: usize) -> ModelError {
         let fallback =
             ModelError::NonFinite { layer: None, stage: "logits", row: out_rows.get(row).copied().unwrap_or(row) };
-        if !self.peers.is_empty() {
-            // Re-running eagerly here alone would leave the other ranks out of its collectives.
+        if self.comm.world() > 1 {
+            // Each rank finds the nonfinite logits on its own; re-running eagerly here would
+            // call collectives the other ranks do not.
             return fallback;
         }
         if batch.segments.iter().any(|s| self.truncate(s.seq, s.pos0).is_err()) {
