@@ -342,3 +342,27 @@ fn generate_over_several_ranks_matches_one() {
     let err = fails(&["generate", "--model", tiny.to_str().unwrap(), "--tokens", "5", "--gpus", "4"]);
     assert!(err.contains("layers.0.attn.wo_a.weight") && err.contains("4 ranks"), "{err}");
 }
+
+/// The memory check before loading counts each rank's share against that rank's budget: with
+/// 1.5 MB a device, pro_like (1.9 MiB of f32 weights) is refused on one rank and fits on two.
+#[test]
+fn memory_check_counts_each_ranks_share() {
+    let model = fixtures().join("pro_like");
+    let dir = tempfile::tempdir().unwrap();
+    let run = |g: &str| {
+        let out = dir.path().join(format!("l{g}.npy"));
+        let args = ["logits", "--model", model.to_str().unwrap(), "--tokens", "5,17", "--gpus", g, "--out"];
+        Command::new(env!("CARGO_BIN_EXE_dsv4"))
+            .args(args)
+            .arg(&out)
+            .env("RUST_LOG", "warn")
+            .env("DSV4_MEMORY_LIMIT_GB", "0.0015")
+            .output()
+            .unwrap()
+    };
+    let one = run("1");
+    assert!(!one.status.success());
+    assert!(String::from_utf8_lossy(&one.stderr).contains("does not fit"), "{}", String::from_utf8_lossy(&one.stderr));
+    let two = run("2");
+    assert!(two.status.success(), "{}", String::from_utf8_lossy(&two.stderr));
+}
