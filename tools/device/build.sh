@@ -10,7 +10,7 @@ cargo build --release --locked -p dsv4 --features cuda
 cp target/release/dsv4 .devbin/dsv4
 # Test executables of the crates with CUDA tests, from cargo's own list.
 cargo test --release --locked --features dsv4/cuda -p dsv4-backend -p dsv4-engine -p dsv4 --no-run \
-    --message-format=json 2>/dev/null \
+    --message-format=json \
   | python3 -c '
 import json, sys, shutil, os
 for line in sys.stdin:

@@ -169,8 +169,15 @@ pub trait Backend: Send + Sync {
         hash: Option<(&[u32], &Self::Rows)>,
         cfg: &Config,
     ) -> Self::Route;
-    /// `Σ_j w_j · Expert_{idx_j}(x)` over the routed experts.
-    fn moe(&self, x: &Self::T, route: &Self::Route, experts: &[Expert<Self::W>], limit: f32) -> Self::T;
+    /// `Σ_j w_j · Expert_{idx_j}(x)` over the routed experts held here: `experts[i]` is global
+    /// expert `first + i`; slots routed to experts outside that range add nothing (expert
+    /// parallel ranks, see [`dsv4_model::Shard`]).
+    fn moe(&self, x: &Self::T, route: &Self::Route, experts: &[Expert<Self::W>], first: usize, limit: f32) -> Self::T;
+    /// Whether [`Backend::moe`] takes a share of the experts (`first > 0` or fewer experts than
+    /// the router chooses from); backends that index every expert say `false`.
+    fn expert_parallel(&self) -> bool {
+        false
+    }
     /// One clamped-SwiGLU expert applied to every row (the shared expert).
     fn swiglu(&self, x: &Self::T, e: &Expert<Self::W>, limit: f32) -> Self::T;
 

@@ -6,6 +6,7 @@
 
 use crate::backend::{Backend, CompSlot};
 use crate::batch::Batch;
+use crate::comm::Comm;
 use dsv4_model::weights::{Hc, Layer, Weights};
 use dsv4_model::{AttnKind, Config};
 
@@ -56,6 +57,7 @@ struct Ctx<'a, 'c, B: Backend> {
     rows: &'a B::Rows,
     cache: &'a mut B::Cache,
     cap: Option<&'a mut (dyn Capture<B> + 'c)>,
+    comm: &'a dyn Comm<B>,
     /// The probed stages in forward order (probe slot `i` is `probes[i]`); `None`: no probes.
     probes: Option<Vec<Stage>>,
 }
@@ -98,6 +100,8 @@ pub struct Forwarded<T> {
 /// the rows listed in `out_rows` (`[out_rows.len(), vocab]`).
 ///
 /// The caller (see [`crate::model::Model`]) has validated the batch against the sequences' lengths.
+/// `w` and `cfg` are this rank's share and its local configuration
+/// ([`dsv4_model::Shard::local_config`]); `comm` joins the ranks ([`crate::comm::Single`] alone).
 #[allow(clippy::too_many_arguments)]
 pub fn forward<B: Backend>(
     b: &B,
@@ -108,8 +112,9 @@ pub fn forward<B: Backend>(
     batch: &Batch,
     out_rows: &[usize],
     cap: Option<&mut dyn Capture<B>>,
+    comm: &dyn Comm<B>,
 ) -> B::T {
-    run(b, cfg, w, rope, cache, batch, Outputs { out_rows, taps: &[] }, cap, false).logits
+    run(b, cfg, w, rope, cache, batch, Outputs { out_rows, taps: &[] }, cap, comm, false).logits
 }
 
 /// The forward with its [`Outputs`] spelled out and, when `probe` is set, every named stage
@@ -126,9 +131,10 @@ pub fn forward_outputs<B: Backend>(
     batch: &Batch,
     outs: Outputs<'_>,
     cap: Option<&mut dyn Capture<B>>,
+    comm: &dyn Comm<B>,
     probe: bool,
 ) -> Forwarded<B::T> {
-    run(b, cfg, w, rope, cache, batch, outs, cap, probe)
+    run(b, cfg, w, rope, cache, batch, outs, cap, comm, probe)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -141,6 +147,7 @@ fn run<B: Backend>(
     batch: &Batch,
     outs: Outputs<'_>,
     cap: Option<&mut dyn Capture<B>>,
+    comm: &dyn Comm<B>,
     probe: bool,
 ) -> Forwarded<B::T> {
     let rows = b.rows(batch);
@@ -148,7 +155,7 @@ fn run<B: Backend>(
         b.reset_probes(cache);
     }
     let probes = probe.then(Vec::new);
-    let mut cx = Ctx { b, cfg, rope, rows: &rows, cache, cap, probes };
+    let mut cx = Ctx { b, cfg, rope, rows: &rows, cache, cap, comm, probes };
     let e = b.embed(&w.embed, &rows);
     cx.cap(None, "embed", &e);
     let mut x = b.hc_expand(&e, cfg.hc_mult);
@@ -167,7 +174,8 @@ fn run<B: Backend>(
     cx.cap(None, "head.hc", &h);
     let h = b.rms_norm(&h, Some(&w.norm), cfg.hidden, cfg.rms_eps);
     cx.cap(None, "head.norm", &h);
-    let logits = b.matmul(&h, &w.head);
+    // Each rank holds a share of the vocabulary rows.
+    let logits = comm.all_gather_cols(b, b.matmul(&h, &w.head), cfg.vocab_size);
     cx.cap(None, "logits", &logits);
     Forwarded { logits, hidden, stages: cx.probes.unwrap_or_default() }
 }
@@ -241,7 +249,9 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
     b.rope(&mut o, cx.rows, freqs, d, true);
     let z = b.grouped_matmul(&o, &aw.wo_a, cfg.o_groups);
     cx.cap(li, "attn.wo_a", &z);
-    let out = b.matmul(&z, &aw.wo_b);
+    // Each rank's heads give a partial sum over `wo_b`'s input columns.
+    let mut out = b.matmul(&z, &aw.wo_b);
+    cx.comm.all_reduce(b, &mut out);
     cx.cap(li, "attn.out", &out);
     out
 }
@@ -254,11 +264,14 @@ fn moe<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, f: &B::T
     cx.cap(li, "ffn.router", &logits);
     let hash = m.tid2eid.as_deref().map(|t| (t, cx.rows));
     let route = b.route(&logits, m.bias.as_ref(), hash, cfg);
-    let routed = b.moe(f, &route, &m.experts, cfg.swiglu_limit);
+    // On a rank of a group, `routed` sums only its own experts and `shared` only its share of
+    // the shared expert's rows: one all-reduce of their sum completes both.
+    let routed = b.moe(f, &route, &m.experts, m.expert0, cfg.swiglu_limit);
     cx.cap(li, "ffn.routed", &routed);
     let shared = b.swiglu(f, &m.shared, cfg.swiglu_limit);
     cx.cap(li, "ffn.shared", &shared);
-    let out = b.add(&routed, &shared);
+    let mut out = b.add(&routed, &shared);
+    cx.comm.all_reduce(b, &mut out);
     cx.cap(li, "ffn.out", &out);
     out
 }

@@ -6,6 +6,7 @@
 pub mod backend;
 pub mod batch;
 pub mod bf16;
+pub mod comm;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -3,13 +3,17 @@
 
 use crate::backend::Backend;
 use crate::batch::{Batch, BatchError};
+#[cfg(doc)]
+use crate::comm::LocalComm;
+use crate::comm::{Comm, Single};
 use crate::cpu::state::SeqState;
 use crate::forward::{forward_outputs, Capture, Forwarded, Outputs, RopeTables, Stage};
 use dsv4_model::{
-    load_weights_with, Checkpoint, Component, Config, HostTensor, LoadError, LoadOptions, MemoryStats, Weights,
+    load_weights_with, Checkpoint, Component, Config, HostTensor, LoadError, LoadOptions, MemoryStats, Shard, Weights,
 };
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
+use std::sync::{mpsc, Arc};
 
 /// Recorded step shapes kept at once (decode and verify steps of a deployment use a handful).
 const MAX_GRAPHS: usize = 64;
@@ -55,6 +59,9 @@ pub enum ModelError {
     Taps { taps: Vec<usize>, layers: usize },
     #[error("rollback failed: {0}")]
     Truncate(String),
+    /// A rank of a group on a backend whose MoE op indexes every expert.
+    #[error("the {0} backend cannot hold a share of the routed experts (expert parallelism); run it on one rank")]
+    NoExpertParallel(&'static str),
     /// The weights would not fit the device (checked before anything is allocated).
     #[error(
         "the model does not fit: it needs {} of weights ({}), plus {} for activations, but only {} is free",
@@ -98,11 +105,16 @@ fn memory_budget(free: Option<u64>) -> Option<u64> {
     }
 }
 
-/// Device bytes per [`Component`] that loading `ck` onto `backend` would allocate, from a dry
-/// run of the loader (no tensor data is read).
-pub fn resident_plan<B: Backend>(backend: &B, ck: &Checkpoint, cfg: &Config) -> Result<[u64; 4], LoadError> {
+/// Device bytes per [`Component`] that loading `shard`'s share of `ck` onto `backend` would
+/// allocate, from a dry run of the loader (no tensor data is read).
+pub fn resident_plan<B: Backend>(
+    backend: &B,
+    ck: &Checkpoint,
+    cfg: &Config,
+    shard: Shard,
+) -> Result<[u64; 4], LoadError> {
     let mut need = [0u64; 4];
-    let opts = LoadOptions { keep_packed: backend.keeps_packed(), dry: true };
+    let opts = LoadOptions { keep_packed: backend.keeps_packed(), dry: true, shard };
     load_weights_with(ck.source(), cfg, opts, false, |t| {
         let i = Component::ALL.iter().position(|&c| c == Component::of(&t.name)).unwrap();
         need[i] += backend.resident_bytes(&t);
@@ -135,8 +147,13 @@ pub struct Snapshot {
 
 pub struct Model<B: Backend> {
     pub backend: B,
+    /// The model's configuration (global, whatever share this rank holds).
     pub cfg: Config,
+    /// This rank's share of the weights (all of them on a single rank).
     pub weights: Weights<B::W>,
+    /// What the forward runs with: [`Shard::local_config`] of `cfg` (`cfg` on a single rank).
+    local_cfg: Config,
+    comm: Box<dyn Comm<B>>,
     rope: RopeTables,
     cache: B::Cache,
     /// Tokens held by each allocated sequence slot.
@@ -149,7 +166,14 @@ pub struct Model<B: Backend> {
     seen: HashSet<StepShape>,
     /// Whether steps the backend can record are recorded and replayed (`DSV4_GRAPHS=0`: never).
     graphs_on: bool,
+    /// Ranks 1.. of an in-process group that this model (rank 0) drives, one worker thread
+    /// each: every state change and forward is run on them too, so callers (the engine) see
+    /// one model. Empty on a single rank and on the ranks themselves.
+    peers: Vec<mpsc::Sender<Job<B>>>,
 }
+
+/// Work sent to a rank's worker thread.
+type Job<B> = Box<dyn FnOnce(&mut Model<B>) + Send>;
 
 impl<B: Backend> Model<B> {
     /// Loads `dir` (config.json + safetensors; or a GGUF written by `dsv4 quantize`, given as the
@@ -166,12 +190,32 @@ impl<B: Backend> Model<B> {
         dir: &Path,
         max_seqs: usize,
         progress: bool,
-        mut edit: impl FnMut(&mut HostTensor),
+        edit: impl FnMut(&mut HostTensor),
     ) -> Result<Self, ModelError> {
+        Self::load_rank(backend, dir, max_seqs, progress, edit, Box::new(Single))
+    }
+
+    /// Loads rank `comm.rank()`'s share of `dir` (see [`Shard`]): routed experts it does not
+    /// own are never read, and the memory check counts only what this rank's device holds.
+    /// Every rank of the group loads its own share the same way (e.g. one thread each).
+    pub fn load_rank(
+        backend: B,
+        dir: &Path,
+        max_seqs: usize,
+        progress: bool,
+        mut edit: impl FnMut(&mut HostTensor),
+        comm: Box<dyn Comm<B>>,
+    ) -> Result<Self, ModelError> {
+        let shard = Shard::new(comm.rank(), comm.world());
+        if !shard.is_whole() && !backend.expert_parallel() {
+            // Refused before reading anything (`with_comm` checks again).
+            return Err(ModelError::NoExpertParallel(backend.name()));
+        }
         let (cfg, ck) = Checkpoint::open(dir)?;
+        shard.check(&cfg)?;
         let keep_packed = backend.keeps_packed();
         if let Some(free) = memory_budget(backend.memory_free()) {
-            let need = resident_plan(&backend, &ck, &cfg)?;
+            let need = resident_plan(&backend, &ck, &cfg, shard)?;
             let total: u64 = need.iter().sum();
             // Room for the activations and workspaces of a forward beside the weights.
             let margin = (2u64 << 30).min(free / 8);
@@ -179,37 +223,150 @@ impl<B: Backend> Model<B> {
                 return Err(ModelError::DoesNotFit { need, free, margin });
             }
         }
-        let opts = LoadOptions { keep_packed, dry: false };
+        let opts = LoadOptions { keep_packed, dry: false, shard };
         let (weights, stats): (_, MemoryStats) = load_weights_with(ck.source(), &cfg, opts, progress, |mut t| {
             edit(&mut t);
             backend.upload(t)
         })?;
+        if !shard.is_whole() {
+            tracing::info!("rank {} of {}", shard.rank, shard.world);
+        }
         tracing::info!("loaded {}: {}", dir.display(), stats.summary());
-        Ok(Self::new(backend, cfg, weights, max_seqs))
+        Self::with_comm(backend, cfg, weights, max_seqs, comm)
     }
 
     pub fn new(backend: B, cfg: Config, weights: Weights<B::W>, max_seqs: usize) -> Self {
-        let cache = backend.new_cache(&cfg, max_seqs);
-        let graphs_on = std::env::var("DSV4_GRAPHS").map_or(true, |v| v.trim() != "0");
-        Model {
+        Self::with_comm(backend, cfg, weights, max_seqs, Box::new(Single))
+            .expect("one rank needs no expert parallelism")
+    }
+
+    /// A rank of a group: `weights` are its share (loaded with [`LoadOptions::shard`] of
+    /// `comm`'s rank), `cfg` the global configuration. A world above one needs a backend whose
+    /// MoE op takes a share of the experts ([`Backend::expert_parallel`]).
+    pub fn with_comm(
+        backend: B,
+        cfg: Config,
+        weights: Weights<B::W>,
+        max_seqs: usize,
+        comm: Box<dyn Comm<B>>,
+    ) -> Result<Self, ModelError> {
+        if comm.world() > 1 && !backend.expert_parallel() {
+            return Err(ModelError::NoExpertParallel(backend.name()));
+        }
+        let local_cfg = Shard::new(comm.rank(), comm.world()).local_config(&cfg);
+        let cache = backend.new_cache(&local_cfg, max_seqs);
+        // A collective that round-trips through the host cannot be recorded into a step graph.
+        let graphs_on = comm.recordable() && std::env::var("DSV4_GRAPHS").map_or(true, |v| v.trim() != "0");
+        Ok(Model {
             rope: RopeTables::new(&cfg),
             backend,
             cfg,
+            local_cfg,
+            comm,
             weights,
             cache,
             seqs: vec![None; max_seqs],
             graphs: HashMap::new(),
             seen: HashSet::new(),
             graphs_on,
+            peers: Vec::new(),
+        })
+    }
+
+    /// Loads an in-process group of `backends.len()` ranks (rank `r` on `backends[r]` with
+    /// `comms[r]`, e.g. [`LocalComm::boxed`] or the CUDA backend's NCCL communicators; each
+    /// loads only its share, in parallel) and returns rank 0 driving the others (see
+    /// [`Model::from_ranks`]).
+    pub fn load_group(
+        backends: Vec<B>,
+        comms: Vec<Box<dyn Comm<B>>>,
+        dir: &Path,
+        max_seqs: usize,
+        progress: bool,
+    ) -> Result<Self, ModelError>
+    where
+        B: 'static,
+        Model<B>: Send,
+    {
+        assert_eq!(backends.len(), comms.len(), "one communicator per rank");
+        let ranks = std::thread::scope(|s| {
+            let hs: Vec<_> = backends
+                .into_iter()
+                .zip(comms)
+                .enumerate()
+                .map(|(r, (b, c))| s.spawn(move || Model::load_rank(b, dir, max_seqs, progress && r == 0, |_| {}, c)))
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("a rank panicked while loading")).collect::<Vec<_>>()
+        });
+        Ok(Self::from_ranks(ranks.into_iter().collect::<Result<_, _>>()?))
+    }
+
+    /// Rank 0 of `ranks` (rank `r` at index `r`, all joined by one communicator), driving the
+    /// others from a worker thread each: every call that changes sequence state, and every
+    /// forward, runs on all ranks (the others concurrently with rank 0, meeting it in the
+    /// collectives), so the result is used like a single model. A rank that panics leaves the
+    /// others waiting in a collective.
+    pub fn from_ranks(ranks: Vec<Model<B>>) -> Self
+    where
+        B: 'static,
+        Model<B>: Send,
+    {
+        let mut it = ranks.into_iter();
+        let mut first = it.next().expect("a group needs rank 0");
+        assert_eq!((first.comm.rank(), first.peers.len()), (0, 0), "rank 0 first, and not a group already");
+        for (r, mut m) in it.enumerate() {
+            assert_eq!(m.comm.rank(), r + 1, "ranks in order");
+            let (tx, rx) = mpsc::channel::<Job<B>>();
+            std::thread::Builder::new()
+                .name(format!("dsv4-rank{}", r + 1))
+                .spawn(move || {
+                    while let Ok(job) = rx.recv() {
+                        job(&mut m);
+                    }
+                })
+                .expect("spawning a rank's worker thread");
+            first.peers.push(tx);
         }
+        first
+    }
+
+    /// How many ranks this model's forward spans (1 on a single device).
+    pub fn world(&self) -> usize {
+        self.comm.world()
+    }
+
+    /// Starts `f` on every peer rank; their results arrive in rank order on the receivers.
+    fn on_peers<R: Send + 'static>(
+        &self,
+        f: impl Fn(&mut Model<B>) -> R + Send + Sync + 'static,
+    ) -> Vec<mpsc::Receiver<R>> {
+        let f = Arc::new(f);
+        self.peers
+            .iter()
+            .map(|p| {
+                let (tx, rx) = mpsc::channel();
+                let f = f.clone();
+                p.send(Box::new(move |m: &mut Model<B>| {
+                    let _ = tx.send(f(m));
+                }))
+                .expect("a rank's worker thread has stopped");
+                rx
+            })
+            .collect()
+    }
+
+    fn from_peers<R>(rx: Vec<mpsc::Receiver<R>>) -> Vec<R> {
+        rx.into_iter().map(|r| r.recv().expect("a rank's worker thread panicked")).collect()
     }
 
     /// Turns recorded steps (CUDA graphs) on or off; on by default where the backend records.
     pub fn set_graphs(&mut self, on: bool) {
-        self.graphs_on = on;
+        let peers = self.on_peers(move |m| m.set_graphs(on));
+        self.graphs_on = on && self.comm.recordable();
         if !on {
             self.graphs.clear();
         }
+        Self::from_peers(peers);
     }
 
     /// How many step shapes are recorded now.
@@ -219,13 +376,19 @@ impl<B: Backend> Model<B> {
 
     /// Takes a free sequence slot with fresh (reset) state.
     pub fn alloc_seq(&mut self) -> Result<usize, ModelError> {
-        let s = self.seqs.iter().position(Option::is_none).ok_or(ModelError::PoolFull(self.seqs.len()))?;
+        let peers = self.on_peers(|m| m.alloc_seq().ok());
+        let s = self.seqs.iter().position(Option::is_none).ok_or(ModelError::PoolFull(self.seqs.len()));
+        for p in Self::from_peers(peers) {
+            assert_eq!(p, s.as_ref().ok().copied(), "ranks disagree on the free sequence slot");
+        }
+        let s = s?;
         self.backend.reset_seq(&mut self.cache, s);
         self.seqs[s] = Some(0);
         Ok(s)
     }
 
     pub fn free_seq(&mut self, seq: usize) {
+        Self::from_peers(self.on_peers(move |m| m.free_seq(seq)));
         if let Some(s) = self.seqs.get_mut(seq) {
             *s = None;
         }
@@ -235,7 +398,8 @@ impl<B: Backend> Model<B> {
         self.seqs.get(seq).copied().flatten()
     }
 
-    /// The backend and the state of every sequence slot (backend-specific tuning, reservations).
+    /// The backend and the state of every sequence slot (backend-specific tuning, reservations);
+    /// rank 0's only in a group.
     pub fn backend_and_cache(&mut self) -> (&B, &mut B::Cache) {
         (&self.backend, &mut self.cache)
     }
@@ -247,13 +411,19 @@ impl<B: Backend> Model<B> {
     /// The sequence's whole state and length, on the host; `None` if the backend cannot save.
     pub fn snapshot(&self, seq: usize) -> Option<Snapshot> {
         let len = self.seq_len(seq)?;
-        self.backend.save_seq(&self.cache, &self.cfg, seq, len).map(|state| Snapshot { len, state })
+        self.backend.save_seq(&self.cache, &self.local_cfg, seq, len).map(|state| Snapshot { len, state })
     }
 
     /// Cuts the sequence back to its first `len` tokens without replaying anything (rejected
     /// speculative tokens): window rows, compressed entries, compressor open and overlap rows
     /// and the indexer state all return to what a plain run to `len` holds.
     pub fn truncate(&mut self, seq: usize, len: usize) -> Result<(), ModelError> {
+        let peers = self.on_peers(move |m| m.truncate(seq, len));
+        let r = self.truncate_here(seq, len);
+        Self::from_peers(peers).into_iter().fold(r, |a, p| a.and(p))
+    }
+
+    fn truncate_here(&mut self, seq: usize, len: usize) -> Result<(), ModelError> {
         let have = self.seq_len(seq).ok_or(BatchError::NoSequence { seq })?;
         self.backend.truncate_seq(&mut self.cache, seq, have, len).map_err(ModelError::Truncate)?;
         self.seqs[seq] = Some(len);
@@ -263,7 +433,19 @@ impl<B: Backend> Model<B> {
     /// Puts a snapshot into an allocated slot: the sequence continues exactly as if it had
     /// prefilled the snapshot's tokens itself. `false` if the backend cannot restore.
     pub fn restore(&mut self, seq: usize, snap: &Snapshot) -> bool {
-        if self.seq_len(seq).is_none() || !self.backend.load_seq(&mut self.cache, &self.cfg, seq, &snap.state, snap.len)
+        let peers = if self.peers.is_empty() {
+            Vec::new()
+        } else {
+            let shared = Arc::new(snap.clone());
+            self.on_peers(move |m| m.restore(seq, &shared))
+        };
+        let ok = self.restore_here(seq, snap);
+        Self::from_peers(peers).into_iter().all(|p| p == ok) && ok
+    }
+
+    fn restore_here(&mut self, seq: usize, snap: &Snapshot) -> bool {
+        if self.seq_len(seq).is_none()
+            || !self.backend.load_seq(&mut self.cache, &self.local_cfg, seq, &snap.state, snap.len)
         {
             return false;
         }
@@ -312,8 +494,11 @@ impl<B: Backend> Model<B> {
         match cap {
             None => self.step(&plan).map(|o| o.logits),
             Some(c) => {
-                self.check(batch)?;
-                self.forward_eager(&plan, Some(c)).map(|o| o.logits)
+                // The peers run the same forward (without the capture) concurrently; every rank
+                // ends with the same logits, so rank 0's are returned, or the first error of any.
+                let peers = self.step_on_peers(&plan);
+                let r = self.check(batch).map_err(ModelError::from).and_then(|()| self.forward_eager(&plan, Some(c)));
+                Self::from_peers(peers).into_iter().fold(r, |a, p| p.and(a)).map(|o| o.logits)
             }
         }
     }
@@ -323,7 +508,29 @@ impl<B: Backend> Model<B> {
     /// their logits are checked for nonfinite values, and when one is found the step is cut
     /// back and run again with every stage probed, so the error still names the first stage.
     /// Longer steps run eagerly with every stage probed.
+    ///
+    /// On a group of ranks, the other ranks run the same step concurrently (each returns the
+    /// same results; rank 0's are returned, or the first error of any rank).
     pub fn step(&mut self, plan: &StepPlan<'_>) -> Result<StepOut, ModelError> {
+        let peers = self.step_on_peers(plan);
+        let r = self.step_here(plan);
+        Self::from_peers(peers).into_iter().fold(r, |a, p| p.and(a))
+    }
+
+    /// Hands `plan` to every other rank of the group (none: nothing to wait for).
+    fn step_on_peers(&self, plan: &StepPlan<'_>) -> Vec<mpsc::Receiver<Result<(), ModelError>>> {
+        if self.peers.is_empty() {
+            return Vec::new();
+        }
+        let (b, o, t, logits) =
+            (plan.batch.clone(), plan.outputs.out_rows.to_vec(), plan.outputs.taps.to_vec(), plan.logits);
+        self.on_peers(move |m| {
+            let plan = StepPlan { batch: &b, outputs: Outputs { out_rows: &o, taps: &t }, logits };
+            m.step_here(&plan).map(|_| ())
+        })
+    }
+
+    fn step_here(&mut self, plan: &StepPlan<'_>) -> Result<StepOut, ModelError> {
         self.check(plan.batch)?;
         let taps = plan.outputs.taps;
         if taps.windows(2).any(|w| w[0] >= w[1]) || taps.last().is_some_and(|&l| l >= self.cfg.layers.len()) {
@@ -384,6 +591,11 @@ impl<B: Backend> Model<B> {
         let out_rows = plan.outputs.out_rows;
         let fallback =
             ModelError::NonFinite { layer: None, stage: "logits", row: out_rows.get(row).copied().unwrap_or(row) };
+        if self.comm.world() > 1 {
+            // Each rank finds the nonfinite logits on its own; re-running eagerly here would
+            // call collectives the other ranks do not.
+            return fallback;
+        }
         if plan.batch.segments.iter().any(|s| self.truncate(s.seq, s.pos0).is_err()) {
             return fallback;
         }
@@ -393,10 +605,10 @@ impl<B: Backend> Model<B> {
         }
     }
 
-    /// The forward of `plan` on this model's weights and states (`probe`: every stage probed).
+    /// The forward of `plan` on this rank's weights and states (`probe`: every stage probed).
     fn run(&mut self, plan: &StepPlan<'_>, cap: Option<&mut dyn Capture<B>>, probe: bool) -> Forwarded<B::T> {
-        let (b, w) = (&self.backend, &self.weights);
-        forward_outputs(b, &self.cfg, w, &self.rope, &mut self.cache, plan.batch, plan.outputs, cap, probe)
+        let (b, cfg, w, comm) = (&self.backend, &self.local_cfg, &self.weights, self.comm.as_ref());
+        forward_outputs(b, cfg, w, &self.rope, &mut self.cache, plan.batch, plan.outputs, cap, comm, probe)
     }
 
     fn forward_eager(&mut self, plan: &StepPlan<'_>, cap: Option<&mut dyn Capture<B>>) -> Result<StepOut, ModelError> {

@@ -115,7 +115,7 @@ pub fn synth_weights<W>(cfg: &Config, seed: u64, mut mk: impl FnMut(&str, &[usiz
             hc_attn,
             hc_ffn,
             attn,
-            ffn: Moe { gate, bias, tid2eid, experts, shared },
+            ffn: Moe { gate, bias, tid2eid, experts, expert0: 0, shared },
         });
     }
     let norm = t("norm.weight", &[d], 1.0, 0.1);

@@ -17,6 +17,7 @@
 mod common;
 use common::{fixtures_dir, gpu, rel_err, tokens, write_random};
 use dsv4_backend::bf16::round_weight;
+use dsv4_backend::comm::Single;
 use dsv4_backend::cpu::CpuBackend;
 use dsv4_backend::cuda::{CudaBackend, CudaInitError};
 use dsv4_backend::forward::{forward, RopeTables};
@@ -241,7 +242,7 @@ fn cuda_batches_back_to_back_match_cpu() {
         }
         let batch = Batch::new(rows).unwrap();
         let all: Vec<usize> = (0..batch.len()).collect();
-        pending.push(forward(&b, &cfg, &w, &rope, &mut cache, &batch, &all, None));
+        pending.push(forward(&b, &cfg, &w, &rope, &mut cache, &batch, &all, None, &Single));
         want.push(cpu.forward(&batch, &all).unwrap());
     }
     let mut worst = 0f64;

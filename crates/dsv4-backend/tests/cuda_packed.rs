@@ -150,8 +150,8 @@ fn cuda_packed_experts_match_cpu() {
             let bias_c = Tensor::new(1, ne, vec![0.0; ne]);
             let rg = b.route(&lg, Some(&bias_g), None, &c);
             let rc = cpu.route(&lc, Some(&bias_c), None, &c);
-            let got = b.to_host(&b.moe(&xg, &rg, &gpu_e, 10.0));
-            let want = cpu.moe(&xc, &rc, &cpu_e, 10.0);
+            let got = b.to_host(&b.moe(&xg, &rg, &gpu_e, 0, 10.0));
+            let want = cpu.moe(&xc, &rc, &cpu_e, 0, 10.0);
             let e = rel_err(&got, &want.data);
             println!("{}/{} experts, {n} rows, exact {exact}: {e:.2e}", f13.name(), f2.name());
             assert!(e <= tol, "{}/{} experts, {n} rows (exact {exact}): {e:.2e} > {tol:.0e}", f13.name(), f2.name());
@@ -227,8 +227,8 @@ fn cuda_int8_products_match_the_twin() {
     for n in [1, 5] {
         let (xg, xc) = activations(&b, n, d, 6);
         let (lg, lc) = activations(&b, n, ne, 10);
-        let got = b.to_host(&b.moe(&xg, &b.route(&lg, Some(&bias_g), None, &c), &gpu_e, 10.0));
-        let want = cpu.moe(&xc, &cpu.route(&lc, Some(&bias_c), None, &c), &cpu_e, 10.0);
+        let got = b.to_host(&b.moe(&xg, &b.route(&lg, Some(&bias_g), None, &c), &gpu_e, 0, 10.0));
+        let want = cpu.moe(&xc, &cpu.route(&lc, Some(&bias_c), None, &c), &cpu_e, 0, 10.0);
         let e = rel_err(&got, &want.data);
         println!("int8 IQ2_XXS/Q2_K experts, {n} rows: {e:.2e}");
         assert!(e <= 2e-2, "int8 experts ({n} rows) vs the CPU oracle: {e:.2e}");

@@ -378,7 +378,7 @@ impl<B: Backend> Drafter<B> {
             let f = b.rms_norm(&y, Some(&st.ffn_norm), d, cfg.rms_eps);
             let logits = b.matmul(&f, &st.ffn.gate);
             let route = b.route(&logits, Some(&st.ffn.bias), None, cfg);
-            let routed = b.moe(&f, &route, &st.ffn.experts, cfg.swiglu_limit);
+            let routed = b.moe(&f, &route, &st.ffn.experts, 0, cfg.swiglu_limit);
             let shared = b.swiglu(&f, &st.ffn.shared, cfg.swiglu_limit);
             let o = b.add(&routed, &shared);
             x = b.hc_post(&o, &x, &post, &comb);

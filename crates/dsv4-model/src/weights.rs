@@ -9,6 +9,7 @@
 use crate::config::{AttnKind, Config, Layout};
 use crate::gguf::{official_expert_to_gguf, official_to_gguf, GgufFile};
 use crate::packed::{Packed, PackedFormat};
+use crate::shard::{Part, Shard};
 use crate::store::{DType, LoadError, TensorStore};
 use std::path::{Path, PathBuf};
 
@@ -65,6 +66,9 @@ pub struct LoadOptions {
     /// Read no tensor data: every tensor arrives with empty `data` (and empty blocks when
     /// packed), so a backend can total what it would allocate before allocating anything.
     pub dry: bool,
+    /// Which rank's share to load ([`Shard::WHOLE`] by default): routed experts it does not own
+    /// are never read; split tensors are read whole and cut before upload.
+    pub shard: Shard,
 }
 
 /// mHC parameters: `fn [(2+n)·n, n·d]`, `base [(2+n)·n]`, `scale [3]` (head: `[n, n·d]`, `[n]`, `[1]`).
@@ -115,7 +119,10 @@ pub struct Moe<W> {
     pub bias: Option<W>,
     /// Hash routing table `[vocab, k]` of hash layers, row-major.
     pub tid2eid: Option<Vec<u32>>,
+    /// The routed experts held here: global ids `expert0..expert0 + experts.len()` (all of them
+    /// unless the weights are one rank's share, see [`Shard`]).
     pub experts: Vec<Expert<W>>,
+    pub expert0: usize,
     pub shared: Expert<W>,
 }
 
@@ -362,6 +369,7 @@ impl MemoryStats {
 /// Reads tensors by logical name with shape checks, dequantisation and progress.
 pub struct Loader<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> {
     src: Source<'a>,
+    cfg: &'a Config,
     layout: Layout,
     upload: F,
     progress: Option<indicatif::ProgressBar>,
@@ -585,7 +593,23 @@ impl<'a, W, F: FnMut(HostTensor) -> Result<W, LoadError>> Loader<'a, W, F> {
                 (data, packed, bytes)
             }
         };
-        self.put(official.to_string(), shape.to_vec(), data, packed, bytes)
+        let part = self.opts.shard.part(self.cfg, official, shape);
+        if part == Part::All {
+            return self.put(official.to_string(), shape.to_vec(), data, packed, bytes);
+        }
+        let cut = packed.as_ref().and_then(|p| part.cut_packed(shape, p));
+        let share =
+            |b: u64| b * part.shape(shape).iter().product::<usize>() as u64 / shape.iter().product::<usize>() as u64;
+        if cut.is_some() {
+            return self.put(official.to_string(), part.shape(shape), vec![], cut, share(bytes));
+        }
+        // Blocks the cut does not fall on the boundaries of are handed over as f32.
+        let mut t = HostTensor { name: official.to_string(), shape: shape.to_vec(), data, packed };
+        if !self.opts.dry {
+            t.dequantize();
+        }
+        let data = part.cut(shape, t.data);
+        self.put(t.name, part.shape(shape), data, None, share(bytes))
     }
 
     /// The hash-routing table `[vocab, k]` of a hash layer.
@@ -766,7 +790,8 @@ pub fn load_weights_with<W>(
         );
         b
     });
-    let mut ld = Loader { src, layout: cfg.layout, upload, progress: bar, stats: MemoryStats::default(), opts };
+    opts.shard.check(cfg)?;
+    let mut ld = Loader { src, cfg, layout: cfg.layout, upload, progress: bar, stats: MemoryStats::default(), opts };
     let (d, h, hd) = (cfg.hidden, cfg.n_heads, cfg.head_dim);
     let (hcw, mix, n) = (cfg.hc_width(), cfg.hc_mix(), cfg.hc_mult);
     let embed = ld.tensor("embed.weight", &[cfg.vocab_size, d])?;
@@ -828,7 +853,8 @@ pub fn load_weights_with<W>(
         } else {
             (Some(ld.tensor(&format!("{f}.gate.bias"), &[ne])?), None)
         };
-        let experts = (0..ne).map(|e| ld.expert(l, e, ne, inter, d)).collect::<Result<Vec<_>, _>>()?;
+        let owned = opts.shard.experts(cfg);
+        let experts = owned.clone().map(|e| ld.expert(l, e, ne, inter, d)).collect::<Result<Vec<_>, _>>()?;
         let s = format!("{f}.shared_experts");
         let shared = Expert {
             w1: ld.tensor(&format!("{s}.w1.weight"), &[inter, d])?,
@@ -841,7 +867,7 @@ pub fn load_weights_with<W>(
             hc_attn,
             hc_ffn,
             attn,
-            ffn: Moe { gate, bias, tid2eid, experts, shared },
+            ffn: Moe { gate, bias, tid2eid, experts, expert0: owned.start, shared },
         });
     }
     let norm = ld.tensor("norm.weight", &[d])?;

@@ -1,7 +1,7 @@
 //! `dsv4 bench`: prefill and decode throughput on a checkpoint or a synthetic model.
 
 use anyhow::{bail, Result};
-use dsv4_backend::{Backend, Batch, Model};
+use dsv4_backend::{Batch, Model};
 use dsv4_model::store::write_safetensors;
 use dsv4_model::synth::{random_checkpoint, tiny_config, SynthDType};
 use dsv4_model::{AttnKind, Config, LayerSpec};
@@ -49,6 +49,10 @@ pub struct BenchArgs {
     pub prefill_chunk: usize,
     #[arg(long, value_enum, default_value = "cpu")]
     pub backend: crate::BackendKind,
+    /// Ranks to split a checkpoint or `--synthetic tiny|mid` over (tensor + expert parallel, a
+    /// thread each; see `dsv4 generate --help`).
+    #[arg(long, default_value_t = 1)]
+    pub gpus: usize,
     /// Weight formats of `--synthetic flash` on CUDA: `bf16`; `q2` or `q4` (ds4's GGUF policy:
     /// routed experts IQ2_XXS gate/up + Q2_K down, or Q4_K; attention projections, shared
     /// experts and head Q8_0; compressors, indexers, embedding bf16); `official` (FP4 routed
@@ -93,7 +97,10 @@ pub fn mid_config() -> Config {
     c
 }
 
-pub fn run<B: Backend>(backend: B, a: BenchArgs) -> Result<()> {
+pub fn run<B: crate::Ranks>(backend: B, a: BenchArgs) -> Result<()>
+where
+    Model<B>: Send,
+{
     let _tmp;
     let (dir, label) = match &a.model {
         Some(d) => (d.clone(), d.display().to_string()),
@@ -110,7 +117,7 @@ pub fn run<B: Backend>(backend: B, a: BenchArgs) -> Result<()> {
         }
     };
     let name = backend.name();
-    let mut m = Model::load(backend, &dir, 1, true)?;
+    let mut m = crate::load(backend, &dir, 1, a.gpus)?;
     let vocab = m.cfg.vocab_size as u64;
     let toks: Vec<u32> = (0..a.prompt_len as u64).map(|i| ((i * 2654435761) % vocab) as u32).collect();
     let seq = m.alloc_seq()?;

@@ -13,6 +13,7 @@ mod quantize;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use cli_util::{parse_list, parse_tokens, write_npy};
+use dsv4_backend::comm::Comm;
 use dsv4_backend::cpu::CpuBackend;
 use dsv4_backend::{Backend, Model};
 use dsv4_engine::{generate, generate_speculative, GenerateOptions, Sampler, SamplingParams, SpecConfig, StopReason};
@@ -86,6 +87,11 @@ struct LogitsArgs {
     chunks: Option<String>,
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendKind,
+    /// Ranks to split the model over (tensor + expert parallel, a thread each): in-process
+    /// ranks with `--backend cpu`; GPUs 0..N over NCCL with `--backend cuda` (not yet run on
+    /// hardware; docs/multi-gpu.md).
+    #[arg(long, default_value_t = 1)]
+    gpus: usize,
     #[arg(long)]
     out: PathBuf,
 }
@@ -119,6 +125,11 @@ struct GenerateArgs {
     prefill_chunk: usize,
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendKind,
+    /// Ranks to split the model over (tensor + expert parallel, a thread each): in-process
+    /// ranks with `--backend cpu`; GPUs 0..N over NCCL with `--backend cuda` (not yet run on
+    /// hardware; docs/multi-gpu.md).
+    #[arg(long, default_value_t = 1)]
+    gpus: usize,
     /// Print {"tokens":[...],"text":"...",...} instead of the text.
     #[arg(long)]
     json: bool,
@@ -194,6 +205,11 @@ struct ServeArgs {
     port: u16,
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendKind,
+    /// Ranks to split the model over (tensor + expert parallel, a thread each): in-process
+    /// ranks with `--backend cpu`; GPUs 0..N over NCCL with `--backend cuda` (not yet run on
+    /// hardware; docs/multi-gpu.md).
+    #[arg(long, default_value_t = 1)]
+    gpus: usize,
     /// Require this key (`Authorization: Bearer KEY` or `x-api-key: KEY`).
     #[arg(long, env = "DSV4_API_KEY")]
     api_key: Option<String>,
@@ -307,7 +323,7 @@ fn main() {
     }
 }
 
-fn serve<B: Backend + 'static>(backend: B, a: ServeArgs) -> Result<()>
+fn serve<B: Ranks>(backend: B, a: ServeArgs) -> Result<()>
 where
     Model<B>: Send,
 {
@@ -315,7 +331,7 @@ where
         Some(d) => (d.clone(), d.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or("dsv4".into())),
         None => (demo::demo_model_dir()?, "dsv4-demo".to_string()),
     };
-    let mut model = load(backend, &dir, a.max_seqs)?;
+    let mut model = load(backend, &dir, a.max_seqs, a.gpus)?;
     let tok = tokenizer_for(&dir)?;
     check_servable(&mut model, &tok)?;
     if a.model.is_none() {
@@ -533,8 +549,62 @@ fn serve_flash(_a: ServeArgs, _layers: usize) -> Result<()> {
     bail!("--synthetic-flash-layers draws full-size weights on the GPU: rebuild with `--features cuda`")
 }
 
-fn load<B: Backend>(backend: B, dir: &std::path::Path, max_seqs: usize) -> Result<Model<B>> {
-    Model::load(backend, dir, max_seqs, true).with_context(|| format!("loading {}", dir.display()))
+/// A backend that can open the backends of more ranks (`--gpus N`) and join them.
+pub(crate) trait Ranks: Backend + Sized + 'static {
+    /// The backend of rank `r` (r ≥ 1), configured as `self`.
+    fn for_rank(&self, r: usize) -> Result<Self>;
+    /// One communicator per rank.
+    fn comms(backends: &[Self]) -> Result<Vec<Box<dyn Comm<Self>>>>;
+}
+
+impl Ranks for CpuBackend {
+    fn for_rank(&self, _r: usize) -> Result<Self> {
+        Ok(CpuBackend)
+    }
+    fn comms(backends: &[Self]) -> Result<Vec<Box<dyn Comm<Self>>>> {
+        Ok(dsv4_backend::comm::LocalComm::boxed(backends.len()))
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Ranks for dsv4_backend::cuda::CudaBackend {
+    fn for_rank(&self, r: usize) -> Result<Self> {
+        let b = Self::new(r).with_context(|| format!("starting the CUDA backend on GPU {r}"))?;
+        b.set_exact(self.exact());
+        Ok(b)
+    }
+    /// NCCL, a communicator per GPU on its backend's stream (not yet run on hardware).
+    fn comms(backends: &[Self]) -> Result<Vec<Box<dyn Comm<Self>>>> {
+        let refs: Vec<&Self> = backends.iter().collect();
+        let comms = dsv4_backend::cuda::nccl::NcclComm::group(&refs)?;
+        Ok(comms.into_iter().map(|c| Box::new(c) as Box<dyn Comm<Self>>).collect())
+    }
+}
+
+/// Loads `dir` on one rank, or split over `gpus` ranks driven as one model.
+pub(crate) fn load<B: Ranks>(backend: B, dir: &std::path::Path, max_seqs: usize, gpus: usize) -> Result<Model<B>>
+where
+    Model<B>: Send,
+{
+    let ctx = || format!("loading {}", dir.display());
+    match gpus {
+        0 => bail!("--gpus must be at least 1"),
+        1 => Model::load(backend, dir, max_seqs, true).with_context(ctx),
+        n => {
+            if !backend.expert_parallel() {
+                bail!(dsv4_backend::ModelError::NoExpertParallel(backend.name()));
+            }
+            let mut backends = vec![];
+            for r in 1..n {
+                backends.push(backend.for_rank(r)?);
+            }
+            backends.insert(0, backend);
+            let comms = B::comms(&backends)?;
+            let m = Model::load_group(backends, comms, dir, max_seqs, true).with_context(ctx)?;
+            tracing::info!("split over {n} ranks (tensor + expert parallel)");
+            Ok(m)
+        }
+    }
 }
 
 fn tokenizer_for(dir: &std::path::Path) -> Result<dsv4_tokenizer::Tokenizer> {
@@ -611,11 +681,17 @@ fn kernels(_a: bench::BenchArgs) -> Result<()> {
     bail!("--synthetic kernels needs the CUDA backend; rebuild with `--features cuda` and pass --backend cuda")
 }
 
-fn bench_run<B: Backend>(backend: B, a: bench::BenchArgs) -> Result<()> {
+fn bench_run<B: Ranks>(backend: B, a: bench::BenchArgs) -> Result<()>
+where
+    Model<B>: Send,
+{
     bench::run(backend, a)
 }
 
-fn logits<B: Backend>(backend: B, a: LogitsArgs) -> Result<()> {
+fn logits<B: Ranks>(backend: B, a: LogitsArgs) -> Result<()>
+where
+    Model<B>: Send,
+{
     let toks = parse_tokens(&a.tokens)?;
     if toks.is_empty() {
         bail!("--tokens is empty");
@@ -628,7 +704,7 @@ fn logits<B: Backend>(backend: B, a: LogitsArgs) -> Result<()> {
     if sum != toks.len() {
         bail!("--chunks {chunks:?} sum to {sum}, but --tokens has {} ids", toks.len());
     }
-    let mut m = load(backend, &a.model, 1)?;
+    let mut m = load(backend, &a.model, 1, a.gpus)?;
     let seq = m.alloc_seq()?;
     let logits = m.prefill_chunks(seq, &toks, &chunks)?;
     write_npy(&a.out, &logits, toks.len(), m.cfg.vocab_size)?;
@@ -636,12 +712,15 @@ fn logits<B: Backend>(backend: B, a: LogitsArgs) -> Result<()> {
     Ok(())
 }
 
-fn generate_cmd<B: Backend>(backend: B, a: GenerateArgs) -> Result<()> {
+fn generate_cmd<B: Ranks>(backend: B, a: GenerateArgs) -> Result<()>
+where
+    Model<B>: Send,
+{
     let dir = match a.model {
         Some(d) => d,
         None => demo::demo_model_dir()?,
     };
-    let mut m = load(backend, &dir, 1)?;
+    let mut m = load(backend, &dir, 1, a.gpus)?;
     let tok = tokenizer_for(&dir)?;
     let ids = match (a.prompt, a.tokens) {
         (Some(p), None) => tok.encode(&p, true)?,

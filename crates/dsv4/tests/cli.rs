@@ -321,3 +321,48 @@ fn init_tiny_drafter_speculates_losslessly_from_the_command_line() {
     assert_eq!(a["tokens"], b["tokens"]);
     assert_eq!(a["tokens"].as_array().unwrap().len(), 12);
 }
+
+/// `--gpus N` on the CPU backend: N in-process ranks (tensor + expert parallel) give the same
+/// greedy tokens as one, and a world that does not divide the model is refused by name.
+#[test]
+fn generate_over_several_ranks_matches_one() {
+    let model = fixtures().join("pro_like");
+    let m = model.to_str().unwrap();
+    let run = |g: &str| {
+        let out = ok(&["generate", "--model", m, "--tokens", "5,17,3,44,8", "--max-new-tokens", "10", "--ignore-eos"]
+            .into_iter()
+            .chain(["--json", "--gpus", g])
+            .collect::<Vec<_>>());
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()["tokens"].clone()
+    };
+    let one = run("1");
+    assert_eq!(run("2"), one);
+    assert_eq!(run("4"), one);
+    let tiny = fixtures().join("tiny_mixed");
+    let err = fails(&["generate", "--model", tiny.to_str().unwrap(), "--tokens", "5", "--gpus", "4"]);
+    assert!(err.contains("layers.0.attn.wo_a.weight") && err.contains("4 ranks"), "{err}");
+}
+
+/// The memory check before loading counts each rank's share against that rank's budget: with
+/// 1.5 MB a device, pro_like (1.9 MiB of f32 weights) is refused on one rank and fits on two.
+#[test]
+fn memory_check_counts_each_ranks_share() {
+    let model = fixtures().join("pro_like");
+    let dir = tempfile::tempdir().unwrap();
+    let run = |g: &str| {
+        let out = dir.path().join(format!("l{g}.npy"));
+        let args = ["logits", "--model", model.to_str().unwrap(), "--tokens", "5,17", "--gpus", g, "--out"];
+        Command::new(env!("CARGO_BIN_EXE_dsv4"))
+            .args(args)
+            .arg(&out)
+            .env("RUST_LOG", "warn")
+            .env("DSV4_MEMORY_LIMIT_GB", "0.0015")
+            .output()
+            .unwrap()
+    };
+    let one = run("1");
+    assert!(!one.status.success());
+    assert!(String::from_utf8_lossy(&one.stderr).contains("does not fit"), "{}", String::from_utf8_lossy(&one.stderr));
+    let two = run("2");
+    assert!(two.status.success(), "{}", String::from_utf8_lossy(&two.stderr));
+}

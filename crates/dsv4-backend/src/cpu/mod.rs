@@ -390,13 +390,17 @@ impl Backend for CpuBackend {
         Route { k, ids, weights }
     }
 
-    fn moe(&self, x: &Tensor, route: &Route, experts: &[Expert<Tensor>], limit: f32) -> Tensor {
+    fn moe(&self, x: &Tensor, route: &Route, experts: &[Expert<Tensor>], first: usize, limit: f32) -> Tensor {
         let k = route.k;
         // Rows per expert, then one matmul per used expert; results land in (row, slot) order so
         // each row sums its experts in its own routing order, whatever the batch holds.
         let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); experts.len()];
+        let held: Vec<bool> =
+            route.ids.iter().map(|&e| (first..first + experts.len()).contains(&(e as usize))).collect();
         for (slot, &e) in route.ids.iter().enumerate() {
-            by_expert[e as usize].push(slot);
+            if held[slot] {
+                by_expert[e as usize - first].push(slot);
+            }
         }
         let results: Vec<(Vec<usize>, Tensor)> = by_expert
             .into_par_iter()
@@ -422,7 +426,7 @@ impl Backend for CpuBackend {
         let mut out = vec![0f32; x.rows * d];
         for r in 0..x.rows {
             let o = &mut out[r * d..(r + 1) * d];
-            for j in 0..k {
+            for j in (0..k).filter(|j| held[r * k + j]) {
                 let w = route.weights[r * k + j];
                 for (a, b) in o.iter_mut().zip(&per_slot[(r * k + j) * d..(r * k + j + 1) * d]) {
                     *a += w * b;
@@ -434,6 +438,10 @@ impl Backend for CpuBackend {
 
     fn swiglu(&self, x: &Tensor, e: &Expert<Tensor>, limit: f32) -> Tensor {
         swiglu_rows(x, e, limit)
+    }
+
+    fn expert_parallel(&self) -> bool {
+        true
     }
 
     fn reset_probes(&self, cache: &mut CpuCache) {

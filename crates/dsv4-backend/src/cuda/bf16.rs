@@ -13,7 +13,7 @@
 
 use super::{cfg1d, ck, CudaBackend, CudaCache, CudaRoute, CudaTensor, CudaWeight};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtrMut, LaunchConfig, PushKernelArg};
 use dsv4_model::weights::Expert;
 use std::ffi::c_void;
 
@@ -280,11 +280,15 @@ pub(crate) fn probe_into(
 }
 
 /// Routed experts with bf16 or packed weights (see the module docs and [`super::quant`]).
+/// `experts[i]` is global expert `first + i`; with `share` (a rank's share of the experts) the
+/// slots routed elsewhere add nothing.
 pub(crate) fn moe(
     b: &CudaBackend,
     x: &CudaTensor,
     route: &CudaRoute,
     experts: &[Expert<CudaWeight>],
+    first: usize,
+    share: bool,
     limit: f32,
 ) -> CudaTensor {
     let (n, d, k) = (x.rows, x.cols, route.k);
@@ -312,6 +316,7 @@ pub(crate) fn moe(
                 .arg(&route.ids)
                 .arg(&(nk as i32))
                 .arg(&(ne as i32))
+                .arg(&(first as u32))
                 .launch(one)
         },
         "moe_sort",
@@ -324,6 +329,10 @@ pub(crate) fn moe(
         let table = &ek.table;
         let mut h = b.alloc::<f32>(nk * inter);
         let mut y = b.alloc::<f32>(nk * d);
+        if share {
+            // The combine reads every slot's row: those of other ranks' experts must be zero.
+            ck(b.stream.memset_zeros(&mut y), "zero expert outputs");
+        }
         let blocks = nk.min(ne) as u32;
         let up = LaunchConfig {
             grid_dim: (blocks, inter.div_ceil(8) as u32, 1),
@@ -432,8 +441,20 @@ pub(crate) fn moe(
     // Large batches: per-expert cuBLAS over the gathered rows (offsets read back once).
     let offs = ck(b.stream.clone_dtoh(&off), "read expert offsets");
     ck(b.stream.synchronize(), "synchronize");
+    // Slots held here (all of them unless this is a share of the experts).
+    let held = offs[ne] as usize;
+    if held == 0 {
+        ck(b.stream.memset_zeros(&mut out.data), "zero routed output");
+        return out;
+    }
     let mut xs = b.alloc::<u16>(nk * d);
     let mut inv = b.alloc::<u32>(nk);
+    if share {
+        let (p, _w) = inv.device_ptr_mut(&b.stream);
+        // SAFETY: `inv` holds `nk` u32 values; the set is ordered on the backend's stream.
+        let r = unsafe { cudarc::driver::sys::cuMemsetD32Async(p, u32::MAX, nk, b.stream.cu_stream()) };
+        assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS, "cuMemsetD32Async");
+    }
     ck(
         unsafe {
             b.stream
@@ -442,10 +463,10 @@ pub(crate) fn moe(
                 .arg(&mut inv)
                 .arg(&x.data)
                 .arg(&order)
-                .arg(&(nk as i32))
+                .arg(&(held as i32))
                 .arg(&ki)
                 .arg(&di)
-                .launch(cfg1d(nk * d, 256))
+                .launch(cfg1d(held * d, 256))
         },
         "moe_gather_bf16",
     );

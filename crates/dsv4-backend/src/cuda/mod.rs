@@ -16,6 +16,7 @@ pub mod bf16;
 pub mod dspark;
 pub mod graph;
 pub mod moe;
+pub mod nccl;
 pub mod quant;
 pub mod state;
 
@@ -92,6 +93,8 @@ pub struct CudaSel {
 /// Expert ids and weights, `[rows, k]` each.
 pub struct CudaRoute {
     pub k: usize,
+    /// Experts the router chose from (all of them, whatever share a rank holds).
+    pub experts: usize,
     pub ids: CudaSlice<u32>,
     pub weights: CudaSlice<f32>,
 }
@@ -354,7 +357,8 @@ impl CudaBackend {
         self.exact.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
-    pub(crate) fn exact(&self) -> bool {
+    /// Whether exact mode is on (see [`CudaBackend::set_exact`]).
+    pub fn exact(&self) -> bool {
         self.exact.load(std::sync::atomic::Ordering::Relaxed)
     }
 
@@ -620,6 +624,11 @@ impl Backend for CudaBackend {
 
     fn keeps_packed(&self) -> bool {
         true
+    }
+
+    /// The bf16 and packed expert paths take a share of the experts; the f32 one does not.
+    fn expert_parallel(&self) -> bool {
+        self.bf16
     }
 
     fn resident_bytes(&self, t: &HostTensor) -> u64 {
@@ -1011,8 +1020,15 @@ impl Backend for CudaBackend {
         moe::route(self, logits, bias, hash, cfg)
     }
 
-    fn moe(&self, x: &CudaTensor, route: &CudaRoute, experts: &[Expert<CudaWeight>], limit: f32) -> CudaTensor {
-        moe::moe(self, x, route, experts, limit)
+    fn moe(
+        &self,
+        x: &CudaTensor,
+        route: &CudaRoute,
+        experts: &[Expert<CudaWeight>],
+        first: usize,
+        limit: f32,
+    ) -> CudaTensor {
+        moe::moe(self, x, route, experts, first, limit)
     }
 
     fn swiglu(&self, x: &CudaTensor, e: &Expert<CudaWeight>, limit: f32) -> CudaTensor {

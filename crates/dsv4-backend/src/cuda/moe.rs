@@ -53,7 +53,7 @@ pub fn route(
         },
         "route",
     );
-    CudaRoute { k, ids, weights }
+    CudaRoute { k, experts: e, ids, weights }
 }
 
 /// The device table `[w1 of each expert, w3 of each, w2 of each]` of weight pointers (built once
@@ -76,11 +76,16 @@ pub fn moe(
     x: &CudaTensor,
     route: &CudaRoute,
     experts: &[Expert<CudaWeight>],
+    first: usize,
     limit: f32,
 ) -> CudaTensor {
+    // A rank of an expert-parallel group holds experts `first..first + experts.len()` only.
+    let share = first != 0 || experts.len() != route.experts;
     if experts[0].w1.bf.is_some() || experts[0].w1.q.is_some() {
-        return super::bf16::moe(b, x, route, experts, limit);
+        return super::bf16::moe(b, x, route, experts, first, share, limit);
     }
+    // These kernels index every expert by its global id.
+    assert!(!share, "expert parallelism needs bf16 or packed expert weights (this backend holds f32)");
     let (n, d, k) = (x.rows, x.cols, route.k);
     let inter = experts[0].w1.rows;
     let ne = experts.len() as i32;

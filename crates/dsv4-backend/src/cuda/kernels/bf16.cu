@@ -107,14 +107,19 @@ extern "C" __global__ void cast_bf16(unsigned short* out, const float* x, long l
 }
 
 // Groups the n·k (row, slot) pairs by expert (one block): off[e]..off[e+1] of `order` are the
-// slots routed to expert e; active[0..active[ne]] lists the experts with any slot.
+// slots routed to local expert e = id − first; active[0..active[ne]] lists the experts with any
+// slot. Slots routed outside first..first+ne (other ranks' experts) are left out: off[ne] counts
+// the slots held here.
 extern "C" __global__ void moe_sort(unsigned* order, unsigned* off, unsigned* active, const unsigned* ids, int nk,
-                                    int ne) {
+                                    int ne, unsigned first) {
     __shared__ unsigned cnt[1024];
     __shared__ unsigned pos[1024];
     for (int e = threadIdx.x; e < ne; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
-    for (int s = threadIdx.x; s < nk; s += blockDim.x) atomicAdd(&cnt[ids[s]], 1u);
+    for (int s = threadIdx.x; s < nk; s += blockDim.x) {
+        unsigned e = ids[s] - first;
+        if (e < (unsigned)ne) atomicAdd(&cnt[e], 1u);
+    }
     __syncthreads();
     if (threadIdx.x == 0) {
         unsigned acc = 0, na = 0;
@@ -129,8 +134,11 @@ extern "C" __global__ void moe_sort(unsigned* order, unsigned* off, unsigned* ac
     }
     __syncthreads();
     for (int s = threadIdx.x; s < nk; s += blockDim.x) {
-        unsigned p = atomicAdd(&pos[ids[s]], 1u);
-        order[p] = (unsigned)s;
+        unsigned e = ids[s] - first;
+        if (e < (unsigned)ne) {
+            unsigned p = atomicAdd(&pos[e], 1u);
+            order[p] = (unsigned)s;
+        }
     }
 }
 
@@ -156,13 +164,17 @@ extern "C" __global__ void swiglu_bf16(unsigned short* hb, const float* g, const
     GRID_STRIDE(e, len) hb[e] = f2bf(swiglu1(g[e], u[e], limit));
 }
 
-// out[r, c] = Σ_j wts[r, j]·y[inv[r·k + j], c], in routing order.
+// out[r, c] = Σ_j wts[r, j]·y[inv[r·k + j], c], in routing order; slots whose inv is 0xffffffff
+// (routed to another rank's experts) add nothing.
 extern "C" __global__ void moe_combine_sorted(float* out, const float* y, const unsigned* inv, const float* wts, int n,
                                               int k, int d) {
     GRID_STRIDE(e, (long long)n * d) {
         long long r = e / d, c = e % d;
         float acc = 0.f;
-        for (int j = 0; j < k; j++) acc += wts[r * k + j] * y[(long long)inv[r * k + j] * d + c];
+        for (int j = 0; j < k; j++) {
+            unsigned p = inv[r * k + j];
+            if (p != 0xffffffffu) acc += wts[r * k + j] * y[(long long)p * d + c];
+        }
         out[e] = acc;
     }
 }
