@@ -139,22 +139,30 @@ impl Sampler {
             return (cand, probs, keep);
         }
         let m = logits.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v)) as f64;
-        let weight = |v: f32| ((v as f64 - m) / t).exp();
-        let total: f64 = logits.iter().map(|&v| weight(v)).sum();
+        let w: Vec<f64> = logits.iter().map(|&v| ((v as f64 - m) / t).exp()).collect();
+        let total: f64 = w.iter().sum();
         if p.top_p >= 1.0 && p.min_p <= 0.0 {
-            let probs: Vec<f64> = logits.iter().map(|&v| weight(v) / total).collect();
+            let probs: Vec<f64> = w.iter().map(|x| x / total).collect();
             let n = probs.len();
             return (all(), probs, n);
         }
-        let mut k = 256.min(logits.len());
+        // min-p keeps at most the tokens at or above its floor (the best token's probability,
+        // 1/total, times min_p): counted directly, so the prefix never grows past them.
+        let cap = if p.min_p > 0.0 {
+            let floor = (1.0 / total) * p.min_p as f64;
+            w.iter().filter(|&&x| x / total >= floor).count().max(1)
+        } else {
+            logits.len()
+        };
+        let mut k = 256.min(cap);
         loop {
             let cand = best(all(), k);
-            let probs: Vec<f64> = cand.iter().map(|c| weight(c.1) / total).collect();
+            let probs: Vec<f64> = cand.iter().map(|c| w[c.0 as usize] / total).collect();
             let (keep, inside) = self.cut(&probs, logits.len());
-            if inside || k == logits.len() {
+            if inside || k == cap {
                 return (cand, probs, keep);
             }
-            k = (k * 8).min(logits.len());
+            k = (k * 8).min(cap);
         }
     }
 

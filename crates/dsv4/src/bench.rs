@@ -15,7 +15,8 @@ pub struct BenchArgs {
     model: Option<PathBuf>,
     /// A random model: `tiny` (spec §12.1 dimensions), `mid` (hidden 1024, 8 layers), or
     /// `flash` (full V4-Flash dimensions, `--layers` of them, drawn on the GPU; `--backend cuda`),
-    /// or `kernels` (each weight format's product kernel alone: check and GB/s; `--backend cuda`).
+    /// or `kernels` (each weight format's product kernel alone: check and GB/s; `--backend cuda`),
+    /// or `sampler` (the host sampler alone over V4's vocabulary).
     #[arg(long, default_value = "tiny")]
     pub synthetic: String,
     /// `--synthetic flash`: decoder layers (SWA, then CSA/HCA alternating).
@@ -146,5 +147,44 @@ where
             "decode_tokens_per_s": a.decode_tokens as f64 / decode,
         })
     );
+    Ok(())
+}
+
+/// `dsv4 bench --synthetic sampler`: one draw of the host sampler over a V4-size vocabulary of
+/// random logits, per sampling setting (what a row that needs its logits costs the engine's
+/// thread each step).
+pub fn sampler() -> Result<()> {
+    use dsv4_engine::sampler::{Sampler, SamplingParams};
+    let v = 129_280;
+    let mut s = 1u64;
+    let logits: Vec<f32> = (0..v)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / 16_777_216.0 - 0.5) * 20.0
+        })
+        .collect();
+    let settings = [
+        ("greedy", SamplingParams::default()),
+        ("temperature 1", SamplingParams { temperature: 1.0, seed: 1, ..Default::default() }),
+        (
+            "temperature 0.7, top-p 0.95",
+            SamplingParams { temperature: 0.7, top_p: 0.95, seed: 1, ..Default::default() },
+        ),
+        ("temperature 0.7, top-k 40", SamplingParams { temperature: 0.7, top_k: 40, seed: 1, ..Default::default() }),
+        ("temperature 1, min-p 0.05", SamplingParams { temperature: 1.0, min_p: 0.05, seed: 1, ..Default::default() }),
+    ];
+    let mut out = Vec::new();
+    for (name, p) in settings {
+        let mut sm = Sampler::new(p)?;
+        let reps = 50;
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps {
+            sm.sample(&logits)?;
+        }
+        let ms = t0.elapsed().as_secs_f64() * 1e3 / reps as f64;
+        println!("sampler, {v} logits, {name}: {ms:.3} ms a draw");
+        out.push(serde_json::json!({"setting": name, "ms_per_draw": ms}));
+    }
+    println!("{}", serde_json::json!({"vocab": v, "sampler": out}));
     Ok(())
 }

@@ -635,6 +635,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Inspect(a) => quantize::inspect(a)?,
         Cmd::Bench(a) if a.synthetic == "flash" => flash(a)?,
         Cmd::Bench(a) if a.synthetic == "kernels" => kernels(a)?,
+        Cmd::Bench(a) if a.synthetic == "sampler" => bench::sampler()?,
         Cmd::Bench(a) => with_backend!(a.backend, bench_run(a))?,
         Cmd::Debug(c) => {
             if !debug::run(c)? {
