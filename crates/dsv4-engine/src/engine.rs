@@ -721,8 +721,9 @@ impl<B: Backend> Engine<B> {
             }
         }
         let vocab = self.model.cfg.vocab_size;
+        let mut drawn = self.draw_plain_rows(&outs, &logits, vocab);
         let mut k = 0; // output row
-        for o in outs {
+        for (oi, o) in outs.into_iter().enumerate() {
             let nrows = o.plan.as_ref().map_or(1, |p| p.rows());
             let l = logits.get(k * vocab..(k + nrows) * vocab).unwrap_or(&[]);
             let ids = out.ids.get(k..k + nrows).unwrap_or(&[]);
@@ -742,7 +743,10 @@ impl<B: Backend> Engine<B> {
                 _ if l.is_empty() => {
                     ids.first().map(|&t| vec![t]).ok_or_else(|| "the step returned no token id".to_string())
                 }
-                _ => sample_row(&mut s.sampler, s.processor.as_mut(), l).map(|t| vec![t]),
+                _ => match drawn[oi].take() {
+                    Some(r) => r.map(|t| vec![t]),
+                    None => sample_row(&mut s.sampler, s.processor.as_mut(), l).map(|t| vec![t]),
+                },
             };
             let emitted = match emitted {
                 Ok(t) => t,
@@ -785,6 +789,52 @@ impl<B: Backend> Engine<B> {
                 Err(msg) => self.fail(s, msg),
             }
         }
+    }
+}
+
+impl<B: Backend> Engine<B> {
+    /// The tokens of the step's plain sampled rows (no speculative round, no host pass), drawn
+    /// in parallel: each sequence has its own sampler and generator, so the draws are the ones
+    /// a sequential loop makes. A draw over V4's vocabulary costs ~1 ms (BENCHMARKS.md), which
+    /// at 64 rows a step was the engine thread's largest cost. `None`: the row is not one.
+    fn draw_plain_rows(&mut self, outs: &[Out], logits: &[f32], vocab: usize) -> Vec<Option<Result<u32, String>>> {
+        use rayon::prelude::*;
+        let mut drawn: Vec<Option<Result<u32, String>>> = outs.iter().map(|_| None).collect();
+        if logits.is_empty() {
+            return drawn;
+        }
+        // Each out's first output row, and the outs that draw plainly: (out, sequence, row).
+        let mut row = 0;
+        let mut plain: Vec<(usize, usize, usize)> = Vec::new();
+        for (i, o) in outs.iter().enumerate() {
+            let s = &self.running[o.seq];
+            if o.plan.is_none() && s.processor.is_none() && s.sampler.params.temperature != 0.0 {
+                plain.push((i, o.seq, row));
+            }
+            row += o.plan.as_ref().map_or(1, |p| p.rows());
+        }
+        if plain.len() < 2 {
+            return drawn;
+        }
+        plain.sort_by_key(|p| p.1);
+        let mut jobs: Vec<(usize, &mut Sampler, &[f32])> = Vec::with_capacity(plain.len());
+        let mut next = plain.iter().peekable();
+        // A sequence has one out a step; a second one would be drawn by the sequential loop.
+        for (si, s) in self.running.iter_mut().enumerate() {
+            if let Some(&&(oi, _, r)) = next.peek().filter(|p| p.1 == si) {
+                jobs.push((oi, &mut s.sampler, &logits[r * vocab..(r + 1) * vocab]));
+                next.next();
+            }
+            while next.peek().is_some_and(|p| p.1 == si) {
+                next.next();
+            }
+        }
+        let res: Vec<(usize, Result<u32, String>)> =
+            jobs.into_par_iter().map(|(oi, s, l)| (oi, s.sample(l).map_err(|e| e.to_string()))).collect();
+        for (oi, r) in res {
+            drawn[oi] = Some(r);
+        }
+        drawn
     }
 }
 
