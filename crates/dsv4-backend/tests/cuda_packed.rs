@@ -61,6 +61,37 @@ fn activations(b: &CudaBackend, rows: usize, cols: usize, seed: u64) -> (CudaTen
     (CudaTensor { rows, cols, data: w.data }, Tensor::new(rows, cols, x))
 }
 
+/// `ne` routed experts of random valid blocks (`w1`/`w3` in `formats.0`, `w2` in `formats.1`,
+/// `dims` = (d, inter, ne)): uploaded to `b`, and as the CPU oracle's dequantised tensors.
+fn random_experts(
+    b: &CudaBackend,
+    formats: (PackedFormat, PackedFormat),
+    (d, inter, ne): (usize, usize, usize),
+    seed: u64,
+) -> (Vec<Expert<dsv4_backend::cuda::CudaWeight>>, Vec<Expert<Tensor>>) {
+    let (mut gpu_e, mut cpu_e) = (Vec::new(), Vec::new());
+    for e in 0..ne {
+        let s = seed + 10 * e as u64;
+        let (p1, p3, p2) = (
+            random_packed(formats.0, inter, d, s),
+            random_packed(formats.0, inter, d, s + 1),
+            random_packed(formats.1, d, inter, s + 2),
+        );
+        let name = |w: &str| format!("layers.0.ffn.experts.{e}.{w}.weight");
+        gpu_e.push(Expert {
+            w1: b.upload(host(&name("w1"), inter, d, &p1)).unwrap(),
+            w3: b.upload(host(&name("w3"), inter, d, &p3)).unwrap(),
+            w2: b.upload(host(&name("w2"), d, inter, &p2)).unwrap(),
+        });
+        cpu_e.push(Expert {
+            w1: Tensor::new(inter, d, p1.dequantize(inter, d)),
+            w3: Tensor::new(inter, d, p3.dequantize(inter, d)),
+            w2: Tensor::new(d, inter, p2.dequantize(d, inter)),
+        });
+    }
+    (gpu_e, cpu_e)
+}
+
 /// `x · wᵀ` per group in f64 (`w` `[m, k]`, `x` `[n, groups·k]`).
 fn reference(x: &Tensor, w: &[f32], m: usize, k: usize, groups: usize) -> Vec<f32> {
     let rpg = m / groups;
@@ -118,27 +149,7 @@ fn cuda_packed_experts_match_cpu() {
         (PackedFormat::Q8_0, PackedFormat::Fp8),
     ];
     for (pi, (f13, f2)) in pairs.into_iter().enumerate() {
-        let mut gpu_e = Vec::new();
-        let mut cpu_e = Vec::new();
-        for e in 0..ne {
-            let s = 1000 * pi as u64 + 10 * e as u64;
-            let (p1, p3, p2) = (
-                random_packed(f13, inter, d, s),
-                random_packed(f13, inter, d, s + 1),
-                random_packed(f2, d, inter, s + 2),
-            );
-            let name = |w: &str| format!("layers.0.ffn.experts.{e}.{w}.weight");
-            gpu_e.push(Expert {
-                w1: b.upload(host(&name("w1"), inter, d, &p1)).unwrap(),
-                w3: b.upload(host(&name("w3"), inter, d, &p3)).unwrap(),
-                w2: b.upload(host(&name("w2"), d, inter, &p2)).unwrap(),
-            });
-            cpu_e.push(Expert {
-                w1: Tensor::new(inter, d, p1.dequantize(inter, d)),
-                w3: Tensor::new(inter, d, p3.dequantize(inter, d)),
-                w2: Tensor::new(d, inter, p2.dequantize(d, inter)),
-            });
-        }
+        let (gpu_e, cpu_e) = random_experts(&b, (f13, f2), (d, inter, ne), 1000 * pi as u64);
         for (n, exact, tol) in [(3, false, 1e-5), (100, true, 1e-5), (100, false, 2e-2)] {
             b.set_exact(exact);
             let (xg, xc) = activations(&b, n, d, 5 + n as u64);
@@ -198,27 +209,7 @@ fn cuda_int8_products_match_the_twin() {
     }
     let cpu = CpuBackend;
     let (d, inter, ne) = (256, 512, 8);
-    let mut gpu_e = Vec::new();
-    let mut cpu_e = Vec::new();
-    for e in 0..ne {
-        let s = 5000 + 10 * e as u64;
-        let (p1, p3, p2) = (
-            random_packed(PackedFormat::IQ2_XXS, inter, d, s),
-            random_packed(PackedFormat::IQ2_XXS, inter, d, s + 1),
-            random_packed(PackedFormat::Q2_K, d, inter, s + 2),
-        );
-        let name = |w: &str| format!("layers.0.ffn.experts.{e}.{w}.weight");
-        gpu_e.push(Expert {
-            w1: b.upload(host(&name("w1"), inter, d, &p1)).unwrap(),
-            w3: b.upload(host(&name("w3"), inter, d, &p3)).unwrap(),
-            w2: b.upload(host(&name("w2"), d, inter, &p2)).unwrap(),
-        });
-        cpu_e.push(Expert {
-            w1: Tensor::new(inter, d, p1.dequantize(inter, d)),
-            w3: Tensor::new(inter, d, p3.dequantize(inter, d)),
-            w2: Tensor::new(d, inter, p2.dequantize(d, inter)),
-        });
-    }
+    let (gpu_e, cpu_e) = random_experts(&b, (PackedFormat::IQ2_XXS, PackedFormat::Q2_K), (d, inter, ne), 5000);
     let mut c = dsv4_model::synth::tiny_config(64);
     c.n_routed_experts = ne;
     c.n_experts_per_tok = 3;
