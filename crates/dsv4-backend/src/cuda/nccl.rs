@@ -98,18 +98,26 @@ impl Comm<CudaBackend> for NcclComm {
                 continue;
             }
             let f = std::mem::size_of::<f32>();
-            // A zeroed descriptor is a valid "nothing set" CUDA_MEMCPY2D (plain integers and
-            // null pointers); the fields a device-to-device copy reads are set below.
-            // SAFETY: CUDA_MEMCPY2D is a plain C struct for which all-zero bytes are valid.
-            let mut d: CUDA_MEMCPY2D = unsafe { std::mem::zeroed() };
-            d.srcMemoryType = CUmemorytype::CU_MEMORYTYPE_DEVICE;
-            d.srcDevice = src + (r * chunk * f) as u64;
-            d.srcPitch = part.len() * f;
-            d.dstMemoryType = CUmemorytype::CU_MEMORYTYPE_DEVICE;
-            d.dstDevice = dst + (part.start * f) as u64;
-            d.dstPitch = total * f;
-            d.WidthInBytes = part.len() * f;
-            d.Height = rows;
+            // Every field spelled out: CUmemorytype has no zero value, so a zeroed descriptor
+            // is not a valid value of this type (Rust refuses `mem::zeroed` for it).
+            let d = CUDA_MEMCPY2D {
+                srcXInBytes: 0,
+                srcY: 0,
+                srcMemoryType: CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                srcHost: std::ptr::null(),
+                srcDevice: src + (r * chunk * f) as u64,
+                srcArray: std::ptr::null_mut(),
+                srcPitch: part.len() * f,
+                dstXInBytes: 0,
+                dstY: 0,
+                dstMemoryType: CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                dstHost: std::ptr::null_mut(),
+                dstDevice: dst + (part.start * f) as u64,
+                dstArray: std::ptr::null_mut(),
+                dstPitch: total * f,
+                WidthInBytes: part.len() * f,
+                Height: rows,
+            };
             // SAFETY: source rows `r·chunk + i·width .. + width` lie inside `recv` (rank r sent
             // `rows · width ≤ chunk` values) and destination columns `part` of each of `rows`
             // rows lie inside `out`; both buffers outlive the copy (stream-ordered frees).
