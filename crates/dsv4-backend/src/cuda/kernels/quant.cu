@@ -24,14 +24,31 @@ typedef unsigned short u16;
 // places, which the constant cache would serialise.
 __device__ const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 
+// IQ2_XXS's tables as the decode reads them: copies in shared memory in the kernels (fill_tabs
+// at each kernel's start), where a warp's 32 lanes index them at scattered places (from global
+// memory through L1 such a load costs up to one wavefront per 128-byte line it touches, ~14 for
+// the 2 KB grid); the globals themselves in the host build of tests/quant_host.rs.
+#ifdef __CUDACC_RTC__
+__shared__ unsigned long long S_GRID[256];
+__shared__ unsigned char S_SIGNS[128];
+__shared__ unsigned long long S_MASK[128];
+#define TAB_GRID(i) S_GRID[i]
+#define TAB_SIGNS(i) S_SIGNS[i]
+#define TAB_MASK(i) S_MASK[i]
+#else
+#define TAB_GRID(i) IQ2XXS_GRID[i]
+#define TAB_SIGNS(i) KSIGNS_IQ2XS[i]
+#define TAB_MASK(i) KMASK_IQ2XS[i]
+#endif
+
+// Branch-free (selects, not branches): a branch here ends the basic block, and ptxas then
+// cannot issue the next chunk's loads before this one's arithmetic (PERF.md v5).
 __device__ __forceinline__ float h2f(u16 h) {
     unsigned s = ((unsigned)h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
-    if (e == 0) {
-        float v = __uint2float_rn(m) * 5.9604644775390625e-8f;  // m · 2^-24, exact
-        return s ? -v : v;
-    }
-    if (e == 31) return __uint_as_float(s | 0x7f800000u | (m << 13));
-    return __uint_as_float(s | ((e + 112) << 23) | (m << 13));
+    float sub = __uint2float_rn(m) * 5.9604644775390625e-8f;  // m · 2^-24, exact
+    sub = __uint_as_float(__float_as_uint(sub) | s);
+    unsigned big = s | (e == 31 ? 0x7f800000u : (e + 112) << 23) | (m << 13);
+    return e == 0 ? sub : __uint_as_float(big);
 }
 
 __device__ __forceinline__ u16 ld16(const u8* p) { return *(const u16*)p; }
@@ -48,18 +65,14 @@ __device__ __forceinline__ float bytef(unsigned w, int j, float bias) {
 
 __device__ __forceinline__ float e4m3(u8 b) {
     unsigned s = ((unsigned)b & 0x80u) << 24, e = (b >> 3) & 15, m = b & 7;
-    if (e == 15 && m == 7) return __uint_as_float(0x7fc00000u);
-    if (e == 0) {
-        float v = __uint2float_rn(m) * 0.001953125f;  // m/8 · 2^-6
-        return s ? -v : v;
-    }
-    return __uint_as_float(s | ((e + 120) << 23) | (m << 20));
+    float sub = __uint_as_float(__float_as_uint(__uint2float_rn(m) * 0.001953125f) | s);  // m/8 · 2^-6
+    float v = e == 0 ? sub : __uint_as_float(s | ((e + 120) << 23) | (m << 20));
+    return (e == 15 && m == 7) ? __uint_as_float(0x7fc00000u) : v;
 }
 
 __device__ __forceinline__ float e8m0(u8 b) {
-    if (b == 0xff) return __uint_as_float(0x7fc00000u);
-    if (b == 0) return __uint_as_float(0x00400000u);  // 2^-127
-    return __uint_as_float((unsigned)b << 23);
+    unsigned v = b == 0 ? 0x00400000u : (unsigned)b << 23;  // 0: 2^-127
+    return __uint_as_float(b == 0xff ? 0x7fc00000u : v);
 }
 
 // Bytes of one row of k values.
@@ -82,53 +95,110 @@ __device__ __forceinline__ const u8* scale_row(int f, const u8* s, long long o, 
     return s;
 }
 
-// y[0..8] = values c..c+8 of the row `w` (scales `s`, see scale_row).
+// The raw words behind values c..c+8 of the row `w` (scales `s`, see scale_row): loads only,
+// so that a loop can issue the loads of several chunks before decoding any (one memory latency
+// for all of them; PERF.md v5). deq8r turns them into the values.
+struct Raw8 {
+    unsigned u[6];
+};
+
+__device__ __forceinline__ unsigned ld32u(const u8* p) { return ld16(p) | ((unsigned)ld16(p + 2) << 16); }
+
 template <int F>
-__device__ __forceinline__ void deq8(const u8* __restrict__ w, const u8* __restrict__ s, int c, float* y) {
+__device__ __forceinline__ Raw8 raw8(const u8* __restrict__ w, const u8* __restrict__ s, int c) {
+    Raw8 r;
     if (F == F_Q8_0) {
         const u8* blk = w + (c >> 5) * 34;
-        float d = h2f(ld16(blk));
-        const u16* q = (const u16*)(blk + 2 + (c & 31));  // 2-byte aligned (34-byte blocks)
-        unsigned lo = ((unsigned)q[0] | ((unsigned)q[1] << 16)) ^ 0x80808080u;
-        unsigned hi = ((unsigned)q[2] | ((unsigned)q[3] << 16)) ^ 0x80808080u;
+        r.u[0] = ld16(blk);
+        const u8* q = blk + 2 + (c & 31);  // 2-byte aligned (34-byte blocks)
+        r.u[1] = ld32u(q);
+        r.u[2] = ld32u(q + 4);
+    } else if (F == F_Q4_K) {
+        const u8* blk = w + (c >> 8) * 144;  // 144-byte blocks: 8-byte aligned
+        int v = c & 255, g = v >> 6, half = (v >> 5) & 1, l = v & 31;
+        r.u[0] = *(const unsigned*)blk;  // d, dmin
+        const unsigned* sc = (const unsigned*)(blk + 4);
+        r.u[1] = sc[0];
+        r.u[2] = sc[1];
+        r.u[3] = sc[2];
+        uint2 qv = *(const uint2*)(blk + 16 + 32 * g + l);
+        r.u[4] = qv.x;
+        r.u[5] = qv.y;
+        (void)half;
+    } else if (F == F_Q2_K) {
+        const u8* blk = w + (c >> 8) * 84;  // 84-byte blocks: 4-byte aligned
+        int v = c & 255, h = v >> 7, l = v & 31;
+        r.u[0] = blk[v >> 4];
+        r.u[1] = *(const unsigned*)(blk + 80);  // d, dmin
+        const unsigned* q = (const unsigned*)(blk + 16 + 32 * h + l);
+        r.u[2] = q[0];
+        r.u[3] = q[1];
+    } else if (F == F_IQ2_XXS) {
+        const u8* blk = w + (c >> 8) * 66;
+        const u8* p = blk + 2 + 8 * ((c & 255) >> 5);
+        r.u[0] = ld16(blk);
+        r.u[1] = ld32u(p);
+        r.u[2] = ld32u(p + 4);
+    } else if (F == F_FP8) {
+        r.u[0] = ((const unsigned*)s)[c >> 7];
+        uint2 b = *(const uint2*)(w + c);
+        r.u[1] = b.x;
+        r.u[2] = b.y;
+    } else if (F == F_BF16) {
+        uint4 b = *(const uint4*)(w + 2 * c);
+        r.u[0] = b.x;
+        r.u[1] = b.y;
+        r.u[2] = b.z;
+        r.u[3] = b.w;
+    } else {
+        r.u[0] = s[c >> 5];
+        r.u[1] = *(const unsigned*)(w + (c >> 1));
+    }
+    return r;
+}
+
+// y[0..8] = values c..c+8 from their raw words.
+template <int F>
+__device__ __forceinline__ void deq8r(const Raw8& r, int c, float* y) {
+    if (F == F_Q8_0) {
+        float d = h2f((u16)r.u[0]);
+        unsigned lo = r.u[1] ^ 0x80808080u, hi = r.u[2] ^ 0x80808080u;
 #pragma unroll
         for (int j = 0; j < 8; j++) y[j] = __fmul_rn(bytef(j < 4 ? lo : hi, j & 3, BIAS_S8), d);
     } else if (F == F_Q4_K) {
-        const u8* blk = w + (c >> 8) * 144;
-        int v = c & 255, g = v >> 6, half = (v >> 5) & 1, l = v & 31, j = 2 * g + half;
-        const u8* sc = blk + 4;
+        int v = c & 255, g = v >> 6, half = (v >> 5) & 1, j = 2 * g + half;
+        // Scale byte i of the block's 12 (bytes 4..16).
+        // (Selects, not an indexed array: a runtime index would put r in local memory.)
+        auto sc = [&](int i) {
+            unsigned wd = i < 4 ? r.u[1] : i < 8 ? r.u[2] : r.u[3];
+            return (wd >> (8 * (i & 3))) & 255u;
+        };
         unsigned sv, mv;
         if (j < 4) {
-            sv = sc[j] & 63;
-            mv = sc[j + 4] & 63;
+            sv = sc(j) & 63;
+            mv = sc(j + 4) & 63;
         } else {
-            sv = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
-            mv = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+            sv = (sc(j + 4) & 15) | ((sc(j - 4) >> 6) << 4);
+            mv = (sc(j + 4) >> 4) | ((sc(j) >> 6) << 4);
         }
-        float dl = __fmul_rn(h2f(ld16(blk)), (float)sv), ml = __fmul_rn(h2f(ld16(blk + 2)), (float)mv);
-        uint2 qv = *(const uint2*)(blk + 16 + 32 * g + l);  // 8-byte aligned (144-byte blocks)
-        unsigned lo = (qv.x >> (4 * half)) & 0x0F0F0F0Fu, hi = (qv.y >> (4 * half)) & 0x0F0F0F0Fu;
+        float dl = __fmul_rn(h2f((u16)r.u[0]), (float)sv), ml = __fmul_rn(h2f((u16)(r.u[0] >> 16)), (float)mv);
+        unsigned lo = (r.u[4] >> (4 * half)) & 0x0F0F0F0Fu, hi = (r.u[5] >> (4 * half)) & 0x0F0F0F0Fu;
 #pragma unroll
         for (int jj = 0; jj < 8; jj++) y[jj] = __fsub_rn(__fmul_rn(dl, bytef(jj < 4 ? lo : hi, jj & 3, BIAS_U8)), ml);
     } else if (F == F_Q2_K) {
-        const u8* blk = w + (c >> 8) * 84;
-        int v = c & 255, h = v >> 7, sh = 2 * ((v >> 5) & 3), l = v & 31;
-        unsigned k = blk[v >> 4];
-        float dl = __fmul_rn(h2f(ld16(blk + 80)), (float)(k & 15));
-        float ml = __fmul_rn(h2f(ld16(blk + 82)), (float)(k >> 4));
-        const unsigned* q = (const unsigned*)(blk + 16 + 32 * h + l);  // 4-byte aligned (84-byte blocks)
-        unsigned lo = (q[0] >> sh) & 0x03030303u, hi = (q[1] >> sh) & 0x03030303u;
+        int v = c & 255, sh = 2 * ((v >> 5) & 3);
+        unsigned k = r.u[0];
+        float dl = __fmul_rn(h2f((u16)r.u[1]), (float)(k & 15));
+        float ml = __fmul_rn(h2f((u16)(r.u[1] >> 16)), (float)(k >> 4));
+        unsigned lo = (r.u[2] >> sh) & 0x03030303u, hi = (r.u[3] >> sh) & 0x03030303u;
 #pragma unroll
         for (int jj = 0; jj < 8; jj++) y[jj] = __fsub_rn(__fmul_rn(dl, bytef(jj < 4 ? lo : hi, jj & 3, BIAS_U8)), ml);
     } else if (F == F_IQ2_XXS) {
-        const u8* blk = w + (c >> 8) * 66;
-        int v = c & 255, ib = v >> 5, kk = (v >> 3) & 3;
-        const u8* p = blk + 2 + 8 * ib;
-        unsigned a = ld16(p) | ((unsigned)ld16(p + 2) << 16);
-        unsigned sg = ld16(p + 4) | ((unsigned)ld16(p + 6) << 16);
-        float db = __fmul_rn(__fmul_rn(h2f(ld16(blk)), 0.5f + (float)(sg >> 28)), 0.25f);
-        unsigned long long grid = IQ2XXS_GRID[(a >> (8 * kk)) & 255];
-        unsigned signs = KSIGNS_IQ2XS[(sg >> (7 * kk)) & 127];
+        int kk = (c >> 3) & 3;
+        unsigned a = r.u[1], sg = r.u[2];
+        float db = __fmul_rn(__fmul_rn(h2f((u16)r.u[0]), 0.5f + (float)(sg >> 28)), 0.25f);
+        unsigned long long grid = TAB_GRID((a >> (8 * kk)) & 255);
+        unsigned signs = TAB_SIGNS((sg >> (7 * kk)) & 127);
         unsigned lo = (unsigned)grid, hi = (unsigned)(grid >> 32);
         // ×(−1) is a flip of the sign bit, exactly.
 #pragma unroll
@@ -136,27 +206,29 @@ __device__ __forceinline__ void deq8(const u8* __restrict__ w, const u8* __restr
             y[j] = __uint_as_float(__float_as_uint(__fmul_rn(db, bytef(j < 4 ? lo : hi, j & 3, BIAS_U8))) ^
                                    (((signs >> j) & 1u) << 31));
     } else if (F == F_FP8) {
-        float sc = ((const float*)s)[c >> 7];
-        uint2 b = *(const uint2*)(w + c);
+        float sc = __uint_as_float(r.u[0]);
 #pragma unroll
         for (int j = 0; j < 4; j++) {
-            y[j] = __fmul_rn(e4m3((b.x >> (8 * j)) & 255), sc);
-            y[4 + j] = __fmul_rn(e4m3((b.y >> (8 * j)) & 255), sc);
+            y[j] = __fmul_rn(e4m3((r.u[1] >> (8 * j)) & 255), sc);
+            y[4 + j] = __fmul_rn(e4m3((r.u[2] >> (8 * j)) & 255), sc);
         }
     } else if (F == F_BF16) {
-        uint4 b = *(const uint4*)(w + 2 * c);
-        unsigned v[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
         for (int j = 0; j < 4; j++) {
-            y[2 * j] = __uint_as_float(v[j] << 16);
-            y[2 * j + 1] = __uint_as_float(v[j] & 0xffff0000u);
+            y[2 * j] = __uint_as_float(r.u[j] << 16);
+            y[2 * j + 1] = __uint_as_float(r.u[j] & 0xffff0000u);
         }
     } else {
-        float sc = e8m0(s[c >> 5]);
-        unsigned b = *(const unsigned*)(w + (c >> 1));
+        float sc = e8m0((u8)r.u[0]);
 #pragma unroll
-        for (int j = 0; j < 8; j++) y[j] = __fmul_rn(E2M1[(b >> (4 * j)) & 15], sc);
+        for (int j = 0; j < 8; j++) y[j] = __fmul_rn(E2M1[(r.u[1] >> (4 * j)) & 15], sc);
     }
+}
+
+// y[0..8] = values c..c+8 of the row `w` (scales `s`, see scale_row).
+template <int F>
+__device__ __forceinline__ void deq8(const u8* __restrict__ w, const u8* __restrict__ s, int c, float* y) {
+    deq8r<F>(raw8<F>(w, s, c), c, y);
 }
 
 // ---- int8 activations (the `x8` path, opt in): products on dp4a, 4 multiply-adds an
@@ -175,46 +247,76 @@ struct XChunk {
     float d[2], m[2];
 };
 
+// The raw words of one 32-value chunk (loads only; see Raw8): Q8_0 its scale and 8 code words,
+// Q2_K its 8 code words, d/dmin and the two scale bytes, IQ2_XXS d and the sub-block's 2 words.
+struct XRaw {
+    unsigned u[10];
+};
+
 template <int F>
-__device__ __forceinline__ XChunk xdecode32(const u8* __restrict__ w, int c) {
-    XChunk ch;
+__device__ __forceinline__ XRaw xraw32(const u8* __restrict__ w, int c) {
+    XRaw r;
     if (F == F_Q8_0) {
         const u8* blk = w + (c >> 5) * 34;
-        ch.d[0] = h2f(ld16(blk));
-        const u16* q = (const u16*)(blk + 2);  // 2-byte aligned (34-byte blocks)
+        r.u[0] = ld16(blk);
 #pragma unroll
-        for (int j = 0; j < 8; j++) ch.q[j] = (int)((unsigned)q[2 * j] | ((unsigned)q[2 * j + 1] << 16));
+        for (int j = 0; j < 8; j++) r.u[1 + j] = ld32u(blk + 2 + 4 * j);  // 2-byte aligned (34-byte blocks)
     } else if (F == F_Q2_K) {
         const u8* blk = w + (c >> 8) * 84;
-        int v = c & 255, h = v >> 7, sh = 2 * ((v >> 5) & 3);
+        int v = c & 255, h = v >> 7;
         const unsigned* q = (const unsigned*)(blk + 16 + 32 * h);  // 4-byte aligned (84-byte blocks)
-        float d = h2f(ld16(blk + 80)), dm = h2f(ld16(blk + 82));
 #pragma unroll
-        for (int j = 0; j < 8; j++) ch.q[j] = (int)((q[j] >> sh) & 0x03030303u);
+        for (int j = 0; j < 8; j++) r.u[j] = q[j];
+        r.u[8] = *(const unsigned*)(blk + 80);
+        r.u[9] = ld16(blk + (v >> 4));  // the two groups' scale bytes (v >> 4 is even)
+    } else {  // F_IQ2_XXS
+        const u8* blk = w + (c >> 8) * 66;
+        const u8* p = blk + 2 + 8 * ((c & 255) >> 5);
+        r.u[0] = ld16(blk);
+        r.u[1] = ld32u(p);
+        r.u[2] = ld32u(p + 4);
+    }
+    return r;
+}
+
+template <int F>
+__device__ __forceinline__ XChunk xdec32(const XRaw& r, int c) {
+    XChunk ch;
+    if (F == F_Q8_0) {
+        ch.d[0] = h2f((u16)r.u[0]);
+#pragma unroll
+        for (int j = 0; j < 8; j++) ch.q[j] = (int)r.u[1 + j];
+    } else if (F == F_Q2_K) {
+        int sh = 2 * ((c >> 5) & 3);
+        float d = h2f((u16)r.u[8]), dm = h2f((u16)(r.u[8] >> 16));
+#pragma unroll
+        for (int j = 0; j < 8; j++) ch.q[j] = (int)((r.u[j] >> sh) & 0x03030303u);
 #pragma unroll
         for (int g = 0; g < 2; g++) {
-            unsigned k = blk[(v >> 4) + g];
+            unsigned k = (r.u[9] >> (8 * g)) & 255u;
             ch.d[g] = __fmul_rn(d, (float)(k & 15));
             ch.m[g] = __fmul_rn(dm, (float)(k >> 4));
         }
     } else {  // F_IQ2_XXS
-        const u8* blk = w + (c >> 8) * 66;
-        const u8* p = blk + 2 + 8 * ((c & 255) >> 5);
-        unsigned a = ld16(p) | ((unsigned)ld16(p + 2) << 16);
-        unsigned sg = ld16(p + 4) | ((unsigned)ld16(p + 6) << 16);
-        ch.d[0] = __fmul_rn(__fmul_rn(h2f(ld16(blk)), 0.5f + (float)(sg >> 28)), 0.25f);
+        unsigned a = r.u[1], sg = r.u[2];
+        ch.d[0] = __fmul_rn(__fmul_rn(h2f((u16)r.u[0]), 0.5f + (float)(sg >> 28)), 0.25f);
         // The bytes whose mask is 0xff are negated: (g ^ 0xff) + 1 = −g, with no carry out of
         // a byte (grid values are 8..43).
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
-            unsigned long long grid = IQ2XXS_GRID[(a >> (8 * kk)) & 255];
-            unsigned long long m = KMASK_IQ2XS[(sg >> (7 * kk)) & 127];
+            unsigned long long grid = TAB_GRID((a >> (8 * kk)) & 255);
+            unsigned long long m = TAB_MASK((sg >> (7 * kk)) & 127);
             unsigned mlo = (unsigned)m, mhi = (unsigned)(m >> 32);
             ch.q[2 * kk] = (int)((((unsigned)grid) ^ mlo) + (mlo & 0x01010101u));
             ch.q[2 * kk + 1] = (int)((((unsigned)(grid >> 32)) ^ mhi) + (mhi & 0x01010101u));
         }
     }
     return ch;
+}
+
+template <int F>
+__device__ __forceinline__ XChunk xdecode32(const u8* __restrict__ w, int c) {
+    return xdec32<F>(xraw32<F>(w, c), c);
 }
 
 // acc plus the chunk's product with the activations x[0..8] (32 int8, four a word) of scale dx:
@@ -249,6 +351,20 @@ __device__ __forceinline__ float xdot32(const u8* __restrict__ w, int c, const i
 
 // ---- end of the per-lane decode (tests/quant_host.rs builds everything above for the host)
 
+// The block's copies of the IQ2_XXS tables (see TAB_GRID), before any thread of it decodes: the
+// first statement of every kernel that decodes (all of the block's threads reach it). X8: the
+// int8 path's byte masks instead of the sign bytes.
+template <int F, bool X8>
+__device__ __forceinline__ void fill_tabs() {
+    if (F != F_IQ2_XXS) return;
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) S_GRID[i] = IQ2XXS_GRID[i];
+    for (int i = threadIdx.x; i < 128; i += blockDim.x) {
+        if (X8) S_MASK[i] = KMASK_IQ2XS[i];
+        else S_SIGNS[i] = KSIGNS_IQ2XS[i];
+    }
+    __syncthreads();
+}
+
 __device__ __forceinline__ float dot8q(const float* w, const float* __restrict__ x) {
     float4 a = *(const float4*)x, b = *(const float4*)(x + 4);
     float s = w[0] * a.x;
@@ -265,23 +381,39 @@ __device__ __forceinline__ float dot8q(const float* w, const float* __restrict__
 // invariance) and equals the one-row result. (Staging the row through shared memory with 16-byte
 // loads was measured slower: these kernels are bound by the decode's instructions, not by the
 // load pattern; see PERF.md.)
-template <int F, int R>
+// Chunks a lane loads before decoding any: 8 in the one-row kernels (4 for Q4_K's 6 raw words
+// a chunk), 4 in the kernels for several rows, whose accumulators and row pointers take the
+// registers (occupancy).
+template <int F, bool ONE>
+struct Ahead {
+    static constexpr int N = (F == F_Q4_K || !ONE) ? 4 : 8;
+};
+
+template <int F, int R, int U>
 __device__ __forceinline__ void qrows_dot(float* acc, const u8* __restrict__ wr, const u8* __restrict__ sr,
                                           const float* const* xrow, int nr, int k, int lane) {
-#pragma unroll 4
-    for (int c = lane * 8; c < k; c += 256) {
-        float wf[8];
-        deq8<F>(wr, sr, c, wf);
+    for (int c0 = lane * 8; c0 < k; c0 += 256 * U) {
+        Raw8 raw[U];
 #pragma unroll
-        for (int j = 0; j < R; j++)
-            if (j < nr) acc[j] += dot8q(wf, xrow[j] + c);
+        for (int u = 0; u < U; u++)
+            if (c0 + 256 * u < k) raw[u] = raw8<F>(wr, sr, c0 + 256 * u);
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int c = c0 + 256 * u;
+            if (c >= k) break;
+            float wf[8];
+            deq8r<F>(raw[u], c, wf);
+#pragma unroll
+            for (int j = 0; j < R; j++)
+                if (j < nr) acc[j] += dot8q(wf, xrow[j] + c);
+        }
     }
 }
 
 // The rows of one output (or expert) in groups: 8 at a time while 8 remain, then 4, 2, 1 — a
 // register budget per group that fits its size (a lone row gets one accumulator).
 // `xrow_of(r)` gives input row r, `store(r, v)` writes output row r.
-template <int F, int R, typename XR, typename ST>
+template <int F, int R, int U, typename XR, typename ST>
 __device__ __forceinline__ void rows_group(const u8* wr, const u8* sr, int r0, int nr, int k, int lane, XR xrow_of,
                                            ST store) {
     float acc[R];
@@ -291,7 +423,7 @@ __device__ __forceinline__ void rows_group(const u8* wr, const u8* sr, int r0, i
         acc[j] = 0.f;
         xrow[j] = xrow_of(r0 + min(j, nr - 1));
     }
-    qrows_dot<F, R>(acc, wr, sr, xrow, nr, k, lane);
+    qrows_dot<F, R, U>(acc, wr, sr, xrow, nr, k, lane);
 #pragma unroll
     for (int j = 0; j < R; j++) {
         float v = warp_sum(acc[j]);
@@ -304,16 +436,16 @@ __device__ __forceinline__ void rows_group(const u8* wr, const u8* sr, int r0, i
 template <int F, bool ONE, typename XR, typename ST>
 __device__ __forceinline__ void rows_all(const u8* wr, const u8* sr, int nrows, int k, int lane, XR xr, ST st) {
     if (ONE) {
-        if (nrows > 0) rows_group<F, 1>(wr, sr, 0, 1, k, lane, xr, st);
+        if (nrows > 0) rows_group<F, 1, Ahead<F, true>::N>(wr, sr, 0, 1, k, lane, xr, st);
         return;
     }
     int r0 = 0;
     while (r0 < nrows) {
         int left = nrows - r0;
-        if (left >= 8) { rows_group<F, 8>(wr, sr, r0, 8, k, lane, xr, st); r0 += 8; }
-        else if (left >= 4) { rows_group<F, 4>(wr, sr, r0, 4, k, lane, xr, st); r0 += 4; }
-        else if (left >= 2) { rows_group<F, 2>(wr, sr, r0, 2, k, lane, xr, st); r0 += 2; }
-        else { rows_group<F, 1>(wr, sr, r0, 1, k, lane, xr, st); r0 += 1; }
+        if (left >= 8) { rows_group<F, 8, Ahead<F, false>::N>(wr, sr, r0, 8, k, lane, xr, st); r0 += 8; }
+        else if (left >= 4) { rows_group<F, 4, Ahead<F, false>::N>(wr, sr, r0, 4, k, lane, xr, st); r0 += 4; }
+        else if (left >= 2) { rows_group<F, 2, Ahead<F, false>::N>(wr, sr, r0, 2, k, lane, xr, st); r0 += 2; }
+        else { rows_group<F, 1, Ahead<F, false>::N>(wr, sr, r0, 1, k, lane, xr, st); r0 += 1; }
     }
 }
 
@@ -361,8 +493,8 @@ __device__ void moe_up_q(float* __restrict__ h, const float* __restrict__ x, con
     if (ONE) {  // one token row: at most one pair per expert, both sums in registers
         if (cnt > 0) {
             float g = 0.f, u = 0.f;
-            rows_group<F, 1>(w1, s1, 0, 1, d, lane, xr, [&](int, float v) { g = v; });
-            rows_group<F, 1>(w3, s3, 0, 1, d, lane, xr, [&](int, float v) { u = v; });
+            rows_group<F, 1, Ahead<F, true>::N>(w1, s1, 0, 1, d, lane, xr, [&](int, float v) { g = v; });
+            rows_group<F, 1, Ahead<F, true>::N>(w3, s3, 0, 1, d, lane, xr, [&](int, float v) { u = v; });
             if (lane == 0) h[(long long)order[b0] * inter + o] = swiglu_q(g, u, limit);
         }
         return;
@@ -422,16 +554,19 @@ __device__ void deq_bf16(u16* out, const u8* w, const u8* s, long long rows, int
 #define ROW_KERNELS(F, N, ONE, S)                                                                                    \
     extern "C" __global__ void gemv##S##_##N(float* out, const float* x, const u8* w, const u8* s, int n, int k,    \
                                              int m, int ldx, int rpg) {                                              \
+        fill_tabs<F, false>();                                                                                       \
         gemv_q<F, ONE>(out, x, w, s, n, k, m, ldx, rpg);                                                             \
     }                                                                                                                \
     extern "C" __global__ void moe_up##S##_##N(float* h, const float* x, const unsigned* order, const unsigned* off, \
                                                const unsigned* active, const unsigned long long* ptrs, int nexp,    \
                                                int k, int d, int inter, float limit) {                               \
+        fill_tabs<F, false>();                                                                                       \
         moe_up_q<F, ONE>(h, x, order, off, active, ptrs, nexp, k, d, inter, limit);                                  \
     }                                                                                                                \
     extern "C" __global__ void moe_down##S##_##N(float* y, const float* h, const unsigned* order,                   \
                                                  const unsigned* off, const unsigned* active,                        \
                                                  const unsigned long long* ptrs, int nexp, int d, int inter) {       \
+        fill_tabs<F, false>();                                                                                       \
         moe_down_q<F, ONE>(y, h, order, off, active, ptrs, nexp, d, inter);                                          \
     }
 
@@ -439,6 +574,7 @@ __device__ void deq_bf16(u16* out, const u8* w, const u8* s, long long rows, int
     ROW_KERNELS(F, N, false, )                                                                                       \
     ROW_KERNELS(F, N, true, 1)                                                                                       \
     extern "C" __global__ void deq_bf16_##N(u16* out, const u8* w, const u8* s, long long rows, int k) {            \
+        fill_tabs<F, false>();                                                                                       \
         deq_bf16<F>(out, w, s, rows, k);                                                                             \
     }
 
@@ -476,11 +612,20 @@ template <int F>
 __device__ __forceinline__ float xrow_dot(const u8* __restrict__ wr, const signed char* __restrict__ xq,
                                           const float* __restrict__ xd, int k, int lane) {
     float acc = 0.f;
-#pragma unroll 2
-    for (int c = lane * 32; c < k; c += 1024) {
-        int4 a = *(const int4*)(xq + c), b = *(const int4*)(xq + c + 16);
-        int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        acc = xdot32<F>(wr, c, x, xd[c >> 5], acc);
+    constexpr int U = 4;  // chunks loaded before any is decoded (a 4096-wide row at once)
+    for (int c0 = lane * 32; c0 < k; c0 += 1024 * U) {
+        XRaw raw[U];
+#pragma unroll
+        for (int u = 0; u < U; u++)
+            if (c0 + 1024 * u < k) raw[u] = xraw32<F>(wr, c0 + 1024 * u);
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int c = c0 + 1024 * u;
+            if (c >= k) break;
+            int4 a = *(const int4*)(xq + c), b = *(const int4*)(xq + c + 16);
+            int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            acc = xapply32<F>(xdec32<F>(raw[u], c), x, xd[c >> 5], acc);
+        }
     }
     return warp_sum(acc);
 }
@@ -548,14 +693,24 @@ __device__ __forceinline__ void xrows_group(const u8* wr, int r0, int nr, int k,
         acc[j] = 0.f;
         xr_of(r0 + min(j, nr - 1), xq[j], xd[j]);
     }
-    for (int c = lane * 32; c < k; c += 1024) {
-        XChunk ch = xdecode32<F>(wr, c);
+    constexpr int U = R > 2 ? 1 : 2;  // (registers: this kernel also holds R rows' accumulators)
+    for (int c0 = lane * 32; c0 < k; c0 += 1024 * U) {
+        XRaw raw[U];
 #pragma unroll
-        for (int j = 0; j < R; j++) {
-            if (j < nr) {
-                int4 a = *(const int4*)(xq[j] + c), b = *(const int4*)(xq[j] + c + 16);
-                int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-                acc[j] = xapply32<F>(ch, x, xd[j][c >> 5], acc[j]);
+        for (int u = 0; u < U; u++)
+            if (c0 + 1024 * u < k) raw[u] = xraw32<F>(wr, c0 + 1024 * u);
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int c = c0 + 1024 * u;
+            if (c >= k) break;
+            XChunk ch = xdec32<F>(raw[u], c);
+#pragma unroll
+            for (int j = 0; j < R; j++) {
+                if (j < nr) {
+                    int4 a = *(const int4*)(xq[j] + c), b = *(const int4*)(xq[j] + c + 16);
+                    int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+                    acc[j] = xapply32<F>(ch, x, xd[j][c >> 5], acc[j]);
+                }
             }
         }
     }
@@ -651,32 +806,38 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
 #define X8_KERNELS(F, N)                                                                                             \
     extern "C" __global__ void gemv1x_##N(float* out, const signed char* xq, const float* xd, const u8* w, int n,   \
                                           int k, int m, int ldx, int rpg) {                                          \
+        fill_tabs<F, true>();                                                                                        \
         gemv_x8<F>(out, xq, xd, w, k, m, rpg);                                                                       \
     }                                                                                                                \
     extern "C" __global__ void moe_up1x_##N(float* h, const signed char* xq, const float* xd, const unsigned* order, \
                                             const unsigned* off, const unsigned* active,                            \
                                             const unsigned long long* ptrs, int nexp, int k, int d, int inter,       \
                                             float limit) {                                                           \
+        fill_tabs<F, true>();                                                                                        \
         moe_up_x8<F>(h, xq, xd, order, off, active, ptrs, nexp, d, inter, limit);                                    \
     }                                                                                                                \
     extern "C" __global__ void moe_down1x_##N(float* y, const signed char* hq, const float* hd,                     \
                                               const unsigned* order, const unsigned* off, const unsigned* active,    \
                                               const unsigned long long* ptrs, int nexp, int d, int inter) {          \
+        fill_tabs<F, true>();                                                                                        \
         moe_down_x8<F>(y, hq, hd, order, off, active, ptrs, nexp, d, inter);                                         \
     }                                                                                                                \
     extern "C" __global__ void gemvx_##N(float* out, const signed char* xq, const float* xd, const u8* w, int n,    \
                                          int k, int m, int ldx, int rpg) {                                           \
+        fill_tabs<F, true>();                                                                                        \
         gemvn_x8<F>(out, xq, xd, w, n, k, m, ldx, rpg);                                                              \
     }                                                                                                                \
     extern "C" __global__ void moe_upx_##N(float* h, const signed char* xq, const float* xd, const unsigned* order, \
                                            const unsigned* off, const unsigned* active,                             \
                                            const unsigned long long* ptrs, int nexp, int k, int d, int inter,        \
                                            float limit) {                                                            \
+        fill_tabs<F, true>();                                                                                        \
         moe_upn_x8<F>(h, xq, xd, order, off, active, ptrs, nexp, k, d, inter, limit);                                \
     }                                                                                                                \
     extern "C" __global__ void moe_downx_##N(float* y, const signed char* hq, const float* hd,                      \
                                              const unsigned* order, const unsigned* off, const unsigned* active,     \
                                              const unsigned long long* ptrs, int nexp, int d, int inter) {           \
+        fill_tabs<F, true>();                                                                                        \
         moe_downn_x8<F>(y, hq, hd, order, off, active, ptrs, nexp, d, inter);                                        \
     }
 
