@@ -134,7 +134,8 @@ pub(crate) struct Kernels {
     pub rms_norm: CudaFunction,
     pub rope: CudaFunction,
     pub gemv_f32: CudaFunction,
-    pub hc_pre: CudaFunction,
+    pub hc_pre_dot: CudaFunction,
+    pub hc_pre_apply: CudaFunction,
     pub hc_post: CudaFunction,
     pub hc_head: CudaFunction,
     pub comp_pool: CudaFunction,
@@ -232,7 +233,7 @@ impl Kernels {
                 "gemv_f32",
             ],
         )?;
-        let h = compile(ctx, 1, &["hc_pre", "hc_post", "hc_head"])?;
+        let h = compile(ctx, 1, &["hc_pre_dot", "hc_pre_apply", "hc_post", "hc_head"])?;
         let a = compile(ctx, 2, &["comp_pool", "comp_store", "index_score", "index_topk", "attention", "ring_write"])?;
         let m = compile(ctx, 3, &["route", "moe_up", "moe_down", "moe_combine"])?;
         let mut bf = compile(
@@ -266,7 +267,8 @@ impl Kernels {
             rms_norm: n(&mut d),
             rope: n(&mut d),
             gemv_f32: n(&mut d),
-            hc_pre: n(&mut h),
+            hc_pre_dot: n(&mut h),
+            hc_pre_apply: n(&mut h),
             hc_post: n(&mut h),
             hc_head: n(&mut h),
             comp_pool: n(&mut a),
@@ -885,22 +887,59 @@ impl Backend for CudaBackend {
     fn hc_pre(&self, x: &CudaTensor, hc: &Hc<CudaWeight>, cfg: &Config) -> (CudaTensor, CudaTensor, CudaTensor) {
         let (n, d) = (cfg.hc_mult, cfg.hidden);
         assert!(n <= 8, "hc_mult {n} > 8");
-        let m = self.matmul(x, &hc.fn_);
-        let mut y = self.tensor(x.rows, d);
-        let mut post = self.tensor(x.rows, n);
-        let mut comb = self.tensor(x.rows, n * n);
-        // 1024 threads: the whole n·d row is read twice (ρ, then the mix) by one block.
-        let lc = LaunchConfig { grid_dim: (x.rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let (mix, width) = ((2 + n) * n, n * d);
+        assert!(
+            hc.fn_.bf.is_none() && hc.fn_.q.is_none() && (hc.fn_.rows, hc.fn_.cols) == (mix, width),
+            "hc fn: an f32 [{mix}, {width}] weight (the loader keeps hc_* tensors in f32)"
+        );
+        let rows = x.rows;
+        let mut y = self.tensor(rows, d);
+        let mut post = self.tensor(rows, n);
+        let mut comb = self.tensor(rows, n * n);
+        if rows == 0 {
+            return (y, post, comb);
+        }
+        // Kernel constants (hc.cu): HC_SPLIT column slices, HC_ROWS rows a dot block.
+        const HC_SPLIT: usize = 32;
+        const HC_ROWS: usize = 4;
+        let mut part = self.alloc::<f32>(rows * HC_SPLIT * (mix + 1));
+        let dot = LaunchConfig {
+            grid_dim: (HC_SPLIT as u32, (mix + 1).div_ceil(8) as u32, rows.div_ceil(HC_ROWS) as u32),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types and buffer sizes match the kernel's signature (part holds
+        // rows · HC_SPLIT · (mix + 1) floats).
+        ck(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.k.hc_pre_dot)
+                    .arg(&mut part)
+                    .arg(&x.data)
+                    .arg(&hc.fn_.data)
+                    .arg(&(rows as i32))
+                    .arg(&(mix as i32))
+                    .arg(&(width as i32))
+                    .launch(dot)
+            },
+            "hc_pre_dot",
+        );
+        // 256 threads over 1024 columns a block; mix + 1 ≤ 81 partial sums fit one pass.
+        let apply = LaunchConfig {
+            grid_dim: (d.div_ceil(1024) as u32, rows as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         // SAFETY: argument types and sizes match the kernel's signature.
         ck(
             unsafe {
                 self.stream
-                    .launch_builder(&self.k.hc_pre)
+                    .launch_builder(&self.k.hc_pre_apply)
                     .arg(&mut y.data)
                     .arg(&mut post.data)
                     .arg(&mut comb.data)
                     .arg(&x.data)
-                    .arg(&m.data)
+                    .arg(&part)
                     .arg(&hc.base.data)
                     .arg(&hc.scale.data)
                     .arg(&(n as i32))
@@ -908,9 +947,9 @@ impl Backend for CudaBackend {
                     .arg(&(cfg.hc_sinkhorn_iters as i32))
                     .arg(&cfg.rms_eps)
                     .arg(&cfg.hc_eps)
-                    .launch(lc)
+                    .launch(apply)
             },
-            "hc_pre",
+            "hc_pre_apply",
         );
         (y, post, comb)
     }

@@ -43,6 +43,40 @@ __device__ void sinkhorn_warp(float* c, const float* a, int n, int iters, float 
     }
 }
 
+// The same Sinkhorn for n·n ≤ 32 (V4: 4 × 4) with element e in lane e's register: each pass
+// gathers the lane's row (or column) with n independent shuffles and adds them in the serial
+// order, so every value is bitwise sinkhorn_warp's (and the oracle's). The shared-memory
+// version waited on dependent shared loads and two warp barriers a pass: ~20 µs for 20 iterations
+// at one row (PERF.md v6).
+__device__ void sinkhorn_reg(float* c, const float* a, int n, int iters, float eps) {
+    int lane = threadIdx.x & 31, ne = n * n;
+    bool on = lane < ne;
+    int j = on ? lane / n : 0, q = on ? lane % n : 0;
+    float v = 0.f;
+    if (on) {
+        float m = -INFINITY;
+        for (int t = 0; t < n; t++) m = fmaxf(m, a[j * n + t]);
+        float s = 0.f;
+        for (int t = 0; t < n; t++) s += expf(a[j * n + t] - m);
+        v = expf(a[j * n + q] - m) / s + eps;
+    }
+    for (int it = 0; it < iters; it++) {
+        for (int pass = (it > 0 ? 0 : 1); pass < 2; pass++) {
+            float g[MAX_HC];
+#pragma unroll
+            for (int t = 0; t < MAX_HC; t++)
+                if (t < n) g[t] = __shfl_sync(0xffffffffu, v, pass == 0 ? j * n + t : t * n + q);
+            float s = 0.f;
+#pragma unroll
+            for (int t = 0; t < MAX_HC; t++)
+                if (t < n) s += g[t];
+            s += eps;
+            v = v / s;
+        }
+    }
+    if (on) c[lane] = v;
+}
+
 // Σ over the thread's strided slice k = t, t + B, ... of f(k), summed in that order, with the
 // loads of 8 iterations issued before their adds (a single block would otherwise wait for each
 // load in turn).
@@ -87,28 +121,102 @@ __device__ __forceinline__ void hc_mix(float* yr, const float* xr, const float* 
     }
 }
 
-// One block per row: y = Σ_s pre_s·X_s, post, comb = Sinkhorn(...). The (2 + n)·n mix values
-// are formed by one thread each (the same expression per element as one thread in turn).
-extern "C" __global__ void hc_pre(float* y, float* post, float* comb, const float* x, const float* m,
-                                  const float* base, const float* scale, int n, int d, int iters, float rms_eps,
-                                  float hc_eps) {
-    __shared__ float sh[32];
+// HC_PRE in two launches whatever the number of rows (a row's sums run in one fixed order, so
+// its result does not depend on the batch it shares):
+//   hc_pre_dot: block (s, g, rg) forms, for the rows of row group rg, the partial sums over
+//     column slice s (HC_SPLIT slices of the n·d row) of outputs 8g..8g+8 of [x·fnᵀ | Σ x²];
+//   hc_pre_apply: block (b, i) adds row i's HC_SPLIT partials in slice order, applies ρ, forms
+//     pre (and, in block 0, post and the Sinkhorn comb), and mixes columns 1024b.. of y.
+// At one row the 1.5 MB fn is read by 32·⌈(mix + 1)/8⌉ blocks at once instead of 24 lone warps
+// and one block reading the row twice (PERF.md v6).
+#define HC_SPLIT 32
+#define HC_ROWS 4  // rows a dot block takes (they share each weight load)
+
+extern "C" __global__ void hc_pre_dot(float* part, const float* __restrict__ x, const float* __restrict__ fn,
+                                      int rows, int mix, int width) {
+    __shared__ float red[8][HC_ROWS * 8];
+    int s = blockIdx.x, o0 = blockIdx.y * 8, r0 = blockIdx.z * HC_ROWS, t = threadIdx.x;
+    int per = (width + HC_SPLIT - 1) / HC_SPLIT, c0 = s * per, c1 = min(width, c0 + per);
+    int nr = min(HC_ROWS, rows - r0);
+    float acc[HC_ROWS][8];
+#pragma unroll
+    for (int r = 0; r < HC_ROWS; r++)
+#pragma unroll
+        for (int o = 0; o < 8; o++) acc[r][o] = 0.f;
+    for (int c = c0 + t; c < c1; c += blockDim.x) {
+        float xv[HC_ROWS];
+#pragma unroll
+        for (int r = 0; r < HC_ROWS; r++) xv[r] = r < nr ? x[(long long)(r0 + r) * width + c] : 0.f;
+#pragma unroll
+        for (int o = 0; o < 8; o++) {
+            int oo = o0 + o;
+            if (oo > mix) break;
+            // Output `mix` is the row's sum of squares (the RMS of the whole n·d row).
+            float w = oo < mix ? fn[(long long)oo * width + c] : 0.f;
+#pragma unroll
+            for (int r = 0; r < HC_ROWS; r++) acc[r][o] += (oo < mix ? w : xv[r]) * xv[r];
+        }
+    }
+    int lane = t & 31, wp = t >> 5;
+#pragma unroll
+    for (int r = 0; r < HC_ROWS; r++) {
+        if (r >= nr) break;  // block-uniform: a decode row sums one row's outputs, not four
+#pragma unroll
+        for (int o = 0; o < 8; o++) {
+            float v = warp_sum(acc[r][o]);
+            if (lane == 0) red[wp][r * 8 + o] = v;
+        }
+    }
+    __syncthreads();
+    if (t < HC_ROWS * 8) {
+        int r = t / 8, o = t % 8;
+        if (r < nr && o0 + o <= mix) {
+            float v = 0.f;
+            for (int w = 0; w < (int)(blockDim.x >> 5); w++) v += red[w][t];
+            part[((long long)(r0 + r) * HC_SPLIT + s) * (mix + 1) + o0 + o] = v;
+        }
+    }
+}
+
+extern "C" __global__ void hc_pre_apply(float* y, float* post, float* comb, const float* __restrict__ x,
+                                        const float* __restrict__ part, const float* base, const float* scale, int n,
+                                        int d, int iters, float rms_eps, float hc_eps) {
+    __shared__ float mv[(2 + MAX_HC) * MAX_HC + 1];
     __shared__ float pre[MAX_HC];
     __shared__ float a[MAX_HC * MAX_HC];
     __shared__ float cm[MAX_HC * MAX_HC];
-    int i = blockIdx.x, mix = (2 + n) * n, t = threadIdx.x;
+    int i = blockIdx.y, mix = (2 + n) * n, t = threadIdx.x;
+    if (t <= mix) {
+        const float* p = part + (long long)i * HC_SPLIT * (mix + 1) + t;
+        float v = 0.f;
+        for (int s = 0; s < HC_SPLIT; s++) v += p[s * (mix + 1)];
+        mv[t] = v;
+    }
+    __syncthreads();
+    float rho = 1.0f / sqrtf(mv[mix] / (float)(n * d) + rms_eps);
+    if (t < n) pre[t] = sigmoid_(mv[t] * rho * scale[0] + base[t]) + hc_eps;
+    if (blockIdx.x == 0) {
+        if (t >= n && t < 2 * n) post[i * n + t - n] = 2.0f * sigmoid_(mv[t] * rho * scale[1] + base[t]);
+        else if (t >= 2 * n && t < mix) a[t - 2 * n] = mv[t] * rho * scale[2] + base[t];
+    }
+    __syncthreads();
+    if (blockIdx.x == 0) {
+        // In shared memory (its ~2·iters dependent passes would each wait on global memory).
+        if (t < 32) {
+            if (n * n <= 32) sinkhorn_reg(cm, a, n, iters, hc_eps);
+            else sinkhorn_warp(cm, a, n, iters, hc_eps);
+        }
+        __syncthreads();
+        for (int j = t; j < n * n; j += blockDim.x) comb[(long long)i * n * n + j] = cm[j];
+    }
     const float* xr = x + (long long)i * n * d;
-    float rho = hc_rho(xr, n * d, rms_eps, sh);
-    const float* mi = m + (long long)i * mix;
-    if (t < n) pre[t] = sigmoid_(mi[t] * rho * scale[0] + base[t]) + hc_eps;
-    else if (t < 2 * n) post[i * n + t - n] = 2.0f * sigmoid_(mi[t] * rho * scale[1] + base[t]);
-    else if (t < mix) a[t - 2 * n] = mi[t] * rho * scale[2] + base[t];
-    __syncthreads();
-    // In shared memory (its ~2·iters dependent passes would each wait on global memory).
-    if (threadIdx.x < 32) sinkhorn_warp(cm, a, n, iters, hc_eps);
-    __syncthreads();
-    for (int j = threadIdx.x; j < n * n; j += blockDim.x) comb[(long long)i * n * n + j] = cm[j];
-    hc_mix(y + (long long)i * d, xr, pre, n, d);
+    for (int c = blockIdx.x * 4 * blockDim.x + t; c < min(d, (blockIdx.x + 1) * 4 * (int)blockDim.x); c += blockDim.x) {
+        float acc = 0.f;
+#pragma unroll
+        for (int s = 0; s < MAX_HC; s++)
+            if (s < n) acc += pre[s] * xr[s * d + c];
+        y[(long long)i * d + c] = acc;
+    }
 }
 
 // X'[j] = post[j]·f + Σ_s comb[s][j]·X[s].
