@@ -114,12 +114,22 @@ extern "C" __global__ void index_score(float* scores, int maxvis, const float* q
     for (long long s = blockIdx.y * warps + (threadIdx.x >> 5); s < vis; s += (long long)gridDim.y * warps) {
         const float* k = entries + ((long long)ROW_SEQ(t) * cap + s) * hd;
         float acc = 0.f;
-        for (int h = 0; h < nh; h++) {
-            float d = 0.f;
-            for (int c = lane; c < hd; c += 32) d += qr[h * hd + c] * k[c];
-            d = warp_sum(d);
-            float v = fmaxf(d, 0.f) * qs;
-            acc += wts[(long long)t * nh + h] * ws * v;
+        // 8 heads' dot products at a time: their butterflies are independent and overlap
+        // (one head after another waited on every shuffle). Each head's sum and the sum over
+        // heads keep their order, so the scores are bitwise the one-head-at-a-time ones.
+        for (int h0 = 0; h0 < nh; h0 += 8) {
+            float d[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                d[u] = 0.f;
+                if (h0 + u < nh)
+                    for (int c = lane; c < hd; c += 32) d[u] += qr[(h0 + u) * hd + c] * k[c];
+            }
+#pragma unroll
+            for (int u = 0; u < 8; u++) d[u] = warp_sum(d[u]);
+#pragma unroll
+            for (int u = 0; u < 8; u++)
+                if (h0 + u < nh) acc += wts[(long long)t * nh + h0 + u] * ws * (fmaxf(d[u], 0.f) * qs);
         }
         if (lane == 0) scores[(long long)t * maxvis + s] = acc;
     }
@@ -214,6 +224,7 @@ extern "C" __global__ void index_topk(unsigned* sel, int topk, const float* scor
 }
 
 #define ATT_WARPS 16  // keys split over 16 warps: a decode row still fills a block per head
+#define ATT_KB 4      // keys a warp takes at a time
 #define MAX_D 512
 
 // Sink-softmax attention of one (row, head) per block over the row's window rows (ring before the
@@ -243,29 +254,55 @@ extern "C" __global__ void attention(float* out, const float* q, const float* kv
         o[i] = 0.f;
     }
     float mx = -INFINITY, l = 0.f;
-    for (int j = wp; j < nwin + ncomp; j += ATT_WARPS) {
-        const float* k;
-        if (j < nwin) {
-            long long pp = lo + j;
-            k = pp < pos0 ? ring + (seq * rcap + pp % rcap) * d : kv + (ROW_START(t) + (pp - pos0)) * d;
-        } else {
-            long long e = has_sel ? sel[(long long)t * topk + (j - nwin)] : (j - nwin);
-            k = entries + (seq * cap + e) * d;
-        }
-        float dot = 0.f;
+    // ATT_KB keys a warp at a time (keys j, j + ATT_WARPS, ...): their loads and butterflies
+    // overlap, where one key at a time waited on each (a decode row's ~40 keys a warp were ~40
+    // dependent round trips). The online softmax takes the group's maximum first.
+    int nk = nwin + ncomp;
+    for (int j0 = wp; j0 < nk; j0 += ATT_WARPS * ATT_KB) {
+        const float* kp[ATT_KB];
+        float sc[ATT_KB];
 #pragma unroll
-        for (int i = 0; i < MAX_D / 32; i++) {
-            int c = lane + 32 * i;
-            if (c < d) dot += qv[i] * k[c];
-        }
-        float sc = warp_sum(dot) * scale;
-        float nm = fmaxf(mx, sc);
-        float corr = expf(mx - nm), pw = expf(sc - nm);
-        l = l * corr + pw;
+        for (int u = 0; u < ATT_KB; u++) {
+            int j = j0 + u * ATT_WARPS;
+            const float* k = nullptr;
+            if (j < nwin) {
+                long long pp = lo + j;
+                k = pp < pos0 ? ring + (seq * rcap + pp % rcap) * d : kv + (ROW_START(t) + (pp - pos0)) * d;
+            } else if (j < nk) {
+                long long e = has_sel ? sel[(long long)t * topk + (j - nwin)] : (j - nwin);
+                k = entries + (seq * cap + e) * d;
+            }
+            kp[u] = k;
+            float dot = 0.f;
+            if (k) {
 #pragma unroll
-        for (int i = 0; i < MAX_D / 32; i++) {
-            int c = lane + 32 * i;
-            if (c < d) o[i] = o[i] * corr + pw * k[c];
+                for (int i = 0; i < MAX_D / 32; i++) {
+                    int c = lane + 32 * i;
+                    if (c < d) dot += qv[i] * k[c];
+                }
+            }
+            sc[u] = dot;
+        }
+#pragma unroll
+        for (int u = 0; u < ATT_KB; u++) sc[u] = kp[u] ? warp_sum(sc[u]) * scale : -INFINITY;
+        float nm = mx;
+#pragma unroll
+        for (int u = 0; u < ATT_KB; u++) nm = fmaxf(nm, sc[u]);
+        // The group's first key is always a key, so nm is finite where the scores are.
+        float corr = expf(mx - nm);
+        l = l * corr;
+#pragma unroll
+        for (int i = 0; i < MAX_D / 32; i++) o[i] = o[i] * corr;
+#pragma unroll
+        for (int u = 0; u < ATT_KB; u++) {
+            if (!kp[u]) continue;
+            float pw = expf(sc[u] - nm);
+            l = l + pw;
+#pragma unroll
+            for (int i = 0; i < MAX_D / 32; i++) {
+                int c = lane + 32 * i;
+                if (c < d) o[i] = o[i] + pw * kp[u][c];
+            }
         }
         mx = nm;
     }

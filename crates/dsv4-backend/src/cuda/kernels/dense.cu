@@ -108,15 +108,28 @@ extern "C" __global__ void rope(float* x, const unsigned* rows, int n, const dou
 // out[r, o] = x[r, :] · w[o, :] for r < n <= 8, f32 weights (mHC, router): one block of 256
 // threads per output column, each thread a strided slice of k, then a fixed-order block sum —
 // a decode row's product of a short, very wide matrix (mHC: 24 × 16384) gets the whole block.
+//
+// Each thread takes 4 consecutive values at a time (16-byte loads, 4 in flight: the whole
+// 4096-wide router row in one round trip), in the same order for one row and for several.
 extern "C" __global__ void gemv_f32(float* out, const float* x, const float* w, int n, int k, int m) {
     __shared__ float sh[32];
     int o = blockIdx.x;
     if (o >= m) return;
     const float* wr = w + (long long)o * k;
+    // float4 steps where the rows allow (k a multiple of 4 and 16-byte aligned bases), the
+    // tail (or everything) one value at a time.
+    int k4 = ((k & 3) == 0 && (((unsigned long long)w | (unsigned long long)x) & 15) == 0) ? k / 4 : 0;
     if (n == 1) {  // decode: one accumulator in a register
         float acc = 0.f;
 #pragma unroll 4
-        for (int c = threadIdx.x; c < k; c += blockDim.x) acc += wr[c] * x[c];
+        for (int c = threadIdx.x; c < k4; c += blockDim.x) {
+            float4 a = ((const float4*)wr)[c], b = ((const float4*)x)[c];
+            acc += a.x * b.x;
+            acc += a.y * b.y;
+            acc += a.z * b.z;
+            acc += a.w * b.w;
+        }
+        for (int c = 4 * k4 + threadIdx.x; c < k; c += blockDim.x) acc += wr[c] * x[c];
         float v = block_sum(acc, sh);
         if (threadIdx.x == 0) out[o] = v;
         return;
@@ -124,7 +137,19 @@ extern "C" __global__ void gemv_f32(float* out, const float* x, const float* w, 
     float acc[8];
 #pragma unroll
     for (int j = 0; j < 8; j++) acc[j] = 0.f;
-    for (int c = threadIdx.x; c < k; c += blockDim.x) {
+    for (int c = threadIdx.x; c < k4; c += blockDim.x) {
+        float4 a = ((const float4*)wr)[c];
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (j < n) {
+                float4 b = ((const float4*)(x + (long long)j * k))[c];
+                acc[j] += a.x * b.x;
+                acc[j] += a.y * b.y;
+                acc[j] += a.z * b.z;
+                acc[j] += a.w * b.w;
+            }
+    }
+    for (int c = 4 * k4 + threadIdx.x; c < k; c += blockDim.x) {
         float wv = wr[c];
 #pragma unroll
         for (int j = 0; j < 8; j++)

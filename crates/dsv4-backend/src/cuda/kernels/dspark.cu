@@ -17,7 +17,18 @@ extern "C" __global__ void argmax_rows(unsigned* out, const float* x, int cols) 
     const float* row = x + (long long)blockIdx.x * cols;
     float bv = -INFINITY;
     int bi = 0x7fffffff;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+    // 16-byte loads, 8 in flight a thread (a lone block per row must not wait on each load).
+    int n4 = (cols % 4 == 0 && ((unsigned long long)row & 15) == 0) ? cols / 4 : 0;
+    const float4* r4 = (const float4*)row;
+#pragma unroll 8
+    for (int i = threadIdx.x; i < n4; i += blockDim.x) {
+        float4 q = r4[i];
+        float e[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            if (e[j] > bv || (e[j] == bv && 4 * i + j < bi)) { bv = e[j]; bi = 4 * i + j; }
+    }
+    for (int i = 4 * n4 + threadIdx.x; i < cols; i += blockDim.x) {
         float v = row[i];
         if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
     }
