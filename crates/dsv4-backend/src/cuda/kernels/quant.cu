@@ -410,8 +410,9 @@ __device__ __forceinline__ void qrows_dot(float* acc, const u8* __restrict__ wr,
     }
 }
 
-// The rows of one output (or expert) in groups: 8 at a time while 8 remain, then 4, 2, 1 — a
-// register budget per group that fits its size (a lone row gets one accumulator).
+// The rows of one output (or expert) in groups of up to 8, each group in the smallest of the
+// 8/4/2/1-row bodies that holds it (rows_all; nr ≤ R rows are live, the rest masked) — a register
+// budget per group that fits its size (a lone row gets one accumulator).
 // `xrow_of(r)` gives input row r, `store(r, v)` writes output row r.
 template <int F, int R, int U, typename XR, typename ST>
 __device__ __forceinline__ void rows_group(const u8* wr, const u8* sr, int r0, int nr, int k, int lane, XR xrow_of,
@@ -442,10 +443,14 @@ __device__ __forceinline__ void rows_all(const u8* wr, const u8* sr, int nrows, 
     int r0 = 0;
     while (r0 < nrows) {
         int left = nrows - r0;
-        if (left >= 8) { rows_group<F, 8, Ahead<F, false>::N>(wr, sr, r0, 8, k, lane, xr, st); r0 += 8; }
-        else if (left >= 4) { rows_group<F, 4, Ahead<F, false>::N>(wr, sr, r0, 4, k, lane, xr, st); r0 += 4; }
-        else if (left >= 2) { rows_group<F, 2, Ahead<F, false>::N>(wr, sr, r0, 2, k, lane, xr, st); r0 += 2; }
-        else { rows_group<F, 1, Ahead<F, false>::N>(wr, sr, r0, 1, k, lane, xr, st); r0 += 1; }
+        // One pass over the weights for up to 8 rows: 3 rows take the 4-row group (one row
+        // masked) rather than 2 + 1, which read the row twice; 5-7 take the 8-row group.
+        int nr = min(left, 8);
+        if (nr >= 5) rows_group<F, 8, Ahead<F, false>::N>(wr, sr, r0, nr, k, lane, xr, st);
+        else if (nr >= 3) rows_group<F, 4, Ahead<F, false>::N>(wr, sr, r0, nr, k, lane, xr, st);
+        else if (nr == 2) rows_group<F, 2, Ahead<F, false>::N>(wr, sr, r0, 2, k, lane, xr, st);
+        else rows_group<F, 1, Ahead<F, false>::N>(wr, sr, r0, 1, k, lane, xr, st);
+        r0 += nr;
     }
 }
 
@@ -682,7 +687,7 @@ __device__ void moe_down_x8(float* __restrict__ y, const signed char* __restrict
 
 // Several rows on int8 activations: each chunk's weight codes decoded once, then per row its
 // dp4a sums and FMAs, the same operations as one row alone (integer sums are exact), so a row's
-// result does not depend on how many rows share the call. Row groups of 8/4/2/1 as rows_all.
+// result does not depend on how many rows share the call. Row groups as rows_all.
 template <int F, int R, typename XR, typename ST>
 __device__ __forceinline__ void xrows_group(const u8* wr, int r0, int nr, int k, int lane, XR xr_of, ST store) {
     float acc[R];
@@ -726,10 +731,12 @@ __device__ __forceinline__ void xrows_all(const u8* wr, int nrows, int k, int la
     int r0 = 0;
     while (r0 < nrows) {
         int left = nrows - r0;
-        if (left >= 8) { xrows_group<F, 8>(wr, r0, 8, k, lane, xr, st); r0 += 8; }
-        else if (left >= 4) { xrows_group<F, 4>(wr, r0, 4, k, lane, xr, st); r0 += 4; }
-        else if (left >= 2) { xrows_group<F, 2>(wr, r0, 2, k, lane, xr, st); r0 += 2; }
-        else { xrows_group<F, 1>(wr, r0, 1, k, lane, xr, st); r0 += 1; }
+        int nr = min(left, 8);  // one pass over the weights for up to 8 rows (see rows_all)
+        if (nr >= 5) xrows_group<F, 8>(wr, r0, nr, k, lane, xr, st);
+        else if (nr >= 3) xrows_group<F, 4>(wr, r0, nr, k, lane, xr, st);
+        else if (nr == 2) xrows_group<F, 2>(wr, r0, 2, k, lane, xr, st);
+        else xrows_group<F, 1>(wr, r0, 1, k, lane, xr, st);
+        r0 += nr;
     }
 }
 
