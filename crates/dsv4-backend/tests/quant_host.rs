@@ -5,6 +5,7 @@
 //! f32 multiply with contraction off, `__byte_perm` picks bytes). Needs a C++17 compiler
 //! (`$CXX`, else `c++`); prints "skipping: no C++ compiler" without one.
 
+use dsv4_model::packed::PackedFormat;
 use dsv4_model::quant::{
     dequant_fp4, dequant_fp8_blocks, dequant_iq2_xxs, dequant_q2_k, dequant_q4_k, dequant_q8_0, e8m0_to_f32,
 };
@@ -47,21 +48,25 @@ static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
 }
 "#;
 
-/// Reads records `(format, k, row bytes, scale bytes, row, scales)` from stdin and writes each
+/// Reads records `(format, k, row bytes, scale bytes, row, scales)` from stdin (GGUF formats:
+/// the code plane and the head plane of the row, as the uploader splits them) and writes each
 /// row's `k` dequantised values (`deq8` over c = 0, 8, 16, …) to stdout.
 const MAIN: &str = r#"
 template <int F> static void row(const u8* w, const u8* s, int k, float* out) {
     for (int c = 0; c < k; c += 8) deq8<F>(w, s, c, out + c);
 }
 // Format ids + 100: the int8 path's `xdot32` over each 32-value chunk, the activations and
-// their scales following the row (k int8, then k/32 floats); the accumulator starts at 0.375.
+// their scales following the row's heads (k int8, then k/32 floats); the accumulator starts at
+// 0.375.
 template <int F> static void xrow(const u8* w, const u8* s, int k, float* out) {
+    const u8* h = s;
+    s += head_bytes(F, k);
     const signed char* xq = (const signed char*)s;
     const float* xd = (const float*)(s + k);
     for (int c = 0; c < k; c += 32) {
         int x[8];
         std::memcpy(x, xq + c, 32);
-        out[c / 32] = xdot32<F>(w, c, x, xd[c / 32], 0.375f);
+        out[c / 32] = xdot32<F>(w, h, c, x, xd[c / 32], 0.375f);
     }
 }
 int main() {
@@ -145,6 +150,19 @@ struct Case {
     want: Vec<f32>,
 }
 
+/// Format ids as numbered in quant.cu.
+const FORMATS: [PackedFormat; 4] = [PackedFormat::Q8_0, PackedFormat::Q4_K, PackedFormat::Q2_K, PackedFormat::IQ2_XXS];
+
+impl Case {
+    /// The row and scale bytes as the device holds them: a GGUF row split into its planes.
+    fn device_planes(&self) -> (Vec<u8>, Vec<u8>) {
+        match FORMATS.get(self.format as usize) {
+            Some(f) => f.planes().unwrap().split(&self.row),
+            None => (self.row.clone(), self.scales.clone()),
+        }
+    }
+}
+
 fn case(format: i32, k: usize, rng: &mut impl Rng) -> Case {
     let row: Vec<u8>;
     let mut scales: Vec<u8> = Vec::new();
@@ -208,11 +226,12 @@ fn device_dequant_built_for_the_host_equals_the_cpu_decoders() {
     let cases: Vec<Case> = (0..7).flat_map(|f| (0..200).map(move |_| f)).map(|f| case(f, 1024, &mut rng)).collect();
     let mut input = Vec::new();
     for c in &cases {
-        for v in [c.format, c.k as i32, c.row.len() as i32, c.scales.len() as i32] {
+        let (row, scales) = c.device_planes();
+        for v in [c.format, c.k as i32, row.len() as i32, scales.len() as i32] {
             input.extend(v.to_le_bytes());
         }
-        input.extend(&c.row);
-        input.extend(&c.scales);
+        input.extend(&row);
+        input.extend(&scales);
     }
     let inp = dir.path().join("in.bin");
     std::fs::write(&inp, &input).unwrap();
@@ -248,7 +267,6 @@ fn device_dequant_built_for_the_host_equals_the_cpu_decoders() {
 #[test]
 fn device_int8_products_built_for_the_host_equal_the_twin() {
     use dsv4_backend::x8;
-    use dsv4_model::packed::PackedFormat;
     let dir = tempfile::tempdir().unwrap();
     let Some(exe) = compile(dir.path()) else {
         println!("skipping: no C++ compiler");
@@ -264,12 +282,13 @@ fn device_int8_products_built_for_the_host_equal_the_twin() {
             let c = case(id, k, &mut rng);
             let x: Vec<f32> = (0..k).map(|_| rng.gen_range(-4.0f32..4.0)).collect();
             let (xq, xd) = x8::quantize(&x);
-            let mut side: Vec<u8> = xq.iter().map(|&q| q as u8).collect();
+            let (codes, mut side) = c.device_planes();
+            side.extend(xq.iter().map(|&q| q as u8));
             side.extend(xd.iter().flat_map(|d| d.to_le_bytes()));
-            for v in [100 + id, k as i32, c.row.len() as i32, side.len() as i32] {
+            for v in [100 + id, k as i32, codes.len() as i32, side.len() as i32] {
                 input.extend(v.to_le_bytes());
             }
-            input.extend(&c.row);
+            input.extend(&codes);
             input.extend(&side);
             want.extend((0..k).step_by(32).map(|ch| x8::xdot32(f, &c.row, ch, &xq[ch..ch + 32], xd[ch / 32], 0.375)));
         }

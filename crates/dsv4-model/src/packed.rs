@@ -106,6 +106,18 @@ impl PackedFormat {
         }
     }
 
+    /// How a device holds a GGUF format's blocks: split into their codes and the rest.
+    pub fn planes(self) -> Option<Planes> {
+        let (block_bytes, code_off, code_len) = match self {
+            PackedFormat::Q8_0 => (34, 2, 32),
+            PackedFormat::Q4_K => (144, 16, 128),
+            PackedFormat::Q2_K => (84, 16, 64),
+            PackedFormat::IQ2_XXS => (66, 2, 64),
+            PackedFormat::Fp8 | PackedFormat::Fp4 => return None,
+        };
+        Some(Planes { block_bytes, code_off, code_len })
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             PackedFormat::Q8_0 => "Q8_0",
@@ -115,6 +127,58 @@ impl PackedFormat {
             PackedFormat::Fp8 => "FP8",
             PackedFormat::Fp4 => "FP4",
         }
+    }
+}
+
+/// A GGUF block as two planes: its code bytes (one contiguous run of the block, 16-byte
+/// aligned when a row's blocks follow each other: Q8_0's int8s, the K formats' `qs`, IQ2_XXS's
+/// grid words) and its head (every other byte in order: d, dmin, sub-block scales). GGUF blocks
+/// are 34/66/84/144 bytes, so in place their codes sit at 2- or 4-byte alignment and a kernel
+/// loads them in narrow pieces (ncu: 12 of each 32-byte sector used, 61 % excess L2 sectors on
+/// Q8_0, PERF.md v8); split, a lane loads its codes in one 8- or 16-byte load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Planes {
+    pub block_bytes: usize,
+    /// Where the codes start in a block, and how many bytes they take.
+    pub code_off: usize,
+    pub code_len: usize,
+}
+
+impl Planes {
+    pub fn head_len(&self) -> usize {
+        self.block_bytes - self.code_len
+    }
+
+    /// (codes, heads) of whole blocks, each plane in block order.
+    pub fn split(&self, blocks: &[u8]) -> (Vec<u8>, Vec<u8>) {
+        assert!(blocks.len().is_multiple_of(self.block_bytes), "{} bytes are not whole blocks", blocks.len());
+        let n = blocks.len() / self.block_bytes;
+        let (mut codes, mut heads) = (Vec::with_capacity(n * self.code_len), Vec::with_capacity(n * self.head_len()));
+        let end = self.code_off + self.code_len;
+        for b in blocks.chunks_exact(self.block_bytes) {
+            heads.extend_from_slice(&b[..self.code_off]);
+            codes.extend_from_slice(&b[self.code_off..end]);
+            heads.extend_from_slice(&b[end..]);
+        }
+        (codes, heads)
+    }
+
+    /// The blocks [`Self::split`] took apart.
+    pub fn join(&self, codes: &[u8], heads: &[u8]) -> Vec<u8> {
+        let n = codes.len() / self.code_len;
+        assert!(
+            codes.len() == n * self.code_len && heads.len() == n * self.head_len(),
+            "planes of {} and {} bytes are not {n} blocks",
+            codes.len(),
+            heads.len()
+        );
+        let mut out = Vec::with_capacity(n * self.block_bytes);
+        for (c, h) in codes.chunks_exact(self.code_len).zip(heads.chunks_exact(self.head_len())) {
+            out.extend_from_slice(&h[..self.code_off]);
+            out.extend_from_slice(c);
+            out.extend_from_slice(&h[self.code_off..]);
+        }
+        out
     }
 }
 
@@ -180,5 +244,18 @@ mod tests {
         let mut want = vec![0f32; 512];
         quant::dequant_q4_k(&p.blocks, &mut want);
         assert_eq!(p.dequantize(2, 256), want);
+    }
+
+    #[test]
+    fn planes_split_and_join_every_gguf_format() {
+        for f in PackedFormat::ALL {
+            let Some(pl) = f.planes() else { continue };
+            assert_eq!(pl.block_bytes, f.row_bytes(f.block()), "{}", f.name());
+            let blocks: Vec<u8> = (0..3 * pl.block_bytes).map(|i| (i * 37 % 251) as u8).collect();
+            let (codes, heads) = pl.split(&blocks);
+            assert_eq!((codes.len(), heads.len()), (3 * pl.code_len, 3 * pl.head_len()));
+            assert_eq!(&codes[pl.code_len..2 * pl.code_len], &blocks[pl.block_bytes + pl.code_off..][..pl.code_len]);
+            assert_eq!(pl.join(&codes, &heads), blocks, "{}", f.name());
+        }
     }
 }

@@ -1,31 +1,24 @@
 //! `dsv4 bench --backend cuda --synthetic kernels`: every weight format's product kernel on
 //! its own (llm.c's `dev/cuda` habit): random valid blocks drawn on the device, checked against
 //! the CPU decoder (`dsv4_model::quant`, f64 dot products), then timed at 1, 2, 4, 8 and 16
-//! rows with CUDA events. The figure is weight bytes read once per call over the time, against
+//! rows with CUDA events (launches back to back). The figure is weight bytes read once per call over the time, against
 //! the 4.3 TB/s the H200 copies at. Then the int8-activation path of Q8_0, Q2_K and IQ2_XXS,
 //! checked against its CPU twin and the exact product, timed the same way.
 
 use anyhow::{bail, Context, Result};
 use dsv4_backend::cuda::{CudaBackend, CudaWeight};
 use dsv4_backend::Backend;
-use dsv4_model::{Packed, PackedFormat};
+use dsv4_model::PackedFormat;
 
 const HBM_BYTES_PER_S: f64 = 4.3e12;
 const ROWS: [usize; 5] = [1, 2, 4, 8, 16];
 
 /// The weight's f32 values as the CPU decoder gives them (bf16: the rounded values).
 fn host_values(b: &CudaBackend, w: &CudaWeight) -> Vec<f32> {
-    if let Some(q) = &w.q {
-        let blocks = b.download_bytes(&q.blocks);
-        let raw = b.download_bytes(&q.scales);
-        let scales: Vec<f32> = match q.format {
-            PackedFormat::Fp8 => raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-            PackedFormat::Fp4 => raw.iter().map(|&e| f32::from_bits((e as u32) << 23)).collect(),
-            _ => Vec::new(),
-        };
-        return Packed { format: q.format, blocks, scales }.dequantize(w.rows, w.cols);
+    match b.download_packed(w) {
+        Some(p) => p.dequantize(w.rows, w.cols),
+        None => b.download_weight_f32(w),
     }
-    b.download_weight_f32(w)
 }
 
 /// Max |gpu − ref| / max |ref| of `x · wᵀ` on `n` rows.
@@ -45,25 +38,28 @@ fn check(b: &CudaBackend, w: &CudaWeight, vals: &[f32], n: usize) -> f64 {
     err / scale.max(f64::MIN_POSITIVE)
 }
 
-/// Median time of `reps` products of `n` rows, in seconds.
+/// Time of one product of `n` rows, in seconds: the median over 5 runs of `reps` products
+/// launched back to back between two events (one launch alone would also time the host's
+/// launch latency, which a graph replay does not pay).
 fn time(b: &CudaBackend, w: &CudaWeight, n: usize, reps: usize) -> f64 {
     let x: Vec<f32> = (0..n * w.cols).map(|i| (i % 17) as f32 * 0.01).collect();
     let xd = b.to_device(n, w.cols, &x);
     for _ in 0..3 {
         b.matmul(&xd, w);
     }
-    let mut ts: Vec<f64> = (0..reps)
+    let mut ts: Vec<f64> = (0..5)
         .map(|_| {
             let e0 = b.timing_event();
-            let y = b.matmul(&xd, w);
+            for _ in 0..reps {
+                drop(b.matmul(&xd, w));
+            }
             let e1 = b.timing_event();
-            drop(y);
             b.synchronize();
-            e0.elapsed_ms(&e1).unwrap_or(f32::NAN) as f64 / 1e3
+            e0.elapsed_ms(&e1).unwrap_or(f32::NAN) as f64 / 1e3 / reps as f64
         })
         .collect();
     ts.sort_by(f64::total_cmp);
-    ts[ts.len() / 2]
+    ts[2]
 }
 
 pub fn run() -> Result<()> {
@@ -98,7 +94,7 @@ pub fn run() -> Result<()> {
             let mut line = format!("{name:>8} [{m:>5}, {k:>4}] {:7.1} MB  err {err:.1e}:", bytes / 1e6);
             let mut gbs = Vec::new();
             for n in ROWS {
-                let t = time(&b, &w, n, 50);
+                let t = time(&b, &w, n, 20);
                 let r = bytes / t;
                 gbs.push(r / 1e9);
                 line += &format!("  {n:>2} rows {:6.0} GB/s ({:3.0}%)", r / 1e9, 100.0 * r / HBM_BYTES_PER_S);
@@ -116,7 +112,7 @@ pub fn run() -> Result<()> {
         for (si, &(m, k)) in shapes.iter().enumerate() {
             let w = b.upload_random_packed(f, m, k, 0.02, 11 + si as u64);
             let vals = host_values(&b, &w);
-            let raw = b.download_bytes(&w.q.as_ref().expect("packed").blocks);
+            let raw = b.download_packed(&w).expect("packed").blocks;
             let x: Vec<f32> = (0..k).map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * 2.0).collect();
             let got = b.to_host(&b.matmul(&b.to_device(1, k, &x), &w));
             let (xq, xd) = dsv4_backend::x8::quantize(&x);
@@ -141,7 +137,7 @@ pub fn run() -> Result<()> {
             );
             let mut gbs = Vec::new();
             for n in ROWS {
-                let r = bytes / time(&b, &w, n, 50);
+                let r = bytes / time(&b, &w, n, 20);
                 gbs.push(r / 1e9);
                 line += &format!("  {n:>2} rows {:6.0} GB/s ({:3.0}%)", r / 1e9, 100.0 * r / HBM_BYTES_PER_S);
             }

@@ -186,6 +186,23 @@ const SOURCES: [(&str, &str); 5] = [
 /// PTX of each kernel file, compiled once per process (later backends only load it).
 static PTX: Mutex<Vec<(&'static str, cudarc::nvrtc::Ptx)>> = Mutex::new(Vec::new());
 
+/// A kernel file's source: the built-in one, or `$DSV4_CUDA_KERNELS/<file>` where that is set
+/// and holds the file — kernel variants timed on the device, which has no Rust toolchain,
+/// without rebuilding (their launch signatures must match the built-in ones).
+pub(crate) fn kernel_source(file: &str, builtin: &'static str) -> std::borrow::Cow<'static, str> {
+    let Some(dir) = std::env::var_os("DSV4_CUDA_KERNELS") else { return builtin.into() };
+    match std::fs::read_to_string(std::path::Path::new(&dir).join(file)) {
+        Ok(s) => {
+            tracing::warn!(
+                "{file}: using {} instead of the built-in kernels",
+                std::path::Path::new(&dir).join(file).display()
+            );
+            s.into()
+        }
+        Err(_) => builtin.into(),
+    }
+}
+
 fn ptx(file: &'static str, src: &str) -> Result<cudarc::nvrtc::Ptx, CudaInitError> {
     let mut cache = PTX.lock().unwrap();
     if let Some((_, p)) = cache.iter().find(|(f, _)| *f == file) {
@@ -212,7 +229,7 @@ pub(crate) fn compile_ptx_kernel(file: &'static str, src: &str) -> Result<cudarc
 
 fn compile(ctx: &Arc<CudaContext>, idx: usize, names: &[&str]) -> Result<Vec<CudaFunction>, CudaInitError> {
     let (file, src) = SOURCES[idx];
-    let module = ctx.load_module(ptx(file, src)?)?;
+    let module = ctx.load_module(ptx(file, &kernel_source(file, src))?)?;
     names.iter().map(|n| Ok(module.load_function(n)?)).collect()
 }
 

@@ -1,7 +1,8 @@
 //! Launchers of `kernels/quant.cu`: weights kept in their checkpoint format on the device.
 //!
-//! GGUF Q8_0 / Q4_K / Q2_K / IQ2_XXS blocks and the official FP8 / FP4 weights are uploaded as
-//! stored (FP4's UE8M0 scales as one byte each) and dequantised inside the kernels: the
+//! GGUF Q8_0 / Q4_K / Q2_K / IQ2_XXS blocks (split into a code plane and a head plane, see
+//! [`dsv4_model::packed::Planes`]) and the official FP8 / FP4 weights (FP4's UE8M0 scales as
+//! one byte each) are dequantised inside the kernels: the
 //! small-batch product and the grouped routed experts read each block once per step, which is
 //! what decode at batch 1 is bound by. Larger products dequantise the weight to a bf16 scratch
 //! and use cuBLAS, like bf16 weights.
@@ -33,15 +34,16 @@ pub(crate) struct ExpertKernels<'a> {
 /// A weight in a packed format on the device.
 pub struct QuantDev {
     pub format: PackedFormat,
-    /// `rows · format.row_bytes(cols)` bytes.
+    /// GGUF: the blocks' code plane; FP8 / FP4: the values as stored.
     pub blocks: CudaSlice<u8>,
-    /// FP8: f32 block scales (as bytes); FP4: one UE8M0 byte per 32 inputs; otherwise unused.
+    /// GGUF: the blocks' head plane (d, dmin, sub-block scales); FP8: f32 block scales (as
+    /// bytes); FP4: one UE8M0 byte per 32 inputs.
     pub scales: CudaSlice<u8>,
 }
 
 impl QuantDev {
     pub fn bytes(&self) -> usize {
-        self.blocks.len() + if self.format.ggml().is_some() { 0 } else { self.scales.len() }
+        self.blocks.len() + self.scales.len()
     }
 }
 
@@ -59,7 +61,8 @@ fn suffix(f: PackedFormat) -> &'static str {
 
 /// `quant.cu` with the IQ2_XXS tables of the CPU decoder prepended.
 pub fn source() -> String {
-    format!("{}{}", crate::x8::iq2_tables_source("__device__ const"), include_str!("kernels/quant.cu"))
+    let body = super::kernel_source("quant.cu", include_str!("kernels/quant.cu"));
+    format!("{}{body}", crate::x8::iq2_tables_source("__device__ const"))
 }
 
 /// The `quant.cu` kernels by name.
@@ -138,18 +141,21 @@ impl CudaBackend {
                 ),
             });
         }
-        let scales: Vec<u8> = match p.format {
-            PackedFormat::Fp8 => p.scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
+        let (codes, scales): (Option<Vec<u8>>, Vec<u8>) = match p.format {
+            PackedFormat::Fp8 => (None, p.scales.iter().flat_map(|s| s.to_le_bytes()).collect()),
             PackedFormat::Fp4 => match e8m0_bytes(&p.scales) {
-                Some(b) => b,
+                Some(b) => (None, b),
                 None => {
                     tracing::warn!("{name}: FP4 scales are not UE8M0 values; dequantising to bf16");
                     return Ok(None);
                 }
             },
-            _ => vec![0],
+            f => {
+                let (c, h) = f.planes().expect("a GGUF format").split(&p.blocks);
+                (Some(c), h)
+            }
         };
-        let blocks = self.stream.clone_htod(&p.blocks).map_err(err)?;
+        let blocks = self.stream.clone_htod(codes.as_deref().unwrap_or(&p.blocks)).map_err(err)?;
         let scales = self.stream.clone_htod(&scales).map_err(err)?;
         let q = QuantDev { format: p.format, blocks, scales };
         Ok(Some(CudaWeight { rows, cols, data: self.alloc(1), bf: None, q: Some(q) }))
@@ -166,33 +172,39 @@ impl CudaBackend {
         seed: u64,
     ) -> CudaWeight {
         assert!(format.fits(cols) && cols.is_multiple_of(8), "{} cannot hold rows of {cols}", format.name());
-        let n = rows * format.row_bytes(cols);
-        let mut blocks = self.alloc::<u8>(n);
-        let fp8 = (format == PackedFormat::Fp8) as i32;
-        // SAFETY (every launch here): argument types and buffer sizes match the kernels.
-        ck(
-            unsafe {
-                self.stream
-                    .launch_builder(self.qk.get("rand_bytes"))
-                    .arg(&mut blocks)
-                    .arg(&(n as i64))
-                    .arg(&fp8)
-                    .arg(&seed)
-                    .launch(cfg1d(n, 256))
-            },
-            "rand_bytes",
-        );
+        let nblocks = rows * cols / format.block();
+        let planes = format.planes();
+        let n = planes.map_or(rows * format.row_bytes(cols), |p| nblocks * p.code_len);
+        let draw = |n: usize, fp8: bool, seed: u64| {
+            let mut b = self.alloc::<u8>(n);
+            // SAFETY (every launch here): argument types and buffer sizes match the kernels.
+            ck(
+                unsafe {
+                    self.stream
+                        .launch_builder(self.qk.get("rand_bytes"))
+                        .arg(&mut b)
+                        .arg(&(n as i64))
+                        .arg(&(fp8 as i32))
+                        .arg(&seed)
+                        .launch(cfg1d(n, 256))
+                },
+                "rand_bytes",
+            );
+            b
+        };
+        let blocks = draw(n, format == PackedFormat::Fp8, seed);
         let f16 = |x: f32| dsv4_model::packed::f16_bits(x) as u32;
-        // (block bytes, offset of d, d, offset of dmin, dmin): d and dmin chosen so values have
-        // about `std` (see each format's layout in dsv4_model::quant).
+        // (offset of d in a head, d, offset of dmin, dmin): d and dmin chosen so values have
+        // about `std` (see each format's layout in dsv4_model::quant; the head holds a block's
+        // bytes other than its codes, in order).
         let patch = match format {
-            PackedFormat::Q8_0 => Some((34i32, 0i32, f16(std / 74.0), -1i32, 0)),
-            PackedFormat::Q4_K => Some((144, 0, f16(std / 145.0), 2, f16(std * 7.5 / 145.0))),
-            PackedFormat::Q2_K => Some((84, 80, f16(std / 8.4), 82, f16(std * 1.5 / 8.4))),
-            PackedFormat::IQ2_XXS => Some((66, 0, f16(std / 50.0), -1, 0)),
+            PackedFormat::Q8_0 => Some((0i32, f16(std / 74.0), -1i32, 0)),
+            PackedFormat::Q4_K => Some((0, f16(std / 145.0), 2, f16(std * 7.5 / 145.0))),
+            PackedFormat::Q2_K => Some((16, f16(std / 8.4), 18, f16(std * 1.5 / 8.4))),
+            PackedFormat::IQ2_XXS => Some((0, f16(std / 50.0), -1, 0)),
             _ => None,
         };
-        let scales = match format {
+        let mut scales = match format {
             PackedFormat::Fp8 => {
                 let v: Vec<u8> =
                     vec![std / 2.5; format.n_scales(rows, cols)].iter().flat_map(|s: &f32| s.to_le_bytes()).collect();
@@ -215,15 +227,15 @@ impl CudaBackend {
                 );
                 s
             }
-            _ => self.alloc::<u8>(1),
+            _ => draw(nblocks * planes.expect("a GGUF format").head_len(), false, seed ^ 0x5eed),
         };
-        if let Some((bb, o1, v1, o2, v2)) = patch {
-            let nb = n / bb as usize;
+        if let (Some((o1, v1, o2, v2)), Some(p)) = (patch, planes) {
+            let (nb, bb) = (nblocks, p.head_len() as i32);
             ck(
                 unsafe {
                     self.stream
                         .launch_builder(self.qk.get("patch_blocks"))
-                        .arg(&mut blocks)
+                        .arg(&mut scales)
                         .arg(&(nb as i64))
                         .arg(&bb)
                         .arg(&o1)
@@ -236,6 +248,21 @@ impl CudaBackend {
             );
         }
         CudaWeight { rows, cols, data: self.alloc(1), bf: None, q: Some(QuantDev { format, blocks, scales }) }
+    }
+
+    /// A packed weight as the host holds it (GGUF blocks joined again from their planes; FP8 /
+    /// FP4 scales as f32), `None` for a weight that is not packed.
+    pub fn download_packed(&self, w: &CudaWeight) -> Option<Packed> {
+        let q = w.q.as_ref()?;
+        let (codes, raw) = (self.download_bytes(&q.blocks), self.download_bytes(&q.scales));
+        let (blocks, scales) = match q.format {
+            PackedFormat::Fp8 => {
+                (codes, raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+            }
+            PackedFormat::Fp4 => (codes, raw.iter().map(|&e| f32::from_bits((e as u32) << 23)).collect()),
+            f => (f.planes().expect("a GGUF format").join(&codes, &raw), Vec::new()),
+        };
+        Some(Packed { format: q.format, blocks, scales })
     }
 
     /// `out[n, m] = x · wᵀ` for a packed `w` `[m, k]` (`groups > 1`: the grouped projection).
@@ -268,6 +295,7 @@ impl CudaBackend {
                         .arg(&xq)
                         .arg(&xd)
                         .arg(&q.blocks)
+                        .arg(&q.scales)
                         .arg(&(n as i32))
                         .arg(&(k as i32))
                         .arg(&(m as i32))

@@ -6,8 +6,11 @@
 //
 // Every kernel works on 8 consecutive values of a row at a time (`c` a multiple of 8): one
 // warp per output row, lane i taking columns 8i, 8i+256, ... — a warp walks a row's blocks
-// in order. Rows are `row_bytes(k)` bytes; the tables IQ2XXS_GRID / KSIGNS_IQ2XS are prepended
-// by the launcher from the CPU decoder's own tables.
+// in order. The GGUF formats are held as two planes (dsv4_model::packed::Planes, split by the
+// uploader): `w` the blocks' codes, `row_bytes(k)` a row, and `s` the rest of each block (d,
+// dmin, sub-block scales), `head_bytes(k)` a row — so a lane loads its codes in one aligned
+// 8- or 16-byte load. The tables IQ2XXS_GRID / KSIGNS_IQ2XS are prepended by the launcher from
+// the CPU decoder's own tables.
 
 #define F_Q8_0 0
 #define F_Q4_K 1
@@ -75,24 +78,36 @@ __device__ __forceinline__ float e8m0(u8 b) {
     return __uint_as_float(b == 0xff ? 0x7fc00000u : v);
 }
 
-// Bytes of one row of k values.
+// Code bytes of one row of k values (GGUF: the code plane's).
 __device__ __forceinline__ long long row_bytes(int f, int k) {
     switch (f) {
-        case F_Q8_0: return (long long)(k / 32) * 34;
-        case F_Q4_K: return (long long)(k / 256) * 144;
-        case F_Q2_K: return (long long)(k / 256) * 84;
-        case F_IQ2_XXS: return (long long)(k / 256) * 66;
+        case F_Q8_0: return k;
+        case F_Q4_K: return k / 2;
+        case F_Q2_K:
+        case F_IQ2_XXS: return k / 4;
         case F_FP8: return k;
         case F_BF16: return 2LL * k;
         default: return k / 2;
     }
 }
 
-// The scales of output row o (FP8: its 128-row block's f32 scales; FP4: its UE8M0 bytes).
+// Head bytes of one row of a GGUF format (2 a Q8_0 block; 16, 20, 2 a Q4_K, Q2_K, IQ2_XXS one).
+__device__ __forceinline__ long long head_bytes(int f, int k) {
+    switch (f) {
+        case F_Q8_0: return (long long)(k / 32) * 2;
+        case F_Q4_K: return (long long)(k / 256) * 16;
+        case F_Q2_K: return (long long)(k / 256) * 20;
+        case F_IQ2_XXS: return (long long)(k / 256) * 2;
+        default: return 0;
+    }
+}
+
+// The scales of output row o (GGUF: its heads; FP8: its 128-row block's f32 scales; FP4: its
+// UE8M0 bytes).
 __device__ __forceinline__ const u8* scale_row(int f, const u8* s, long long o, int k) {
     if (f == F_FP8) return (const u8*)((const float*)s + (o / 128) * ((k + 127) / 128));
     if (f == F_FP4) return s + o * (k / 32);
-    return s;
+    return s + o * head_bytes(f, k);
 }
 
 // The raw words behind values c..c+8 of the row `w` (scales `s`, see scale_row): loads only,
@@ -102,43 +117,37 @@ struct Raw8 {
     unsigned u[6];
 };
 
-__device__ __forceinline__ unsigned ld32u(const u8* p) { return ld16(p) | ((unsigned)ld16(p + 2) << 16); }
-
 template <int F>
 __device__ __forceinline__ Raw8 raw8(const u8* __restrict__ w, const u8* __restrict__ s, int c) {
     Raw8 r;
     if (F == F_Q8_0) {
-        const u8* blk = w + (c >> 5) * 34;
-        r.u[0] = ld16(blk);
-        const u8* q = blk + 2 + (c & 31);  // 2-byte aligned (34-byte blocks)
-        r.u[1] = ld32u(q);
-        r.u[2] = ld32u(q + 4);
+        r.u[0] = ld16(s + 2 * (c >> 5));
+        uint2 q = *(const uint2*)(w + c);
+        r.u[1] = q.x;
+        r.u[2] = q.y;
     } else if (F == F_Q4_K) {
-        const u8* blk = w + (c >> 8) * 144;  // 144-byte blocks: 8-byte aligned
-        int v = c & 255, g = v >> 6, half = (v >> 5) & 1, l = v & 31;
-        r.u[0] = *(const unsigned*)blk;  // d, dmin
-        const unsigned* sc = (const unsigned*)(blk + 4);
-        r.u[1] = sc[0];
-        r.u[2] = sc[1];
-        r.u[3] = sc[2];
-        uint2 qv = *(const uint2*)(blk + 16 + 32 * g + l);
+        int v = c & 255, g = v >> 6, l = v & 31;
+        uint4 h = *(const uint4*)(s + 16 * (c >> 8));  // d, dmin, the 12 scale bytes
+        r.u[0] = h.x;
+        r.u[1] = h.y;
+        r.u[2] = h.z;
+        r.u[3] = h.w;
+        uint2 qv = *(const uint2*)(w + 128 * (c >> 8) + 32 * g + l);
         r.u[4] = qv.x;
         r.u[5] = qv.y;
-        (void)half;
     } else if (F == F_Q2_K) {
-        const u8* blk = w + (c >> 8) * 84;  // 84-byte blocks: 4-byte aligned
+        const u8* hd = s + 20 * (c >> 8);  // the 16 scale bytes, d, dmin
         int v = c & 255, h = v >> 7, l = v & 31;
-        r.u[0] = blk[v >> 4];
-        r.u[1] = *(const unsigned*)(blk + 80);  // d, dmin
-        const unsigned* q = (const unsigned*)(blk + 16 + 32 * h + l);
-        r.u[2] = q[0];
-        r.u[3] = q[1];
+        r.u[0] = hd[v >> 4];
+        r.u[1] = *(const unsigned*)(hd + 16);
+        uint2 q = *(const uint2*)(w + 64 * (c >> 8) + 32 * h + l);
+        r.u[2] = q.x;
+        r.u[3] = q.y;
     } else if (F == F_IQ2_XXS) {
-        const u8* blk = w + (c >> 8) * 66;
-        const u8* p = blk + 2 + 8 * ((c & 255) >> 5);
-        r.u[0] = ld16(blk);
-        r.u[1] = ld32u(p);
-        r.u[2] = ld32u(p + 4);
+        r.u[0] = ld16(s + 2 * (c >> 8));
+        uint2 q = *(const uint2*)(w + 8 * (c >> 5));  // the 32-value sub-block's two words
+        r.u[1] = q.x;
+        r.u[2] = q.y;
     } else if (F == F_FP8) {
         r.u[0] = ((const unsigned*)s)[c >> 7];
         uint2 b = *(const uint2*)(w + c);
@@ -253,28 +262,28 @@ struct XRaw {
     unsigned u[10];
 };
 
+__device__ __forceinline__ void ld32x8(unsigned* u, const u8* p) {  // 32 bytes, 16-byte aligned
+    uint4 a = *(const uint4*)p, b = *(const uint4*)(p + 16);
+    u[0] = a.x, u[1] = a.y, u[2] = a.z, u[3] = a.w, u[4] = b.x, u[5] = b.y, u[6] = b.z, u[7] = b.w;
+}
+
 template <int F>
-__device__ __forceinline__ XRaw xraw32(const u8* __restrict__ w, int c) {
+__device__ __forceinline__ XRaw xraw32(const u8* __restrict__ w, const u8* __restrict__ s, int c) {
     XRaw r;
     if (F == F_Q8_0) {
-        const u8* blk = w + (c >> 5) * 34;
-        r.u[0] = ld16(blk);
-#pragma unroll
-        for (int j = 0; j < 8; j++) r.u[1 + j] = ld32u(blk + 2 + 4 * j);  // 2-byte aligned (34-byte blocks)
+        r.u[0] = ld16(s + 2 * (c >> 5));
+        ld32x8(r.u + 1, w + c);
     } else if (F == F_Q2_K) {
-        const u8* blk = w + (c >> 8) * 84;
+        const u8* hd = s + 20 * (c >> 8);
         int v = c & 255, h = v >> 7;
-        const unsigned* q = (const unsigned*)(blk + 16 + 32 * h);  // 4-byte aligned (84-byte blocks)
-#pragma unroll
-        for (int j = 0; j < 8; j++) r.u[j] = q[j];
-        r.u[8] = *(const unsigned*)(blk + 80);
-        r.u[9] = ld16(blk + (v >> 4));  // the two groups' scale bytes (v >> 4 is even)
+        ld32x8(r.u, w + 64 * (c >> 8) + 32 * h);
+        r.u[8] = *(const unsigned*)(hd + 16);
+        r.u[9] = ld16(hd + (v >> 4));  // the two groups' scale bytes (v >> 4 is even)
     } else {  // F_IQ2_XXS
-        const u8* blk = w + (c >> 8) * 66;
-        const u8* p = blk + 2 + 8 * ((c & 255) >> 5);
-        r.u[0] = ld16(blk);
-        r.u[1] = ld32u(p);
-        r.u[2] = ld32u(p + 4);
+        r.u[0] = ld16(s + 2 * (c >> 8));
+        uint2 q = *(const uint2*)(w + 8 * (c >> 5));
+        r.u[1] = q.x;
+        r.u[2] = q.y;
     }
     return r;
 }
@@ -315,8 +324,8 @@ __device__ __forceinline__ XChunk xdec32(const XRaw& r, int c) {
 }
 
 template <int F>
-__device__ __forceinline__ XChunk xdecode32(const u8* __restrict__ w, int c) {
-    return xdec32<F>(xraw32<F>(w, c), c);
+__device__ __forceinline__ XChunk xdecode32(const u8* __restrict__ w, const u8* __restrict__ s, int c) {
+    return xdec32<F>(xraw32<F>(w, s, c), c);
 }
 
 // acc plus the chunk's product with the activations x[0..8] (32 int8, four a word) of scale dx:
@@ -343,10 +352,11 @@ __device__ __forceinline__ float xapply32(const XChunk& ch, const int* x, float 
     return __fmaf_rn(__fmul_rn(ch.d[0], dx), i2f_small(is), acc);
 }
 
-// acc plus weight values c..c+32 of row `w` times the activations x (scale dx).
+// acc plus weight values c..c+32 of row `w` (heads `s`) times the activations x (scale dx).
 template <int F>
-__device__ __forceinline__ float xdot32(const u8* __restrict__ w, int c, const int* x, float dx, float acc) {
-    return xapply32<F>(xdecode32<F>(w, c), x, dx, acc);
+__device__ __forceinline__ float xdot32(const u8* __restrict__ w, const u8* __restrict__ s, int c, const int* x,
+                                        float dx, float acc) {
+    return xapply32<F>(xdecode32<F>(w, s, c), x, dx, acc);
 }
 
 // ---- end of the per-lane decode (tests/quant_host.rs builds everything above for the host)
@@ -614,15 +624,16 @@ extern "C" __global__ void quant_x8(signed char* __restrict__ xq, float* __restr
 // One output of one row: Σ over the row's 32-value chunks c = 32·lane + 1024·i in that order,
 // then the warp's butterfly (lane 0's value is the result). xq is 16-byte aligned.
 template <int F>
-__device__ __forceinline__ float xrow_dot(const u8* __restrict__ wr, const signed char* __restrict__ xq,
-                                          const float* __restrict__ xd, int k, int lane) {
+__device__ __forceinline__ float xrow_dot(const u8* __restrict__ wr, const u8* __restrict__ sr,
+                                          const signed char* __restrict__ xq, const float* __restrict__ xd, int k,
+                                          int lane) {
     float acc = 0.f;
     constexpr int U = 4;  // chunks loaded before any is decoded (a 4096-wide row at once)
     for (int c0 = lane * 32; c0 < k; c0 += 1024 * U) {
         XRaw raw[U];
 #pragma unroll
         for (int u = 0; u < U; u++)
-            if (c0 + 1024 * u < k) raw[u] = xraw32<F>(wr, c0 + 1024 * u);
+            if (c0 + 1024 * u < k) raw[u] = xraw32<F>(wr, sr, c0 + 1024 * u);
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int c = c0 + 1024 * u;
@@ -639,12 +650,13 @@ __device__ __forceinline__ float xrow_dot(const u8* __restrict__ wr, const signe
 // as quant_x8 wrote them over the whole row of width ldx).
 template <int F>
 __device__ void gemv_x8(float* __restrict__ out, const signed char* __restrict__ xq, const float* __restrict__ xd,
-                        const u8* __restrict__ w, int k, int m, int rpg) {
+                        const u8* __restrict__ w, const u8* __restrict__ s, int k, int m, int rpg) {
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int o = blockIdx.x * Q_WARPS + wp;
     if (o >= m) return;
     long long xoff = (long long)(o / rpg) * k;
-    float v = xrow_dot<F>(w + (long long)o * row_bytes(F, k), xq + xoff, xd + xoff / 32, k, lane);
+    float v = xrow_dot<F>(w + (long long)o * row_bytes(F, k), scale_row(F, s, o, k), xq + xoff, xd + xoff / 32, k,
+                          lane);
     if (lane == 0) out[o] = v;
 }
 
@@ -662,8 +674,10 @@ __device__ void moe_up_x8(float* __restrict__ h, const signed char* __restrict__
     unsigned b0 = off[e];
     if (off[e + 1] == b0) return;
     long long rb = row_bytes(F, d);
-    float g = xrow_dot<F>((const u8*)ptrs[e] + o * rb, xq, xd, d, lane);
-    float u = xrow_dot<F>((const u8*)ptrs[nexp + e] + o * rb, xq, xd, d, lane);
+    float g = xrow_dot<F>((const u8*)ptrs[e] + o * rb, scale_row(F, (const u8*)ptrs[3 * nexp + e], o, d), xq, xd, d,
+                          lane);
+    float u = xrow_dot<F>((const u8*)ptrs[nexp + e] + o * rb, scale_row(F, (const u8*)ptrs[4 * nexp + e], o, d), xq,
+                          xd, d, lane);
     if (lane == 0) h[(long long)order[b0] * inter + o] = swiglu_q(g, u, limit);
 }
 
@@ -680,7 +694,8 @@ __device__ void moe_down_x8(float* __restrict__ y, const signed char* __restrict
     unsigned b0 = off[e];
     if (off[e + 1] == b0) return;
     long long r = order[b0];
-    float v = xrow_dot<F>((const u8*)ptrs[2 * nexp + e] + c * row_bytes(F, inter), hq + r * inter, hd + r * inter / 32,
+    float v = xrow_dot<F>((const u8*)ptrs[2 * nexp + e] + c * row_bytes(F, inter),
+                          scale_row(F, (const u8*)ptrs[5 * nexp + e], c, inter), hq + r * inter, hd + r * inter / 32,
                           inter, lane);
     if (lane == 0) y[r * d + c] = v;
 }
@@ -689,7 +704,8 @@ __device__ void moe_down_x8(float* __restrict__ y, const signed char* __restrict
 // dp4a sums and FMAs, the same operations as one row alone (integer sums are exact), so a row's
 // result does not depend on how many rows share the call. Row groups as rows_all.
 template <int F, int R, typename XR, typename ST>
-__device__ __forceinline__ void xrows_group(const u8* wr, int r0, int nr, int k, int lane, XR xr_of, ST store) {
+__device__ __forceinline__ void xrows_group(const u8* wr, const u8* sr, int r0, int nr, int k, int lane, XR xr_of,
+                                            ST store) {
     float acc[R];
     const signed char* xq[R];
     const float* xd[R];
@@ -703,7 +719,7 @@ __device__ __forceinline__ void xrows_group(const u8* wr, int r0, int nr, int k,
         XRaw raw[U];
 #pragma unroll
         for (int u = 0; u < U; u++)
-            if (c0 + 1024 * u < k) raw[u] = xraw32<F>(wr, c0 + 1024 * u);
+            if (c0 + 1024 * u < k) raw[u] = xraw32<F>(wr, sr, c0 + 1024 * u);
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int c = c0 + 1024 * u;
@@ -727,15 +743,15 @@ __device__ __forceinline__ void xrows_group(const u8* wr, int r0, int nr, int k,
 }
 
 template <int F, typename XR, typename ST>
-__device__ __forceinline__ void xrows_all(const u8* wr, int nrows, int k, int lane, XR xr, ST st) {
+__device__ __forceinline__ void xrows_all(const u8* wr, const u8* sr, int nrows, int k, int lane, XR xr, ST st) {
     int r0 = 0;
     while (r0 < nrows) {
         int left = nrows - r0;
         int nr = min(left, 8);  // one pass over the weights for up to 8 rows (see rows_all)
-        if (nr >= 5) xrows_group<F, 8>(wr, r0, nr, k, lane, xr, st);
-        else if (nr >= 3) xrows_group<F, 4>(wr, r0, nr, k, lane, xr, st);
-        else if (nr == 2) xrows_group<F, 2>(wr, r0, 2, k, lane, xr, st);
-        else xrows_group<F, 1>(wr, r0, 1, k, lane, xr, st);
+        if (nr >= 5) xrows_group<F, 8>(wr, sr, r0, nr, k, lane, xr, st);
+        else if (nr >= 3) xrows_group<F, 4>(wr, sr, r0, nr, k, lane, xr, st);
+        else if (nr == 2) xrows_group<F, 2>(wr, sr, r0, 2, k, lane, xr, st);
+        else xrows_group<F, 1>(wr, sr, r0, 1, k, lane, xr, st);
         r0 += nr;
     }
 }
@@ -743,12 +759,12 @@ __device__ __forceinline__ void xrows_all(const u8* wr, int nrows, int k, int la
 // out[r, o] for n rows (see gemv_q); xq/xd: quant_x8 of x [n, ldx] (ldx a multiple of 32).
 template <int F>
 __device__ void gemvn_x8(float* __restrict__ out, const signed char* __restrict__ xq, const float* __restrict__ xd,
-                         const u8* __restrict__ w, int n, int k, int m, int ldx, int rpg) {
+                         const u8* __restrict__ w, const u8* __restrict__ s, int n, int k, int m, int ldx, int rpg) {
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int o = blockIdx.x * Q_WARPS + wp;
     if (o >= m) return;
     long long xoff = (long long)(o / rpg) * k;
-    xrows_all<F>(w + (long long)o * row_bytes(F, k), n, k, lane,
+    xrows_all<F>(w + (long long)o * row_bytes(F, k), scale_row(F, s, o, k), n, k, lane,
                  [&](int r, const signed char*& q, const float*& d) {
                      long long e = (long long)r * ldx + xoff;
                      q = xq + e;
@@ -771,6 +787,8 @@ __device__ void moe_upn_x8(float* __restrict__ h, const signed char* __restrict_
     long long rb = row_bytes(F, d);
     const u8* w1 = (const u8*)ptrs[e] + o * rb;
     const u8* w3 = (const u8*)ptrs[nexp + e] + o * rb;
+    const u8* s1 = scale_row(F, (const u8*)ptrs[3 * nexp + e], o, d);
+    const u8* s3 = scale_row(F, (const u8*)ptrs[4 * nexp + e], o, d);
     unsigned b0 = off[e];
     int cnt = (int)(off[e + 1] - b0);
     int r0 = 0;
@@ -782,8 +800,8 @@ __device__ void moe_upn_x8(float* __restrict__ h, const signed char* __restrict_
             s = xd + t * d / 32;
         };
         float g[8];
-        xrows_all<F>(w1, nr, d, lane, xr, [&](int r, float v) { g[r] = v; });
-        xrows_all<F>(w3, nr, d, lane, xr, [&](int r, float v) {
+        xrows_all<F>(w1, s1, nr, d, lane, xr, [&](int r, float v) { g[r] = v; });
+        xrows_all<F>(w3, s3, nr, d, lane, xr, [&](int r, float v) {
             if (lane == 0) h[(long long)order[b0 + r0 + r] * inter + o] = swiglu_q(g[r], v, limit);
         });
         r0 += nr;
@@ -801,7 +819,8 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
     if (c >= d) return;
     unsigned b0 = off[e];
     int cnt = (int)(off[e + 1] - b0);
-    xrows_all<F>((const u8*)ptrs[2 * nexp + e] + c * row_bytes(F, inter), cnt, inter, lane,
+    xrows_all<F>((const u8*)ptrs[2 * nexp + e] + c * row_bytes(F, inter),
+                 scale_row(F, (const u8*)ptrs[5 * nexp + e], c, inter), cnt, inter, lane,
                  [&](int r, const signed char*& q, const float*& s) {
                      long long p = order[b0 + r];
                      q = hq + p * inter;
@@ -811,10 +830,10 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
 }
 
 #define X8_KERNELS(F, N)                                                                                             \
-    extern "C" __global__ void gemv1x_##N(float* out, const signed char* xq, const float* xd, const u8* w, int n,   \
-                                          int k, int m, int ldx, int rpg) {                                          \
+    extern "C" __global__ void gemv1x_##N(float* out, const signed char* xq, const float* xd, const u8* w,          \
+                                          const u8* s, int n, int k, int m, int ldx, int rpg) {                      \
         fill_tabs<F, true>();                                                                                        \
-        gemv_x8<F>(out, xq, xd, w, k, m, rpg);                                                                       \
+        gemv_x8<F>(out, xq, xd, w, s, k, m, rpg);                                                                    \
     }                                                                                                                \
     extern "C" __global__ void moe_up1x_##N(float* h, const signed char* xq, const float* xd, const unsigned* order, \
                                             const unsigned* off, const unsigned* active,                            \
@@ -829,10 +848,10 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
         fill_tabs<F, true>();                                                                                        \
         moe_down_x8<F>(y, hq, hd, order, off, active, ptrs, nexp, d, inter);                                         \
     }                                                                                                                \
-    extern "C" __global__ void gemvx_##N(float* out, const signed char* xq, const float* xd, const u8* w, int n,    \
-                                         int k, int m, int ldx, int rpg) {                                           \
+    extern "C" __global__ void gemvx_##N(float* out, const signed char* xq, const float* xd, const u8* w,           \
+                                         const u8* s, int n, int k, int m, int ldx, int rpg) {                       \
         fill_tabs<F, true>();                                                                                        \
-        gemvn_x8<F>(out, xq, xd, w, n, k, m, ldx, rpg);                                                              \
+        gemvn_x8<F>(out, xq, xd, w, s, n, k, m, ldx, rpg);                                                           \
     }                                                                                                                \
     extern "C" __global__ void moe_upx_##N(float* h, const signed char* xq, const float* xd, const unsigned* order, \
                                            const unsigned* off, const unsigned* active,                             \
