@@ -34,6 +34,7 @@ static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __uint2float_rn(unsigned x) { return (float)x; }
 static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 static inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
+static inline int __popc(unsigned x) { return __builtin_popcount(x); }
 static inline int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; i++) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
     return c;

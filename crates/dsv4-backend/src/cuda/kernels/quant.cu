@@ -27,22 +27,27 @@ typedef unsigned short u16;
 // places, which the constant cache would serialise.
 __device__ const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 
-// IQ2_XXS's tables as the decode reads them: copies in shared memory in the kernels (fill_tabs
-// at each kernel's start), where a warp's 32 lanes index them at scattered places (from global
+// IQ2_XXS's grid as the decode reads it: a copy in shared memory in the kernels (fill_tabs at
+// each kernel's start), where a warp's 32 lanes index it at scattered places (from global
 // memory through L1 such a load costs up to one wavefront per 128-byte line it touches, ~14 for
-// the 2 KB grid); the globals themselves in the host build of tests/quant_host.rs.
+// the 2 KB grid); the global itself in the host build of tests/quant_host.rs. The sign tables
+// are not read: their entries are computed (iq2_signs).
 #ifdef __CUDACC_RTC__
 __shared__ unsigned long long S_GRID[256];
-__shared__ unsigned char S_SIGNS[128];
-__shared__ unsigned long long S_MASK[128];
 #define TAB_GRID(i) S_GRID[i]
-#define TAB_SIGNS(i) S_SIGNS[i]
-#define TAB_MASK(i) S_MASK[i]
 #else
 #define TAB_GRID(i) IQ2XXS_GRID[i]
-#define TAB_SIGNS(i) KSIGNS_IQ2XS[i]
-#define TAB_MASK(i) KMASK_IQ2XS[i]
 #endif
+
+// KSIGNS_IQ2XS[i]: the 7 stored sign bits and their parity as the 8th (an even number of
+// negatives per 8 values). Computed, not looked up: a table read is a shared-memory load whose
+// scattered lanes conflict (ncu: the int8 kernels' shared loads took 65 % excess wavefronts),
+// this is three integer instructions.
+__device__ __forceinline__ unsigned iq2_signs(unsigned i7) { return i7 | ((__popc(i7) & 1u) << 7); }
+
+// The low byte of each of the 4 bytes of m: bit j of the nibble n (0..15) — 0x00204081 places
+// bit j at bit 8j (j + 7j), and no two of the shifted copies overlap.
+__device__ __forceinline__ unsigned nibble_bytes(unsigned n) { return (n * 0x00204081u) & 0x01010101u; }
 
 // Branch-free (selects, not branches): a branch here ends the basic block, and ptxas then
 // cannot issue the next chunk's loads before this one's arithmetic (PERF.md v5).
@@ -207,7 +212,7 @@ __device__ __forceinline__ void deq8r(const Raw8& r, int c, float* y) {
         unsigned a = r.u[1], sg = r.u[2];
         float db = __fmul_rn(__fmul_rn(h2f((u16)r.u[0]), 0.5f + (float)(sg >> 28)), 0.25f);
         unsigned long long grid = TAB_GRID((a >> (8 * kk)) & 255);
-        unsigned signs = TAB_SIGNS((sg >> (7 * kk)) & 127);
+        unsigned signs = iq2_signs((sg >> (7 * kk)) & 127);
         unsigned lo = (unsigned)grid, hi = (unsigned)(grid >> 32);
         // ×(−1) is a flip of the sign bit, exactly.
 #pragma unroll
@@ -314,10 +319,10 @@ __device__ __forceinline__ XChunk xdec32(const XRaw& r, int c) {
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
             unsigned long long grid = TAB_GRID((a >> (8 * kk)) & 255);
-            unsigned long long m = TAB_MASK((sg >> (7 * kk)) & 127);
-            unsigned mlo = (unsigned)m, mhi = (unsigned)(m >> 32);
-            ch.q[2 * kk] = (int)((((unsigned)grid) ^ mlo) + (mlo & 0x01010101u));
-            ch.q[2 * kk + 1] = (int)((((unsigned)(grid >> 32)) ^ mhi) + (mhi & 0x01010101u));
+            unsigned sb = iq2_signs((sg >> (7 * kk)) & 127);
+            unsigned blo = nibble_bytes(sb & 15u), bhi = nibble_bytes(sb >> 4);  // 1 in each negated byte
+            ch.q[2 * kk] = (int)((((unsigned)grid) ^ (blo * 255u)) + blo);
+            ch.q[2 * kk + 1] = (int)((((unsigned)(grid >> 32)) ^ (bhi * 255u)) + bhi);
         }
     }
     return ch;
@@ -361,17 +366,12 @@ __device__ __forceinline__ float xdot32(const u8* __restrict__ w, const u8* __re
 
 // ---- end of the per-lane decode (tests/quant_host.rs builds everything above for the host)
 
-// The block's copies of the IQ2_XXS tables (see TAB_GRID), before any thread of it decodes: the
-// first statement of every kernel that decodes (all of the block's threads reach it). X8: the
-// int8 path's byte masks instead of the sign bytes.
+// The block's copy of the IQ2_XXS grid (see TAB_GRID), before any thread of it decodes: the
+// first statement of every kernel that decodes (all of the block's threads reach it).
 template <int F, bool X8>
 __device__ __forceinline__ void fill_tabs() {
     if (F != F_IQ2_XXS) return;
     for (int i = threadIdx.x; i < 256; i += blockDim.x) S_GRID[i] = IQ2XXS_GRID[i];
-    for (int i = threadIdx.x; i < 128; i += blockDim.x) {
-        if (X8) S_MASK[i] = KMASK_IQ2XS[i];
-        else S_SIGNS[i] = KSIGNS_IQ2XS[i];
-    }
     __syncthreads();
 }
 
