@@ -39,7 +39,7 @@ for part in $PARTS; do
         # Batches 1 and 16 at context 4096 (16 sequences prefilled first).
         F="bench --backend cuda --synthetic flash --layers 43 --weights q2 --reserve 16x4096 --contexts 2048 \
            --prefill-chunk 8192 --decode-batches 1,16 --decode-context 4096 --decode-tokens 16 --verify-drafts 1,2,4 --dspark-round"
-        env $([ "$mode" = int8 ] && echo DSV4_INT8=1) timeout 420 $B $F > "$OUT/flash-q2-$mode.txt" 2>&1
+        env DSV4_INT8=$([ "$mode" = int8 ] && echo 1 || echo 0) timeout 420 $B $F > "$OUT/flash-q2-$mode.txt" 2>&1
         echo "flash q2 43 layers ($mode): exit $?" >> "$S"
         grep -E '^(prefill|decode|verify|dspark)' "$OUT/flash-q2-$mode.txt" | cut -c1-220 >> "$S"
         ;;

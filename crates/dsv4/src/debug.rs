@@ -70,6 +70,8 @@ fn diff(a: DiffArgs) -> Result<bool> {
     let gpu_b = if a.f32_weights { CudaBackend::new_f32(0) } else { CudaBackend::new(0) }
         .context("starting the CUDA backend")?;
     gpu_b.set_exact(!a.fast);
+    // The exact path compares f32 products stage by stage; int8 activations only with --fast.
+    gpu_b.set_int8(a.fast && gpu_b.int8());
     let round = gpu_b.bf16;
     let mut cpu = Model::load_with(CpuBackend, &a.model, 1, true, |t| {
         if round {

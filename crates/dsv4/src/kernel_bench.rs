@@ -64,6 +64,7 @@ fn time(b: &CudaBackend, w: &CudaWeight, n: usize, reps: usize) -> f64 {
 
 pub fn run() -> Result<()> {
     let b = CudaBackend::new(0).context("starting the CUDA backend")?;
+    b.set_int8(false); // the first table: the f32-activation products
     println!("kernel bench on {}: products x[n, k] · w[m, k]ᵀ (bytes = weight bytes read once)", b.device_name());
     // (format, m, k): an attention projection (wq_b), the output projection's second half
     // (wo_b) and a routed expert's gate/up shape, in the formats V4 checkpoints use.

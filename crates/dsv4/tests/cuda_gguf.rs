@@ -1,7 +1,8 @@
 //! `dsv4 quantize --experts q2|q4` → GGUF → the CUDA backend keeps the Q8_0 / Q4_K / Q2_K /
 //! IQ2_XXS blocks on the device and dequantises them in its kernels; its logits equal the CPU
 //! oracle's on the same blocks (dequantised on the host) within 1e-4 of the logits' scale, in
-//! exact mode (f32 activations; only summation order differs). The embedding and the other
+//! exact mode (f32 activations; only summation order differs), and within 3e-2 on int8
+//! activations (the default outside tests). The embedding and the other
 //! unquantised matrices are bf16 on the device, so the CPU side rounds those
 //! (`round_weight`), as in `dsv4-backend/tests/cuda_backend.rs`. Skips without a CUDA device.
 #![cfg(feature = "cuda")]
@@ -49,33 +50,43 @@ fn cuda_gguf_blocks_match_cpu() {
             .output()
             .unwrap();
         assert!(o.status.success(), "quantize: {}", String::from_utf8_lossy(&o.stderr));
-        let b = gpu_backend.take().unwrap_or_else(|| gpu().unwrap());
-        let mut g = Model::load(b, Path::new(&out), 1, false).unwrap();
-        let packed = g.weights.layers[0].ffn.experts[0].w1.q.as_ref().map(|q| q.format.name());
-        assert!(packed.is_some(), "{experts}: routed experts stay packed on the device");
-        let mut c = Model::load_with(CpuBackend, Path::new(&out), 1, false, round_weight).unwrap();
-        let toks: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 512).collect();
-        let (sc, sg) = (c.alloc_seq().unwrap(), g.alloc_seq().unwrap());
-        let mut worst = 0f64;
-        let mut off = 0;
-        let mut last = Vec::new();
-        for n in [13, 1, 26] {
-            let all: Vec<usize> = (0..n).collect();
-            let a = c.forward(&Batch::chunk(sc, off, &toks[off..off + n]).unwrap(), &all).unwrap();
-            let r = g.forward(&Batch::chunk(sg, off, &toks[off..off + n]).unwrap(), &all).unwrap();
-            worst = worst.max(rel_err(&r, &a));
-            last = a[(n - 1) * cfg.vocab_size..].to_vec();
-            off += n;
+        // Exact mode (f32 activations: only summation order differs from the CPU), then the
+        // int8-activation products (the default outside tests) on the same blocks.
+        for int8 in [false, true] {
+            let b = gpu_backend.take().unwrap_or_else(|| gpu().unwrap());
+            b.set_int8(int8);
+            let mut g = Model::load(b, Path::new(&out), 1, false).unwrap();
+            let packed = g.weights.layers[0].ffn.experts[0].w1.q.as_ref().map(|q| q.format.name());
+            assert!(packed.is_some(), "{experts}: routed experts stay packed on the device");
+            let mut c = Model::load_with(CpuBackend, Path::new(&out), 1, false, round_weight).unwrap();
+            let toks: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 512).collect();
+            let (sc, sg) = (c.alloc_seq().unwrap(), g.alloc_seq().unwrap());
+            let mut worst = 0f64;
+            let mut off = 0;
+            let mut last = Vec::new();
+            for n in [13, 1, 26] {
+                let all: Vec<usize> = (0..n).collect();
+                let a = c.forward(&Batch::chunk(sc, off, &toks[off..off + n]).unwrap(), &all).unwrap();
+                let r = g.forward(&Batch::chunk(sg, off, &toks[off..off + n]).unwrap(), &all).unwrap();
+                worst = worst.max(rel_err(&r, &a));
+                last = a[(n - 1) * cfg.vocab_size..].to_vec();
+                off += n;
+            }
+            for i in 0..8 {
+                let t = argmax(&last);
+                let a = c.forward(&Batch::chunk(sc, off + i, &[t]).unwrap(), &[0]).unwrap();
+                let r = g.forward(&Batch::chunk(sg, off + i, &[t]).unwrap(), &[0]).unwrap();
+                worst = worst.max(rel_err(&r, &a));
+                last = a;
+            }
+            println!("{experts} (experts {packed:?}, int8 {int8}): worst relative logit error {worst:.2e}");
+            // int8: each product's activations rounded to 8 bits per block of 32 (at most
+            // max|x|/254 a value, about one bf16 rounding of the block's largest value), over
+            // two layers and the head: 3e-2 of the logits' scale (cuda_packed's bound for one
+            // int8 product; the run prints the figure).
+            let tol = if int8 { 3e-2 } else { 1e-4 };
+            assert!(worst <= tol, "{experts}, int8 {int8}: CUDA vs CPU on the same blocks {worst:.2e} > {tol:e}");
+            gpu_backend = Some(g.backend);
         }
-        for i in 0..8 {
-            let t = argmax(&last);
-            let a = c.forward(&Batch::chunk(sc, off + i, &[t]).unwrap(), &[0]).unwrap();
-            let r = g.forward(&Batch::chunk(sg, off + i, &[t]).unwrap(), &[0]).unwrap();
-            worst = worst.max(rel_err(&r, &a));
-            last = a;
-        }
-        println!("{experts} (experts {packed:?}): worst relative logit error {worst:.2e}");
-        assert!(worst <= 1e-4, "{experts}: CUDA vs CPU on the same blocks {worst:.2e} > 1e-4");
-        gpu_backend = Some(g.backend);
     }
 }

@@ -329,7 +329,7 @@ pub struct CudaBackend {
     /// f32 activations in every bf16 product (the small-batch kernels at any batch size): the
     /// results then differ from a CPU run on bf16-rounded weights only by summation order.
     exact: std::sync::atomic::AtomicBool,
-    /// Packed products on int8-quantised activations ([`crate::x8`], `DSV4_INT8=1`).
+    /// Packed products on int8-quantised activations ([`crate::x8`]; on unless `DSV4_INT8=0`).
     int8: std::sync::atomic::AtomicBool,
     /// Recorded steps' persistent inputs and outputs, and the step being recorded.
     pub(crate) steps: Mutex<graph::Steps>,
@@ -383,13 +383,15 @@ impl CudaBackend {
 
     /// Products of Q8_0, Q2_K and IQ2_XXS weights on int8-quantised activations up to 16 rows,
     /// and the routed experts of those formats at any batch the grouped kernels take (dp4a;
-    /// [`crate::x8`] is their CPU twin, and says what the rounding costs). Off by default;
-    /// `DSV4_INT8=1` turns it on at start.
+    /// [`crate::x8`] is their CPU twin, and says what the rounding costs). On by default (dp4a
+    /// over 1-byte activations: 1.3 instructions a weight where the f32 path spends ~8, PERF.md
+    /// v8); `DSV4_INT8=0` turns it off at start, and [`Self::exact_or_skip`] (tests) too. Each
+    /// row is quantised on its own, so a row's result still does not depend on its batch.
     pub fn set_int8(&self, on: bool) {
         self.int8.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
-    pub(crate) fn int8(&self) -> bool {
+    pub fn int8(&self) -> bool {
         self.int8.load(std::sync::atomic::Ordering::Relaxed)
     }
 
@@ -442,7 +444,7 @@ impl CudaBackend {
             dummy_u32,
             bf16,
             exact: std::sync::atomic::AtomicBool::new(false),
-            int8: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_INT8").is_ok_and(|v| v.trim() == "1")),
+            int8: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_INT8").map_or(true, |v| v.trim() != "0")),
             steps: Mutex::new(graph::Steps::default()),
             hash_tables: Mutex::new(HashMap::new()),
             _blas_workspace: ws,
@@ -456,6 +458,7 @@ impl CudaBackend {
         match Self::with_weights(0, !f32_weights) {
             Ok(b) => {
                 b.set_exact(true);
+                b.set_int8(false);
                 Some(b)
             }
             Err(e @ (CudaInitError::NoDriver | CudaInitError::NoDevice | CudaInitError::NoLibrary(_))) => {
