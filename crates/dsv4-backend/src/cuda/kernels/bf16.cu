@@ -121,7 +121,38 @@ extern "C" __global__ void moe_sort(unsigned* order, unsigned* off, unsigned* ac
         if (e < (unsigned)ne) atomicAdd(&cnt[e], 1u);
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (ne > 0 && ne <= (int)blockDim.x) {
+        // Offsets and the active list by a block-wide exclusive scan of (count, count > 0): one
+        // expert a thread (a serial loop over 256 experts in thread 0 took ~5 µs of the ~9).
+        __shared__ unsigned wc[32], wa[32];
+        int e = threadIdx.x, lane = e & 31, wp = e >> 5;
+        unsigned c = e < ne ? cnt[e] : 0u, a = c ? 1u : 0u, ic = c, ia = a;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            unsigned tc = __shfl_up_sync(0xffffffffu, ic, o), ta = __shfl_up_sync(0xffffffffu, ia, o);
+            if (lane >= o) ic += tc, ia += ta;
+        }
+        if (lane == 31) wc[wp] = ic, wa[wp] = ia;
+        __syncthreads();
+        if (wp == 0) {
+            int nw = (blockDim.x + 31) >> 5;
+            unsigned vc = lane < nw ? wc[lane] : 0u, va = lane < nw ? wa[lane] : 0u;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                unsigned tc = __shfl_up_sync(0xffffffffu, vc, o), ta = __shfl_up_sync(0xffffffffu, va, o);
+                if (lane >= o) vc += tc, va += ta;
+            }
+            if (lane < nw) wc[lane] = vc - (lane < nw ? wc[lane] : 0u), wa[lane] = va - wa[lane];
+        }
+        __syncthreads();
+        unsigned xc = wc[wp] + ic - c, xa = wa[wp] + ia - a;  // exclusive prefixes
+        if (e < ne) {
+            off[e] = xc;
+            pos[e] = xc;
+            if (c) active[xa] = (unsigned)e;
+            if (e == ne - 1) off[ne] = xc + c, active[ne] = xa + a;
+        }
+    } else if (threadIdx.x == 0) {
         unsigned acc = 0, na = 0;
         for (int e = 0; e < ne; e++) {
             off[e] = acc;
