@@ -180,18 +180,32 @@ extern "C" __global__ void hc_pre_dot(float* part, const float* __restrict__ x, 
     for (int r = 0; r < HC_ROWS; r++)
 #pragma unroll
         for (int o = 0; o < 8; o++) acc[r][o] = 0.f;
-    for (int c = c0 + t; c < c1; c += blockDim.x) {
-        float xv[HC_ROWS];
+    // Two columns' loads (x and the 8 fn rows) issued before any multiply-add: with a `break`
+    // between the fn loads each waited for the one before it, 16 DRAM latencies a thread
+    // (~9.6 µs a call at one row, PERF.md v10). The sums run in the same order as before.
+    constexpr int CU = 2;
+    for (int cb = c0 + t; cb < c1; cb += CU * blockDim.x) {
+        float xv[CU][HC_ROWS], wv[CU][8];
 #pragma unroll
-        for (int r = 0; r < HC_ROWS; r++) xv[r] = r < nr ? x[(long long)(r0 + r) * width + c] : 0.f;
+        for (int u = 0; u < CU; u++) {
+            int c = cb + u * blockDim.x;
+            bool in = c < c1;
 #pragma unroll
-        for (int o = 0; o < 8; o++) {
-            int oo = o0 + o;
-            if (oo > mix) break;
-            // Output `mix` is the row's sum of squares (the RMS of the whole n·d row).
-            float w = oo < mix ? fn[(long long)oo * width + c] : 0.f;
+            for (int r = 0; r < HC_ROWS; r++) xv[u][r] = (in && r < nr) ? x[(long long)(r0 + r) * width + c] : 0.f;
 #pragma unroll
-            for (int r = 0; r < HC_ROWS; r++) acc[r][o] += (oo < mix ? w : xv[r]) * xv[r];
+            for (int o = 0; o < 8; o++) wv[u][o] = (in && o0 + o < mix) ? fn[(long long)(o0 + o) * width + c] : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < CU; u++) {
+            if (cb + u * (int)blockDim.x >= c1) break;
+#pragma unroll
+            for (int o = 0; o < 8; o++) {
+                int oo = o0 + o;
+                if (oo > mix) break;
+                // Output `mix` is the row's sum of squares (the RMS of the whole n·d row).
+#pragma unroll
+                for (int r = 0; r < HC_ROWS; r++) acc[r][o] += (oo < mix ? wv[u][o] : xv[u][r]) * xv[u][r];
+            }
         }
     }
     int lane = t & 31, wp = t >> 5;
