@@ -2,7 +2,7 @@
 //! IQ2_XXS blocks on the device and dequantises them in its kernels; its logits equal the CPU
 //! oracle's on the same blocks (dequantised on the host) within 1e-4 of the logits' scale, in
 //! exact mode (f32 activations; only summation order differs); on int8 activations (the
-//! default outside tests) within 0.5 (see the bound's comment). The embedding and the other
+//! default outside tests) within 0.5 (see `INT8_TOL`). The embedding and the other
 //! unquantised matrices are bf16 on the device, so the CPU side rounds those
 //! (`round_weight`), as in `dsv4-backend/tests/cuda_backend.rs`. Skips without a CUDA device.
 #![cfg(feature = "cuda")]
@@ -29,67 +29,103 @@ fn argmax(l: &[f32]) -> u32 {
     (0..l.len()).fold(0, |b, i| if l[i] > l[b] { i } else { b }) as u32
 }
 
-#[test]
-fn cuda_gguf_blocks_match_cpu() {
-    let Some(b) = gpu() else { return };
-    let tmp = tempfile::tempdir().unwrap();
-    let src = tmp.path().join("f32");
+/// A random f32 checkpoint quantised by `dsv4 quantize --experts <experts>` (the GGUF's path).
+fn quantised(tmp: &Path, experts: &str) -> (dsv4_model::Config, std::path::PathBuf) {
+    let src = tmp.join("f32");
     let mut cfg = tiny_config(512);
     cfg.hidden = 256;
     cfg.moe_inter = 256;
-    std::fs::create_dir_all(&src).unwrap();
-    std::fs::write(src.join("config.json"), serde_json::to_string_pretty(&cfg.to_hf_json()).unwrap()).unwrap();
-    write_safetensors(&src.join("model.safetensors"), &random_checkpoint(&cfg, 7, SynthDType::F32)).unwrap();
-    let mut gpu_backend = Some(b);
-    for experts in ["q4", "q2"] {
-        let out = tmp.path().join(format!("{experts}.gguf"));
-        // DSV4_BIN: where the binary lies when the test runs on another machine.
-        let bin = std::env::var("DSV4_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_dsv4").into());
-        let o = Command::new(bin)
-            .args(["quantize", "--in", src.to_str().unwrap(), "--out", out.to_str().unwrap(), "--experts", experts])
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "quantize: {}", String::from_utf8_lossy(&o.stderr));
-        // Exact mode (f32 activations: only summation order differs from the CPU), then the
-        // int8-activation products (the default outside tests) on the same blocks.
-        for int8 in [false, true] {
-            let b = gpu_backend.take().unwrap_or_else(|| gpu().unwrap());
-            b.set_int8(int8);
-            let mut g = Model::load(b, Path::new(&out), 1, false).unwrap();
-            let packed = g.weights.layers[0].ffn.experts[0].w1.q.as_ref().map(|q| q.format.name());
-            assert!(packed.is_some(), "{experts}: routed experts stay packed on the device");
-            let mut c = Model::load_with(CpuBackend, Path::new(&out), 1, false, round_weight).unwrap();
-            let toks: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 512).collect();
-            let (sc, sg) = (c.alloc_seq().unwrap(), g.alloc_seq().unwrap());
-            let mut worst = 0f64;
-            let mut off = 0;
-            let mut last = Vec::new();
-            for n in [13, 1, 26] {
-                let all: Vec<usize> = (0..n).collect();
-                let a = c.forward(&Batch::chunk(sc, off, &toks[off..off + n]).unwrap(), &all).unwrap();
-                let r = g.forward(&Batch::chunk(sg, off, &toks[off..off + n]).unwrap(), &all).unwrap();
-                worst = worst.max(rel_err(&r, &a));
-                last = a[(n - 1) * cfg.vocab_size..].to_vec();
-                off += n;
-            }
-            for i in 0..8 {
-                let t = argmax(&last);
-                let a = c.forward(&Batch::chunk(sc, off + i, &[t]).unwrap(), &[0]).unwrap();
-                let r = g.forward(&Batch::chunk(sg, off + i, &[t]).unwrap(), &[0]).unwrap();
-                worst = worst.max(rel_err(&r, &a));
-                last = a;
-            }
-            println!("{experts} (experts {packed:?}, int8 {int8}): worst relative logit error {worst:.2e}");
-            // int8: each product's activations rounded to 8 bits per block of 32 (≤ max|x|/254 a
-            // value; each product is bitwise its CPU twin and within 2e-2 of the exact one,
-            // cuda_packed). End to end on random weights the error grows much more (likely:
-            // it flips near-tied router top-k choices, which moves whole expert outputs): measured 2.6e-1 of the
-            // logits' scale on q4 (H200, PERF.md), where `debug diff --fast` on init-tiny q4
-            // shows 1e-2..3e-2 a stage. The bound here, 0.5, catches wrong blocks, scales or
-            // layouts (those give errors of the logits' own size), not the rounding.
-            let tol = if int8 { 0.5 } else { 1e-4 };
-            assert!(worst <= tol, "{experts}, int8 {int8}: CUDA vs CPU on the same blocks {worst:.2e} > {tol:e}");
-            gpu_backend = Some(g.backend);
-        }
+    if !src.exists() {
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::write(src.join("config.json"), serde_json::to_string_pretty(&cfg.to_hf_json()).unwrap()).unwrap();
+        write_safetensors(&src.join("model.safetensors"), &random_checkpoint(&cfg, 7, SynthDType::F32)).unwrap();
     }
+    let out = tmp.join(format!("{experts}.gguf"));
+    // DSV4_BIN: where the binary lies when the test runs on another machine.
+    let bin = std::env::var("DSV4_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_dsv4").into());
+    let o = Command::new(bin)
+        .args(["quantize", "--in", src.to_str().unwrap(), "--out", out.to_str().unwrap(), "--experts", experts])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "quantize: {}", String::from_utf8_lossy(&o.stderr));
+    (cfg, out)
+}
+
+/// The worst relative logit error of the GGUF `path` on `b` (int8 activations or not) against
+/// the CPU oracle on the same blocks, over chunks of 13, 1 and 26 rows and 8 greedy steps; the
+/// backend comes back for the next model.
+fn compare(b: CudaBackend, path: &Path, vocab: usize, int8: bool, what: &str) -> (CudaBackend, f64) {
+    b.set_int8(int8);
+    let mut g = Model::load(b, path, 1, false).unwrap();
+    let packed = g.weights.layers[0].ffn.experts[0].w1.q.as_ref().map(|q| q.format.name());
+    assert!(packed.is_some(), "{what}: routed experts stay packed on the device");
+    let mut c = Model::load_with(CpuBackend, path, 1, false, round_weight).unwrap();
+    let toks: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 512).collect();
+    let (sc, sg) = (c.alloc_seq().unwrap(), g.alloc_seq().unwrap());
+    let mut worst = 0f64;
+    let mut off = 0;
+    let mut last = Vec::new();
+    for n in [13, 1, 26] {
+        let all: Vec<usize> = (0..n).collect();
+        let a = c.forward(&Batch::chunk(sc, off, &toks[off..off + n]).unwrap(), &all).unwrap();
+        let r = g.forward(&Batch::chunk(sg, off, &toks[off..off + n]).unwrap(), &all).unwrap();
+        worst = worst.max(rel_err(&r, &a));
+        last = a[(n - 1) * vocab..].to_vec();
+        off += n;
+    }
+    for i in 0..8 {
+        let t = argmax(&last);
+        let a = c.forward(&Batch::chunk(sc, off + i, &[t]).unwrap(), &[0]).unwrap();
+        let r = g.forward(&Batch::chunk(sg, off + i, &[t]).unwrap(), &[0]).unwrap();
+        worst = worst.max(rel_err(&r, &a));
+        last = a;
+    }
+    println!("{what} (experts {packed:?}, int8 {int8}): worst relative logit error {worst:.2e}");
+    (g.backend, worst)
+}
+
+/// Exact mode: only summation order differs from the CPU.
+const EXACT_TOL: f64 = 1e-4;
+/// int8: each product's activations rounded to 8 bits per block of 32 (≤ max|x|/254 a value;
+/// each product is bitwise its CPU twin and within 2e-2 of the exact one, cuda_packed). End to
+/// end on random weights the error grows much more (likely: it flips near-tied router top-k
+/// choices, which moves whole expert outputs): measured 2.6e-1 of the logits' scale on q4 (H200,
+/// BENCHMARKS.md), where `debug diff --fast` on init-tiny q4 shows 1e-2..3e-2 a stage. This
+/// bound catches wrong blocks, scales or layouts (those give errors of the logits' own size),
+/// not the rounding.
+const INT8_TOL: f64 = 0.5;
+
+/// Exact, then int8, each scheme on a fresh backend.
+fn scheme_matches_cpu(experts: &str) {
+    let Some(b) = gpu() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let (cfg, path) = quantised(tmp.path(), experts);
+    let (b, exact) = compare(b, &path, cfg.vocab_size, false, experts);
+    assert!(exact <= EXACT_TOL, "{experts}: CUDA vs CPU on the same blocks {exact:.2e} > {EXACT_TOL:e}");
+    let (_, int8) = compare(b, &path, cfg.vocab_size, true, experts);
+    assert!(int8 <= INT8_TOL, "{experts}, int8: CUDA vs CPU on the same blocks {int8:.2e} > {INT8_TOL:e}");
+}
+
+#[test]
+fn cuda_gguf_q4_blocks_match_cpu() {
+    scheme_matches_cpu("q4");
+}
+
+#[test]
+fn cuda_gguf_q2_blocks_match_cpu() {
+    scheme_matches_cpu("q2");
+}
+
+/// One backend serving one model after another (a server reloading, the tests above): nothing
+/// the first model left behind in the backend (cached tables, step buffers, memory) may change
+/// the second one's logits. q4 on int8 activations first, then q2 in exact mode.
+#[test]
+fn cuda_gguf_backend_reused_across_models() {
+    let Some(b) = gpu() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let (cfg, q4) = quantised(tmp.path(), "q4");
+    let (_, q2) = quantised(tmp.path(), "q2");
+    let (b, _) = compare(b, &q4, cfg.vocab_size, true, "q4 first");
+    let (_, exact) = compare(b, &q2, cfg.vocab_size, false, "q2 after q4");
+    assert!(exact <= EXACT_TOL, "q2 after q4 on one backend: {exact:.2e} > {EXACT_TOL:e}");
 }
