@@ -45,42 +45,11 @@ __device__ void sinkhorn_warp(float* c, const float* a, int n, int iters, float 
 
 // The same Sinkhorn for n·n ≤ 32 (V4: 4 × 4) with element e in lane e's register: each pass
 // gathers the lane's row (or column) with n independent shuffles and adds them in the serial
-// order, so every value is bitwise sinkhorn_warp's (and the oracle's). The shared-memory
-// version waited on dependent shared loads and two warp barriers a pass: ~20 µs for 20 iterations
-// at one row (PERF.md v6).
-__device__ void sinkhorn_reg(float* c, const float* a, int n, int iters, float eps) {
-    int lane = threadIdx.x & 31, ne = n * n;
-    bool on = lane < ne;
-    int j = on ? lane / n : 0, q = on ? lane % n : 0;
-    float v = 0.f;
-    if (on) {
-        float m = -INFINITY;
-        for (int t = 0; t < n; t++) m = fmaxf(m, a[j * n + t]);
-        float s = 0.f;
-        for (int t = 0; t < n; t++) s += expf(a[j * n + t] - m);
-        v = expf(a[j * n + q] - m) / s + eps;
-    }
-    for (int it = 0; it < iters; it++) {
-        for (int pass = (it > 0 ? 0 : 1); pass < 2; pass++) {
-            float g[MAX_HC];
-#pragma unroll
-            for (int t = 0; t < MAX_HC; t++)
-                if (t < n) g[t] = __shfl_sync(0xffffffffu, v, pass == 0 ? j * n + t : t * n + q);
-            float s = 0.f;
-#pragma unroll
-            for (int t = 0; t < MAX_HC; t++)
-                if (t < n) s += g[t];
-            s += eps;
-            v = v / s;
-        }
-    }
-    if (on) c[lane] = v;
-}
-
-// sinkhorn_reg with n a compile-time constant (V4's n = 4): the same operations in the same
-// order, bitwise, but with no branch around each shuffle. With a runtime n every `t < n` guard
-// is a branch, so a pass's shuffles, adds and division ran one basic block at a time: 20
-// iterations took ~11 µs of hc_pre_apply's 17 (timed with iters = 1, PERF.md v10).
+// order, so every value is bitwise sinkhorn_warp's (and the oracle's). n is a compile-time
+// constant (sinkhorn_small dispatches): with a runtime n every `t < n` guard was a branch, so a
+// pass's shuffles, adds and division ran one basic block at a time, and 20 iterations took
+// ~11 µs of hc_pre_apply's 17 (timed with iters = 1, PERF.md v10). The shared-memory version
+// waits on dependent shared loads and two warp barriers a pass.
 template <int N>
 __device__ void sinkhorn_regn(float* c, const float* a, int iters, float eps) {
     int lane = threadIdx.x & 31;
@@ -112,6 +81,17 @@ __device__ void sinkhorn_regn(float* c, const float* a, int iters, float eps) {
         }
     }
     if (on) c[lane] = v;
+}
+
+// sinkhorn_regn for the n (1..5) whose n·n elements fit a warp's lanes.
+__device__ void sinkhorn_small(float* c, const float* a, int n, int iters, float eps) {
+    switch (n) {
+        case 1: sinkhorn_regn<1>(c, a, iters, eps); break;
+        case 2: sinkhorn_regn<2>(c, a, iters, eps); break;
+        case 3: sinkhorn_regn<3>(c, a, iters, eps); break;
+        case 4: sinkhorn_regn<4>(c, a, iters, eps); break;
+        default: sinkhorn_regn<5>(c, a, iters, eps); break;
+    }
 }
 
 // Σ over the thread's strided slice k = t, t + B, ... of f(k), summed in that order, with the
@@ -254,8 +234,7 @@ extern "C" __global__ void hc_pre_apply(float* y, float* post, float* comb, cons
     if (blockIdx.x == 0) {
         // In shared memory (its ~2·iters dependent passes would each wait on global memory).
         if (t < 32) {
-            if (n == 4) sinkhorn_regn<4>(cm, a, iters, hc_eps);
-            else if (n * n <= 32) sinkhorn_reg(cm, a, n, iters, hc_eps);
+            if (n * n <= 32) sinkhorn_small(cm, a, n, iters, hc_eps);
             else sinkhorn_warp(cm, a, n, iters, hc_eps);
         }
         __syncthreads();
