@@ -65,11 +65,14 @@ fn compare(b: CudaBackend, path: &Path, vocab: usize, int8: bool, what: &str) ->
     let mut worst = 0f64;
     let mut off = 0;
     let mut last = Vec::new();
+    // Each forward's error, in order (the first chunks run eagerly; a step shape seen twice is
+    // recorded and then replayed): where a failure starts says which path to look at.
+    let mut steps = Vec::new();
     for n in [13, 1, 26] {
         let all: Vec<usize> = (0..n).collect();
         let a = c.forward(&Batch::chunk(sc, off, &toks[off..off + n]).unwrap(), &all).unwrap();
         let r = g.forward(&Batch::chunk(sg, off, &toks[off..off + n]).unwrap(), &all).unwrap();
-        worst = worst.max(rel_err(&r, &a));
+        steps.push(rel_err(&r, &a));
         last = a[(n - 1) * vocab..].to_vec();
         off += n;
     }
@@ -77,10 +80,18 @@ fn compare(b: CudaBackend, path: &Path, vocab: usize, int8: bool, what: &str) ->
         let t = argmax(&last);
         let a = c.forward(&Batch::chunk(sc, off + i, &[t]).unwrap(), &[0]).unwrap();
         let r = g.forward(&Batch::chunk(sg, off + i, &[t]).unwrap(), &[0]).unwrap();
-        worst = worst.max(rel_err(&r, &a));
+        steps.push(rel_err(&r, &a));
         last = a;
     }
-    println!("{what} (experts {packed:?}, int8 {int8}): worst relative logit error {worst:.2e}");
+    for &e in &steps {
+        worst = worst.max(e);
+    }
+    let each: Vec<String> = steps.iter().map(|e| format!("{e:.1e}")).collect();
+    println!(
+        "{what} (experts {packed:?}, int8 {int8}): worst relative logit error {worst:.2e} (chunks of 13, 1, 26 \
+         rows, then 8 steps: {})",
+        each.join(" ")
+    );
     (g.backend, worst)
 }
 
