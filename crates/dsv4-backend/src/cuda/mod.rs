@@ -339,8 +339,9 @@ pub struct CudaBackend {
     _blas_workspace: CudaSlice<u8>,
 }
 
-/// Device `tid2eid` tables by the host table's address and length.
-type HashTables = HashMap<(usize, usize), Arc<CudaSlice<u32>>>;
+/// Device `tid2eid` tables by the host table's address and length, with the host contents
+/// they were made from.
+type HashTables = HashMap<(usize, usize), (Vec<u32>, Arc<CudaSlice<u32>>)>;
 
 /// Bytes of cuBLAS workspace (what cuBLAS takes by default on Hopper).
 const BLAS_WORKSPACE: usize = 32 << 20;
@@ -511,12 +512,22 @@ impl CudaBackend {
         dst
     }
 
-    /// The device copy of a hash layer's `tid2eid` table (uploaded once: the table is part of
-    /// the weights, which live as long as the model that uses this backend).
+    /// The device copy of a hash layer's `tid2eid` table, uploaded once per table. Found by the
+    /// host table's address and length, then checked against the copy kept beside it: a backend
+    /// can outlive a model (a server reloading, tests), and the next model's table may land at
+    /// the same address with other contents (a memcmp of a few MB, on eager forwards only: a
+    /// replayed step does not call it).
     pub(crate) fn hash_table(&self, t: &[u32]) -> Arc<CudaSlice<u32>> {
         let key = (t.as_ptr() as usize, t.len());
         let mut m = self.hash_tables.lock().unwrap();
-        m.entry(key).or_insert_with(|| Arc::new(ck(self.stream.clone_htod(t), "upload tid2eid"))).clone()
+        if let Some((host, dev)) = m.get(&key) {
+            if host.as_slice() == t {
+                return dev.clone();
+            }
+        }
+        let dev = Arc::new(ck(self.stream.clone_htod(t), "upload tid2eid"));
+        m.insert(key, (t.to_vec(), dev.clone()));
+        dev
     }
 
     /// The RoPE frequency table on the device (uploaded once per distinct table).
