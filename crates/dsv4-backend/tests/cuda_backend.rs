@@ -199,6 +199,31 @@ fn cuda_real_shapes_match_cpu() {
     println!("real shapes: worst rel err {worst:.2e} over {} lengths", lens.len());
 }
 
+/// Rows with more keys than the attention kernel's slices hold in one staged tile (a window of
+/// 300 and 48 selected entries: over 16 slices × 16 keys), at small head dims (columns past
+/// head_dim stay zero in the tile), prefilled in random chunks and then decoded.
+#[test]
+fn cuda_long_attention_matches_cpu() {
+    if gpu().is_none() {
+        return;
+    }
+    let mut cfg = tiny_config(512);
+    cfg.window = 300;
+    cfg.index_topk = 48;
+    let dir = tempfile::tempdir().unwrap();
+    write_random(dir.path(), &cfg, 5);
+    let mut cpu = cpu_bf16(dir.path(), 1);
+    let mut gpu = Model::load(gpu().unwrap(), dir.path(), 1, false).unwrap();
+    let vocab = cpu.cfg.vocab_size;
+    for (i, len) in [290usize, 420, 700].into_iter().enumerate() {
+        let toks = tokens(len, vocab, 3000 + i as u64);
+        let chunks = random_chunks(len, 91 + i as u64, 256);
+        let err = compare_run(&mut cpu, &mut gpu, &toks, &chunks, 8);
+        println!("long attention, len {len} chunks {chunks:?}: rel err {err:.2e}");
+        assert!(err <= TOL, "len {len} chunks {chunks:?}: rel err {err}");
+    }
+}
+
 /// Several sequences in batches of mixed prefill chunks and decode rows, queued back to back
 /// without any synchronisation; all logits are read back at the end and compared.
 #[test]

@@ -93,8 +93,16 @@ pub fn compress(
     );
 }
 
-/// Blocks per row of `index_score` (8 entries each, grid-striding beyond).
-const INDEX_SCORE_BLOCKS: usize = 256;
+/// Blocks per row of `index_score` at most: each stages the row's queries once, then its 8
+/// warps stride over the entries.
+const INDEX_SCORE_BLOCKS: usize = 64;
+/// Dynamic shared memory `index_score` may use (set on the kernel at load).
+pub(crate) const INDEX_SCORE_SMEM: usize = 96 * 1024;
+/// `IDX_EW` of attention.cu: entries a warp of `index_score` scores at a time.
+const INDEX_SCORE_EW: usize = 4;
+/// Entries a block of `index_score` is sized for (below `INDEX_SCORE_BLOCKS`): 8 warps, one
+/// group of `INDEX_SCORE_EW` each.
+const INDEX_SCORE_ENTRIES: usize = 8 * INDEX_SCORE_EW;
 
 /// Lightning-indexer top-k: scores of every visible entry (`index_score`), then a threshold
 /// select and a sort of the k chosen per row (`index_topk`, O(visible) per row).
@@ -123,10 +131,12 @@ pub fn index_select(
     let mut scores = b.alloc::<f32>(n * maxvis);
     let (qs, ws) = ((hd as f32).powf(-0.5), (nh as f32).powf(-0.5));
     let (ni, mi, mv) = (n as i32, m as i32, maxvis as i32);
+    let smem = (hd * (nh + 1) + 8 * INDEX_SCORE_EW * hd + nh) * 4;
+    assert!(nh <= 128 && smem <= INDEX_SCORE_SMEM, "indexer of {nh} heads × {hd}: over index_score's shared memory");
     let lc = LaunchConfig {
-        grid_dim: (n as u32, maxvis.div_ceil(8).min(INDEX_SCORE_BLOCKS) as u32, 1),
+        grid_dim: (n as u32, maxvis.div_ceil(INDEX_SCORE_ENTRIES).min(INDEX_SCORE_BLOCKS) as u32, 1),
         block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: smem as u32,
     };
     // SAFETY (both launches): argument types and buffer sizes match the kernels.
     ck(
@@ -169,6 +179,13 @@ pub fn index_select(
     CudaSel { topk, idx: sel }
 }
 
+/// `ATT_S` of attention.cu: a row's keys are cut into this many slices whatever its batch.
+const ATTN_SLICES: usize = 16;
+/// `ATT_HG` of attention.cu: heads a block takes (one warp each).
+const ATTN_HEADS_PER_BLOCK: usize = 8;
+/// Rows an attention launch takes at most (its partials: 2.1 MB a row for 64 heads of 512).
+const ATTN_ROW_TILE: usize = 64;
+
 /// Attention of every (row, head), then the chunk's KV rows enter the window ring (the last
 /// `window + MAX_ROLLBACK` of each segment, so that a rollback finds its window).
 #[allow(clippy::too_many_arguments)]
@@ -184,7 +201,7 @@ pub fn attend(
     cfg: &Config,
 ) -> CudaTensor {
     let (h, d, win, rcap) = (cfg.n_heads, cfg.head_dim, cache.window, cache.ring_cap);
-    assert!(d <= 512, "attention kernel supports head_dim <= 512, got {d}");
+    assert!(d <= 512 && d % 4 == 0, "attention kernel supports head_dim <= 512, a multiple of 4; got {d}");
     let n = rows.len();
     let mut out = b.tensor(n, h * d);
     cache.note_written(&rows.batch);
@@ -199,34 +216,51 @@ pub fn attend(
     };
     let scale = (d as f32).powf(-0.5);
     let (ni, di, wi, rci) = (n as i32, d as i32, win as i32, rcap as i32);
-    let lc = LaunchConfig { grid_dim: (n as u32, h as u32, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
-    // SAFETY (both launches): argument types and buffer sizes match the kernels.
-    ck(
-        unsafe {
-            b.stream
-                .launch_builder(&b.k.attention)
-                .arg(&mut out.data)
-                .arg(&q.data)
-                .arg(&kv.data)
-                .arg(&ls.ring)
-                .arg(&wi)
-                .arg(&rci)
-                .arg(entries)
-                .arg(&(cap as i32))
-                .arg(&(m as i32))
-                .arg(seli)
-                .arg(&has_sel)
-                .arg(&(topk as i32))
-                .arg(&sinks.data)
-                .arg(rows.dev.as_ref())
-                .arg(&ni)
-                .arg(&(h as i32))
-                .arg(&di)
-                .arg(&scale)
-                .launch(lc)
-        },
-        "attention",
-    );
+    // Partials of ATT_S slices per (row, head), for ATTN_ROW_TILE rows a launch at most.
+    let tile = n.min(ATTN_ROW_TILE);
+    let groups = h.div_ceil(ATTN_HEADS_PER_BLOCK);
+    let mut part = b.alloc::<f32>(tile * h * ATTN_SLICES * (d + 2));
+    let mut done = ck(b.stream.alloc_zeros::<u32>(tile * groups), "alloc attention counters");
+    // SAFETY (every launch): argument types and buffer sizes match the kernels; `part` and `done`
+    // hold `tile` rows, and each launch covers at most `tile` rows from `t0`.
+    for t0 in (0..n).step_by(tile) {
+        let rows_here = (n - t0).min(tile);
+        let lc = LaunchConfig {
+            grid_dim: (rows_here as u32, groups as u32, ATTN_SLICES as u32),
+            block_dim: (32 * ATTN_HEADS_PER_BLOCK as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        ck(
+            unsafe {
+                b.stream
+                    .launch_builder(&b.k.attention)
+                    .arg(&mut out.data)
+                    .arg(&mut part)
+                    .arg(&mut done)
+                    .arg(&q.data)
+                    .arg(&kv.data)
+                    .arg(&ls.ring)
+                    .arg(&wi)
+                    .arg(&rci)
+                    .arg(entries)
+                    .arg(&(cap as i32))
+                    .arg(&(m as i32))
+                    .arg(seli)
+                    .arg(&has_sel)
+                    .arg(&(topk as i32))
+                    .arg(&sinks.data)
+                    .arg(rows.dev.as_ref())
+                    .arg(&ni)
+                    .arg(&(t0 as i32))
+                    .arg(&(h as i32))
+                    .arg(&di)
+                    .arg(&scale)
+                    .launch(lc)
+            },
+            "attention",
+        );
+    }
+    // SAFETY: argument types and buffer sizes match the kernel.
     ck(
         unsafe {
             b.stream

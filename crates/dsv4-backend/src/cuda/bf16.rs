@@ -217,6 +217,23 @@ impl CudaBackend {
         e
     }
 
+    /// Starts (`true`) or stops the profiler's capture (ncu `--profile-from-start off`), so a
+    /// profile can hold one decode step and not the weight draw and prefill before it.
+    pub fn profiler_capture(&self, on: bool) {
+        self.synchronize();
+        ck(self.ctx.bind_to_thread(), "bind context");
+        // SAFETY: neither call takes arguments; the backend's context is current on this thread
+        // (bound above) and its stream is idle (synchronised above).
+        let r = unsafe {
+            if on {
+                cudarc::driver::sys::cuProfilerStart()
+            } else {
+                cudarc::driver::sys::cuProfilerStop()
+            }
+        };
+        ck(r.result(), "profiler capture");
+    }
+
     /// A device byte buffer copied to the host (benchmarks' CPU twins).
     pub fn download_bytes(&self, s: &CudaSlice<u8>) -> Vec<u8> {
         let v = ck(self.stream.clone_dtoh(s), "download");

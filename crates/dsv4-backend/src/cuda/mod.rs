@@ -429,6 +429,12 @@ impl CudaBackend {
             r.result()?;
         }
         let k = Kernels::load(&ctx)?;
+        // index_score stages a row's queries and its warps' keys: over the default 48 KB of
+        // dynamic shared memory at Flash's indexer shape (the launcher checks the bound).
+        k.index_score.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            attention::INDEX_SCORE_SMEM as i32,
+        )?;
         let qk = quant::QuantKernels::load(&ctx)?;
         let dummy_f32 = stream.alloc_zeros::<f32>(1)?;
         let dummy_u32 = stream.alloc_zeros::<u32>(1)?;

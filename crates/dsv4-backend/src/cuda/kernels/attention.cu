@@ -103,35 +103,64 @@ extern "C" __global__ void comp_store(float* raw_u, float* raw_z, int k, const f
     }
 }
 
-// Indexer scores: one warp per (row, entry), striding over the row's entries; score = Σ_h w_h·ws·max(q_h·k, 0)·qs.
+// Indexer scores: score = Σ_h w_h·ws·max(q_h·k, 0)·qs. Block (row, y): the row's queries are
+// staged transposed (qT[c][h], rows padded to nh + 1: conflict-free both ways) with their
+// weights; each warp takes IDX_EW entries at a time (entries y·8·IDX_EW + w·IDX_EW + ...,
+// stepping by the grid), stages their keys, and lane j owns heads j, j + 32, ...: each qT read
+// serves IDX_EW entries and each key read (a broadcast) IDX_HPL heads. One butterfly sums the
+// heads. Dynamic shared memory: (hd·(nh + 1) + 8·IDX_EW·hd + nh) floats.
+#define IDX_HPL 4  // heads a lane owns at most (nh <= 128)
+#define IDX_EW 4   // entries a warp scores at a time
 extern "C" __global__ void index_score(float* scores, int maxvis, const float* q, const float* wts,
                                        const float* entries, int cap, const unsigned* rows, int n, int m, int nh,
                                        int hd, float qs, float ws) {
-    int t = blockIdx.x, lane = threadIdx.x & 31;
+    extern __shared__ float sm[];
+    int qst = nh + 1;
+    float* qT = sm;                       // [hd][nh + 1]
+    float* kb = sm + hd * qst;            // [8][IDX_EW][hd]
+    float* wv = kb + 8 * IDX_EW * hd;     // [nh]
+    int t = blockIdx.x, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     long long vis = ((long long)ROW_POS(t) + 1) / m;
+    long long step = (long long)gridDim.y * 8 * IDX_EW;
+    if ((long long)blockIdx.y * 8 * IDX_EW >= vis) return;
     const float* qr = q + (long long)t * nh * hd;
-    int warps = blockDim.x >> 5;
-    for (long long s = blockIdx.y * warps + (threadIdx.x >> 5); s < vis; s += (long long)gridDim.y * warps) {
-        const float* k = entries + ((long long)ROW_SEQ(t) * cap + s) * hd;
-        float acc = 0.f;
-        // 8 heads' dot products at a time: their butterflies are independent and overlap
-        // (one head after another waited on every shuffle). Each head's sum and the sum over
-        // heads keep their order, so the scores are bitwise the one-head-at-a-time ones.
-        for (int h0 = 0; h0 < nh; h0 += 8) {
-            float d[8];
+    for (int i = threadIdx.x; i < nh * hd; i += blockDim.x) qT[(i % hd) * qst + i / hd] = qr[i];
+    for (int h = threadIdx.x; h < nh; h += blockDim.x) wv[h] = wts[(long long)t * nh + h] * ws;
+    __syncthreads();
+    float* kw = kb + w * IDX_EW * hd;
+    for (long long s0 = ((long long)blockIdx.y * 8 + w) * IDX_EW; s0 < vis; s0 += step) {
+        int ne = (int)min((long long)IDX_EW, vis - s0);
+        const float* k = entries + ((long long)ROW_SEQ(t) * cap + s0) * hd;
+        __syncwarp();
+        for (int c = lane; c < IDX_EW * hd; c += 32) kw[c] = c < ne * hd ? k[c] : 0.f;
+        __syncwarp();
+        float d[IDX_HPL][IDX_EW];
 #pragma unroll
-            for (int u = 0; u < 8; u++) {
-                d[u] = 0.f;
-                if (h0 + u < nh)
-                    for (int c = lane; c < hd; c += 32) d[u] += qr[(h0 + u) * hd + c] * k[c];
+        for (int j = 0; j < IDX_HPL; j++)
+#pragma unroll
+            for (int e = 0; e < IDX_EW; e++) d[j][e] = 0.f;
+#pragma unroll 2
+        for (int c = 0; c < hd; c++) {
+            float kc[IDX_EW];
+#pragma unroll
+            for (int e = 0; e < IDX_EW; e++) kc[e] = kw[e * hd + c];
+#pragma unroll
+            for (int j = 0; j < IDX_HPL; j++) {
+                if (32 * j >= nh) break;
+                float qv = lane + 32 * j < nh ? qT[c * qst + lane + 32 * j] : 0.f;
+#pragma unroll
+                for (int e = 0; e < IDX_EW; e++) d[j][e] += qv * kc[e];
             }
-#pragma unroll
-            for (int u = 0; u < 8; u++) d[u] = warp_sum(d[u]);
-#pragma unroll
-            for (int u = 0; u < 8; u++)
-                if (h0 + u < nh) acc += wts[(long long)t * nh + h0 + u] * ws * (fmaxf(d[u], 0.f) * qs);
         }
-        if (lane == 0) scores[(long long)t * maxvis + s] = acc;
+#pragma unroll
+        for (int e = 0; e < IDX_EW; e++) {
+            float acc = 0.f;
+#pragma unroll
+            for (int j = 0; j < IDX_HPL; j++)
+                if (lane + 32 * j < nh) acc += wv[lane + 32 * j] * (fmaxf(d[j][e], 0.f) * qs);
+            acc = warp_sum(acc);
+            if (lane == 0 && e < ne) scores[(long long)t * maxvis + s0 + e] = acc;
+        }
     }
 }
 
@@ -152,19 +181,50 @@ extern "C" __global__ void index_topk(unsigned* sel, int topk, const float* scor
     __shared__ unsigned skey[TOPK_MAX];
     __shared__ unsigned sidx[TOPK_MAX];
     __shared__ unsigned cnt;
-    __shared__ float red[32];
     __shared__ unsigned wsum[32];
     int t = blockIdx.x;
     int vis = (int)(((long long)ROW_POS(t) + 1) / m);
     int k = min(topk, vis);
     if (k <= 0) return;
     const float* sc = scores + (long long)t * maxvis;
-    unsigned thr = 0;
-    for (int bit = 31; bit >= 0; bit--) {
-        unsigned cand = thr | (1u << bit);
-        int c = 0;
-        for (int s = threadIdx.x; s < vis; s += blockDim.x) c += fkey(sc[s]) >= cand;
-        if (block_sum((float)c, red) >= (float)k) thr = cand;  // counts < 2^24: exact in f32
+    // T, the k-th largest key, one byte at a time from the top: a histogram of the next byte
+    // over the keys that share the bytes found so far, and warp 0 finds the byte at which the
+    // count from the top reaches the rank still wanted.
+    __shared__ unsigned hist[256];
+    __shared__ unsigned s_digit, s_above;
+    unsigned thr = 0, pmask = 0, want = (unsigned)k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        for (int s = threadIdx.x; s < vis; s += blockDim.x) {
+            unsigned key = fkey(sc[s]);
+            if ((key & pmask) == thr) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            int lane = threadIdx.x;
+            unsigned c[8], tot = 0;  // lane l: bins 255 − 8l down to 248 − 8l
+#pragma unroll
+            for (int i = 0; i < 8; i++) { c[i] = hist[255 - 8 * lane - i]; tot += c[i]; }
+            unsigned inc = tot;
+            for (int o = 1; o < 32; o <<= 1) {
+                unsigned v = __shfl_up_sync(0xffffffffu, inc, o);
+                if (lane >= o) inc += v;
+            }
+            unsigned exc = inc - tot;
+            unsigned ball = __ballot_sync(0xffffffffu, exc < want && inc >= want);
+            if (lane == __ffs(ball) - 1) {
+                unsigned cum = exc;
+                for (int i = 0; i < 8; i++) {
+                    if (cum + c[i] >= want) { s_digit = 255u - 8u * lane - i; s_above = cum; break; }
+                    cum += c[i];
+                }
+            }
+        }
+        __syncthreads();
+        want -= s_above;
+        thr |= s_digit << shift;
+        pmask |= 255u << shift;
     }
     if (threadIdx.x == 0) cnt = 0;
     __syncthreads();
@@ -223,21 +283,44 @@ extern "C" __global__ void index_topk(unsigned* sel, int topk, const float* scor
     for (int j = threadIdx.x; j < k; j += blockDim.x) sel[(long long)t * topk + j] = sidx[j];
 }
 
-#define ATT_WARPS 16  // keys split over 16 warps: a decode row still fills a block per head
-#define ATT_KB 4      // keys a warp takes at a time
+#define ATT_S 16   // slices a row's keys are split into: fixed, so a row's sums never depend on its batch
+#define ATT_HG 8   // heads a block takes, one warp each: they share each staged key tile
+#define ATT_KT 16  // keys a tile stages in shared memory
+#define ATT_KG 4   // keys a warp takes at a time within a tile
+#define ATT_KP 64  // key addresses looked up at a time (a multiple of ATT_KT)
+#define ATT_CJ 4   // slices the merge loads at a time
 #define MAX_D 512
 
-// Sink-softmax attention of one (row, head) per block over the row's window rows (ring before the
-// chunk, this batch's kv from the chunk on) and its compressed entries (selected, or all visible).
-// Each warp runs an online softmax over every ATT_WARPS-th key; the warps are merged at the end.
-extern "C" __global__ void attention(float* out, const float* q, const float* kv, const float* ring, int win,
-                                     int rcap, const float* entries, int cap, int m, const unsigned* sel,
-                                     int has_sel, int topk, const float* sinks, const unsigned* rows, int n,
-                                     int heads, int d, float scale) {
-    __shared__ float wm[ATT_WARPS], wl[ATT_WARPS];
-    __shared__ float wo[ATT_WARPS][MAX_D];
-    int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
-    long long p = ROW_POS(t), pos0 = ROW_POS0(t), seq = ROW_SEQ(t);
+// Key j of row t: its window rows first (the ring before the chunk, this batch's kv from the
+// chunk on), then its compressed entries (selected, or every visible one).
+__device__ __forceinline__ const float* att_key(int j, int nwin, long long lo, const float* kv, const float* ring,
+                                                int rcap, const float* entries, int cap, const unsigned* sel,
+                                                int has_sel, int topk, const unsigned* rows, int n, int t, int d) {
+    long long seq = ROW_SEQ(t);
+    if (j < nwin) {
+        long long pp = lo + j, pos0 = ROW_POS0(t);
+        return pp < pos0 ? ring + (seq * rcap + pp % rcap) * d : kv + (ROW_START(t) + (pp - pos0)) * d;
+    }
+    long long e = has_sel ? sel[(long long)t * topk + (j - nwin)] : (j - nwin);
+    return entries + (seq * cap + e) * d;
+}
+
+// Sink-softmax attention (values are the keys), flash-decoding style. Block (row, head group,
+// slice): slice s of ATT_S takes the row's keys [s·nk/S, (s+1)·nk/S), stages them ATT_KT at a
+// time in shared memory for its ATT_HG heads (one warp each, an online softmax over the slice),
+// and leaves (max, sum, o) in `part`. The group's last slice block to finish merges the S
+// partials in slice order with the sink. Rows are t0 + blockIdx.x (the launcher tiles rows so
+// that `part` stays small); `done` counts finished slices per (tile row, group) and is left zero.
+extern "C" __global__ void attention(float* out, float* part, unsigned* done, const float* q, const float* kv,
+                                     const float* ring, int win, int rcap, const float* entries, int cap, int m,
+                                     const unsigned* sel, int has_sel, int topk, const float* sinks,
+                                     const unsigned* rows, int n, int t0, int heads, int d, float scale) {
+    __shared__ __align__(16) float ks[ATT_KT][MAX_D];
+    __shared__ const float* kp[ATT_KP];
+    __shared__ unsigned last;
+    int tl = blockIdx.x, t = t0 + tl, g = blockIdx.y, s = blockIdx.z;
+    int lane = threadIdx.x & 31, wp = threadIdx.x >> 5, h = g * ATT_HG + wp;
+    long long p = ROW_POS(t);
     long long lo = p + 1 > win ? p + 1 - win : 0;
     int nwin = (int)(p - lo + 1);
     int ncomp = 0;
@@ -245,83 +328,130 @@ extern "C" __global__ void attention(float* out, const float* q, const float* kv
         int vis = (int)((p + 1) / m);
         ncomp = has_sel ? min(topk, vis) : vis;
     }
-    const float* qr = q + ((long long)t * heads + h) * d;
+    int nk = nwin + ncomp;
+    int j0 = (int)((long long)nk * s / ATT_S), j1 = (int)((long long)nk * (s + 1) / ATT_S);
+    bool live = h < heads;
     float qv[MAX_D / 32], o[MAX_D / 32];
+    const float* qr = q + ((long long)t * heads + (live ? h : 0)) * d;
 #pragma unroll
     for (int i = 0; i < MAX_D / 32; i++) {
         int c = lane + 32 * i;
         qv[i] = c < d ? qr[c] : 0.f;
         o[i] = 0.f;
     }
+    // The tile starts zero and only ever holds finite keys: columns d..MAX_D stay zero (the hot
+    // loops need no column guard) and rows past a short tile's end are finite, so their
+    // discarded products (weight exactly 0) add exactly zero.
+    for (int i = threadIdx.x; i < ATT_KT * MAX_D; i += blockDim.x) (&ks[0][0])[i] = 0.f;
     float mx = -INFINITY, l = 0.f;
-    // ATT_KB keys a warp at a time (keys j, j + ATT_WARPS, ...): their loads and butterflies
-    // overlap, where one key at a time waited on each (a decode row's ~40 keys a warp were ~40
-    // dependent round trips). The online softmax takes the group's maximum first.
-    int nk = nwin + ncomp;
-    for (int j0 = wp; j0 < nk; j0 += ATT_WARPS * ATT_KB) {
-        const float* kp[ATT_KB];
-        float sc[ATT_KB];
+    int d4 = d >> 2;
+    for (int k0 = j0; k0 < j1; k0 += ATT_KT) {
+        int nt = min(ATT_KT, j1 - k0);
+        __syncthreads();  // the previous tile is no longer read (nor the pointers, below)
+        // The next ATT_KP keys' addresses in one round trip (a selected entry's index is itself a load).
+        if ((k0 - j0) % ATT_KP == 0 && threadIdx.x < min(ATT_KP, j1 - k0))
+            kp[threadIdx.x] = att_key(k0 + threadIdx.x, nwin, lo, kv, ring, rcap, entries, cap, sel, has_sel, topk,
+                                      rows, n, t, d);
+        __syncthreads();
+        int pb = (k0 - j0) % ATT_KP;
+        for (int i = threadIdx.x; i < nt * d4; i += blockDim.x) {
+            int kk = i / d4, c4 = i - kk * d4;
+            reinterpret_cast<float4*>(ks[kk])[c4] = reinterpret_cast<const float4*>(kp[pb + kk])[c4];
+        }
+        __syncthreads();
+        if (!live) continue;
+        // ATT_KG keys at a time: their dot products' butterflies overlap; each key's values are
+        // read from shared memory once, for the dot product and again (from registers) for the
+        // weighted sum.
+#pragma unroll 1
+        for (int g0 = 0; g0 < nt; g0 += ATT_KG) {
+            float kr[ATT_KG][MAX_D / 32], sc[ATT_KG];
 #pragma unroll
-        for (int u = 0; u < ATT_KB; u++) {
-            int j = j0 + u * ATT_WARPS;
-            const float* k = nullptr;
-            if (j < nwin) {
-                long long pp = lo + j;
-                k = pp < pos0 ? ring + (seq * rcap + pp % rcap) * d : kv + (ROW_START(t) + (pp - pos0)) * d;
-            } else if (j < nk) {
-                long long e = has_sel ? sel[(long long)t * topk + (j - nwin)] : (j - nwin);
-                k = entries + (seq * cap + e) * d;
-            }
-            kp[u] = k;
-            float dot = 0.f;
-            if (k) {
+            for (int u = 0; u < ATT_KG; u++) {
+                float dot = 0.f;
 #pragma unroll
                 for (int i = 0; i < MAX_D / 32; i++) {
-                    int c = lane + 32 * i;
-                    if (c < d) dot += qv[i] * k[c];
+                    kr[u][i] = ks[g0 + u][lane + 32 * i];
+                    dot += qv[i] * kr[u][i];
                 }
+                sc[u] = dot;
             }
-            sc[u] = dot;
+#pragma unroll
+            for (int u = 0; u < ATT_KG; u++) sc[u] = g0 + u < nt ? warp_sum(sc[u]) * scale : -INFINITY;
+            float nm = mx;
+#pragma unroll
+            for (int u = 0; u < ATT_KG; u++) nm = fmaxf(nm, sc[u]);
+            // The group's first key is a key, so nm is finite where the scores are.
+            float corr = expf(mx - nm);
+            l = l * corr;
+#pragma unroll
+            for (int i = 0; i < MAX_D / 32; i++) o[i] = o[i] * corr;
+#pragma unroll
+            for (int u = 0; u < ATT_KG; u++) {
+                float pw = expf(sc[u] - nm);  // 0 past the tile's end (sc = −∞)
+                l = l + pw;
+#pragma unroll
+                for (int i = 0; i < MAX_D / 32; i++) o[i] = o[i] + pw * kr[u][i];
+            }
+            mx = nm;
         }
+    }
+    int G = gridDim.y;
+    if (live) {
+        float* pr = part + (((long long)tl * heads + h) * ATT_S + s) * (d + 2);
 #pragma unroll
-        for (int u = 0; u < ATT_KB; u++) sc[u] = kp[u] ? warp_sum(sc[u]) * scale : -INFINITY;
-        float nm = mx;
+        for (int i = 0; i < MAX_D / 32; i++) {
+            int c = lane + 32 * i;
+            if (c < d) pr[c] = o[i];
+        }
+        if (lane == 0) { pr[d] = mx; pr[d + 1] = l; }
+    }
+    // Publish the partial, then count it; the block that completes the count merges.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned prev = atomicAdd(&done[tl * G + g], 1u);
+        last = prev == ATT_S - 1;
+        if (last) done[tl * G + g] = 0;  // every other slice has counted: ready for the next launch
+    }
+    __syncthreads();
+    if (!last || !live) return;
+    __threadfence();
+    const float* ph = part + ((long long)tl * heads + h) * ATT_S * (d + 2);
+    // Lane s < ATT_S holds slice s's weight exp(m_s − M) / den; M covers the sink too.
+    float ms = lane < ATT_S ? __ldcg(ph + lane * (d + 2) + d) : -INFINITY;
+    float ls = lane < ATT_S ? __ldcg(ph + lane * (d + 2) + d + 1) : 0.f;
+    float M = sinks[h];
+    for (int i = 0; i < ATT_S; i++) M = fmaxf(M, __shfl_sync(0xffffffffu, ms, i));
+    float den = expf(sinks[h] - M);
+    for (int i = 0; i < ATT_S; i++) den += __shfl_sync(0xffffffffu, ls, i) * expf(__shfl_sync(0xffffffffu, ms, i) - M);
+    float wgt = lane < ATT_S ? expf(ms - M) / den : 0.f;
+    float* orow = out + ((long long)t * heads + h) * d;
+    // Slices in order, ATT_CJ at a time with all their loads issued before the sums.
+    float acc[MAX_D / 32];
 #pragma unroll
-        for (int u = 0; u < ATT_KB; u++) nm = fmaxf(nm, sc[u]);
-        // The group's first key is always a key, so nm is finite where the scores are.
-        float corr = expf(mx - nm);
-        l = l * corr;
+    for (int i = 0; i < MAX_D / 32; i++) acc[i] = 0.f;
+#pragma unroll 1
+    for (int j0 = 0; j0 < ATT_S; j0 += ATT_CJ) {
+        float v[ATT_CJ][MAX_D / 32];
 #pragma unroll
-        for (int i = 0; i < MAX_D / 32; i++) o[i] = o[i] * corr;
-#pragma unroll
-        for (int u = 0; u < ATT_KB; u++) {
-            if (!kp[u]) continue;
-            float pw = expf(sc[u] - nm);
-            l = l + pw;
+        for (int u = 0; u < ATT_CJ; u++)
 #pragma unroll
             for (int i = 0; i < MAX_D / 32; i++) {
                 int c = lane + 32 * i;
-                if (c < d) o[i] = o[i] + pw * kp[u][c];
+                v[u][i] = c < d ? __ldcg(ph + (j0 + u) * (d + 2) + c) : 0.f;
             }
+#pragma unroll
+        for (int u = 0; u < ATT_CJ; u++) {
+            float wj = __shfl_sync(0xffffffffu, wgt, j0 + u);
+#pragma unroll
+            for (int i = 0; i < MAX_D / 32; i++) acc[i] += v[u][i] * wj;
         }
-        mx = nm;
     }
-    if (lane == 0) { wm[wp] = mx; wl[wp] = l; }
 #pragma unroll
     for (int i = 0; i < MAX_D / 32; i++) {
         int c = lane + 32 * i;
-        if (c < d) wo[wp][c] = o[i];
-    }
-    __syncthreads();
-    float M = sinks[h];
-    for (int w = 0; w < ATT_WARPS; w++) M = fmaxf(M, wm[w]);
-    float den = expf(sinks[h] - M);
-    for (int w = 0; w < ATT_WARPS; w++) den += wl[w] * expf(wm[w] - M);
-    float* orow = out + ((long long)t * heads + h) * d;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) {
-        float acc = 0.f;
-        for (int w = 0; w < ATT_WARPS; w++) acc += wo[w][c] * expf(wm[w] - M);
-        orow[c] = acc / den;
+        if (c < d) orow[c] = acc[i];
     }
 }
 
