@@ -149,12 +149,15 @@ impl CudaBackend {
     pub(crate) fn end_record(&self, logits: CudaTensor, hidden: Option<CudaTensor>) -> Result<StepGraph, String> {
         let key = self.steps.lock().unwrap().recording.ok_or("no step is being recorded")?;
         let hidden_len = hidden.as_ref().map_or(0, |h| h.rows * h.cols);
-        let shape_ok = logits.rows == key.1 && hidden_len == key.0 * key.2;
+        let mut shape_ok = logits.rows == key.1 && hidden_len == key.0 * key.2;
         if shape_ok {
             let mut st = self.steps.lock().unwrap();
             let io = st.io.get_mut(&key).expect("recorded step's buffers");
             let len = logits.rows * logits.cols;
-            if len == io.logits.len() {
+            // The buffers are keyed by rows, not vocabulary width: another model's logits do
+            // not fit them (an error below, not a step that silently returns stale logits).
+            shape_ok = len == io.logits.len();
+            if shape_ok {
                 ck(self.stream.memcpy_dtod(&logits.data.slice(..len), &mut io.logits), "copy step logits");
                 ck(self.stream.memset_zeros(&mut io.flag), "clear step flag");
                 super::bf16::probe_into(self, &mut io.flag, 0, &io.logits, len, logits.cols);
