@@ -100,6 +100,21 @@ pub trait Backend: Send + Sync {
     fn rms_norm(&self, x: &Self::T, w: Option<&Self::W>, group: usize, eps: f32) -> Self::T;
     /// Interleaved RoPE on the last `freqs.len()·2` channels of every `head`-wide slice.
     fn rope(&self, x: &mut Self::T, rows: &Self::Rows, freqs: &[f64], head: usize, inverse: bool);
+    /// `rms_norm` of every `group`-wide slice, then `rope` on each (one launch where a backend
+    /// fuses them; the same values).
+    fn rms_norm_rope(
+        &self,
+        x: &Self::T,
+        w: Option<&Self::W>,
+        group: usize,
+        eps: f32,
+        rows: &Self::Rows,
+        freqs: &[f64],
+    ) -> Self::T {
+        let mut y = self.rms_norm(x, w, group, eps);
+        self.rope(&mut y, rows, freqs, group, false);
+        y
+    }
     fn add(&self, a: &Self::T, b: &Self::T) -> Self::T;
     fn select_rows(&self, x: &Self::T, rows: &[usize]) -> Self::T;
 
@@ -114,6 +129,19 @@ pub trait Backend: Send + Sync {
     fn stream_mean_into(&self, out: &mut Self::T, col: usize, x: &Self::T, n: usize);
     /// HC_PRE (spec §4.3): returns `(y [rows, d], post [rows, n], comb [rows, n·n])`.
     fn hc_pre(&self, x: &Self::T, hc: &Hc<Self::W>, cfg: &Config) -> (Self::T, Self::T, Self::T);
+    /// HC_PRE and the sub-block's RMSNorm of `y` (one launch where a backend fuses them; the
+    /// same values): `(y, norm(y), post, comb)`.
+    fn hc_pre_norm(
+        &self,
+        x: &Self::T,
+        hc: &Hc<Self::W>,
+        norm: &Self::W,
+        cfg: &Config,
+    ) -> (Self::T, Self::T, Self::T, Self::T) {
+        let (y, post, comb) = self.hc_pre(x, hc, cfg);
+        let a = self.rms_norm(&y, Some(norm), cfg.hidden, cfg.rms_eps);
+        (y, a, post, comb)
+    }
     /// HC_POST (spec §4.5): `X'[j] = post[j]·f + Σ_i comb[i][j]·X[i]`.
     fn hc_post(&self, f: &Self::T, x: &Self::T, post: &Self::T, comb: &Self::T) -> Self::T;
     /// HC_HEAD (spec §4.6).

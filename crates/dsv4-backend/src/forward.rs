@@ -192,9 +192,8 @@ fn sub_block<'a, 'c, B: Backend>(
     body: impl FnOnce(&mut Ctx<'a, 'c, B>, &B::T) -> B::T,
 ) -> B::T {
     let (b, cfg) = (cx.b, cx.cfg);
-    let (y, post, comb) = b.hc_pre(x, hc, cfg);
+    let (y, a, post, comb) = b.hc_pre_norm(x, hc, norm, cfg);
     cx.cap(Some(l), names[0], &y);
-    let a = b.rms_norm(&y, Some(norm), cfg.hidden, cfg.rms_eps);
     cx.cap(Some(l), names[1], &a);
     let o = body(cx, &a);
     let x = b.hc_post(&o, x, &post, &comb);
@@ -212,11 +211,9 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
 
     let qr = b.rms_norm(&b.matmul(a, &aw.wq_a), Some(&aw.q_norm), cfg.q_lora_rank, eps);
     cx.cap(li, "attn.q_a", &qr);
-    let mut q = b.rms_norm(&b.matmul(&qr, &aw.wq_b), None, d, eps);
-    b.rope(&mut q, cx.rows, freqs, d, false);
+    let q = b.rms_norm_rope(&b.matmul(&qr, &aw.wq_b), None, d, eps, cx.rows, freqs);
     cx.cap(li, "attn.q", &q);
-    let mut kv = b.rms_norm(&b.matmul(a, &aw.wkv), Some(&aw.kv_norm), d, eps);
-    b.rope(&mut kv, cx.rows, freqs, d, false);
+    let kv = b.rms_norm_rope(&b.matmul(a, &aw.wkv), Some(&aw.kv_norm), d, eps, cx.rows, freqs);
     cx.cap(li, "attn.kv", &kv);
 
     // Compressors are fed before attention so an entry closing at t is visible to t (§9.4 #6).

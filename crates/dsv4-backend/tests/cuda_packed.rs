@@ -58,7 +58,7 @@ fn activations(b: &CudaBackend, rows: usize, cols: usize, seed: u64) -> (CudaTen
     let mut r = ChaCha8Rng::seed_from_u64(seed);
     let x: Vec<f32> = (0..rows * cols).map(|_| r.gen_range(-1f32..1.0)).collect();
     let w = b.upload(HostTensor::new("x", vec![rows, cols], x.clone())).unwrap();
-    (CudaTensor { rows, cols, data: w.data }, Tensor::new(rows, cols, x))
+    (CudaTensor::new(rows, cols, w.data), Tensor::new(rows, cols, x))
 }
 
 /// `ne` routed experts of random valid blocks (`w1`/`w3` in `formats.0`, `w2` in `formats.1`,
@@ -206,6 +206,17 @@ fn cuda_int8_products_match_the_twin() {
             println!("int8 {} {n} rows: bitwise the twin; {e:.2e} from the exact product", format.name());
             assert!(e <= 2e-2, "int8 {} vs exact: {e:.2e}", format.name());
         }
+        // A product on an RMSNorm's output reuses the int8 codes the norm wrote beside it: bitwise
+        // the product on a copy of the norm's values (quantised by the product itself).
+        for n in [1, 3] {
+            let (xg, _) = activations(&b, n, k, 91 + n as u64);
+            let (_, nw) = activations(&b, 1, k, 97);
+            let nw = b.upload(HostTensor::new("layers.0.attn_norm.weight", vec![k], nw.data)).unwrap();
+            let y = b.rms_norm(&xg, Some(&nw), k, 1e-6);
+            let copy = b.upload(HostTensor::new("y", vec![n, k], b.to_host(&y))).unwrap();
+            let (a, c) = (b.to_host(&b.matmul(&y, &w)), b.to_host(&b.matmul(&CudaTensor::new(n, k, copy.data), &w)));
+            assert!(a.iter().zip(&c).all(|(a, c)| a.to_bits() == c.to_bits()), "{} norm twin, {n} rows", format.name());
+        }
     }
     let cpu = CpuBackend;
     let (d, inter, ne) = (256, 512, 8);
@@ -223,8 +234,38 @@ fn cuda_int8_products_match_the_twin() {
         let e = rel_err(&got, &want.data);
         println!("int8 IQ2_XXS/Q2_K experts, {n} rows: {e:.2e}");
         assert!(e <= 2e-2, "int8 experts ({n} rows) vs the CPU oracle: {e:.2e}");
+        // Batch invariance: each row alone (the one-row kernels, several outputs a warp) is
+        // bitwise that row among the n (the row-group kernels).
+        for r in 0..n {
+            let (x1, l1) = (row_of(&b, &xc, r), row_of(&b, &lc, r));
+            let one = b.to_host(&b.moe(&x1, &b.route(&l1, Some(&bias_g), None, &c), &gpu_e, 0, 10.0));
+            for (i, (a, g)) in one.iter().zip(&got[r * d..(r + 1) * d]).enumerate() {
+                assert_eq!(a.to_bits(), g.to_bits(), "int8 experts: row {r} alone {a} vs among {n} {g} (column {i})");
+            }
+        }
+    }
+    // The shared expert (Q8_0, as the q2 and q4 files store it): one row on the routed-expert
+    // kernels (gate/up with the SwiGLU, then down) is bitwise that row among 5 (three products
+    // and the SwiGLU kernel), and the 5 rows are within 2e-2 of the CPU oracle.
+    let (sg, sc) = random_experts(&b, (PackedFormat::Q8_0, PackedFormat::Q8_0), (d, inter, 1), 7000);
+    let (xg, xc) = activations(&b, 5, d, 8);
+    let all = b.to_host(&b.swiglu(&xg, &sg[0], 10.0));
+    let e = rel_err(&all, &cpu.swiglu(&xc, &sc[0], 10.0).data);
+    println!("int8 Q8_0 shared expert, 5 rows: {e:.2e}");
+    assert!(e <= 2e-2, "int8 shared expert vs the CPU oracle: {e:.2e}");
+    for r in 0..5 {
+        let one = b.to_host(&b.swiglu(&row_of(&b, &xc, r), &sg[0], 10.0));
+        for (i, (a, g)) in one.iter().zip(&all[r * d..(r + 1) * d]).enumerate() {
+            assert_eq!(a.to_bits(), g.to_bits(), "shared expert: row {r} alone {a} vs among 5 {g} (column {i})");
+        }
     }
     b.set_int8(false);
+}
+
+/// Row `r` of `t` as a one-row device tensor.
+fn row_of(b: &CudaBackend, t: &Tensor, r: usize) -> CudaTensor {
+    let h = HostTensor::new("row", vec![1, t.cols], t.data[r * t.cols..(r + 1) * t.cols].to_vec());
+    CudaTensor::new(1, t.cols, b.upload(h).unwrap().data)
 }
 
 /// Synthetic packed weights drawn on the device dequantise to finite values of about the
@@ -241,5 +282,72 @@ fn cuda_random_packed_weights_are_sane() {
         // x ~ U(-1, 1): |x|² ≈ 1024/3, so y's RMS ≈ 0.03·√(1024/3) ≈ 0.55.
         println!("{}: output RMS {rms:.3}", format.name());
         assert!(y.iter().all(|v| v.is_finite()) && (0.1..3.0).contains(&rms), "{}: RMS {rms}", format.name());
+    }
+}
+
+/// The fused q/kv RMSNorm with RoPE is bitwise the norm and then the RoPE (two heads a row,
+/// rows at scattered positions, with and without a norm weight).
+#[test]
+fn cuda_norm_rope_is_norm_then_rope() {
+    let Some(b) = gpu() else { return };
+    let (head, heads) = (512, 2);
+    let batch = dsv4_backend::Batch::chunk(0, 4090, &[1, 2, 3]).unwrap();
+    let rows = b.rows(&batch);
+    let freqs: Vec<f64> = (0..32).map(|i| 10000f64.powf(-(i as f64) / 32.0)).collect();
+    let (x, _) = activations(&b, 3, heads * head, 3);
+    let (_, nw) = activations(&b, 1, head, 4);
+    let nw = b.upload(HostTensor::new("layers.0.attn.kv_norm.weight", vec![head], nw.data)).unwrap();
+    for w in [None, Some(&nw)] {
+        let fused = b.to_host(&b.rms_norm_rope(&x, w, head, 1e-6, &rows, &freqs));
+        let mut plain = b.rms_norm(&x, w, head, 1e-6);
+        b.rope(&mut plain, &rows, &freqs, head, false);
+        let plain = b.to_host(&plain);
+        for (i, (f, p)) in fused.iter().zip(&plain).enumerate() {
+            assert_eq!(f.to_bits(), p.to_bits(), "norm+rope value {i} (weight {}): {f} vs {p}", w.is_some());
+        }
+    }
+}
+
+/// HC_PRE with the sub-block's RMSNorm in one launch is bitwise HC_PRE and then the norm, at
+/// V4-Flash's width (4 streams of 4096) for one row and for three, and each row alone is
+/// bitwise that row among the three.
+#[test]
+fn cuda_hc_pre_norm_is_hc_pre_then_norm() {
+    let Some(b) = gpu() else { return };
+    let mut cfg = dsv4_model::synth::tiny_config(64);
+    cfg.hidden = 4096;
+    cfg.hc_mult = 4;
+    let (n, d) = (cfg.hc_mult, cfg.hidden);
+    let mix = (2 + n) * n;
+    let up = |name: &str, shape: Vec<usize>, seed: u64, scale: f32| {
+        let (_, t) = activations(&b, 1, shape.iter().product(), seed);
+        b.upload(HostTensor::new(name, shape, t.data.iter().map(|v| v * scale).collect())).unwrap()
+    };
+    let hc = dsv4_model::weights::Hc {
+        fn_: up("layers.0.hc_attn_fn", vec![mix, n * d], 1, 0.05),
+        base: up("layers.0.hc_attn_base", vec![mix], 2, 1.0),
+        scale: up("layers.0.hc_attn_scale", vec![3], 3, 1.0),
+    };
+    let norm = up("layers.0.attn_norm.weight", vec![d], 4, 1.0);
+    let (x3, xc) = activations(&b, 3, n * d, 5);
+    let host = |t: &CudaTensor| b.to_host(t);
+    let bitwise = |a: &[f32], c: &[f32], what: &str| {
+        assert_eq!(a.len(), c.len(), "{what}: lengths");
+        for (i, (p, q)) in a.iter().zip(c).enumerate() {
+            assert_eq!(p.to_bits(), q.to_bits(), "{what}: value {i}: {p} vs {q}");
+        }
+    };
+    let (y, a, post, comb) = b.hc_pre_norm(&x3, &hc, &norm, &cfg);
+    let (y2, post2, comb2) = b.hc_pre(&x3, &hc, &cfg);
+    let a2 = b.rms_norm(&y2, Some(&norm), d, cfg.rms_eps);
+    for (p, q, what) in [(&y, &y2, "y"), (&a, &a2, "norm"), (&post, &post2, "post"), (&comb, &comb2, "comb")] {
+        bitwise(&host(p), &host(q), what);
+    }
+    let (ha, hy) = (host(&a), host(&y));
+    assert!(ha.iter().all(|v| v.is_finite()) && ha.iter().any(|v| *v != 0.0), "norm values");
+    for r in 0..3 {
+        let (y1, a1, _, _) = b.hc_pre_norm(&row_of(&b, &xc, r), &hc, &norm, &cfg);
+        bitwise(&host(&y1), &hy[r * d..(r + 1) * d], "y, a row alone");
+        bitwise(&host(&a1), &ha[r * d..(r + 1) * d], "norm, a row alone");
     }
 }

@@ -13,7 +13,7 @@
 
 use super::{cfg1d, ck, CudaBackend, CudaCache, CudaRoute, CudaTensor, CudaWeight};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
-use cudarc::driver::{CudaSlice, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaView, DevicePtrMut, LaunchConfig, PushKernelArg};
 use dsv4_model::weights::Expert;
 use std::ffi::c_void;
 
@@ -296,6 +296,118 @@ pub(crate) fn probe_into(
     );
 }
 
+/// The (row, slot) pairs of a routed-expert call, grouped by expert (moe_sort's output): `order`,
+/// the offsets `off` and the `active` list, with `blocks` its bound on the active experts.
+struct Pairs<'a> {
+    order: CudaView<'a, u32>,
+    off: CudaView<'a, u32>,
+    active: CudaView<'a, u32>,
+    blocks: u32,
+}
+
+/// Experts, slots a row, model width and expert width.
+#[derive(Clone, Copy)]
+struct ExpertShape {
+    nexp: usize,
+    k: usize,
+    d: usize,
+    inter: usize,
+}
+
+/// Gate/up with the clamped SwiGLU into `h` (a row per pair) and down into `y`, on int8
+/// activations: x's twin, gate/up, quant_x8 of h, down. The one-row kernels (one pair an
+/// expert) take several outputs a warp (quant::x8_opw).
+#[allow(clippy::too_many_arguments)]
+fn x8_pairs(
+    b: &CudaBackend,
+    (up1x, down1x): (&CudaFunction, &CudaFunction),
+    table: &CudaSlice<u64>,
+    p: &Pairs<'_>,
+    s: ExpertShape,
+    x: &CudaTensor,
+    (h, y): (&mut CudaSlice<f32>, &mut CudaSlice<f32>),
+    limit: f32,
+) {
+    let (ki, di, ii, nei) = (s.k as i32, s.d as i32, s.inter as i32, s.nexp as i32);
+    let o = if x.rows == 1 { super::quant::x8_opw() } else { super::quant::X8Opw { gemv: 1, up: 1, down: 1 } };
+    let grid = |cols: usize, per_warp: usize| LaunchConfig {
+        grid_dim: (p.blocks, cols.div_ceil(8 * per_warp) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let super::X8Twin { q: xq, d: xd } = b.x8_of(x);
+    // SAFETY (both launches): argument types and buffer sizes match the kernels; h holds a row
+    // of `inter` per pair, y a row of `d`.
+    ck(
+        unsafe {
+            b.stream
+                .launch_builder(up1x)
+                .arg(&mut *h)
+                .arg(xq)
+                .arg(xd)
+                .arg(&p.order)
+                .arg(&p.off)
+                .arg(&p.active)
+                .arg(table)
+                .arg(&nei)
+                .arg(&ki)
+                .arg(&di)
+                .arg(&ii)
+                .arg(&limit)
+                .launch(grid(s.inter, o.up))
+        },
+        "moe_up int8",
+    );
+    let (hq, hd) = b.quant_x8(h, h.len());
+    ck(
+        unsafe {
+            b.stream
+                .launch_builder(down1x)
+                .arg(y)
+                .arg(&hq)
+                .arg(&hd)
+                .arg(&p.order)
+                .arg(&p.off)
+                .arg(&p.active)
+                .arg(table)
+                .arg(&nei)
+                .arg(&di)
+                .arg(&ii)
+                .launch(grid(s.d, o.down))
+        },
+        "moe_down int8",
+    );
+}
+
+/// The shared expert of one row on int8 activations, as a routed expert with one pair: gate/up
+/// and SwiGLU in one launch, down in another (the same sums as the three products, bitwise).
+/// `None` where its weights are not all in int8-product formats (or the backend's int8 path is
+/// off); the caller then takes the products.
+pub(crate) fn shared_expert_x8(
+    b: &CudaBackend,
+    x: &CudaTensor,
+    e: &Expert<CudaWeight>,
+    limit: f32,
+) -> Option<CudaTensor> {
+    let (d, inter) = (x.cols, e.w1.rows);
+    let blk = crate::x8::BLOCK;
+    let fmt = |w: &CudaWeight| w.q.as_ref().map(|q| q.format);
+    let packed = fmt(&e.w1).is_some() && fmt(&e.w2).is_some() && fmt(&e.w1) == fmt(&e.w3);
+    if x.rows != 1 || !packed || !d.is_multiple_of(blk) || !inter.is_multiple_of(blk) {
+        return None;
+    }
+    let ek = b.packed_expert_kernels(std::slice::from_ref(e), true);
+    let kernels = ek.x8?;
+    // order [0], off [0, 1], active [expert 0; one active].
+    let one = &b.one_pair;
+    let pairs = Pairs { order: one.slice(0..1), off: one.slice(1..3), active: one.slice(3..5), blocks: 1 };
+    let mut h = b.alloc::<f32>(inter);
+    let mut out = b.tensor(1, d);
+    let shape = ExpertShape { nexp: 1, k: 1, d, inter };
+    x8_pairs(b, kernels, &ek.table, &pairs, shape, x, (&mut h, &mut out.data), limit);
+    Some(out)
+}
+
 /// Routed experts with bf16 or packed weights (see the module docs and [`super::quant`]).
 /// `experts[i]` is global expert `first + i`; with `share` (a rank's share of the experts) the
 /// slots routed elsewhere add nothing.
@@ -359,48 +471,10 @@ pub(crate) fn moe(
         let down =
             LaunchConfig { grid_dim: (blocks, d.div_ceil(8) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let blk = crate::x8::BLOCK;
-        if let Some((up1x, down1x)) = ek.x8.filter(|_| d.is_multiple_of(blk) && inter.is_multiple_of(blk)) {
-            // On int8 activations: quantise x, gate/up, quantise h, down.
-            let (xq, xd) = b.quant_x8(&x.data, n * d);
-            ck(
-                unsafe {
-                    b.stream
-                        .launch_builder(up1x)
-                        .arg(&mut h)
-                        .arg(&xq)
-                        .arg(&xd)
-                        .arg(&order)
-                        .arg(&off)
-                        .arg(&active)
-                        .arg(table.as_ref())
-                        .arg(&nei)
-                        .arg(&ki)
-                        .arg(&di)
-                        .arg(&ii)
-                        .arg(&limit)
-                        .launch(up)
-                },
-                "moe_up int8",
-            );
-            let (hq, hd) = b.quant_x8(&h, nk * inter);
-            ck(
-                unsafe {
-                    b.stream
-                        .launch_builder(down1x)
-                        .arg(&mut y)
-                        .arg(&hq)
-                        .arg(&hd)
-                        .arg(&order)
-                        .arg(&off)
-                        .arg(&active)
-                        .arg(table.as_ref())
-                        .arg(&nei)
-                        .arg(&di)
-                        .arg(&ii)
-                        .launch(down)
-                },
-                "moe_down int8",
-            );
+        if let Some(kernels) = ek.x8.filter(|_| d.is_multiple_of(blk) && inter.is_multiple_of(blk)) {
+            let pairs = Pairs { order: order.as_view(), off: off.as_view(), active: active.as_view(), blocks };
+            let shape = ExpertShape { nexp: ne, k, d, inter };
+            x8_pairs(b, kernels, table, &pairs, shape, x, (&mut h, &mut y), limit);
         } else {
             ck(
                 unsafe {

@@ -66,7 +66,7 @@ pub(crate) fn scatter_rows(b: &CudaBackend, dst: &mut CudaTensor, src: &CudaTens
         unsafe {
             b.stream
                 .launch_builder(&k.scatter_rows)
-                .arg(&mut dst.data)
+                .arg(dst.data_mut())
                 .arg(&src.data)
                 .arg(&idx)
                 .arg(&(src.rows as i32))

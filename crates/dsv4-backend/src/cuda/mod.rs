@@ -42,6 +42,29 @@ pub struct CudaTensor {
     pub rows: usize,
     pub cols: usize,
     pub data: CudaSlice<f32>,
+    /// The int8 codes and block scales of `data` ([`crate::x8`]), where a producer wrote them
+    /// beside it (the RMSNorms) or a product quantised it: the products after it then skip
+    /// their `quant_x8`. Every in-place writer goes through [`CudaTensor::data_mut`], which
+    /// drops them.
+    pub(crate) x8: std::sync::OnceLock<X8Twin>,
+}
+
+/// `quant_x8` of a tensor's values (see [`CudaTensor::x8`]).
+pub(crate) struct X8Twin {
+    pub q: CudaSlice<i8>,
+    pub d: CudaSlice<f32>,
+}
+
+impl CudaTensor {
+    pub fn new(rows: usize, cols: usize, data: CudaSlice<f32>) -> Self {
+        CudaTensor { rows, cols, data, x8: std::sync::OnceLock::new() }
+    }
+
+    /// The values, to be written in place: drops the int8 twin.
+    pub(crate) fn data_mut(&mut self) -> &mut CudaSlice<f32> {
+        self.x8 = std::sync::OnceLock::new();
+        &mut self.data
+    }
 }
 
 /// A weight on the device: f32 (`data`); bf16 (`bf`, with `data` a one-element placeholder)
@@ -136,6 +159,7 @@ pub(crate) struct Kernels {
     pub gemv_f32: CudaFunction,
     pub hc_pre_dot: CudaFunction,
     pub hc_pre_apply: CudaFunction,
+    pub hc_pre_apply_norm: CudaFunction,
     pub hc_post: CudaFunction,
     pub hc_head: CudaFunction,
     pub comp_pool: CudaFunction,
@@ -250,7 +274,7 @@ impl Kernels {
                 "gemv_f32",
             ],
         )?;
-        let h = compile(ctx, 1, &["hc_pre_dot", "hc_pre_apply", "hc_post", "hc_head"])?;
+        let h = compile(ctx, 1, &["hc_pre_dot", "hc_pre_apply", "hc_pre_apply_norm", "hc_post", "hc_head"])?;
         let a = compile(ctx, 2, &["comp_pool", "comp_store", "index_score", "index_topk", "attention", "ring_write"])?;
         let m = compile(ctx, 3, &["route", "moe_up", "moe_down", "moe_combine"])?;
         let mut bf = compile(
@@ -286,6 +310,7 @@ impl Kernels {
             gemv_f32: n(&mut d),
             hc_pre_dot: n(&mut h),
             hc_pre_apply: n(&mut h),
+            hc_pre_apply_norm: n(&mut h),
             hc_post: n(&mut h),
             hc_head: n(&mut h),
             comp_pool: n(&mut a),
@@ -324,6 +349,7 @@ pub struct CudaBackend {
     /// A one-element buffer passed where a kernel's optional pointer is absent.
     pub(crate) dummy_f32: CudaSlice<f32>,
     pub(crate) dummy_u32: CudaSlice<u32>,
+    pub(crate) dummy_f64: CudaSlice<f64>,
     /// Matrix weights in bf16 (see [`CudaWeight`]); f32 otherwise.
     pub bf16: bool,
     /// f32 activations in every bf16 product (the small-batch kernels at any batch size): the
@@ -337,6 +363,43 @@ pub struct CudaBackend {
     hash_tables: Mutex<HashTables>,
     /// cuBLAS's workspace, set explicitly so that recorded products never allocate.
     _blas_workspace: CudaSlice<u8>,
+    /// A packed weight the int8 products take was uploaded (the RMSNorms then write twins).
+    pub(crate) x8_weights: std::sync::atomic::AtomicBool,
+    /// The pair tables of one row through one expert (order [0], off [0, 1], active [0, 1]):
+    /// the shared expert run by the routed-expert kernels.
+    pub(crate) one_pair: CudaSlice<u32>,
+    pub(crate) fusion: Fusion,
+}
+
+/// Fusions that change launches but no value, each on by default and off with its variable set
+/// to 0 (for A/B timing): `DSV4_X8_TWINS` (RMSNorms write int8 twins), `DSV4_SHARED_X8` (the
+/// one-row shared expert on the routed-expert kernels), `DSV4_NORM_ROPE` (q/kv norm with RoPE),
+/// `DSV4_HC_NORM` (HC_PRE's apply with the sub-block's norm).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Fusion {
+    pub twins: bool,
+    pub shared_x8: bool,
+    /// `DSV4_NORM_ROPE`: q/kv RMSNorm and RoPE in one launch.
+    pub norm_rope: bool,
+    /// `DSV4_HC_NORM`: HC_PRE's apply and the sub-block's RMSNorm in one launch.
+    pub hc_norm: bool,
+    /// Values a thread in the RMSNorm (`DSV4_NORM_VALUES`, default 4; the block has at most
+    /// 1024 threads).
+    pub norm_values: usize,
+}
+
+impl Fusion {
+    fn from_env() -> Self {
+        let on = |name: &str| std::env::var(name).map_or(true, |v| v.trim() != "0");
+        let norm_values = std::env::var("DSV4_NORM_VALUES").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(4);
+        Fusion {
+            twins: on("DSV4_X8_TWINS"),
+            shared_x8: on("DSV4_SHARED_X8"),
+            norm_rope: on("DSV4_NORM_ROPE"),
+            hc_norm: on("DSV4_HC_NORM"),
+            norm_values: usize::max(norm_values, 1),
+        }
+    }
 }
 
 /// Device `tid2eid` tables by the host table's address and length, with the host contents
@@ -438,6 +501,8 @@ impl CudaBackend {
         let qk = quant::QuantKernels::load(&ctx)?;
         let dummy_f32 = stream.alloc_zeros::<f32>(1)?;
         let dummy_u32 = stream.alloc_zeros::<u32>(1)?;
+        let dummy_f64 = stream.alloc_zeros::<f64>(1)?;
+        let one_pair = stream.clone_htod(&[0u32, 0, 1, 0, 1])?;
         Ok(CudaBackend {
             ctx,
             stream,
@@ -449,12 +514,16 @@ impl CudaBackend {
             expert_tables: Mutex::new(HashMap::new()),
             dummy_f32,
             dummy_u32,
+            dummy_f64,
             bf16,
             exact: std::sync::atomic::AtomicBool::new(false),
             int8: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_INT8").map_or(true, |v| v.trim() != "0")),
             steps: Mutex::new(graph::Steps::default()),
             hash_tables: Mutex::new(HashMap::new()),
             _blas_workspace: ws,
+            x8_weights: std::sync::atomic::AtomicBool::new(false),
+            one_pair,
+            fusion: Fusion::from_env(),
         })
     }
 
@@ -492,8 +561,119 @@ impl CudaBackend {
         ck(unsafe { self.stream.alloc::<T>(n.max(1)) }, "alloc")
     }
 
+    /// RMSNorm of every `group`-wide slice, with RoPE on each (`rope`: the row table and the
+    /// frequencies; group a multiple of 32) and the int8 twin where it serves a product.
+    fn norm(
+        &self,
+        x: &CudaTensor,
+        w: Option<&CudaWeight>,
+        group: usize,
+        eps: f32,
+        rope: Option<(&CudaRows, &[f64])>,
+    ) -> CudaTensor {
+        let mut out = self.tensor(x.rows, x.cols);
+        let groups = x.rows * x.cols / group;
+        if groups == 0 {
+            return out;
+        }
+        let (wd, has_w) = match w {
+            Some(w) => (&w.data, 1i32),
+            None => (&self.dummy_f32, 0),
+        };
+        let twin = self.twin_for(group, x.cols);
+        let len = if twin { x.rows * x.cols } else { crate::x8::BLOCK };
+        let (mut xq, mut xd) = (self.alloc::<i8>(len), self.alloc::<f32>(len / crate::x8::BLOCK));
+        let threads = self.norm_threads(group);
+        let cfg = LaunchConfig { grid_dim: (groups as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        let rope = rope.filter(|(_, f)| !f.is_empty());
+        let table = rope.map_or(&self.dummy_u32, |(rows, _)| rows.dev.as_ref());
+        let freqs = rope.map(|(_, f)| self.freqs(f));
+        let npairs = rope.map_or(0, |(_, f)| f.len()) as i32;
+        let fd = freqs.as_deref().unwrap_or(&self.dummy_f64);
+        // SAFETY: argument types and sizes match the kernel's signature (xq/xd hold the whole
+        // output's codes and scales when `twin`).
+        ck(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.k.rms_norm)
+                    .arg(&mut out.data)
+                    .arg(&mut xq)
+                    .arg(&mut xd)
+                    .arg(&x.data)
+                    .arg(wd)
+                    .arg(&has_w)
+                    .arg(&(group as i32))
+                    .arg(&eps)
+                    .arg(&(twin as i32))
+                    .arg(table)
+                    .arg(&(x.rows as i32))
+                    .arg(&((x.cols / group) as i32))
+                    .arg(fd)
+                    .arg(&npairs)
+                    .launch(cfg)
+            },
+            "rms_norm",
+        );
+        if twin {
+            let _ = out.x8.set(X8Twin { q: xq, d: xd });
+        }
+        out
+    }
+
+    /// Threads of an RMSNorm block over `group` values: about `norm_values` each (a decode row
+    /// is one block, whose latency is the per-thread work), a multiple of 32, at most 1024.
+    fn norm_threads(&self, group: usize) -> u32 {
+        (group.div_ceil(self.fusion.norm_values).div_ceil(32) * 32).clamp(32, 1024) as u32
+    }
+
+    /// Whether a norm of `group`-wide slices of `cols`-wide rows writes the int8 twin: a
+    /// whole-row norm feeds products, where int8 products are in use (see CudaTensor::x8).
+    fn twin_for(&self, group: usize, cols: usize) -> bool {
+        group == cols
+            && group.is_multiple_of(crate::x8::BLOCK)
+            && self.int8()
+            && self.fusion.twins
+            && self.x8_weights.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// HC_PRE's partial sums (hc_pre_dot): `[rows, HC_SPLIT, mix + 1]`.
+    fn hc_pre_dot(&self, x: &CudaTensor, hc: &Hc<CudaWeight>, cfg: &Config) -> CudaSlice<f32> {
+        let n = cfg.hc_mult;
+        assert!(n <= 8, "hc_mult {n} > 8");
+        let (mix, width, rows) = ((2 + n) * n, n * cfg.hidden, x.rows);
+        assert!(
+            hc.fn_.bf.is_none() && hc.fn_.q.is_none() && (hc.fn_.rows, hc.fn_.cols) == (mix, width),
+            "hc fn: an f32 [{mix}, {width}] weight (the loader keeps hc_* tensors in f32)"
+        );
+        const HC_SPLIT: usize = 32;
+        const HC_ROWS: usize = 4;
+        let mut part = self.alloc::<f32>(rows * HC_SPLIT * (mix + 1));
+        let dot = LaunchConfig {
+            grid_dim: (HC_SPLIT as u32, (mix + 1).div_ceil(8) as u32, rows.div_ceil(HC_ROWS) as u32),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types and buffer sizes match the kernel's signature (part holds
+        // rows · HC_SPLIT · (mix + 1) floats).
+        ck(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.k.hc_pre_dot)
+                    .arg(&mut part)
+                    .arg(&x.data)
+                    .arg(&hc.fn_.data)
+                    .arg(&(rows as i32))
+                    .arg(&(mix as i32))
+                    .arg(&(width as i32))
+                    .launch(dot)
+            },
+            "hc_pre_dot",
+        );
+        part
+    }
+
     pub(crate) fn tensor(&self, rows: usize, cols: usize) -> CudaTensor {
-        CudaTensor { rows, cols, data: self.alloc(rows * cols) }
+        CudaTensor::new(rows, cols, self.alloc(rows * cols))
     }
 
     /// Copies `data` to a new device buffer through a pinned staging buffer, ordered on the
@@ -744,7 +924,7 @@ impl Backend for CudaBackend {
         if let Some(bf) = &w.bf {
             return self.matmul_bf16(x, bf, w.rows, w.cols, 1);
         }
-        CudaTensor { rows: x.rows, cols: w.rows, data: self.gemm_xwt(&x.data, x.rows, x.cols, &w.data, w.rows) }
+        CudaTensor::new(x.rows, w.rows, self.gemm_xwt(&x.data, x.rows, x.cols, &w.data, w.rows))
     }
 
     fn grouped_matmul(&self, x: &CudaTensor, w: &CudaWeight, groups: usize) -> CudaTensor {
@@ -782,33 +962,24 @@ impl Backend for CudaBackend {
     }
 
     fn rms_norm(&self, x: &CudaTensor, w: Option<&CudaWeight>, group: usize, eps: f32) -> CudaTensor {
-        let mut out = self.tensor(x.rows, x.cols);
-        let groups = x.rows * x.cols / group;
-        if groups == 0 {
-            return out;
+        self.norm(x, w, group, eps, None)
+    }
+
+    fn rms_norm_rope(
+        &self,
+        x: &CudaTensor,
+        w: Option<&CudaWeight>,
+        group: usize,
+        eps: f32,
+        rows: &CudaRows,
+        freqs: &[f64],
+    ) -> CudaTensor {
+        if group.is_multiple_of(32) && 2 * freqs.len() <= group && self.fusion.norm_rope {
+            return self.norm(x, w, group, eps, Some((rows, freqs)));
         }
-        let (wd, has_w) = match w {
-            Some(w) => (&w.data, 1i32),
-            None => (&self.dummy_f32, 0),
-        };
-        let cfg =
-            LaunchConfig { grid_dim: (groups as u32, 1, 1), block_dim: (block_for(group), 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: argument types and sizes match the kernel's signature.
-        ck(
-            unsafe {
-                self.stream
-                    .launch_builder(&self.k.rms_norm)
-                    .arg(&mut out.data)
-                    .arg(&x.data)
-                    .arg(wd)
-                    .arg(&has_w)
-                    .arg(&(group as i32))
-                    .arg(&eps)
-                    .launch(cfg)
-            },
-            "rms_norm",
-        );
-        out
+        let mut y = self.norm(x, w, group, eps, None);
+        self.rope(&mut y, rows, freqs, group, false);
+        y
     }
 
     fn rope(&self, x: &mut CudaTensor, rows: &CudaRows, freqs: &[f64], head: usize, inverse: bool) {
@@ -818,12 +989,13 @@ impl Backend for CudaBackend {
         }
         let f = self.freqs(freqs);
         let (n, cols) = (x.rows as i32, x.cols as i32);
+        let lc = cfg1d(x.rows * (x.cols / head) * np, 256);
         // SAFETY: argument types and sizes match the kernel's signature.
         ck(
             unsafe {
                 self.stream
                     .launch_builder(&self.k.rope)
-                    .arg(&mut x.data)
+                    .arg(x.data_mut())
                     .arg(rows.dev.as_ref())
                     .arg(&n)
                     .arg(f.as_ref())
@@ -831,7 +1003,7 @@ impl Backend for CudaBackend {
                     .arg(&cols)
                     .arg(&(head as i32))
                     .arg(&(inverse as i32))
-                    .launch(cfg1d(x.rows * (x.cols / head) * np, 256))
+                    .launch(lc)
             },
             "rope",
         );
@@ -903,17 +1075,18 @@ impl Backend for CudaBackend {
         if x.rows == 0 {
             return;
         }
+        let oc = out.cols as i32;
         // SAFETY: argument types and sizes match the kernel's signature; shapes checked above.
         ck(
             unsafe {
                 self.stream
                     .launch_builder(&self.k.stream_mean)
-                    .arg(&mut out.data)
+                    .arg(out.data_mut())
                     .arg(&x.data)
                     .arg(&(x.rows as i32))
                     .arg(&(d as i32))
                     .arg(&(n as i32))
-                    .arg(&(out.cols as i32))
+                    .arg(&oc)
                     .arg(&(col as i32))
                     .launch(cfg1d(x.rows * d, 256))
             },
@@ -923,12 +1096,6 @@ impl Backend for CudaBackend {
 
     fn hc_pre(&self, x: &CudaTensor, hc: &Hc<CudaWeight>, cfg: &Config) -> (CudaTensor, CudaTensor, CudaTensor) {
         let (n, d) = (cfg.hc_mult, cfg.hidden);
-        assert!(n <= 8, "hc_mult {n} > 8");
-        let (mix, width) = ((2 + n) * n, n * d);
-        assert!(
-            hc.fn_.bf.is_none() && hc.fn_.q.is_none() && (hc.fn_.rows, hc.fn_.cols) == (mix, width),
-            "hc fn: an f32 [{mix}, {width}] weight (the loader keeps hc_* tensors in f32)"
-        );
         let rows = x.rows;
         let mut y = self.tensor(rows, d);
         let mut post = self.tensor(rows, n);
@@ -936,34 +1103,11 @@ impl Backend for CudaBackend {
         if rows == 0 {
             return (y, post, comb);
         }
-        // Kernel constants (hc.cu): HC_SPLIT column slices, HC_ROWS rows a dot block.
-        const HC_SPLIT: usize = 32;
-        const HC_ROWS: usize = 4;
-        let mut part = self.alloc::<f32>(rows * HC_SPLIT * (mix + 1));
-        let dot = LaunchConfig {
-            grid_dim: (HC_SPLIT as u32, (mix + 1).div_ceil(8) as u32, rows.div_ceil(HC_ROWS) as u32),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: argument types and buffer sizes match the kernel's signature (part holds
-        // rows · HC_SPLIT · (mix + 1) floats).
-        ck(
-            unsafe {
-                self.stream
-                    .launch_builder(&self.k.hc_pre_dot)
-                    .arg(&mut part)
-                    .arg(&x.data)
-                    .arg(&hc.fn_.data)
-                    .arg(&(rows as i32))
-                    .arg(&(mix as i32))
-                    .arg(&(width as i32))
-                    .launch(dot)
-            },
-            "hc_pre_dot",
-        );
-        // 256 threads over 1024 columns a block; mix + 1 ≤ 81 partial sums fit one pass.
+        let part = self.hc_pre_dot(x, hc, cfg);
+        // 256 threads over 1024 columns a block, and one more block for post and the Sinkhorn;
+        // mix + 1 ≤ 81 partial sums fit one pass.
         let apply = LaunchConfig {
-            grid_dim: (d.div_ceil(1024) as u32, rows as u32, 1),
+            grid_dim: (d.div_ceil(1024) as u32 + 1, rows as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -989,6 +1133,62 @@ impl Backend for CudaBackend {
             "hc_pre_apply",
         );
         (y, post, comb)
+    }
+
+    fn hc_pre_norm(
+        &self,
+        x: &CudaTensor,
+        hc: &Hc<CudaWeight>,
+        norm: &CudaWeight,
+        cfg: &Config,
+    ) -> (CudaTensor, CudaTensor, CudaTensor, CudaTensor) {
+        let (n, d, rows) = (cfg.hc_mult, cfg.hidden, x.rows);
+        let threads = self.norm_threads(d);
+        // The head's partial sums take one thread each.
+        if !self.fusion.hc_norm || rows == 0 || threads as usize <= (2 + n) * n {
+            let (y, post, comb) = self.hc_pre(x, hc, cfg);
+            let a = self.rms_norm(&y, Some(norm), d, cfg.rms_eps);
+            return (y, a, post, comb);
+        }
+        let part = self.hc_pre_dot(x, hc, cfg);
+        let (mut y, mut a) = (self.tensor(rows, d), self.tensor(rows, d));
+        let (mut post, mut comb) = (self.tensor(rows, n), self.tensor(rows, n * n));
+        let twin = self.twin_for(d, d);
+        let len = if twin { rows * d } else { crate::x8::BLOCK };
+        let (mut xq, mut xd) = (self.alloc::<i8>(len), self.alloc::<f32>(len / crate::x8::BLOCK));
+        // Block 0 of a row: the mix and the norm (rms_norm's block size); block 1: post, comb.
+        let lc = LaunchConfig { grid_dim: (2, rows as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: argument types and sizes match the kernel's signature (xq/xd hold the whole
+        // norm's codes and scales when `twin`).
+        ck(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.k.hc_pre_apply_norm)
+                    .arg(&mut y.data)
+                    .arg(&mut a.data)
+                    .arg(&mut xq)
+                    .arg(&mut xd)
+                    .arg(&mut post.data)
+                    .arg(&mut comb.data)
+                    .arg(&x.data)
+                    .arg(&part)
+                    .arg(&hc.base.data)
+                    .arg(&hc.scale.data)
+                    .arg(&norm.data)
+                    .arg(&(n as i32))
+                    .arg(&(d as i32))
+                    .arg(&(cfg.hc_sinkhorn_iters as i32))
+                    .arg(&cfg.rms_eps)
+                    .arg(&cfg.hc_eps)
+                    .arg(&(twin as i32))
+                    .launch(lc)
+            },
+            "hc_pre_apply_norm",
+        );
+        if twin {
+            let _ = a.x8.set(X8Twin { q: xq, d: xd });
+        }
+        (y, a, post, comb)
     }
 
     fn hc_post(&self, f: &CudaTensor, x: &CudaTensor, post: &CudaTensor, comb: &CudaTensor) -> CudaTensor {
@@ -1108,6 +1308,9 @@ impl Backend for CudaBackend {
     }
 
     fn swiglu(&self, x: &CudaTensor, e: &Expert<CudaWeight>, limit: f32) -> CudaTensor {
+        if let Some(y) = self.fusion.shared_x8.then(|| bf16::shared_expert_x8(self, x, e, limit)).flatten() {
+            return y;
+        }
         let g = self.matmul(x, &e.w1);
         let u = self.matmul(x, &e.w3);
         let mut h = self.tensor(g.rows, g.cols);

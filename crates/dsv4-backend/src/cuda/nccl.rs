@@ -73,7 +73,7 @@ impl Comm<CudaBackend> for NcclComm {
     fn all_reduce(&self, _b: &CudaBackend, x: &mut CudaTensor) {
         // NCCL's ring/tree order is fixed for a given communicator and size: deterministic from
         // run to run, though not rank 0, 1, 2, … as the in-process communicator sums.
-        ck(self.nccl(|c| c.all_reduce_in_place(&mut x.data, &ReduceOp::Sum)), "ncclAllReduce");
+        ck(self.nccl(|c| c.all_reduce_in_place(x.data_mut(), &ReduceOp::Sum)), "ncclAllReduce");
     }
     fn all_gather_cols(&self, b: &CudaBackend, x: CudaTensor, total: usize) -> CudaTensor {
         let (rows, cols) = (x.rows, x.cols);

@@ -7,7 +7,7 @@
 //! what decode at batch 1 is bound by. Larger products dequantise the weight to a bf16 scratch
 //! and use cuBLAS, like bf16 weights.
 
-use super::{cfg1d, ck, CudaBackend, CudaTensor, CudaWeight};
+use super::{cfg1d, ck, CudaBackend, CudaTensor, CudaWeight, X8Twin};
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 use dsv4_model::packed::{Packed, PackedFormat};
 use dsv4_model::LoadError;
@@ -59,10 +59,44 @@ fn suffix(f: PackedFormat) -> &'static str {
     }
 }
 
-/// `quant.cu` with the IQ2_XXS tables of the CPU decoder prepended.
+/// Outputs one warp computes in the one-row int8 kernels: (gemv, gate/up, down). More outputs a
+/// warp put more loads in flight and share one activation chunk, but take registers: on the
+/// 43-layer q2 step 1,1,1 measured 11.06 ms against 11.26 for 1,2,4 (PERF.md v12). The sums are
+/// the same either way. `DSV4_X8_OPW=GEMV,UP,DOWN` (each 1 to 8) overrides the default.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct X8Opw {
+    pub gemv: usize,
+    pub up: usize,
+    pub down: usize,
+}
+
+pub(crate) fn x8_opw() -> X8Opw {
+    static OPW: std::sync::OnceLock<X8Opw> = std::sync::OnceLock::new();
+    *OPW.get_or_init(|| {
+        let default = X8Opw { gemv: 1, up: 1, down: 1 };
+        let Ok(v) = std::env::var("DSV4_X8_OPW") else { return default };
+        let n: Vec<usize> = v.split(',').filter_map(|t| t.trim().parse().ok()).collect();
+        match n[..] {
+            [gemv, up, down] if [gemv, up, down].iter().all(|p| (1..=8).contains(p)) => X8Opw { gemv, up, down },
+            _ => {
+                tracing::warn!("DSV4_X8_OPW={v:?} is not GEMV,UP,DOWN (each 1 to 8); using {default:?}");
+                default
+            }
+        }
+    })
+}
+
+/// `quant.cu` with the IQ2_XXS tables of the CPU decoder and the outputs a warp prepended.
 pub fn source() -> String {
     let body = super::kernel_source("quant.cu", include_str!("kernels/quant.cu"));
-    format!("{}{body}", crate::x8::iq2_tables_source("__device__ const"))
+    let o = x8_opw();
+    format!(
+        "#define X8_OPW_GEMV {}\n#define X8_OPW_UP {}\n#define X8_OPW_DOWN {}\n{}{body}",
+        o.gemv,
+        o.up,
+        o.down,
+        crate::x8::iq2_tables_source("__device__ const")
+    )
 }
 
 /// The `quant.cu` kernels by name.
@@ -158,6 +192,7 @@ impl CudaBackend {
         let blocks = self.stream.clone_htod(codes.as_deref().unwrap_or(&p.blocks)).map_err(err)?;
         let scales = self.stream.clone_htod(&scales).map_err(err)?;
         let q = QuantDev { format: p.format, blocks, scales };
+        self.note_x8_format(p.format);
         Ok(Some(CudaWeight { rows, cols, data: self.alloc(1), bf: None, q: Some(q) }))
     }
 
@@ -247,7 +282,14 @@ impl CudaBackend {
                 "patch_blocks",
             );
         }
+        self.note_x8_format(format);
         CudaWeight { rows, cols, data: self.alloc(1), bf: None, q: Some(QuantDev { format, blocks, scales }) }
+    }
+
+    fn note_x8_format(&self, f: PackedFormat) {
+        if crate::x8::supports(f) {
+            self.x8_weights.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 
     /// A packed weight as the host holds it (GGUF blocks joined again from their planes; FP8 /
@@ -284,7 +326,10 @@ impl CudaBackend {
         };
         let blk = crate::x8::BLOCK;
         if self.int8() && crate::x8::supports(q.format) && k.is_multiple_of(blk) && x.cols.is_multiple_of(blk) {
-            let (xq, xd) = self.quant_x8(&x.data, n * x.cols);
+            let opw = if n == 1 { x8_opw().gemv } else { 1 };
+            assert!((m / groups).is_multiple_of(opw), "packed product: {} rows a group vs {opw} a warp", m / groups);
+            let cfg = LaunchConfig { grid_dim: (m.div_ceil(Q_WARPS * opw) as u32, 1, 1), ..cfg };
+            let X8Twin { q: xq, d: xd } = self.x8_of(x);
             // SAFETY: argument types and buffer sizes match the kernel; xq holds the rows'
             // codes (16-byte aligned: a fresh allocation, rows and chunks of multiples of 32).
             ck(
@@ -292,8 +337,8 @@ impl CudaBackend {
                     self.stream
                         .launch_builder(self.qk.of(if n == 1 { "gemv1x" } else { "gemvx" }, q.format))
                         .arg(&mut out.data)
-                        .arg(&xq)
-                        .arg(&xd)
+                        .arg(xq)
+                        .arg(xd)
                         .arg(&q.blocks)
                         .arg(&q.scales)
                         .arg(&(n as i32))
@@ -330,6 +375,15 @@ impl CudaBackend {
 
     /// The int8 codes and per-32 scales of the first `len` values of `x` (`len` a multiple of
     /// 32; [`crate::x8::quantize`] is the CPU twin).
+    /// `x`'s int8 twin: the one its producer wrote, or `quant_x8` of it now (kept with `x`, so
+    /// the next product on `x` reuses it).
+    pub(crate) fn x8_of<'t>(&self, x: &'t CudaTensor) -> &'t X8Twin {
+        x.x8.get_or_init(|| {
+            let (q, d) = self.quant_x8(&x.data, x.rows * x.cols);
+            X8Twin { q, d }
+        })
+    }
+
     pub(crate) fn quant_x8(&self, x: &CudaSlice<f32>, len: usize) -> (CudaSlice<i8>, CudaSlice<f32>) {
         assert!(len.is_multiple_of(crate::x8::BLOCK) && x.len() >= len, "quant_x8: {len} values");
         let mut xq = self.alloc::<i8>(len);
@@ -435,7 +489,7 @@ impl CudaBackend {
             unsafe {
                 self.stream
                     .launch_builder(self.qk.get("gather_bf16"))
-                    .arg(&mut out.data)
+                    .arg(out.data_mut())
                     .arg(table)
                     .arg(idx)
                     .arg(&(n as i32))

@@ -31,4 +31,76 @@ __device__ float block_sum(float v, float* sh) {
     return t;
 }
 
-__device__ __forceinline__ float sigmoid_(float x) { return 1.0f / (1.0f + expf(-x)); }
+// One value of a block of 32 int8 activations (crate::x8), lane i of the (converged) warp holding
+// value i: its code, and the block's scale in *d: d = max|x| / 127 (0 for an all-zero block),
+// code = round(x / d); d = NaN and codes 0 for a block holding a NaN or ±∞ (its products are
+// then NaN, which the step's nonfinite check sees). quant_x8 and the RMSNorm's twin use it.
+__device__ __forceinline__ signed char quant_block32(float v, float* d_out) {
+    float a = fabsf(v);
+    int bad = __any_sync(0xffffffffu, !(a <= 3.402823466e38f));
+    for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+    float d = __fdiv_rn(a, 127.f);
+    float id = d != 0.f ? __fdiv_rn(1.f, d) : 0.f;
+    int q = bad ? 0 : (int)roundf(__fmul_rn(v, id));
+    *d_out = bad ? __int_as_float(0x7fc00000) : d;
+    return (signed char)max(-127, min(127, q));
+}
+
+// The add is explicit: in the files compiled with contraction on (bf16.cu, quant.cu) `1 + expf`
+// would fuse with expf's last multiply, and a value would then depend on the file computing it.
+__device__ __forceinline__ float sigmoid_(float x) { return 1.0f / __fadd_rn(1.0f, expf(-x)); }
+
+// RMSNorm of the `group`-wide slice at `base` of x into out (the block's threads; see dense.cu's
+// rms_norm for twin and the RoPE of npairs pairs at position pos); `sh` holds 32 floats.
+__device__ void rms_norm_slice(float* out, signed char* xq, float* xd, const float* x, const float* w, int has_w,
+                               int group, float eps, int twin, long long base, long long pos, const double* freqs,
+                               int npairs, float* sh) {
+    int r0 = group - 2 * npairs;
+    const float* g = x + base;
+    float* o = out + base;
+    // Loads of 8 strided elements issued before their adds (same order of the sum): a lone
+    // block (one decode row) would otherwise wait for each load in turn.
+    float s = 0.f;
+    for (int c0 = threadIdx.x; c0 < group; c0 += 8 * blockDim.x) {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int c = c0 + j * blockDim.x;
+            v[j] = c < group ? g[c] : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (c0 + j * (int)blockDim.x < group) s += v[j] * v[j];
+    }
+    s = block_sum(s, sh);
+    float r = 1.0f / sqrtf(s / (float)group + eps);
+    for (int c0 = threadIdx.x; c0 < group; c0 += 8 * blockDim.x) {
+        float v[8], wv[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int c = c0 + j * blockDim.x;
+            v[j] = c < group ? g[c] : 0.f;
+            wv[j] = (has_w && c < group) ? w[c] : 1.f;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int c = c0 + j * blockDim.x;
+            if (c >= group) break;  // uniform in the warp when twin or rope (group a multiple of 32)
+            float y = has_w ? v[j] * r * wv[j] : v[j] * r;
+            if (npairs > 0) {
+                float p = __shfl_xor_sync(0xffffffffu, y, 1);  // the pair's other value
+                if (c >= r0) {
+                    double th = (double)pos * freqs[(c - r0) >> 1];
+                    float s = (float)sin(th), cs = (float)cos(th);
+                    y = ((c - r0) & 1) == 0 ? y * cs - p * s : p * s + y * cs;
+                }
+            }
+            o[c] = y;
+            if (twin) {
+                float d;
+                xq[base + c] = quant_block32(y, &d);
+                if ((threadIdx.x & 31) == 0) xd[(base + c) >> 5] = d;
+            }
+        }
+    }
+}

@@ -51,40 +51,17 @@ extern "C" __global__ void swiglu_act(float* h, const float* g, const float* u, 
 }
 
 // RMSNorm of one `group`-wide slice per block; w (when has_w) is `group` wide.
-extern "C" __global__ void rms_norm(float* out, const float* x, const float* w, int has_w, int group, float eps) {
+// twin: also write the output's int8 codes and block scales (xq, xd; see quant_block32) — group
+// a multiple of 32, so each warp's 32 consecutive values below are one block.
+// npairs > 0: then `rope` on each slice (group a multiple of 32: a pair's two values are in
+// neighbouring lanes; slice s is row s / heads of the n-row table `rows`), the same operations.
+extern "C" __global__ void __launch_bounds__(1024) rms_norm(float* out, signed char* xq, float* xd, const float* x, const float* w, int has_w,
+                                    int group, float eps, int twin, const unsigned* rows, int n, int heads,
+                                    const double* freqs, int npairs) {
     __shared__ float sh[32];
-    const float* g = x + (long long)blockIdx.x * group;
-    float* o = out + (long long)blockIdx.x * group;
-    // Loads of 8 strided elements issued before their adds (same order of the sum): a lone
-    // block (one decode row) would otherwise wait for each load in turn.
-    float s = 0.f;
-    for (int c0 = threadIdx.x; c0 < group; c0 += 8 * blockDim.x) {
-        float v[8];
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            int c = c0 + j * blockDim.x;
-            v[j] = c < group ? g[c] : 0.f;
-        }
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-            if (c0 + j * (int)blockDim.x < group) s += v[j] * v[j];
-    }
-    s = block_sum(s, sh);
-    float r = 1.0f / sqrtf(s / (float)group + eps);
-    for (int c0 = threadIdx.x; c0 < group; c0 += 8 * blockDim.x) {
-        float v[8], wv[8];
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            int c = c0 + j * blockDim.x;
-            v[j] = c < group ? g[c] : 0.f;
-            wv[j] = (has_w && c < group) ? w[c] : 1.f;
-        }
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            int c = c0 + j * blockDim.x;
-            if (c < group) o[c] = has_w ? v[j] * r * wv[j] : v[j] * r;
-        }
-    }
+    long long base = (long long)blockIdx.x * group;
+    long long pos = npairs > 0 ? (long long)ROW_POS(blockIdx.x / heads) : 0;
+    rms_norm_slice(out, xq, xd, x, w, has_w, group, eps, twin, base, pos, freqs, npairs, sh);
 }
 
 // Interleaved RoPE on the last 2·npairs channels of every `head`-wide slice of each row; the

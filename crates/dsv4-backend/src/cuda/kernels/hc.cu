@@ -143,7 +143,7 @@ __device__ __forceinline__ void hc_mix(float* yr, const float* xr, const float* 
 //   hc_pre_dot: block (s, g, rg) forms, for the rows of row group rg, the partial sums over
 //     column slice s (HC_SPLIT slices of the n·d row) of outputs 8g..8g+8 of [x·fnᵀ | Σ x²];
 //   hc_pre_apply: block (b, i) adds row i's HC_SPLIT partials in slice order, applies ρ, forms
-//     pre (and, in block 0, post and the Sinkhorn comb), and mixes columns 1024b.. of y.
+//     pre, and mixes columns 1024b.. of y (an extra last block forms post and the Sinkhorn comb).
 // At one row the 1.5 MB fn is read by 32·⌈(mix + 1)/8⌉ blocks at once instead of 24 lone warps
 // and one block reading the row twice (PERF.md v6).
 #define HC_SPLIT 32
@@ -209,11 +209,12 @@ extern "C" __global__ void hc_pre_dot(float* part, const float* __restrict__ x, 
     }
 }
 
-extern "C" __global__ void hc_pre_apply(float* y, float* post, float* comb, const float* __restrict__ x,
-                                        const float* __restrict__ part, const float* base, const float* scale, int n,
-                                        int d, int iters, float rms_eps, float hc_eps) {
+// Row i's HC_PRE head (the blocks of hc_pre_apply and hc_pre_apply_norm): adds the row's
+// HC_SPLIT partials in slice order, applies ρ and forms pre in shared memory; block `sink` forms
+// post and the Sinkhorn comb instead and returns true (it has no columns to mix).
+__device__ bool hc_pre_head(float* pre, float* post, float* comb, const float* __restrict__ part, const float* base,
+                            const float* scale, int n, int d, int iters, float rms_eps, float hc_eps, int sink) {
     __shared__ float mv[(2 + MAX_HC) * MAX_HC + 1];
-    __shared__ float pre[MAX_HC];
     __shared__ float a[MAX_HC * MAX_HC];
     __shared__ float cm[MAX_HC * MAX_HC];
     int i = blockIdx.y, mix = (2 + n) * n, t = threadIdx.x;
@@ -226,12 +227,11 @@ extern "C" __global__ void hc_pre_apply(float* y, float* post, float* comb, cons
     __syncthreads();
     float rho = 1.0f / sqrtf(mv[mix] / (float)(n * d) + rms_eps);
     if (t < n) pre[t] = sigmoid_(mv[t] * rho * scale[0] + base[t]) + hc_eps;
-    if (blockIdx.x == 0) {
+    // The Sinkhorn block runs beside the others' mix instead of before one block's share of it.
+    if ((int)blockIdx.x == sink) {
         if (t >= n && t < 2 * n) post[i * n + t - n] = 2.0f * sigmoid_(mv[t] * rho * scale[1] + base[t]);
         else if (t >= 2 * n && t < mix) a[t - 2 * n] = mv[t] * rho * scale[2] + base[t];
-    }
-    __syncthreads();
-    if (blockIdx.x == 0) {
+        __syncthreads();
         // In shared memory (its ~2·iters dependent passes would each wait on global memory).
         if (t < 32) {
             if (n * n <= 32) sinkhorn_small(cm, a, n, iters, hc_eps);
@@ -239,7 +239,19 @@ extern "C" __global__ void hc_pre_apply(float* y, float* post, float* comb, cons
         }
         __syncthreads();
         for (int j = t; j < n * n; j += blockDim.x) comb[(long long)i * n * n + j] = cm[j];
+        return true;
     }
+    __syncthreads();
+    return false;
+}
+
+// Grid (⌈d / 1024⌉ + 1, rows): the last block forms post and comb, the others mix 1024 columns.
+extern "C" __global__ void hc_pre_apply(float* y, float* post, float* comb, const float* __restrict__ x,
+                                        const float* __restrict__ part, const float* base, const float* scale, int n,
+                                        int d, int iters, float rms_eps, float hc_eps) {
+    __shared__ float pre[MAX_HC];
+    if (hc_pre_head(pre, post, comb, part, base, scale, n, d, iters, rms_eps, hc_eps, gridDim.x - 1)) return;
+    int i = blockIdx.y, t = threadIdx.x;
     const float* xr = x + (long long)i * n * d;
     for (int c = blockIdx.x * 4 * blockDim.x + t; c < min(d, (blockIdx.x + 1) * 4 * (int)blockDim.x); c += blockDim.x) {
         float acc = 0.f;
@@ -248,6 +260,23 @@ extern "C" __global__ void hc_pre_apply(float* y, float* post, float* comb, cons
             if (s < n) acc += pre[s] * xr[s * d + c];
         y[(long long)i * d + c] = acc;
     }
+}
+
+// HC_PRE apply and the RMSNorm after it in one launch, grid (2, rows): block 1 forms post and
+// comb; block 0 mixes the whole row into y, then normalises it (rms_norm_slice: the same
+// operations, in the same order, as the `rms_norm` launch of this block size) into `a`, with the
+// int8 twin when `twin`.
+extern "C" __global__ void __launch_bounds__(1024) hc_pre_apply_norm(float* y, float* a, signed char* xq, float* xd, float* post, float* comb,
+                                             const float* __restrict__ x, const float* __restrict__ part,
+                                             const float* base, const float* scale, const float* nw, int n, int d,
+                                             int iters, float rms_eps, float hc_eps, int twin) {
+    __shared__ float pre[MAX_HC];
+    __shared__ float sh[32];
+    if (hc_pre_head(pre, post, comb, part, base, scale, n, d, iters, rms_eps, hc_eps, 1)) return;
+    long long i = blockIdx.y;
+    hc_mix(y + i * d, x + i * n * d, pre, n, d);
+    __syncthreads();  // y's writes are visible to the block's reads below
+    rms_norm_slice(a, xq, xd, y, nw, 1, d, rms_eps, twin, i * d, 0, nullptr, 0, sh);
 }
 
 // X'[j] = post[j]·f + Σ_s comb[s][j]·X[s].

@@ -602,102 +602,165 @@ QUANT_KERNELS(F_FP4, fp4)
 QUANT_KERNELS(F_BF16, bf16w)
 // ---- int8-activation kernels (see xdot32)
 
-// A row's activations in blocks of 32: xq = round(x / d) with d = max|x| / 127 (0 for an
-// all-zero block), and d = NaN for a block holding a NaN or ±∞ (its products are then NaN, which
-// the step's nonfinite check sees). One warp per block, lane i taking value i.
+// A row's activations in blocks of 32 (see quant_block32). One warp per block, lane i taking
+// value i.
 extern "C" __global__ void quant_x8(signed char* __restrict__ xq, float* __restrict__ xd, const float* __restrict__ x,
                                     long long nblocks) {
     long long b = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (b >= nblocks) return;
-    float v = x[b * 32 + lane];
-    float a = fabsf(v);
-    int bad = __any_sync(0xffffffffu, !(a <= 3.402823466e38f));
-    for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
-    float d = __fdiv_rn(a, 127.f);
-    float id = d != 0.f ? __fdiv_rn(1.f, d) : 0.f;
-    int q = bad ? 0 : (int)roundf(__fmul_rn(v, id));
-    xq[b * 32 + lane] = (signed char)max(-127, min(127, q));
-    if (lane == 0) xd[b] = bad ? __int_as_float(0x7fc00000) : d;
+    float d;
+    xq[b * 32 + lane] = quant_block32(x[b * 32 + lane], &d);
+    if (lane == 0) xd[b] = d;
 }
 
-// One output of one row: Σ over the row's 32-value chunks c = 32·lane + 1024·i in that order,
-// then the warp's butterfly (lane 0's value is the result). xq is 16-byte aligned.
-template <int F>
-__device__ __forceinline__ float xrow_dot(const u8* __restrict__ wr, const u8* __restrict__ sr,
+// Outputs a warp computes in the one-row int8 kernels (gemv, gate/up, down); the launcher
+// (cuda/quant.rs `x8_opw`, env DSV4_X8_OPW) prepends its own values and sizes the grids by them.
+#ifndef X8_OPW_GEMV
+#define X8_OPW_GEMV 1
+#endif
+#ifndef X8_OPW_UP
+#define X8_OPW_UP 1
+#endif
+#ifndef X8_OPW_DOWN
+#define X8_OPW_DOWN 1
+#endif
+
+// out[j] = weight row j (codes wr[j], heads sr[j]) · one row of int8 activations, for NR rows,
+// each sum over the row's 32-value chunks c = 32·lane + 1024·i in that order, then the warp's
+// butterfly (the order of the multi-row kernels, so bitwise the same whatever NR; xq 16-byte
+// aligned). Every row's loads for U chunks are issued before any chunk is
+// decoded, one activation chunk serves all NR rows, and the block's IQ2_XXS grid is copied while
+// the first loads are in flight: every thread of the block must call this (`live` false: no
+// loads, no result; the caller returns after).
+template <int F, int NR, int U>
+__device__ __forceinline__ void xrows_dot(float* out, const u8* const* wr, const u8* const* sr,
                                           const signed char* __restrict__ xq, const float* __restrict__ xd, int k,
-                                          int lane) {
-    float acc = 0.f;
-    constexpr int U = 4;  // chunks loaded before any is decoded (a 4096-wide row at once)
-    for (int c0 = lane * 32; c0 < k; c0 += 1024 * U) {
-        XRaw raw[U];
+                                          int lane, bool live) {
+    float acc[NR];
+    XRaw raw[NR][U];
+#pragma unroll
+    for (int j = 0; j < NR; j++) acc[j] = 0.f;
+    auto load = [&](int c0) {
 #pragma unroll
         for (int u = 0; u < U; u++)
-            if (c0 + 1024 * u < k) raw[u] = xraw32<F>(wr, sr, c0 + 1024 * u);
+#pragma unroll
+            for (int j = 0; j < NR; j++)
+                if (live && c0 + 1024 * u < k) raw[j][u] = xraw32<F>(wr[j], sr[j], c0 + 1024 * u);
+    };
+    auto apply = [&](int c0) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int c = c0 + 1024 * u;
             if (c >= k) break;
             int4 a = *(const int4*)(xq + c), b = *(const int4*)(xq + c + 16);
             int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-            acc = xapply32<F>(xdec32<F>(raw[u], c), x, xd[c >> 5], acc);
+            float dx = xd[c >> 5];
+#pragma unroll
+            for (int j = 0; j < NR; j++) acc[j] = xapply32<F>(xdec32<F>(raw[j][u], c), x, dx, acc[j]);
         }
+    };
+    int c0 = lane * 32;
+    load(c0);
+    fill_tabs<F, true>();
+    if (!live) return;
+    apply(c0);
+    for (c0 += 1024 * U; c0 < k; c0 += 1024 * U) {
+        load(c0);
+        apply(c0);
     }
-    return warp_sum(acc);
+#pragma unroll
+    for (int j = 0; j < NR; j++) out[j] = warp_sum(acc[j]);
 }
 
 // out[0, o] = x[(o / rpg)·k .. +k] · w[o, :] for one row, from its int8 activations (xq, xd
-// as quant_x8 wrote them over the whole row of width ldx).
+// as quant_x8 wrote them over the whole row of width ldx); X8_OPW_GEMV outputs a warp (the
+// launcher keeps rpg a multiple of it, so a warp's outputs share their activations).
 template <int F>
 __device__ void gemv_x8(float* __restrict__ out, const signed char* __restrict__ xq, const float* __restrict__ xd,
                         const u8* __restrict__ w, const u8* __restrict__ s, int k, int m, int rpg) {
+    constexpr int P = X8_OPW_GEMV;
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int o = blockIdx.x * Q_WARPS + wp;
-    if (o >= m) return;
-    long long xoff = (long long)(o / rpg) * k;
-    float v = xrow_dot<F>(w + (long long)o * row_bytes(F, k), scale_row(F, s, o, k), xq + xoff, xd + xoff / 32, k,
-                          lane);
-    if (lane == 0) out[o] = v;
+    int o = (blockIdx.x * Q_WARPS + wp) * P;
+    bool live = o < m;
+    long long xoff = live ? (long long)(o / rpg) * k : 0;
+    const u8* wr[P];
+    const u8* sr[P];
+#pragma unroll
+    for (int j = 0; j < P; j++) {  // outputs past m: the last row again, not stored
+        int oj = min(o + j, m - 1);
+        wr[j] = w + (long long)oj * row_bytes(F, k);
+        sr[j] = scale_row(F, s, oj, k);
+    }
+    float v[P];
+    xrows_dot<F, P, 4>(v, wr, sr, xq + xoff, xd + xoff / 32, k, lane, live);
+    if (!live) return;
+#pragma unroll
+    for (int j = 0; j < P; j++)
+        if (lane == 0 && o + j < m) out[o + j] = v[j];
 }
 
 // The one-row routed experts on int8 activations (see moe_up_q): each active expert has one
-// pair.
+// pair; X8_OPW_UP outputs a warp, each a gate and an up row.
 template <int F>
 __device__ void moe_up_x8(float* __restrict__ h, const signed char* __restrict__ xq, const float* __restrict__ xd,
                           const unsigned* order, const unsigned* off, const unsigned* active,
                           const unsigned long long* ptrs, int nexp, int d, int inter, float limit) {
-    if (blockIdx.x >= active[nexp]) return;
+    constexpr int P = X8_OPW_UP;
+    if (blockIdx.x >= active[nexp]) return;  // uniform in the block
     unsigned e = active[blockIdx.x];
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int o = blockIdx.y * Q_WARPS + wp;
-    if (o >= inter) return;
+    int o = (blockIdx.y * Q_WARPS + wp) * P;
     unsigned b0 = off[e];
-    if (off[e + 1] == b0) return;
+    bool live = o < inter && off[e + 1] != b0;
     long long rb = row_bytes(F, d);
-    float g = xrow_dot<F>((const u8*)ptrs[e] + o * rb, scale_row(F, (const u8*)ptrs[3 * nexp + e], o, d), xq, xd, d,
-                          lane);
-    float u = xrow_dot<F>((const u8*)ptrs[nexp + e] + o * rb, scale_row(F, (const u8*)ptrs[4 * nexp + e], o, d), xq,
-                          xd, d, lane);
-    if (lane == 0) h[(long long)order[b0] * inter + o] = swiglu_q(g, u, limit);
+    const u8* wr[2 * P];
+    const u8* sr[2 * P];
+#pragma unroll
+    for (int j = 0; j < P; j++) {  // outputs past inter: the last row again, not stored
+        int oj = min(o + j, inter - 1);
+        wr[2 * j] = (const u8*)ptrs[e] + oj * rb;
+        sr[2 * j] = scale_row(F, (const u8*)ptrs[3 * nexp + e], oj, d);
+        wr[2 * j + 1] = (const u8*)ptrs[nexp + e] + oj * rb;
+        sr[2 * j + 1] = scale_row(F, (const u8*)ptrs[4 * nexp + e], oj, d);
+    }
+    float v[2 * P];
+    xrows_dot<F, 2 * P, 4>(v, wr, sr, xq, xd, d, lane, live);
+    if (!live) return;
+    long long r = order[b0];
+#pragma unroll
+    for (int j = 0; j < P; j++)
+        if (lane == 0 && o + j < inter) h[r * inter + o + j] = swiglu_q(v[2 * j], v[2 * j + 1], limit);
 }
 
-// hq/hd: quant_x8 of the up kernel's output rows (one per pair, `inter` wide).
+// hq/hd: quant_x8 of the up kernel's output rows (one per pair, `inter` wide); X8_OPW_DOWN
+// outputs a warp.
 template <int F>
 __device__ void moe_down_x8(float* __restrict__ y, const signed char* __restrict__ hq, const float* __restrict__ hd,
                             const unsigned* order, const unsigned* off, const unsigned* active,
                             const unsigned long long* ptrs, int nexp, int d, int inter) {
-    if (blockIdx.x >= active[nexp]) return;
+    constexpr int P = X8_OPW_DOWN;
+    if (blockIdx.x >= active[nexp]) return;  // uniform in the block
     unsigned e = active[blockIdx.x];
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int c = blockIdx.y * Q_WARPS + wp;
-    if (c >= d) return;
+    int c = (blockIdx.y * Q_WARPS + wp) * P;
     unsigned b0 = off[e];
-    if (off[e + 1] == b0) return;
-    long long r = order[b0];
-    float v = xrow_dot<F>((const u8*)ptrs[2 * nexp + e] + c * row_bytes(F, inter),
-                          scale_row(F, (const u8*)ptrs[5 * nexp + e], c, inter), hq + r * inter, hd + r * inter / 32,
-                          inter, lane);
-    if (lane == 0) y[r * d + c] = v;
+    bool live = c < d && off[e + 1] != b0;
+    long long r = live ? order[b0] : 0;
+    const u8* wr[P];
+    const u8* sr[P];
+#pragma unroll
+    for (int j = 0; j < P; j++) {  // outputs past d: the last row again, not stored
+        int cj = min(c + j, d - 1);
+        wr[j] = (const u8*)ptrs[2 * nexp + e] + cj * row_bytes(F, inter);
+        sr[j] = scale_row(F, (const u8*)ptrs[5 * nexp + e], cj, inter);
+    }
+    float v[P];
+    xrows_dot<F, P, 2>(v, wr, sr, hq + r * inter, hd + r * inter / 32, inter, lane, live);
+    if (!live) return;
+#pragma unroll
+    for (int j = 0; j < P; j++)
+        if (lane == 0 && c + j < d) y[r * d + c + j] = v[j];
 }
 
 // Several rows on int8 activations: each chunk's weight codes decoded once, then per row its
@@ -832,20 +895,17 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
 #define X8_KERNELS(F, N)                                                                                             \
     extern "C" __global__ void gemv1x_##N(float* out, const signed char* xq, const float* xd, const u8* w,          \
                                           const u8* s, int n, int k, int m, int ldx, int rpg) {                      \
-        fill_tabs<F, true>();                                                                                        \
         gemv_x8<F>(out, xq, xd, w, s, k, m, rpg);                                                                    \
     }                                                                                                                \
     extern "C" __global__ void moe_up1x_##N(float* h, const signed char* xq, const float* xd, const unsigned* order, \
                                             const unsigned* off, const unsigned* active,                            \
                                             const unsigned long long* ptrs, int nexp, int k, int d, int inter,       \
                                             float limit) {                                                           \
-        fill_tabs<F, true>();                                                                                        \
         moe_up_x8<F>(h, xq, xd, order, off, active, ptrs, nexp, d, inter, limit);                                    \
     }                                                                                                                \
     extern "C" __global__ void moe_down1x_##N(float* y, const signed char* hq, const float* hd,                     \
                                               const unsigned* order, const unsigned* off, const unsigned* active,    \
                                               const unsigned long long* ptrs, int nexp, int d, int inter) {          \
-        fill_tabs<F, true>();                                                                                        \
         moe_down_x8<F>(y, hq, hd, order, off, active, ptrs, nexp, d, inter);                                         \
     }                                                                                                                \
     extern "C" __global__ void gemvx_##N(float* out, const signed char* xq, const float* xd, const u8* w,           \
