@@ -62,6 +62,22 @@ def one_request(url, prompt, max_tokens, key, out, index=None):
                 "itl": [b - a for a, b in zip(times, times[1:])], "tokens": tokens, "latency": end - t0})
 
 
+def engine_times(url, key):
+    """The engine's step counters from /metrics: (steps, forward seconds, step seconds)."""
+    req = urllib.request.Request(url + "/metrics", headers={"authorization": "Bearer " + key} if key else {})
+    try:
+        body = urllib.request.urlopen(req, timeout=10).read().decode()
+    except OSError:
+        return None
+    v = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            name, _, val = line.partition(" ")
+            v[name] = float(val)
+    keys = ("dsv4_engine_steps_total", "dsv4_engine_forward_seconds_total", "dsv4_engine_step_seconds_total")
+    return tuple(v.get(k, 0.0) for k in keys)
+
+
 def run_level(url, conc, n_requests, max_tokens, key):
     results, lock_out = [], []
     prompts = [f"Request {i}: the quick brown fox jumps over the lazy dog " * (1 + i % 3) for i in range(n_requests)]
@@ -76,6 +92,7 @@ def run_level(url, conc, n_requests, max_tokens, key):
                 i = queue.pop()
             one_request(url, prompts[i], max_tokens, key, results, i)
 
+    e0 = engine_times(url, key)
     t0 = time.perf_counter()
     ts = [threading.Thread(target=worker) for _ in range(conc)]
     for t in ts:
@@ -83,6 +100,7 @@ def run_level(url, conc, n_requests, max_tokens, key):
     for t in ts:
         t.join()
     wall = time.perf_counter() - t0
+    e1 = engine_times(url, key)
     ok = [r for r in results if "error" not in r]
     ttft = [r["ttft"] for r in ok]
     itl = [x for r in ok for x in r["itl"]]
@@ -92,7 +110,18 @@ def run_level(url, conc, n_requests, max_tokens, key):
             "completion_tokens": toks, "wall_s": round(wall, 3), "tokens_per_s": round(toks / wall, 1),
             "requests_per_s": round(len(ok) / wall, 2),
             "ttft_ms": {p: round(pct(ttft, p) * 1e3, 1) for p in (50, 90, 99)},
-            "itl_ms": {p: round(pct(itl, p) * 1e3, 2) for p in (50, 90, 99)}}
+            "itl_ms": {p: round(pct(itl, p) * 1e3, 2) for p in (50, 90, 99)},
+            # Per engine step: the forward's time, the engine step's (plus planning, sampling,
+            # emission), and the wall time a step (plus the loop between steps: admission, HTTP).
+            "engine_ms_per_step": step_split(e0, e1, wall)}
+
+
+def step_split(e0, e1, wall):
+    if not e0 or not e1 or e1[0] <= e0[0]:
+        return None
+    n = e1[0] - e0[0]
+    return {"steps": int(n), "forward": round((e1[1] - e0[1]) / n * 1e3, 3),
+            "step": round((e1[2] - e0[2]) / n * 1e3, 3), "wall": round(wall / n * 1e3, 3)}
 
 
 def main():

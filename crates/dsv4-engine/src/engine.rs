@@ -660,6 +660,12 @@ impl<B: Backend> Engine<B> {
     }
 
     fn step(&mut self) {
+        let t0 = Instant::now();
+        self.step_inner();
+        self.metrics.step_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    fn step_inner(&mut self) {
         let (rows, out_rows, outs, chunks) = self.plan();
         if rows.is_empty() {
             return;
@@ -676,10 +682,12 @@ impl<B: Backend> Engine<B> {
             let s = &self.running[o.seq];
             s.processor.is_some() || s.req.top_logprobs.is_some() || s.sampler.params.temperature != 0.0
         });
+        let t_fwd = Instant::now();
         let result = Batch::new(rows).map_err(|e| e.to_string()).and_then(|b| {
             let plan = StepPlan { batch: &b, outputs: Outputs { out_rows: &out_rows, taps: &taps }, logits };
             self.model.step(&plan).map_err(|e| e.to_string())
         });
+        self.metrics.forward_ns.fetch_add(t_fwd.elapsed().as_nanos() as u64, Ordering::Relaxed);
         self.metrics.steps_total.fetch_add(1, Ordering::Relaxed);
         let out = match result {
             Ok(o) => o,

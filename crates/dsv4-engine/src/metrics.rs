@@ -156,6 +156,11 @@ pub struct Metrics {
     pub prompt_tokens_total: AtomicU64,
     pub generated_tokens_total: AtomicU64,
     pub steps_total: AtomicU64,
+    /// Nanoseconds inside the model's step (the forward and what crosses back to the host).
+    pub forward_ns: AtomicU64,
+    /// Nanoseconds inside the engine's step: planning, the forward, sampling and emission.
+    /// Their difference is what the engine adds to the device's time.
+    pub step_ns: AtomicU64,
     pub prefix_hits: AtomicU64,
     pub prefix_misses: AtomicU64,
     pub prefix_tokens_reused: AtomicU64,
@@ -183,6 +188,8 @@ impl Default for Metrics {
             prompt_tokens_total: AtomicU64::new(0),
             generated_tokens_total: AtomicU64::new(0),
             steps_total: AtomicU64::new(0),
+            forward_ns: AtomicU64::new(0),
+            step_ns: AtomicU64::new(0),
             prefix_hits: AtomicU64::new(0),
             prefix_misses: AtomicU64::new(0),
             prefix_tokens_reused: AtomicU64::new(0),
@@ -222,6 +229,18 @@ impl Metrics {
         gauge("dsv4_prompt_tokens_total", "counter", "Prompt tokens prefilled.", g(&self.prompt_tokens_total));
         gauge("dsv4_generated_tokens_total", "counter", "Tokens generated.", g(&self.generated_tokens_total));
         gauge("dsv4_engine_steps_total", "counter", "Forward steps run.", g(&self.steps_total));
+        gauge(
+            "dsv4_engine_forward_seconds_total",
+            "counter",
+            "Time inside the model's forward steps.",
+            g(&self.forward_ns) / 1e9,
+        );
+        gauge(
+            "dsv4_engine_step_seconds_total",
+            "counter",
+            "Time inside engine steps (planning, forward, sampling, emission).",
+            g(&self.step_ns) / 1e9,
+        );
         gauge(
             "dsv4_prefix_cache_hits_total",
             "counter",

@@ -83,6 +83,11 @@ fn parallel_requests_equal_their_sequential_runs() {
         assert_eq!(toks, alone[i], "request {i}");
     }
     assert_eq!(Metrics::get(&h.metrics.generated_tokens_total), 12 * n as u64);
+    // The step timers: the forward runs inside the engine step, so it cannot take longer.
+    let (fwd, step) = (Metrics::get(&h.metrics.forward_ns), Metrics::get(&h.metrics.step_ns));
+    assert!(Metrics::get(&h.metrics.steps_total) > 0 && fwd > 0 && fwd <= step, "forward {fwd} ns, step {step} ns");
+    let text = h.metrics.render();
+    assert!(text.contains("dsv4_engine_forward_seconds_total ") && text.contains("dsv4_engine_step_seconds_total "));
 }
 
 #[test]
