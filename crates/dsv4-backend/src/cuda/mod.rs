@@ -350,6 +350,7 @@ pub struct CudaBackend {
     pub(crate) dummy_f32: CudaSlice<f32>,
     pub(crate) dummy_u32: CudaSlice<u32>,
     pub(crate) dummy_f64: CudaSlice<f64>,
+    pub(crate) dummy_i8: CudaSlice<i8>,
     /// Matrix weights in bf16 (see [`CudaWeight`]); f32 otherwise.
     pub bf16: bool,
     /// f32 activations in every bf16 product (the small-batch kernels at any batch size): the
@@ -502,6 +503,7 @@ impl CudaBackend {
         let dummy_f32 = stream.alloc_zeros::<f32>(1)?;
         let dummy_u32 = stream.alloc_zeros::<u32>(1)?;
         let dummy_f64 = stream.alloc_zeros::<f64>(1)?;
+        let dummy_i8 = stream.alloc_zeros::<i8>(1)?;
         let one_pair = stream.clone_htod(&[0u32, 0, 1, 0, 1])?;
         Ok(CudaBackend {
             ctx,
@@ -515,6 +517,7 @@ impl CudaBackend {
             dummy_f32,
             dummy_u32,
             dummy_f64,
+            dummy_i8,
             bf16,
             exact: std::sync::atomic::AtomicBool::new(false),
             int8: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_INT8").map_or(true, |v| v.trim() != "0")),
@@ -581,8 +584,8 @@ impl CudaBackend {
             None => (&self.dummy_f32, 0),
         };
         let twin = self.twin_for(group, x.cols);
-        let len = if twin { x.rows * x.cols } else { crate::x8::BLOCK };
-        let (mut xq, mut xd) = (self.alloc::<i8>(len), self.alloc::<f32>(len / crate::x8::BLOCK));
+        let tw = self.twin_buffers(twin, x.rows * x.cols);
+        let (xq, xd) = tw.as_ref().map_or((&self.dummy_i8, &self.dummy_f32), |t| (&t.q, &t.d));
         let threads = self.norm_threads(group);
         let cfg = LaunchConfig { grid_dim: (groups as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         let rope = rope.filter(|(_, f)| !f.is_empty());
@@ -597,8 +600,8 @@ impl CudaBackend {
                 self.stream
                     .launch_builder(&self.k.rms_norm)
                     .arg(&mut out.data)
-                    .arg(&mut xq)
-                    .arg(&mut xd)
+                    .arg(xq)
+                    .arg(xd)
                     .arg(&x.data)
                     .arg(wd)
                     .arg(&has_w)
@@ -614,8 +617,8 @@ impl CudaBackend {
             },
             "rms_norm",
         );
-        if twin {
-            let _ = out.x8.set(X8Twin { q: xq, d: xd });
+        if let Some(t) = tw {
+            let _ = out.x8.set(t);
         }
         out
     }
@@ -634,6 +637,12 @@ impl CudaBackend {
             && self.int8()
             && self.fusion.twins
             && self.x8_weights.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Buffers for the int8 twin of `len` values (the kernels write them), where `twin`; the
+    /// launch passes the one-element dummies otherwise (no allocation).
+    fn twin_buffers(&self, twin: bool, len: usize) -> Option<X8Twin> {
+        twin.then(|| X8Twin { q: self.alloc::<i8>(len), d: self.alloc::<f32>(len / crate::x8::BLOCK) })
     }
 
     /// HC_PRE's partial sums (hc_pre_dot): `[rows, HC_SPLIT, mix + 1]`.
@@ -1154,8 +1163,8 @@ impl Backend for CudaBackend {
         let (mut y, mut a) = (self.tensor(rows, d), self.tensor(rows, d));
         let (mut post, mut comb) = (self.tensor(rows, n), self.tensor(rows, n * n));
         let twin = self.twin_for(d, d);
-        let len = if twin { rows * d } else { crate::x8::BLOCK };
-        let (mut xq, mut xd) = (self.alloc::<i8>(len), self.alloc::<f32>(len / crate::x8::BLOCK));
+        let tw = self.twin_buffers(twin, rows * d);
+        let (xq, xd) = tw.as_ref().map_or((&self.dummy_i8, &self.dummy_f32), |t| (&t.q, &t.d));
         // Block 0 of a row: the mix and the norm (rms_norm's block size); block 1: post, comb.
         let lc = LaunchConfig { grid_dim: (2, rows as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types and sizes match the kernel's signature (xq/xd hold the whole
@@ -1166,8 +1175,8 @@ impl Backend for CudaBackend {
                     .launch_builder(&self.k.hc_pre_apply_norm)
                     .arg(&mut y.data)
                     .arg(&mut a.data)
-                    .arg(&mut xq)
-                    .arg(&mut xd)
+                    .arg(xq)
+                    .arg(xd)
                     .arg(&mut post.data)
                     .arg(&mut comb.data)
                     .arg(&x.data)
@@ -1185,8 +1194,8 @@ impl Backend for CudaBackend {
             },
             "hc_pre_apply_norm",
         );
-        if twin {
-            let _ = a.x8.set(X8Twin { q: xq, d: xd });
+        if let Some(t) = tw {
+            let _ = a.x8.set(t);
         }
         (y, a, post, comb)
     }
