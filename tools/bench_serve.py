@@ -14,6 +14,7 @@ import json
 import os
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -148,14 +149,24 @@ def main():
         if a.model:
             cmd += ["--model", a.model]
         cmd += a.extra.split()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # The server's log goes to a file, so a server that exits (a bad flag, a model that does
+        # not fit) is reported with its own message instead of a silent wait for /health.
+        log = tempfile.NamedTemporaryFile(prefix="dsv4-serve-", suffix=".log", delete=False)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
         url = f"http://127.0.0.1:{port}"
         for _ in range(3000):
+            if proc.poll() is not None:
+                with open(log.name, errors="replace") as f:
+                    tail = f.read()[-3000:]
+                raise SystemExit(f"dsv4 serve exited with status {proc.returncode} before it was ready "
+                                 f"(command: {' '.join(cmd)}):\n{tail}")
             try:
                 urllib.request.urlopen(url + "/health", timeout=1).read()
                 break
             except OSError:
                 time.sleep(0.1)
+        else:
+            raise SystemExit(f"dsv4 serve was not ready after 300 s (log: {log.name})")
     u = urllib.parse.urlparse(url)
     assert u.hostname in ("127.0.0.1", "localhost", "::1"), "loopback only"
     try:

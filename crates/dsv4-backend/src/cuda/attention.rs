@@ -1,10 +1,11 @@
 //! Launchers of `kernels/attention.cu`: the compressor (spec §9.2), the lightning indexer (§5.5)
 //! and sink-softmax attention over window + compressed entries (§5.6).
 
+use super::launch::Kernel;
 use super::state::CudaCache;
 use super::{block_for, cfg1d, ck, CudaBackend, CudaRows, CudaSel, CudaTensor, CudaWeight};
 use crate::backend::CompSlot;
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use dsv4_model::weights::Compressor;
 use dsv4_model::Config;
 
@@ -51,7 +52,7 @@ pub fn compress(
     ck(
         unsafe {
             b.stream
-                .launch_builder(&b.k.comp_pool)
+                .kernel(&b.k.comp_pool)
                 .arg(&mut st.entries)
                 .arg(&cap)
                 .arg(&u.data)
@@ -76,7 +77,7 @@ pub fn compress(
     ck(
         unsafe {
             b.stream
-                .launch_builder(&b.k.comp_store)
+                .kernel(&b.k.comp_store)
                 .arg(&mut st.raw_u)
                 .arg(&mut st.raw_z)
                 .arg(&ki)
@@ -142,7 +143,7 @@ pub fn index_select(
     ck(
         unsafe {
             b.stream
-                .launch_builder(&b.k.index_score)
+                .kernel(&b.k.index_score)
                 .arg(&mut scores)
                 .arg(&mv)
                 .arg(&qi.data)
@@ -164,7 +165,7 @@ pub fn index_select(
     ck(
         unsafe {
             b.stream
-                .launch_builder(&b.k.index_topk)
+                .kernel(&b.k.index_topk)
                 .arg(&mut sel)
                 .arg(&(topk as i32))
                 .arg(&scores)
@@ -233,7 +234,7 @@ pub fn attend(
         ck(
             unsafe {
                 b.stream
-                    .launch_builder(&b.k.attention)
+                    .kernel(&b.k.attention)
                     .arg(&mut out.data)
                     .arg(&mut part)
                     .arg(&mut done)
@@ -264,7 +265,7 @@ pub fn attend(
     ck(
         unsafe {
             b.stream
-                .launch_builder(&b.k.ring_write)
+                .kernel(&b.k.ring_write)
                 .arg(&mut ls.ring)
                 .arg(&rci)
                 .arg(&kv.data)

@@ -11,9 +11,10 @@
 //! that the expert offsets are read back (one sync per MoE layer) and each active expert runs
 //! two cuBLAS bf16 products over its gathered rows.
 
+use super::launch::Kernel;
 use super::{cfg1d, ck, CudaBackend, CudaCache, CudaRoute, CudaTensor, CudaWeight};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
-use cudarc::driver::{CudaFunction, CudaSlice, CudaView, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaView, DevicePtrMut, LaunchConfig};
 use dsv4_model::weights::Expert;
 use std::ffi::c_void;
 
@@ -103,7 +104,7 @@ impl CudaBackend {
         ck(
             unsafe {
                 self.stream
-                    .launch_builder(if n == 1 { &self.k.gemv1_bf16 } else { &self.k.gemv_bf16 })
+                    .kernel(if n == 1 { &self.k.gemv1_bf16 } else { &self.k.gemv_bf16 })
                     .arg(out)
                     .arg(x)
                     .arg(w)
@@ -123,12 +124,7 @@ impl CudaBackend {
         // SAFETY: argument types and buffer sizes match the kernel.
         ck(
             unsafe {
-                self.stream
-                    .launch_builder(&self.k.cast_bf16)
-                    .arg(&mut out)
-                    .arg(x)
-                    .arg(&(len as i64))
-                    .launch(cfg1d(len, 256))
+                self.stream.kernel(&self.k.cast_bf16).arg(&mut out).arg(x).arg(&(len as i64)).launch(cfg1d(len, 256))
             },
             "cast_bf16",
         );
@@ -182,7 +178,7 @@ impl CudaBackend {
             ck(
                 unsafe {
                     self.stream
-                        .launch_builder(&self.k.rand_normal)
+                        .kernel(&self.k.rand_normal)
                         .arg(&ptr)
                         .arg(&(bf as i32))
                         .arg(&(len as i64))
@@ -284,7 +280,7 @@ pub(crate) fn probe_into(
     ck(
         unsafe {
             b.stream
-                .launch_builder(&b.k.probe_finite)
+                .kernel(&b.k.probe_finite)
                 .arg(flags)
                 .arg(&(slot as i32))
                 .arg(x)
@@ -341,7 +337,7 @@ fn x8_pairs(
     ck(
         unsafe {
             b.stream
-                .launch_builder(up1x)
+                .kernel(up1x)
                 .arg(&mut *h)
                 .arg(xq)
                 .arg(xd)
@@ -362,7 +358,7 @@ fn x8_pairs(
     ck(
         unsafe {
             b.stream
-                .launch_builder(down1x)
+                .kernel(down1x)
                 .arg(y)
                 .arg(&hq)
                 .arg(&hd)
@@ -438,7 +434,7 @@ pub(crate) fn moe(
     ck(
         unsafe {
             b.stream
-                .launch_builder(&b.k.moe_sort)
+                .kernel(&b.k.moe_sort)
                 .arg(&mut order)
                 .arg(&mut off)
                 .arg(&mut active)
@@ -479,7 +475,7 @@ pub(crate) fn moe(
             ck(
                 unsafe {
                     b.stream
-                        .launch_builder(ek.up)
+                        .kernel(ek.up)
                         .arg(&mut h)
                         .arg(&x.data)
                         .arg(&order)
@@ -498,7 +494,7 @@ pub(crate) fn moe(
             ck(
                 unsafe {
                     b.stream
-                        .launch_builder(ek.down)
+                        .kernel(ek.down)
                         .arg(&mut y)
                         .arg(&h)
                         .arg(&order)
@@ -516,7 +512,7 @@ pub(crate) fn moe(
         ck(
             unsafe {
                 b.stream
-                    .launch_builder(&b.k.moe_combine)
+                    .kernel(&b.k.moe_combine)
                     .arg(&mut out.data)
                     .arg(&y)
                     .arg(&route.weights)
@@ -549,7 +545,7 @@ pub(crate) fn moe(
     ck(
         unsafe {
             b.stream
-                .launch_builder(&b.k.moe_gather_bf16)
+                .kernel(&b.k.moe_gather_bf16)
                 .arg(&mut xs)
                 .arg(&mut inv)
                 .arg(&x.data)
@@ -591,7 +587,7 @@ pub(crate) fn moe(
     ck(
         unsafe {
             b.stream
-                .launch_builder(&b.k.swiglu_bf16)
+                .kernel(&b.k.swiglu_bf16)
                 .arg(&mut hb)
                 .arg(&g)
                 .arg(&u)
@@ -611,7 +607,7 @@ pub(crate) fn moe(
     ck(
         unsafe {
             b.stream
-                .launch_builder(&b.k.moe_combine_sorted)
+                .kernel(&b.k.moe_combine_sorted)
                 .arg(&mut out.data)
                 .arg(&y)
                 .arg(&inv)

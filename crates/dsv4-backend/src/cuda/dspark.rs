@@ -5,8 +5,9 @@
 //! The module is compiled and loaded once per device on first use (kept apart from
 //! [`super::Kernels`]).
 
+use super::launch::Kernel;
 use super::{cfg1d, ck, compile_ptx_kernel, CudaBackend, CudaTensor, CudaWeight};
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 use std::sync::{Arc, Mutex};
 
 pub(crate) const SOURCE: (&str, &str) = ("dspark.cu", include_str!("kernels/dspark.cu"));
@@ -65,7 +66,7 @@ pub(crate) fn scatter_rows(b: &CudaBackend, dst: &mut CudaTensor, src: &CudaTens
     ck(
         unsafe {
             b.stream
-                .launch_builder(&k.scatter_rows)
+                .kernel(&k.scatter_rows)
                 .arg(dst.data_mut())
                 .arg(&src.data)
                 .arg(&idx)
@@ -99,10 +100,7 @@ pub(crate) fn argmax_into(b: &CudaBackend, out: &mut CudaSlice<u32>, x: &CudaSli
     let k = kernels(b);
     let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: argument types and sizes match the kernel's signature; sizes checked above.
-    ck(
-        unsafe { b.stream.launch_builder(&k.argmax_rows).arg(out).arg(x).arg(&(cols as i32)).launch(cfg) },
-        "argmax_rows",
-    );
+    ck(unsafe { b.stream.kernel(&k.argmax_rows).arg(out).arg(x).arg(&(cols as i32)).launch(cfg) }, "argmax_rows");
 }
 
 pub(crate) fn block_attention(
@@ -145,7 +143,7 @@ pub(crate) fn block_attention(
     ck(
         unsafe {
             b.stream
-                .launch_builder(&k.block_attention)
+                .kernel(&k.block_attention)
                 .arg(&mut out.data)
                 .arg(&q.data)
                 .arg(&kb.data)

@@ -15,6 +15,7 @@ pub mod attention;
 pub mod bf16;
 pub mod dspark;
 pub mod graph;
+pub(crate) mod launch;
 pub mod moe;
 pub mod nccl;
 pub mod quant;
@@ -25,11 +26,11 @@ use crate::batch::Batch;
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice,
-    PushKernelArg,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use dsv4_model::weights::{Compressor, Expert, Hc};
 use dsv4_model::{Config, HostTensor, LoadError};
+use launch::Kernel;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -598,7 +599,7 @@ impl CudaBackend {
         ck(
             unsafe {
                 self.stream
-                    .launch_builder(&self.k.rms_norm)
+                    .kernel(&self.k.rms_norm)
                     .arg(&mut out.data)
                     .arg(xq)
                     .arg(xd)
@@ -667,7 +668,7 @@ impl CudaBackend {
         ck(
             unsafe {
                 self.stream
-                    .launch_builder(&self.k.hc_pre_dot)
+                    .kernel(&self.k.hc_pre_dot)
                     .arg(&mut part)
                     .arg(&x.data)
                     .arg(&hc.fn_.data)
@@ -777,7 +778,7 @@ impl CudaBackend {
             ck(
                 unsafe {
                     self.stream
-                        .launch_builder(&self.k.gemv_f32)
+                        .kernel(&self.k.gemv_f32)
                         .arg(&mut out)
                         .arg(x)
                         .arg(w)
@@ -1003,7 +1004,7 @@ impl Backend for CudaBackend {
         ck(
             unsafe {
                 self.stream
-                    .launch_builder(&self.k.rope)
+                    .kernel(&self.k.rope)
                     .arg(x.data_mut())
                     .arg(rows.dev.as_ref())
                     .arg(&n)
@@ -1027,7 +1028,7 @@ impl Backend for CudaBackend {
             ck(
                 unsafe {
                     self.stream
-                        .launch_builder(&self.k.add)
+                        .kernel(&self.k.add)
                         .arg(&mut out.data)
                         .arg(&a.data)
                         .arg(&b.data)
@@ -1061,7 +1062,7 @@ impl Backend for CudaBackend {
         ck(
             unsafe {
                 self.stream
-                    .launch_builder(&self.k.hc_expand)
+                    .kernel(&self.k.hc_expand)
                     .arg(&mut out.data)
                     .arg(&x.data)
                     .arg(&(x.rows as i32))
@@ -1089,7 +1090,7 @@ impl Backend for CudaBackend {
         ck(
             unsafe {
                 self.stream
-                    .launch_builder(&self.k.stream_mean)
+                    .kernel(&self.k.stream_mean)
                     .arg(out.data_mut())
                     .arg(&x.data)
                     .arg(&(x.rows as i32))
@@ -1124,7 +1125,7 @@ impl Backend for CudaBackend {
         ck(
             unsafe {
                 self.stream
-                    .launch_builder(&self.k.hc_pre_apply)
+                    .kernel(&self.k.hc_pre_apply)
                     .arg(&mut y.data)
                     .arg(&mut post.data)
                     .arg(&mut comb.data)
@@ -1172,7 +1173,7 @@ impl Backend for CudaBackend {
         ck(
             unsafe {
                 self.stream
-                    .launch_builder(&self.k.hc_pre_apply_norm)
+                    .kernel(&self.k.hc_pre_apply_norm)
                     .arg(&mut y.data)
                     .arg(&mut a.data)
                     .arg(xq)
@@ -1207,7 +1208,7 @@ impl Backend for CudaBackend {
         ck(
             unsafe {
                 self.stream
-                    .launch_builder(&self.k.hc_post)
+                    .kernel(&self.k.hc_post)
                     .arg(&mut out.data)
                     .arg(&f.data)
                     .arg(&x.data)
@@ -1237,7 +1238,7 @@ impl Backend for CudaBackend {
         ck(
             unsafe {
                 self.stream
-                    .launch_builder(&self.k.hc_head)
+                    .kernel(&self.k.hc_head)
                     .arg(&mut y.data)
                     .arg(&x.data)
                     .arg(&m.data)
@@ -1328,7 +1329,7 @@ impl Backend for CudaBackend {
         ck(
             unsafe {
                 self.stream
-                    .launch_builder(&self.k.swiglu_act)
+                    .kernel(&self.k.swiglu_act)
                     .arg(&mut h.data)
                     .arg(&g.data)
                     .arg(&u.data)
@@ -1425,7 +1426,7 @@ impl CudaBackend {
         ck(
             unsafe {
                 self.stream
-                    .launch_builder(&self.k.gather_rows)
+                    .kernel(&self.k.gather_rows)
                     .arg(&out.data)
                     .arg(src)
                     .arg(idx)

@@ -1,7 +1,8 @@
 //! Launchers of `kernels/moe.cu`: the router (spec §6.1) and the routed experts.
 
+use super::launch::Kernel;
 use super::{cfg1d, ck, CudaBackend, CudaRoute, CudaRows, CudaTensor, CudaWeight};
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 use dsv4_model::weights::Expert;
 use dsv4_model::Config;
 use std::sync::Arc;
@@ -36,7 +37,7 @@ pub fn route(
     ck(
         unsafe {
             b.stream
-                .launch_builder(&b.k.route)
+                .kernel(&b.k.route)
                 .arg(&mut ids)
                 .arg(&mut weights)
                 .arg(&logits.data)
@@ -109,7 +110,7 @@ pub fn moe(
     ck(
         unsafe {
             b.stream
-                .launch_builder(&b.k.moe_up)
+                .kernel(&b.k.moe_up)
                 .arg(&mut h)
                 .arg(&x.data)
                 .arg(&route.ids)
@@ -126,7 +127,7 @@ pub fn moe(
     ck(
         unsafe {
             b.stream
-                .launch_builder(&b.k.moe_down)
+                .kernel(&b.k.moe_down)
                 .arg(&mut y)
                 .arg(&h)
                 .arg(&route.ids)
@@ -141,7 +142,7 @@ pub fn moe(
     ck(
         unsafe {
             b.stream
-                .launch_builder(&b.k.moe_combine)
+                .kernel(&b.k.moe_combine)
                 .arg(&mut out.data)
                 .arg(&y)
                 .arg(&route.weights)

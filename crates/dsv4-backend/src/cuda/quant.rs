@@ -7,8 +7,9 @@
 //! what decode at batch 1 is bound by. Larger products dequantise the weight to a bf16 scratch
 //! and use cuBLAS, like bf16 weights.
 
+use super::launch::Kernel;
 use super::{cfg1d, ck, CudaBackend, CudaTensor, CudaWeight, X8Twin};
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 use dsv4_model::packed::{Packed, PackedFormat};
 use dsv4_model::LoadError;
 use std::collections::HashMap;
@@ -17,7 +18,16 @@ use std::sync::Arc;
 /// Largest row count of a packed product that runs the fused-dequant kernel (above it the
 /// weight is dequantised to bf16 for cuBLAS). The kernel reads each weight byte once per group
 /// of up to 8 rows (runs of 8, 4, 2, 1), and a row's result does not depend on the row count.
+/// Above it a row's result does (bf16 activations instead of int8): the default keeps it.
 pub const QGEMV_ROWS: usize = 16;
+
+/// The row count above which packed products take the bf16 path: `DSV4_X8_MAX_ROWS`, default
+/// [`QGEMV_ROWS`] (A/B of batch invariance at serving batches against the cuBLAS path).
+pub(crate) fn qgemv_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| std::env::var("DSV4_X8_MAX_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(QGEMV_ROWS))
+}
+
 /// Warps per block of `quant.cu`'s product and expert kernels (its `Q_WARPS`).
 const Q_WARPS: usize = 8;
 
@@ -216,7 +226,7 @@ impl CudaBackend {
             ck(
                 unsafe {
                     self.stream
-                        .launch_builder(self.qk.get("rand_bytes"))
+                        .kernel(self.qk.get("rand_bytes"))
                         .arg(&mut b)
                         .arg(&(n as i64))
                         .arg(&(fp8 as i32))
@@ -252,7 +262,7 @@ impl CudaBackend {
                 ck(
                     unsafe {
                         self.stream
-                            .launch_builder(self.qk.get("fill_u8"))
+                            .kernel(self.qk.get("fill_u8"))
                             .arg(&mut s)
                             .arg(&(ns as i64))
                             .arg(&e)
@@ -269,7 +279,7 @@ impl CudaBackend {
             ck(
                 unsafe {
                     self.stream
-                        .launch_builder(self.qk.get("patch_blocks"))
+                        .kernel(self.qk.get("patch_blocks"))
                         .arg(&mut scales)
                         .arg(&(nb as i64))
                         .arg(&bb)
@@ -311,7 +321,7 @@ impl CudaBackend {
     pub(crate) fn matmul_packed(&self, x: &CudaTensor, q: &QuantDev, m: usize, k: usize, groups: usize) -> CudaTensor {
         let n = x.rows;
         assert_eq!(x.cols, groups * k, "packed product: input width {} vs {groups} × {k}", x.cols);
-        if n > QGEMV_ROWS && !self.exact() {
+        if n > qgemv_rows() && !self.exact() {
             let bf = self.dequant_bf16(q, m, k);
             return self.matmul_bf16(x, &bf, m, k, groups);
         }
@@ -335,7 +345,7 @@ impl CudaBackend {
             ck(
                 unsafe {
                     self.stream
-                        .launch_builder(self.qk.of(if n == 1 { "gemv1x" } else { "gemvx" }, q.format))
+                        .kernel(self.qk.of(if n == 1 { "gemv1x" } else { "gemvx" }, q.format))
                         .arg(&mut out.data)
                         .arg(xq)
                         .arg(xd)
@@ -356,7 +366,7 @@ impl CudaBackend {
         ck(
             unsafe {
                 self.stream
-                    .launch_builder(self.qk.of(if n == 1 { "gemv1" } else { "gemv" }, q.format))
+                    .kernel(self.qk.of(if n == 1 { "gemv1" } else { "gemv" }, q.format))
                     .arg(&mut out.data)
                     .arg(&x.data)
                     .arg(&q.blocks)
@@ -393,7 +403,7 @@ impl CudaBackend {
             ck(
                 unsafe {
                     self.stream
-                        .launch_builder(self.qk.get("quant_x8"))
+                        .kernel(self.qk.get("quant_x8"))
                         .arg(&mut xq)
                         .arg(&mut xd)
                         .arg(x)
@@ -420,7 +430,7 @@ impl CudaBackend {
         ck(
             unsafe {
                 self.stream
-                    .launch_builder(self.qk.of("deq_bf16", q.format))
+                    .kernel(self.qk.of("deq_bf16", q.format))
                     .arg(&dst)
                     .arg(&q.blocks)
                     .arg(&q.scales)
@@ -488,7 +498,7 @@ impl CudaBackend {
         ck(
             unsafe {
                 self.stream
-                    .launch_builder(self.qk.get("gather_bf16"))
+                    .kernel(self.qk.get("gather_bf16"))
                     .arg(out.data_mut())
                     .arg(table)
                     .arg(idx)

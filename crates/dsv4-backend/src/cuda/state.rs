@@ -10,11 +10,11 @@
 //! `len` reads only rows of positions `< len`, so cutting it back is bookkeeping on the host
 //! ([`CudaCache::truncate`]); the forward rewrites whatever later rows it feeds again.
 
+use super::launch::Kernel;
 use super::{ck, CudaBackend};
 use crate::batch::Batch;
 use crate::cpu::state::{SeqState, TruncateError, MAX_ROLLBACK};
 use cudarc::driver::CudaSlice;
-use cudarc::driver::PushKernelArg;
 use dsv4_model::{AttnKind, Config};
 
 /// One compressor's state for every slot.
@@ -84,7 +84,7 @@ impl CompDev {
         ck(
             unsafe {
                 b.stream
-                    .launch_builder(&b.k.copy_blocks)
+                    .kernel(&b.k.copy_blocks)
                     .arg(&mut e)
                     .arg(&self.entries)
                     .arg(&(slots as i32))

@@ -39,6 +39,7 @@ extern "C" __global__ void comp_pool(float* entries, int cap, const float* u, co
                                      const float* raw_z, int k, const float* ape, const float* norm,
                                      const double* freqs, int npairs, const unsigned* rows, int n, int m, int hd,
                                      int overlap, float eps) {
+    pdl_enter();
     extern __shared__ float buf[];
     __shared__ float sh[32];
     int t = blockIdx.x;
@@ -93,6 +94,7 @@ extern "C" __global__ void comp_pool(float* entries, int cap, const float* u, co
 // After comp_pool: the last min(len, K) rows of each segment enter the raw ring (z + ape).
 extern "C" __global__ void comp_store(float* raw_u, float* raw_z, int k, const float* u, const float* z,
                                       const float* ape, const unsigned* rows, int n, int m, int w) {
+    pdl_enter();
     GRID_STRIDE(e, (long long)n * w) {
         int t = (int)(e / w), c = (int)(e % w);
         long long p = ROW_POS(t), end = (long long)ROW_POS0(t) + ROW_LEN(t);
@@ -114,6 +116,7 @@ extern "C" __global__ void comp_store(float* raw_u, float* raw_z, int k, const f
 extern "C" __global__ void index_score(float* scores, int maxvis, const float* q, const float* wts,
                                        const float* entries, int cap, const unsigned* rows, int n, int m, int nh,
                                        int hd, float qs, float ws) {
+    pdl_enter();
     extern __shared__ float sm[];
     int qst = nh + 1;
     float* qT = sm;                       // [hd][nh + 1]
@@ -178,6 +181,7 @@ __device__ __forceinline__ unsigned fkey(float x) {
 // bitonic sort of those k in shared memory. `topk` <= TOPK_MAX (checked by the launcher).
 extern "C" __global__ void index_topk(unsigned* sel, int topk, const float* scores, int maxvis, const unsigned* rows,
                                       int n, int m) {
+    pdl_enter();
     __shared__ unsigned skey[TOPK_MAX];
     __shared__ unsigned sidx[TOPK_MAX];
     __shared__ unsigned cnt;
@@ -315,6 +319,7 @@ extern "C" __global__ void attention(float* out, float* part, unsigned* done, co
                                      const float* ring, int win, int rcap, const float* entries, int cap, int m,
                                      const unsigned* sel, int has_sel, int topk, const float* sinks,
                                      const unsigned* rows, int n, int t0, int heads, int d, float scale) {
+    pdl_enter();
     __shared__ __align__(16) float ks[ATT_KT][MAX_D];
     __shared__ const float* kp[ATT_KP];
     __shared__ unsigned last;
@@ -457,6 +462,7 @@ extern "C" __global__ void attention(float* out, float* part, unsigned* done, co
 
 // After attention: the last min(len, rcap) rows of each segment enter the window ring.
 extern "C" __global__ void ring_write(float* ring, int rcap, const float* kv, const unsigned* rows, int n, int d) {
+    pdl_enter();
     GRID_STRIDE(e, (long long)n * d) {
         int t = (int)(e / d), c = (int)(e % d);
         long long i = t - (long long)ROW_START(t), len = ROW_LEN(t);

@@ -94,15 +94,18 @@ __device__ void gemv_bf16_r(float* __restrict__ out, const float* __restrict__ x
 
 extern "C" __global__ void gemv_bf16(float* out, const float* x, const unsigned short* w, int n, int k, int m,
                                      int ldx, int rpg) {
+    pdl_enter();
     gemv_bf16_r<GV_ROWS>(out, x, w, n, k, m, ldx, rpg);
 }
 
 extern "C" __global__ void gemv1_bf16(float* out, const float* x, const unsigned short* w, int n, int k, int m,
                                       int ldx, int rpg) {
+    pdl_enter();
     gemv_bf16_r<1>(out, x, w, n, k, m, ldx, rpg);
 }
 
 extern "C" __global__ void cast_bf16(unsigned short* out, const float* x, long long len) {
+    pdl_enter();
     GRID_STRIDE(e, len) out[e] = f2bf(x[e]);
 }
 
@@ -112,6 +115,7 @@ extern "C" __global__ void cast_bf16(unsigned short* out, const float* x, long l
 // the slots held here.
 extern "C" __global__ void moe_sort(unsigned* order, unsigned* off, unsigned* active, const unsigned* ids, int nk,
                                     int ne, unsigned first) {
+    pdl_enter();
     __shared__ unsigned cnt[1024];
     __shared__ unsigned pos[1024];
     for (int e = threadIdx.x; e < ne; e += blockDim.x) cnt[e] = 0;
@@ -182,6 +186,7 @@ __device__ __forceinline__ float swiglu1(float g, float u, float limit) {
 // xs[p, :] = bf16(x[order[p] / k, :]); inv[order[p]] = p (the large-batch expert path).
 extern "C" __global__ void moe_gather_bf16(unsigned short* xs, unsigned* inv, const float* x, const unsigned* order,
                                            int nk, int k, int d) {
+    pdl_enter();
     GRID_STRIDE(e, (long long)nk * d) {
         long long p = e / d, c = e % d;
         unsigned s = order[p];
@@ -192,6 +197,7 @@ extern "C" __global__ void moe_gather_bf16(unsigned short* xs, unsigned* inv, co
 
 // hb = bf16(act(g, u)) elementwise.
 extern "C" __global__ void swiglu_bf16(unsigned short* hb, const float* g, const float* u, long long len, float limit) {
+    pdl_enter();
     GRID_STRIDE(e, len) hb[e] = f2bf(swiglu1(g[e], u[e], limit));
 }
 
@@ -199,6 +205,7 @@ extern "C" __global__ void swiglu_bf16(unsigned short* hb, const float* g, const
 // (routed to another rank's experts) add nothing.
 extern "C" __global__ void moe_combine_sorted(float* out, const float* y, const unsigned* inv, const float* wts, int n,
                                               int k, int d) {
+    pdl_enter();
     GRID_STRIDE(e, (long long)n * d) {
         long long r = e / d, c = e % d;
         float acc = 0.f;
@@ -212,6 +219,7 @@ extern "C" __global__ void moe_combine_sorted(float* out, const float* y, const 
 
 // flags[slot] = max(flags[slot], 0xffffffff − first row holding a NaN/±∞) (0: all finite).
 extern "C" __global__ void probe_finite(unsigned* flags, int slot, const float* x, long long len, int cols) {
+    pdl_enter();
     GRID_STRIDE(e, len) {
         if ((__float_as_uint(x[e]) & 0x7f800000u) == 0x7f800000u)
             atomicMax(flags + slot, 0xffffffffu - (unsigned)(e / cols));
@@ -227,6 +235,7 @@ __device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
 // Normal(mean, std) from a counter-based hash (Box–Muller), as bf16 (bf != 0) or f32.
 extern "C" __global__ void rand_normal(void* out, int bf, long long len, float mean, float std,
                                        unsigned long long seed) {
+    pdl_enter();
     GRID_STRIDE(e, len) {
         unsigned long long a = mix64(seed * 0x9E3779B97F4A7C15ull + 2 * e + 1);
         unsigned long long b = mix64(a ^ 0xD1B54A32D192ED03ull);

@@ -9,6 +9,16 @@
 #define ROW_POS0(t) rows[4 * n + (t)]    // position of that first row
 #define ROW_LEN(t) rows[5 * n + (t)]     // rows in t's segment
 
+// Programmatic dependent launch (cuda/launch.rs), the first statement of every kernel: wait until
+// the grids this one depends on have completed and their writes are visible, then let the next
+// grid in the stream be scheduled (its blocks then wait here in turn). Every block waits before it
+// reads or writes anything, so each grid completes after its predecessor and the chain is
+// transitive. Without the launch attribute both instructions return at once.
+__device__ __forceinline__ void pdl_enter() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 #define GRID_STRIDE(i, total) \
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (total); \
          i += (long long)gridDim.x * blockDim.x)

@@ -2,6 +2,7 @@
 
 // out[i, :] = src[idx[i], :] (embedding lookup with token ids; select_rows).
 extern "C" __global__ void gather_rows(float* out, const float* src, const unsigned* idx, int n, int cols) {
+    pdl_enter();
     GRID_STRIDE(e, (long long)n * cols) {
         long long i = e / cols, c = e % cols;
         out[e] = src[(long long)idx[i] * cols + c];
@@ -9,12 +10,14 @@ extern "C" __global__ void gather_rows(float* out, const float* src, const unsig
 }
 
 extern "C" __global__ void add(float* out, const float* a, const float* b, long long len) {
+    pdl_enter();
     GRID_STRIDE(e, len) out[e] = a[e] + b[e];
 }
 
 // dst[s, 0..len] = src[s, 0..len] for `count` blocks of strides sstride / dstride.
 extern "C" __global__ void copy_blocks(float* dst, const float* src, int count, long long len, long long dstride,
                                        long long sstride) {
+    pdl_enter();
     GRID_STRIDE(e, (long long)count * len) {
         long long s = e / len, i = e % len;
         dst[s * dstride + i] = src[s * sstride + i];
@@ -23,6 +26,7 @@ extern "C" __global__ void copy_blocks(float* dst, const float* src, int count, 
 
 // out[i, s*d + c] = x[i, c] for every mHC stream s.
 extern "C" __global__ void hc_expand(float* out, const float* x, int rows, int d, int nstreams) {
+    pdl_enter();
     GRID_STRIDE(e, (long long)rows * nstreams * d) {
         long long i = e / ((long long)nstreams * d), c = e % d;
         out[e] = x[i * d + c];
@@ -33,6 +37,7 @@ extern "C" __global__ void hc_expand(float* out, const float* x, int rows, int d
 // `CpuBackend::stream_mean_into`, bitwise): DSpark's `main_hidden` tap (dspark §3.2).
 extern "C" __global__ void stream_mean(float* out, const float* x, int rows, int d, int nstreams, int ocols,
                                        int col) {
+    pdl_enter();
     GRID_STRIDE(e, (long long)rows * d) {
         long long i = e / d, c = e % d;
         float s = 0.0f;
@@ -43,6 +48,7 @@ extern "C" __global__ void stream_mean(float* out, const float* x, int rows, int
 
 // Clamped SwiGLU activation: h = min(g, L)·σ(min(g, L))·clamp(u, −L, L).
 extern "C" __global__ void swiglu_act(float* h, const float* g, const float* u, long long len, float limit) {
+    pdl_enter();
     GRID_STRIDE(e, len) {
         float gv = fminf(g[e], limit);
         float uv = fminf(fmaxf(u[e], -limit), limit);
@@ -58,6 +64,7 @@ extern "C" __global__ void swiglu_act(float* h, const float* g, const float* u, 
 extern "C" __global__ void __launch_bounds__(1024) rms_norm(float* out, signed char* xq, float* xd, const float* x, const float* w, int has_w,
                                     int group, float eps, int twin, const unsigned* rows, int n, int heads,
                                     const double* freqs, int npairs) {
+    pdl_enter();
     __shared__ float sh[32];
     long long base = (long long)blockIdx.x * group;
     long long pos = npairs > 0 ? (long long)ROW_POS(blockIdx.x / heads) : 0;
@@ -68,6 +75,7 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm(float* out, signed c
 // angle pos·freq is formed and its sine/cosine taken in double, as the CPU oracle does.
 extern "C" __global__ void rope(float* x, const unsigned* rows, int n, const double* freqs, int npairs, int cols,
                                 int head, int inverse) {
+    pdl_enter();
     int heads = cols / head;
     GRID_STRIDE(e, (long long)n * heads * npairs) {
         long long i = e / ((long long)heads * npairs);
@@ -89,6 +97,7 @@ extern "C" __global__ void rope(float* x, const unsigned* rows, int n, const dou
 // Each thread takes 4 consecutive values at a time (16-byte loads, 4 in flight: the whole
 // 4096-wide router row in one round trip), in the same order for one row and for several.
 extern "C" __global__ void gemv_f32(float* out, const float* x, const float* w, int n, int k, int m) {
+    pdl_enter();
     __shared__ float sh[32];
     int o = blockIdx.x;
     if (o >= m) return;

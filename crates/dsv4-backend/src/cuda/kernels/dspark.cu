@@ -3,6 +3,7 @@
 
 // dst[idx[i], :] = src[i, :] (context-ring writes; cpu: CpuBackend::scatter_rows).
 extern "C" __global__ void scatter_rows(float* dst, const float* src, const unsigned* idx, int n, int cols) {
+    pdl_enter();
     GRID_STRIDE(e, (long long)n * cols) {
         long long i = e / cols, c = e % cols;
         dst[(long long)idx[i] * cols + c] = src[e];
@@ -12,6 +13,7 @@ extern "C" __global__ void scatter_rows(float* dst, const float* src, const unsi
 // out[r] = first index of the maximum of row r (cpu: dspark::argmax). One block per row.
 // NaN never wins; a row of NaN gives 0.
 extern "C" __global__ void argmax_rows(unsigned* out, const float* x, int cols) {
+    pdl_enter();
     __shared__ float sv[32];
     __shared__ int si[32];
     const float* row = x + (long long)blockIdx.x * cols;
@@ -56,6 +58,7 @@ extern "C" __global__ void block_attention(float* out, const float* q, const flo
                                            const unsigned long long* rings, const unsigned* slots,
                                            const unsigned* off, const float* sinks, int heads, int hd,
                                            int qpg) {
+    pdl_enter();
     extern __shared__ float sc[];
     __shared__ float den_s;
     int t = blockIdx.x, h = blockIdx.y, g = t / qpg;

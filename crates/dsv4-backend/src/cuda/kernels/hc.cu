@@ -151,6 +151,7 @@ __device__ __forceinline__ void hc_mix(float* yr, const float* xr, const float* 
 
 extern "C" __global__ void hc_pre_dot(float* part, const float* __restrict__ x, const float* __restrict__ fn,
                                       int rows, int mix, int width) {
+    pdl_enter();
     __shared__ float red[8][HC_ROWS * 8];
     int s = blockIdx.x, o0 = blockIdx.y * 8, r0 = blockIdx.z * HC_ROWS, t = threadIdx.x;
     int per = (width + HC_SPLIT - 1) / HC_SPLIT, c0 = s * per, c1 = min(width, c0 + per);
@@ -249,6 +250,7 @@ __device__ bool hc_pre_head(float* pre, float* post, float* comb, const float* _
 extern "C" __global__ void hc_pre_apply(float* y, float* post, float* comb, const float* __restrict__ x,
                                         const float* __restrict__ part, const float* base, const float* scale, int n,
                                         int d, int iters, float rms_eps, float hc_eps) {
+    pdl_enter();
     __shared__ float pre[MAX_HC];
     if (hc_pre_head(pre, post, comb, part, base, scale, n, d, iters, rms_eps, hc_eps, gridDim.x - 1)) return;
     int i = blockIdx.y, t = threadIdx.x;
@@ -270,6 +272,7 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre_apply_norm(float* y, f
                                              const float* __restrict__ x, const float* __restrict__ part,
                                              const float* base, const float* scale, const float* nw, int n, int d,
                                              int iters, float rms_eps, float hc_eps, int twin) {
+    pdl_enter();
     __shared__ float pre[MAX_HC];
     __shared__ float sh[32];
     if (hc_pre_head(pre, post, comb, part, base, scale, n, d, iters, rms_eps, hc_eps, 1)) return;
@@ -282,6 +285,7 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre_apply_norm(float* y, f
 // X'[j] = post[j]·f + Σ_s comb[s][j]·X[s].
 extern "C" __global__ void hc_post(float* out, const float* f, const float* x, const float* post, const float* comb,
                                    int rows, int n, int d) {
+    pdl_enter();
     GRID_STRIDE(e, (long long)rows * n * d) {
         long long i = e / ((long long)n * d);
         int j = (int)(e / d % n), c = (int)(e % d);
@@ -295,6 +299,7 @@ extern "C" __global__ void hc_post(float* out, const float* f, const float* x, c
 // HC_HEAD: y = Σ_s (σ(ρ·m_s·scale + base_s) + eps)·X_s, one block per row.
 extern "C" __global__ void hc_head(float* y, const float* x, const float* m, const float* base, const float* scale,
                                    int n, int d, float rms_eps, float hc_eps) {
+    pdl_enter();
     __shared__ float sh[32];
     __shared__ float pre[MAX_HC];
     int i = blockIdx.x;

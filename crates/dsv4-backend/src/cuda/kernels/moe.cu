@@ -16,6 +16,7 @@ extern "C" __global__ void route(unsigned* ids, float* wts, const float* logits,
                                  const unsigned* hash, const unsigned* rows, int use_hash, int n, int e, int k,
                                  int norm_topk,
                                  float scale) {
+    pdl_enter();
     __shared__ float sv[1024];
     __shared__ unsigned ch[MAX_K];
     int i = blockIdx.x, lane = threadIdx.x;
@@ -69,6 +70,7 @@ __device__ __forceinline__ float warp_dot(const float* a, const float* b, int le
 // ptrs holds 3·E device pointers: w1 of every expert, then w3, then w2.
 extern "C" __global__ void moe_up(float* hbuf, const float* x, const unsigned* ids, const unsigned long long* ptrs,
                                   int nexp, int k, int d, int inter, float limit) {
+    pdl_enter();
     int slot = blockIdx.x, lane = threadIdx.x & 31;
     int o = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (o >= inter) return;
@@ -87,6 +89,7 @@ extern "C" __global__ void moe_up(float* hbuf, const float* x, const unsigned* i
 // y[slot, c] = w2[e][c]·h[slot]. grid (slots, ⌈d/8⌉).
 extern "C" __global__ void moe_down(float* y, const float* hbuf, const unsigned* ids, const unsigned long long* ptrs,
                                     int nexp, int d, int inter) {
+    pdl_enter();
     int slot = blockIdx.x, lane = threadIdx.x & 31;
     int c = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (c >= d) return;
@@ -97,6 +100,7 @@ extern "C" __global__ void moe_down(float* y, const float* hbuf, const unsigned*
 
 // out[r, c] = Σ_j wts[r, j]·y[r·k + j, c], in routing order.
 extern "C" __global__ void moe_combine(float* out, const float* y, const float* wts, int n, int k, int d) {
+    pdl_enter();
     GRID_STRIDE(e, (long long)n * d) {
         long long r = e / d, c = e % d;
         float acc = 0.f;

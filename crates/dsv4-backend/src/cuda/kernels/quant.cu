@@ -569,18 +569,21 @@ __device__ void deq_bf16(u16* out, const u8* w, const u8* s, long long rows, int
 #define ROW_KERNELS(F, N, ONE, S)                                                                                    \
     extern "C" __global__ void gemv##S##_##N(float* out, const float* x, const u8* w, const u8* s, int n, int k,    \
                                              int m, int ldx, int rpg) {                                              \
+        pdl_enter();                                                                                                 \
         fill_tabs<F, false>();                                                                                       \
         gemv_q<F, ONE>(out, x, w, s, n, k, m, ldx, rpg);                                                             \
     }                                                                                                                \
     extern "C" __global__ void moe_up##S##_##N(float* h, const float* x, const unsigned* order, const unsigned* off, \
                                                const unsigned* active, const unsigned long long* ptrs, int nexp,    \
                                                int k, int d, int inter, float limit) {                               \
+        pdl_enter();                                                                                                 \
         fill_tabs<F, false>();                                                                                       \
         moe_up_q<F, ONE>(h, x, order, off, active, ptrs, nexp, k, d, inter, limit);                                  \
     }                                                                                                                \
     extern "C" __global__ void moe_down##S##_##N(float* y, const float* h, const unsigned* order,                   \
                                                  const unsigned* off, const unsigned* active,                        \
                                                  const unsigned long long* ptrs, int nexp, int d, int inter) {       \
+        pdl_enter();                                                                                                 \
         fill_tabs<F, false>();                                                                                       \
         moe_down_q<F, ONE>(y, h, order, off, active, ptrs, nexp, d, inter);                                          \
     }
@@ -589,6 +592,7 @@ __device__ void deq_bf16(u16* out, const u8* w, const u8* s, long long rows, int
     ROW_KERNELS(F, N, false, )                                                                                       \
     ROW_KERNELS(F, N, true, 1)                                                                                       \
     extern "C" __global__ void deq_bf16_##N(u16* out, const u8* w, const u8* s, long long rows, int k) {            \
+        pdl_enter();                                                                                                 \
         fill_tabs<F, false>();                                                                                       \
         deq_bf16<F>(out, w, s, rows, k);                                                                             \
     }
@@ -606,6 +610,7 @@ QUANT_KERNELS(F_BF16, bf16w)
 // value i.
 extern "C" __global__ void quant_x8(signed char* __restrict__ xq, float* __restrict__ xd, const float* __restrict__ x,
                                     long long nblocks) {
+    pdl_enter();
     long long b = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (b >= nblocks) return;
@@ -895,21 +900,25 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
 #define X8_KERNELS(F, N)                                                                                             \
     extern "C" __global__ void gemv1x_##N(float* out, const signed char* xq, const float* xd, const u8* w,          \
                                           const u8* s, int n, int k, int m, int ldx, int rpg) {                      \
+        pdl_enter();                                                                                                 \
         gemv_x8<F>(out, xq, xd, w, s, k, m, rpg);                                                                    \
     }                                                                                                                \
     extern "C" __global__ void moe_up1x_##N(float* h, const signed char* xq, const float* xd, const unsigned* order, \
                                             const unsigned* off, const unsigned* active,                            \
                                             const unsigned long long* ptrs, int nexp, int k, int d, int inter,       \
                                             float limit) {                                                           \
+        pdl_enter();                                                                                                 \
         moe_up_x8<F>(h, xq, xd, order, off, active, ptrs, nexp, d, inter, limit);                                    \
     }                                                                                                                \
     extern "C" __global__ void moe_down1x_##N(float* y, const signed char* hq, const float* hd,                     \
                                               const unsigned* order, const unsigned* off, const unsigned* active,    \
                                               const unsigned long long* ptrs, int nexp, int d, int inter) {          \
+        pdl_enter();                                                                                                 \
         moe_down_x8<F>(y, hq, hd, order, off, active, ptrs, nexp, d, inter);                                         \
     }                                                                                                                \
     extern "C" __global__ void gemvx_##N(float* out, const signed char* xq, const float* xd, const u8* w,           \
                                          const u8* s, int n, int k, int m, int ldx, int rpg) {                       \
+        pdl_enter();                                                                                                 \
         fill_tabs<F, true>();                                                                                        \
         gemvn_x8<F>(out, xq, xd, w, s, n, k, m, ldx, rpg);                                                           \
     }                                                                                                                \
@@ -917,12 +926,14 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
                                            const unsigned* off, const unsigned* active,                             \
                                            const unsigned long long* ptrs, int nexp, int k, int d, int inter,        \
                                            float limit) {                                                            \
+        pdl_enter();                                                                                                 \
         fill_tabs<F, true>();                                                                                        \
         moe_upn_x8<F>(h, xq, xd, order, off, active, ptrs, nexp, k, d, inter, limit);                                \
     }                                                                                                                \
     extern "C" __global__ void moe_downx_##N(float* y, const signed char* hq, const float* hd,                      \
                                              const unsigned* order, const unsigned* off, const unsigned* active,     \
                                              const unsigned long long* ptrs, int nexp, int d, int inter) {           \
+        pdl_enter();                                                                                                 \
         fill_tabs<F, true>();                                                                                        \
         moe_downn_x8<F>(y, hq, hd, order, off, active, ptrs, nexp, d, inter);                                        \
     }
@@ -933,6 +944,7 @@ X8_KERNELS(F_IQ2_XXS, iq2_xxs)
 
 // out[i, :] = f32(table[idx[i], :]) for a bf16 table (the embedding).
 extern "C" __global__ void gather_bf16(float* out, const u16* table, const unsigned* idx, int n, int cols) {
+    pdl_enter();
     GRID_STRIDE(e, (long long)n * cols) {
         long long i = e / cols, c = e % cols;
         out[e] = __uint_as_float(((unsigned)table[(long long)idx[i] * cols + c]) << 16);
@@ -949,6 +961,7 @@ __device__ __forceinline__ unsigned long long mix64q(unsigned long long z) {
 // exponents 4..10 (values 2^-3..2^3, never NaN). Then `patch_blocks` writes the f16 scale
 // fields of every block.
 extern "C" __global__ void rand_bytes(u8* w, long long n, int fp8, unsigned long long seed) {
+    pdl_enter();
     GRID_STRIDE(i, n) {
         unsigned r = (unsigned)mix64q(seed * 0x9E3779B97F4A7C15ull + i);
         u8 b = r & 255;
@@ -960,6 +973,7 @@ extern "C" __global__ void rand_bytes(u8* w, long long n, int fp8, unsigned long
 // For each block: the u16 at byte off1 := v1, and at off2 := v2 when off2 >= 0.
 extern "C" __global__ void patch_blocks(u8* w, long long nblocks, int block_bytes, int off1, unsigned v1, int off2,
                                         unsigned v2) {
+    pdl_enter();
     GRID_STRIDE(i, nblocks) {
         u8* b = w + i * block_bytes;
         *(u16*)(b + off1) = (u16)v1;
@@ -968,5 +982,6 @@ extern "C" __global__ void patch_blocks(u8* w, long long nblocks, int block_byte
 }
 
 extern "C" __global__ void fill_u8(u8* w, long long n, unsigned v) {
+    pdl_enter();
     GRID_STRIDE(i, n) w[i] = (u8)v;
 }
