@@ -27,10 +27,18 @@ fn argmax(l: &[f32]) -> u32 {
 
 /// Sequence 0 prefills `prompt` in `chunks`, then decodes `DECODE` greedy tokens; with
 /// `other`, sequence 1 prefills and decodes beside it in the same steps (its rows after
-/// sequence 0's, at most `GEMV_ROWS` rows a step in all). Returns sequence 0's logits: the
+/// sequence 0's, at most `GEMV_ROWS` rows a step in all); with `skip`, sequence 0 takes the
+/// second state slot (an idle sequence holds the first). Returns sequence 0's logits: the
 /// prompt's last row, then each decode row.
-fn run(m: &mut Model<CudaBackend>, prompt: &[u32], chunks: &[usize], other: Option<&[u32]>) -> Vec<Vec<f32>> {
+fn run(
+    m: &mut Model<CudaBackend>,
+    prompt: &[u32],
+    chunks: &[usize],
+    other: Option<&[u32]>,
+    skip: bool,
+) -> Vec<Vec<f32>> {
     let v = m.cfg.vocab_size;
+    let idle = skip.then(|| m.alloc_seq().unwrap());
     let s0 = m.alloc_seq().unwrap();
     let s1 = other.map(|_| m.alloc_seq().unwrap());
     let (mut off0, mut off1) = (0, 0);
@@ -65,9 +73,8 @@ fn run(m: &mut Model<CudaBackend>, prompt: &[u32], chunks: &[usize], other: Opti
         }
         out.push(last.clone());
     }
-    m.free_seq(s0);
-    if let Some(s1) = s1 {
-        m.free_seq(s1);
+    for s in [Some(s0), s1, idle].into_iter().flatten() {
+        m.free_seq(s);
     }
     out
 }
@@ -81,23 +88,24 @@ fn first_difference(a: &[Vec<f32>], b: &[Vec<f32>]) -> Option<usize> {
 fn cuda_chunking_and_batching_are_bitwise_invariant() {
     let Some(b) = gpu() else { return };
     let dir = fixtures_dir().join(FIXTURE);
-    let mut m = Model::load(b, &dir, 2, false).unwrap();
+    let mut m = Model::load(b, &dir, 3, false).unwrap();
     let prompt = tokens(40, m.cfg.vocab_size, 7);
     let other = tokens(30, m.cfg.vocab_size, 8);
     let eights: Vec<usize> = std::iter::repeat_n(GEMV_ROWS, prompt.len() / GEMV_ROWS).collect();
-    let reference = run(&mut m, &prompt, &eights, None);
+    let reference = run(&mut m, &prompt, &eights, None, false);
     let ones = vec![1; prompt.len()];
     let mixed = [3, 5, 1, 8, 7, 2, 6, 4, 4];
     assert_eq!(mixed.iter().sum::<usize>(), prompt.len());
     let fours = vec![4; prompt.len() / 4];
     let mut failures = Vec::new();
-    for (name, chunks, o) in [
-        ("chunks of 1", &ones[..], None),
-        ("mixed chunks", &mixed[..], None),
-        ("chunks of 4 beside another sequence", &fours[..], Some(&other[..])),
-        ("mixed chunks beside another sequence", &mixed[..], Some(&other[..])),
+    for (name, chunks, o, skip) in [
+        ("chunks of 1", &ones[..], None, false),
+        ("mixed chunks", &mixed[..], None, false),
+        ("the same chunks in the second state slot", &eights[..], None, true),
+        ("chunks of 4 beside another sequence", &fours[..], Some(&other[..]), false),
+        ("mixed chunks beside another sequence", &mixed[..], Some(&other[..]), true),
     ] {
-        let got = run(&mut m, &prompt, chunks, o);
+        let got = run(&mut m, &prompt, chunks, o, skip);
         match first_difference(&reference, &got) {
             None => println!("{name}: bitwise equal to chunks of {GEMV_ROWS} alone"),
             Some(i) => {
