@@ -92,12 +92,22 @@ def hot_loop(sass):
     return [op for a, op, _ in ins if lo <= a <= hi]
 
 
-def report(tools, nvrtc, name, kernels, rev):
+def report(tools, nvrtc, name, kernels, rev, usage=False):
     with tempfile.TemporaryDirectory() as d:
         p, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
         with open(p, "w") as f:
             f.write(ptx(nvrtc, source(name, rev), name))
-        subprocess.run([os.path.join(tools, "bin", "ptxas"), "-arch=sm_90a", "-O3", p, "-o", cubin], check=True)
+        r = subprocess.run([os.path.join(tools, "bin", "ptxas"), "-arch=sm_90a", "-O3", "-v", p, "-o", cubin],
+                           check=True, capture_output=True, text=True)
+        if usage:
+            # ptxas -v: "Compiling entry function 'K'" then its registers, spills and shared memory.
+            lines, cur = r.stderr.splitlines(), None
+            for ln in lines:
+                m = re.search(r"Compiling entry function '(\w+)'", ln)
+                if m:
+                    cur = m.group(1)
+                elif cur in kernels and ("registers" in ln or "spill" in ln):
+                    print(f"{rev or 'worktree':>10} {cur}: {ln.split(':', 1)[-1].strip()}")
         env = dict(os.environ, PATH=os.path.join(tools, "bin") + os.pathsep + os.environ.get("PATH", ""))
         for k in kernels:
             sass = subprocess.run([os.path.join(tools, "bin", "cuobjdump"), "-sass", "-fun", k, cubin], env=env,
@@ -118,13 +128,14 @@ def main():
     ap.add_argument("--against", help="a git revision to compare with")
     ap.add_argument("file")
     ap.add_argument("kernels", nargs="+")
+    ap.add_argument("--usage", action="store_true", help="also print ptxas's registers, spills and shared memory")
     a = ap.parse_args()
     lib = os.path.join(a.cuda, "lib")
     so = next(f for f in sorted(os.listdir(lib)) if f.startswith("libnvrtc.so"))
     nvrtc = ctypes.CDLL(os.path.join(lib, so))
     if a.against:
-        report(a.cuda, nvrtc, a.file, a.kernels, a.against)
-    report(a.cuda, nvrtc, a.file, a.kernels, None)
+        report(a.cuda, nvrtc, a.file, a.kernels, a.against, a.usage)
+    report(a.cuda, nvrtc, a.file, a.kernels, None, a.usage)
 
 
 if __name__ == "__main__":

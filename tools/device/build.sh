@@ -22,5 +22,5 @@ for line in sys.stdin:
         print("test binary:", name)
 '
 strip .devbin/dsv4 .devbin/tests/*
-cp -r crates/dsv4-dspark/tests/fixtures .devbin/dspark_fixtures
+# (the DSpark fixtures travel with the tree: crates/dsv4-dspark/tests/fixtures)
 du -sh .devbin

@@ -8,7 +8,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/dsv4-out}
 mkdir -p "$OUT"
-export DSV4_FIXTURES=$PWD/tests/fixtures/hf DSV4_DSPARK_FIXTURES=$PWD/.devbin/dspark_fixtures DSV4_BIN=$PWD/.devbin/dsv4
+export DSV4_FIXTURES=$PWD/tests/fixtures/hf DSV4_DSPARK_FIXTURES=$PWD/crates/dsv4-dspark/tests/fixtures DSV4_BIN=$PWD/.devbin/dsv4
 S=$OUT/summary.txt
 B=.devbin/dsv4
 [ -s "$S" ] || nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$S" 2>&1
