@@ -145,6 +145,31 @@ pub fn dot(f: PackedFormat, row: &[u8], k: usize, xq: &[i8], xd: &[f32]) -> f32 
     lanes[0]
 }
 
+/// One output as the tensor-core tile kernels (`quant.cu`, `xtile`) form it: each chunk class
+/// `l` (chunks `l, l + 32, ...`) summed alone, the classes visited in bit-reversed order and their
+/// sums added in a plain binary tree over that order. Bitwise [`dot`]: the butterfly's tree pairs
+/// lanes `l` and `l ^ 16` first, then `^ 8`, ..., which is the binary tree over bit-reversed `l`
+/// (the property the tile kernels' batch invariance rests on; tested below).
+pub fn dot_tiled(f: PackedFormat, row: &[u8], k: usize, xq: &[i8], xd: &[f32]) -> f32 {
+    let mut sums = [0f32; 32];
+    for (t, s) in sums.iter_mut().enumerate() {
+        let l = (t as u32).reverse_bits() as usize >> 27;
+        let mut c = BLOCK * l;
+        while c < k {
+            *s = xdot32(f, row, c, &xq[c..c + BLOCK], xd[c / BLOCK], *s);
+            c += 32 * BLOCK;
+        }
+    }
+    let mut st = 1;
+    while st < 32 {
+        for q in (0..32).step_by(2 * st) {
+            sums[q] += sums[q + st];
+        }
+        st *= 2;
+    }
+    sums[0]
+}
+
 /// The IQ2_XXS tables as C declarations with `qualifier` (the CUDA kernels' and the host
 /// build's): the CPU decoder's grid and sign patterns, and each sign pattern as eight
 /// 0x00/0xff bytes (the int8 path negates those bytes with `(g ^ m) − m`).
@@ -188,6 +213,35 @@ mod tests {
         let (q, d) = quantize(&z);
         assert_eq!(d[0], 0.0);
         assert!(d[1].is_nan() && q[32..].iter().all(|&c| c == 0));
+    }
+
+    /// The tile kernels' order (class sums in a binary tree over bit-reversed classes) gives
+    /// bitwise the one-row kernels' result, for widths whose classes hold 0, 1 or several chunks.
+    #[test]
+    fn tiled_order_is_the_butterfly() {
+        let mut s = 11u64;
+        for k in [256, 512, 1536, 4096] {
+            let x: Vec<f32> = (0..k).map(|_| (lcg(&mut s) as f32 / (1u64 << 31) as f32 - 0.5) * 5.0).collect();
+            let (xq, xd) = quantize(&x);
+            for f in [PackedFormat::Q8_0, PackedFormat::Q2_K, PackedFormat::IQ2_XXS] {
+                for _ in 0..4 {
+                    let mut row: Vec<u8> = (0..f.row_bytes(k)).map(|_| lcg(&mut s) as u8).collect();
+                    let (bb, offs): (usize, &[usize]) = match f {
+                        PackedFormat::Q8_0 => (34, &[0]),
+                        PackedFormat::Q2_K => (84, &[80, 82]),
+                        _ => (66, &[0]),
+                    };
+                    for b in row.chunks_mut(bb) {
+                        for &o in offs {
+                            let h = 0x2000u16 | (lcg(&mut s) as u16 & 0x0fff);
+                            b[o..o + 2].copy_from_slice(&h.to_le_bytes());
+                        }
+                    }
+                    let (a, b) = (dot(f, &row, k, &xq, &xd), dot_tiled(f, &row, k, &xq, &xd));
+                    assert_eq!(a.to_bits(), b.to_bits(), "{} k {k}: butterfly {a} vs tiled {b}", f.name());
+                }
+            }
+        }
     }
 
     /// The twin's products against the exact f32 products of the dequantised weights: off by

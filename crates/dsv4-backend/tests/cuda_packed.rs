@@ -12,6 +12,7 @@ mod common;
 
 use common::{gpu, rel_err};
 use dsv4_backend::cpu::{CpuBackend, Tensor};
+use dsv4_backend::cuda::quant::{X8Tiles, QGEMV_ROWS};
 use dsv4_backend::cuda::{CudaBackend, CudaTensor};
 use dsv4_backend::Backend;
 use dsv4_model::packed::{Packed, PackedFormat};
@@ -178,16 +179,31 @@ fn cuda_packed_experts_match_cpu() {
 #[test]
 fn cuda_int8_products_match_the_twin() {
     let Some(b) = gpu() else { return };
-    let (m, k) = (40, 512);
     b.set_exact(false);
     b.set_int8(true);
-    for (fi, format) in [PackedFormat::Q8_0, PackedFormat::Q2_K, PackedFormat::IQ2_XXS].into_iter().enumerate() {
+    // Up to 64 rows on the int8 path (33 rows: three row tiles of the tensor-core kernels).
+    b.set_x8_rows(64);
+    // k = 512: 16 chunks of 32, so half the tile kernels' chunk classes are empty; k = 1536:
+    // classes of two chunks and of one. m = 40: a last tile of 8 live outputs.
+    for (fi, (format, k)) in [
+        (PackedFormat::Q8_0, 512),
+        (PackedFormat::Q2_K, 512),
+        (PackedFormat::IQ2_XXS, 512),
+        (PackedFormat::Q8_0, 1536),
+        (PackedFormat::Q2_K, 1536),
+        (PackedFormat::IQ2_XXS, 1536),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let m = 40;
         let p = random_packed(format, m, k, 40 + fi as u64);
         let w = b.upload(host("layers.0.attn.wq_a.weight", m, k, &p)).unwrap();
         let rb = format.row_bytes(k);
-        // One row and row groups of every size (8, 4, 2, 1): each row bitwise its twin, so a
+        // One row, the dp4a row groups' sizes (8, 4, 2, 1) and the tensor-core tiles' (one
+        // n-tile of 8, two of 8, several blocks of 16 rows): each row bitwise its twin, so a
         // row's result does not depend on the rows beside it.
-        for n in [1, 3, 8, 15] {
+        for n in [1, 3, 8, 15, 33] {
             let (xg, xc) = activations(&b, n, k, 77 + fi as u64);
             let got = b.to_host(&b.matmul(&xg, &w));
             for r in 0..n {
@@ -205,6 +221,28 @@ fn cuda_int8_products_match_the_twin() {
             let e = rel_err(&got, &reference(&xc, &p.dequantize(m, k), m, k, 1));
             println!("int8 {} {n} rows: bitwise the twin; {e:.2e} from the exact product", format.name());
             assert!(e <= 2e-2, "int8 {} vs exact: {e:.2e}", format.name());
+        }
+        // The grouped projection (wo_a's shape): two groups of 32 outputs, each over its own k
+        // inputs; tiles of 16 outputs never straddle the groups.
+        if k == 512 {
+            let pg = random_packed(format, 64, k, 60 + fi as u64);
+            let wg = b.upload(host("layers.0.attn.wo_a.weight", 64, k, &pg)).unwrap();
+            let n = 5;
+            let (xg, xc) = activations(&b, n, 2 * k, 83 + fi as u64);
+            let got = b.to_host(&b.grouped_matmul(&xg, &wg, 2));
+            for r in 0..n {
+                for (o, row) in pg.blocks.chunks(rb).enumerate() {
+                    let xr = &xc.data[r * 2 * k + (o / 32) * k..][..k];
+                    let (xq, xd) = dsv4_backend::x8::quantize(xr);
+                    let twin = dsv4_backend::x8::dot(format, row, k, &xq, &xd);
+                    assert_eq!(
+                        got[r * 64 + o].to_bits(),
+                        twin.to_bits(),
+                        "{} grouped, row {r} output {o}",
+                        format.name()
+                    );
+                }
+            }
         }
         // A product on an RMSNorm's output reuses the int8 codes the norm wrote beside it: bitwise
         // the product on a copy of the norm's values (quantised by the product itself).
@@ -226,13 +264,16 @@ fn cuda_int8_products_match_the_twin() {
     c.n_experts_per_tok = 3;
     let bias_g = b.upload(HostTensor::new("bias", vec![ne], vec![0.0; ne])).unwrap();
     let bias_c = Tensor::new(1, ne, vec![0.0; ne]);
-    for n in [1, 5] {
+    // 24 rows: 72 pairs over 8 experts, so the tile kernels take an expert's pairs in several
+    // row tiles of 8. Each size on the dp4a row groups (`Dense`) and on the expert tiles (`All`).
+    for (n, tiles) in [1, 5, 24].into_iter().flat_map(|n| [(n, X8Tiles::Dense), (n, X8Tiles::All)]) {
+        b.set_x8_tiles(tiles);
         let (xg, xc) = activations(&b, n, d, 6);
         let (lg, lc) = activations(&b, n, ne, 10);
         let got = b.to_host(&b.moe(&xg, &b.route(&lg, Some(&bias_g), None, &c), &gpu_e, 0, 10.0));
         let want = cpu.moe(&xc, &cpu.route(&lc, Some(&bias_c), None, &c), &cpu_e, 0, 10.0);
         let e = rel_err(&got, &want.data);
-        println!("int8 IQ2_XXS/Q2_K experts, {n} rows: {e:.2e}");
+        println!("int8 IQ2_XXS/Q2_K experts, {n} rows ({tiles:?}): {e:.2e}");
         assert!(e <= 2e-2, "int8 experts ({n} rows) vs the CPU oracle: {e:.2e}");
         // Batch invariance: each row alone (the one-row kernels, several outputs a warp) is
         // bitwise that row among the n (the row-group kernels).
@@ -259,6 +300,8 @@ fn cuda_int8_products_match_the_twin() {
             assert_eq!(a.to_bits(), g.to_bits(), "shared expert: row {r} alone {a} vs among 5 {g} (column {i})");
         }
     }
+    b.set_x8_tiles(X8Tiles::Dense);
+    b.set_x8_rows(QGEMV_ROWS);
     b.set_int8(false);
 }
 

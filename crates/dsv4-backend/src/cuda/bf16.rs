@@ -323,11 +323,13 @@ fn x8_pairs(
     x: &CudaTensor,
     (h, y): (&mut CudaSlice<f32>, &mut CudaSlice<f32>),
     limit: f32,
+    tiles: bool,
 ) {
     let (ki, di, ii, nei) = (s.k as i32, s.d as i32, s.inter as i32, s.nexp as i32);
     let o = if x.rows == 1 { super::quant::x8_opw() } else { super::quant::X8Opw { gemv: 1, up: 1, down: 1 } };
+    // Warp kernels: 8 outputs a block (per_warp each); tile kernels: 16 a block.
     let grid = |cols: usize, per_warp: usize| LaunchConfig {
-        grid_dim: (p.blocks, cols.div_ceil(8 * per_warp) as u32, 1),
+        grid_dim: (p.blocks, cols.div_ceil(if tiles { 16 } else { 8 * per_warp }) as u32, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -400,7 +402,7 @@ pub(crate) fn shared_expert_x8(
     let mut h = b.alloc::<f32>(inter);
     let mut out = b.tensor(1, d);
     let shape = ExpertShape { nexp: 1, k: 1, d, inter };
-    x8_pairs(b, kernels, &ek.table, &pairs, shape, x, (&mut h, &mut out.data), limit);
+    x8_pairs(b, kernels, &ek.table, &pairs, shape, x, (&mut h, &mut out.data), limit, ek.x8_tiles);
     Some(out)
 }
 
@@ -449,7 +451,15 @@ pub(crate) fn moe(
     let (ki, di, ii, nei) = (k as i32, d as i32, inter as i32, ne as i32);
     // The grouped kernels (quant.cu, bf16 being one of its formats) step 8 values at a time;
     // widths that are not multiples of 8 (no V4 shape) take the cuBLAS path below.
-    if (n <= GROUPED_MAX_ROWS || b.exact()) && d.is_multiple_of(8) && inter.is_multiple_of(8) {
+    // int8 tile kernels (packed experts of int8 formats) serve as many rows as the dense
+    // products' int8 path does (`DSV4_X8_MAX_ROWS`), so a row's experts stay batch invariant
+    // wherever its products do.
+    let tiles = packed
+        && b.int8()
+        && b.x8_tiles() == super::quant::X8Tiles::All
+        && [&experts[0].w1, &experts[0].w2].iter().all(|w| w.q.as_ref().is_some_and(|q| crate::x8::supports(q.format)))
+        && n <= b.x8_rows();
+    if (n <= GROUPED_MAX_ROWS || b.exact() || tiles) && d.is_multiple_of(8) && inter.is_multiple_of(8) {
         let ek = b.packed_expert_kernels(experts, n == 1);
         let table = &ek.table;
         let mut h = b.alloc::<f32>(nk * inter);
@@ -470,7 +480,7 @@ pub(crate) fn moe(
         if let Some(kernels) = ek.x8.filter(|_| d.is_multiple_of(blk) && inter.is_multiple_of(blk)) {
             let pairs = Pairs { order: order.as_view(), off: off.as_view(), active: active.as_view(), blocks };
             let shape = ExpertShape { nexp: ne, k, d, inter };
-            x8_pairs(b, kernels, table, &pairs, shape, x, (&mut h, &mut y), limit);
+            x8_pairs(b, kernels, table, &pairs, shape, x, (&mut h, &mut y), limit, ek.x8_tiles);
         } else {
             ck(
                 unsafe {

@@ -359,6 +359,10 @@ pub struct CudaBackend {
     exact: std::sync::atomic::AtomicBool,
     /// Packed products on int8-quantised activations ([`crate::x8`]; on unless `DSV4_INT8=0`).
     int8: std::sync::atomic::AtomicBool,
+    /// Most rows a packed product runs on int8 activations ([`Self::set_x8_rows`]).
+    x8_rows: std::sync::atomic::AtomicUsize,
+    /// Which int8 products take the tensor-core tiles ([`quant::X8Tiles`] as u8).
+    x8_tiles: std::sync::atomic::AtomicU8,
     /// Recorded steps' persistent inputs and outputs, and the step being recorded.
     pub(crate) steps: Mutex<graph::Steps>,
     /// Device copies of hash layers' `tid2eid` tables, by host address and length.
@@ -461,6 +465,27 @@ impl CudaBackend {
         self.int8.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Packed products of more rows than this take the bf16 path (dequantised weights, cuBLAS),
+    /// whose results depend on the row count; up to it a row's result does not. Starts at
+    /// `DSV4_X8_MAX_ROWS` or [`quant::QGEMV_ROWS`].
+    pub fn set_x8_rows(&self, rows: usize) {
+        self.x8_rows.store(rows, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn x8_rows(&self) -> usize {
+        self.x8_rows.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Which int8 products run on the tensor-core tiles (the same results either way; timing
+    /// and tests). Starts at `DSV4_X8_TILES`.
+    pub fn set_x8_tiles(&self, t: quant::X8Tiles) {
+        self.x8_tiles.store(t as u8, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn x8_tiles(&self) -> quant::X8Tiles {
+        quant::X8Tiles::from_u8(self.x8_tiles.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
     /// Opens device `ordinal`, compiles the kernels and creates the stream and cuBLAS handle.
     pub fn with_weights(ordinal: usize, bf16: bool) -> Result<Self, CudaInitError> {
         // SAFETY: these only try to dlopen the libraries.
@@ -522,6 +547,8 @@ impl CudaBackend {
             bf16,
             exact: std::sync::atomic::AtomicBool::new(false),
             int8: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_INT8").map_or(true, |v| v.trim() != "0")),
+            x8_rows: std::sync::atomic::AtomicUsize::new(quant::qgemv_rows_env()),
+            x8_tiles: std::sync::atomic::AtomicU8::new(quant::X8Tiles::from_env() as u8),
             steps: Mutex::new(graph::Steps::default()),
             hash_tables: Mutex::new(HashMap::new()),
             _blas_workspace: ws,

@@ -4,8 +4,10 @@
 //! [`dsv4_model::packed::Planes`]) and the official FP8 / FP4 weights (FP4's UE8M0 scales as
 //! one byte each) are dequantised inside the kernels: the
 //! small-batch product and the grouped routed experts read each block once per step, which is
-//! what decode at batch 1 is bound by. Larger products dequantise the weight to a bf16 scratch
-//! and use cuBLAS, like bf16 weights.
+//! what decode at batch 1 is bound by. On int8 activations (Q8_0, Q2_K, IQ2_XXS), products of
+//! several rows run on int8 tensor-core tiles (`mma`) or dp4a row groups, bitwise the one-row
+//! sums either way ([`X8Tiles`]). Larger products dequantise the weight to a bf16 scratch and
+//! use cuBLAS, like bf16 weights.
 
 use super::launch::Kernel;
 use super::{cfg1d, ck, CudaBackend, CudaTensor, CudaWeight, X8Twin};
@@ -15,15 +17,17 @@ use dsv4_model::LoadError;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// Largest row count of a packed product that runs the fused-dequant kernel (above it the
-/// weight is dequantised to bf16 for cuBLAS). The kernel reads each weight byte once per group
-/// of up to 8 rows (runs of 8, 4, 2, 1), and a row's result does not depend on the row count.
-/// Above it a row's result does (bf16 activations instead of int8): the default keeps it.
+/// Largest row count of a packed product that runs the fused-dequant kernels (above it the
+/// weight is dequantised to bf16 for cuBLAS). Up to it a row's result does not depend on the
+/// row count (the dp4a row groups read each weight byte once per group of up to 8 rows; the
+/// tensor-core tiles once per 16 rows, with the same sums); above it a row's result does (bf16
+/// activations instead of int8). The tiles would serve more rows, but past 16 their rate halves
+/// with each doubling (PERF.md v14), and prefill on them measured slower than the bf16 path.
 pub const QGEMV_ROWS: usize = 16;
 
 /// The row count above which packed products take the bf16 path: `DSV4_X8_MAX_ROWS`, default
 /// [`QGEMV_ROWS`] (A/B of batch invariance at serving batches against the cuBLAS path).
-pub(crate) fn qgemv_rows() -> usize {
+pub(crate) fn qgemv_rows_env() -> usize {
     static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *ROWS.get_or_init(|| std::env::var("DSV4_X8_MAX_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(QGEMV_ROWS))
 }
@@ -31,14 +35,68 @@ pub(crate) fn qgemv_rows() -> usize {
 /// Warps per block of `quant.cu`'s product and expert kernels (its `Q_WARPS`).
 const Q_WARPS: usize = 8;
 
+/// Which products of several rows on int8 activations run on the tensor-core tiles (`gemvt`,
+/// `moe_upt`, `moe_downt`: bitwise the one-row sums, PERF.md v14) rather than the dp4a row
+/// groups (`gemvx`, `moe_upx`, `moe_downx`: the same results). Start value `DSV4_X8_TILES` =
+/// `dense` (the default: the projections of [`TILE_MIN_ROWS`] rows or more), `all` (the routed
+/// experts too) or `off`; [`CudaBackend::set_x8_tiles`] changes it. Measured on the 43-layer q2
+/// step at batch 16: dense 54.5 ms, off 62.2, all 76.6 (an expert holds one or two of the
+/// step's rows, where the tiles read 16 outputs' codes in narrow loads: PERF.md v14).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum X8Tiles {
+    Off = 0,
+    Dense = 1,
+    All = 2,
+}
+
+impl X8Tiles {
+    pub(crate) fn from_env() -> Self {
+        match std::env::var("DSV4_X8_TILES").as_deref() {
+            Err(_) | Ok("dense") => X8Tiles::Dense,
+            Ok("1" | "all") => X8Tiles::All,
+            Ok("0" | "off") => X8Tiles::Off,
+            Ok(v) => {
+                tracing::warn!("DSV4_X8_TILES={v:?} is not dense, all or off; using dense");
+                X8Tiles::Dense
+            }
+        }
+    }
+
+    pub(crate) fn from_u8(v: u8) -> Self {
+        match v {
+            0 => X8Tiles::Off,
+            1 => X8Tiles::Dense,
+            _ => X8Tiles::All,
+        }
+    }
+}
+
+/// Fewest rows a dense product takes the tiles at: below, the dp4a row groups are faster (one
+/// weight pass for up to 8 rows; at 2 and 4 rows 1.4–2× the tiles' rate in the kernel table).
+pub const TILE_MIN_ROWS: usize = 5;
+
+/// Outputs a tile block covers (the mma's 16) and rows an n-tile holds (its 8).
+const TILE_OUTPUTS: usize = 16;
+const TILE_ROWS: usize = 8;
+
+/// The tile product kernel for `n` rows and `m` outputs: n-tiles a block (1 or 2) and warps a
+/// block (16 where the grid would not fill the GPU twice over, else 8); all give the same sums.
+fn tile_gemv(n: usize, m: usize) -> (usize, usize) {
+    let nt = if n <= TILE_ROWS { 1 } else { 2 };
+    let blocks = n.div_ceil(TILE_ROWS * nt) * m.div_ceil(TILE_OUTPUTS);
+    (nt, if blocks < 264 { 16 } else { 8 })
+}
+
 /// The grouped expert kernels of one expert set.
 pub(crate) struct ExpertKernels<'a> {
     pub up: &'a CudaFunction,
     pub down: &'a CudaFunction,
     pub table: Arc<CudaSlice<u64>>,
-    /// The int8-activation kernels (up, down; the one-row ones for `single`), where the
-    /// backend's int8 path is on and both formats have them.
+    /// The int8-activation kernels (up, down; the one-row ones for `single`, else the tile
+    /// ones where [`X8Tiles::All`]), where the backend's int8 path is on and both formats have them.
     pub x8: Option<(&'a CudaFunction, &'a CudaFunction)>,
+    /// `x8` are the tile kernels (`moe_upt` / `moe_downt`: blocks of 16 outputs).
+    pub x8_tiles: bool,
 }
 
 /// A weight in a packed format on the device.
@@ -128,8 +186,11 @@ impl QuantKernels {
             }
         }
         for f in PackedFormat::ALL.into_iter().filter(|&f| crate::x8::supports(f)).map(suffix) {
-            for k in ["gemv1x", "moe_up1x", "moe_down1x", "gemvx", "moe_upx", "moe_downx"] {
+            for k in ["gemv1x", "moe_up1x", "moe_down1x", "gemvx", "moe_upx", "moe_downx", "moe_upt", "moe_downt"] {
                 names.push(format!("{k}_{f}"));
+            }
+            for (nt, w) in [(1, 8), (2, 8), (1, 16), (2, 16)] {
+                names.push(format!("gemvt{nt}{w}_{f}"));
             }
         }
         let mut m = HashMap::new();
@@ -321,7 +382,7 @@ impl CudaBackend {
     pub(crate) fn matmul_packed(&self, x: &CudaTensor, q: &QuantDev, m: usize, k: usize, groups: usize) -> CudaTensor {
         let n = x.rows;
         assert_eq!(x.cols, groups * k, "packed product: input width {} vs {groups} × {k}", x.cols);
-        if n > qgemv_rows() && !self.exact() {
+        if n > self.x8_rows() && !self.exact() {
             let bf = self.dequant_bf16(q, m, k);
             return self.matmul_bf16(x, &bf, m, k, groups);
         }
@@ -338,14 +399,26 @@ impl CudaBackend {
         if self.int8() && crate::x8::supports(q.format) && k.is_multiple_of(blk) && x.cols.is_multiple_of(blk) {
             let opw = if n == 1 { x8_opw().gemv } else { 1 };
             assert!((m / groups).is_multiple_of(opw), "packed product: {} rows a group vs {opw} a warp", m / groups);
-            let cfg = LaunchConfig { grid_dim: (m.div_ceil(Q_WARPS * opw) as u32, 1, 1), ..cfg };
+            // Tiles of 16 outputs must not straddle two groups' activations.
+            let tiles = n >= TILE_MIN_ROWS
+                && self.x8_tiles() != X8Tiles::Off
+                && (groups == 1 || (m / groups).is_multiple_of(TILE_OUTPUTS));
+            let (kernel, cfg) = if tiles {
+                let (nt, w) = tile_gemv(n, m);
+                let grid = (n.div_ceil(TILE_ROWS * nt) as u32, m.div_ceil(TILE_OUTPUTS) as u32, 1);
+                let cfg = LaunchConfig { grid_dim: grid, block_dim: (32 * w as u32, 1, 1), shared_mem_bytes: 0 };
+                (self.qk.of(&format!("gemvt{nt}{w}"), q.format), cfg)
+            } else {
+                let cfg = LaunchConfig { grid_dim: (m.div_ceil(Q_WARPS * opw) as u32, 1, 1), ..cfg };
+                (self.qk.of(if n == 1 { "gemv1x" } else { "gemvx" }, q.format), cfg)
+            };
             let X8Twin { q: xq, d: xd } = self.x8_of(x);
             // SAFETY: argument types and buffer sizes match the kernel; xq holds the rows'
             // codes (16-byte aligned: a fresh allocation, rows and chunks of multiples of 32).
             ck(
                 unsafe {
                     self.stream
-                        .kernel(self.qk.of(if n == 1 { "gemv1x" } else { "gemvx" }, q.format))
+                        .kernel(kernel)
                         .arg(&mut out.data)
                         .arg(xq)
                         .arg(xd)
@@ -475,13 +548,16 @@ impl CudaBackend {
         let r = if single { "1" } else { "" };
         let int8 = |w: &CudaWeight| w.q.as_ref().is_some_and(|q| crate::x8::supports(q.format));
         let ex = &experts[0];
+        let x8_tiles = !single && self.x8_tiles() == X8Tiles::All;
+        let x = if x8_tiles { "t" } else { "x" };
         let x8 = (self.int8() && int8(&ex.w1) && int8(&ex.w3) && int8(&ex.w2))
-            .then(|| (self.qk.get(&format!("moe_up{r}x_{f13}")), self.qk.get(&format!("moe_down{r}x_{f2}"))));
+            .then(|| (self.qk.get(&format!("moe_up{r}{x}_{f13}")), self.qk.get(&format!("moe_down{r}{x}_{f2}"))));
         ExpertKernels {
             up: self.qk.get(&format!("moe_up{r}_{f13}")),
             down: self.qk.get(&format!("moe_down{r}_{f2}")),
             table: self.address_table(ptrs),
             x8,
+            x8_tiles,
         }
     }
 

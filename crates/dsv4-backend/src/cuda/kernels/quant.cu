@@ -942,6 +942,376 @@ X8_KERNELS(F_Q8_0, q8_0)
 X8_KERNELS(F_Q2_K, q2_k)
 X8_KERNELS(F_IQ2_XXS, iq2_xxs)
 
+// ---- int8 tensor-core tiles: several rows on `mma` (m16n8k32 / m16n8k16 on s8), bitwise the
+// one-row sums.
+//
+// The one-row kernels (xrows_dot) form output o of a row as: lane l sums its chunks c = 32l +
+// 1024i in increasing i (an exact integer dot and one f32 FMA per scale group each), then the
+// warp's butterfly adds the 32 lane sums. An mma over one 32-value chunk yields exactly that
+// chunk's integer dots for 16 outputs × 8 rows, so a tile reproduces every row's one-row result
+// if it keeps the order of the f32 operations: each chunk class l (chunks l, l + 32, ... of 32
+// values) is summed on its own in increasing i, and the 32 class sums are added in the
+// butterfly's tree. That tree pairs lanes l and l ^ 16 first, then ^ 8, ^ 4, ^ 2, ^ 1: with the
+// classes visited in bit-reversed order (class brev5(t) for t = 0..31) it is the plain binary
+// tree over t. Each of a block's W warps takes 32 / W consecutive t (a subtree), and the block
+// adds the W subtree sums in shared memory in the same tree. Nothing depends on the number of
+// rows or on a row's place in the tile, so a row's result is the one-row kernel's at any batch
+// (batch invariance), and a verify row equals its decode row.
+//
+// Fragments (PTX ISA, mma.m16n8k32 .s8; g = lane / 4, t = lane % 4): A (16 outputs × 32 values)
+// is {output g's bytes 4t..4t+3, output g+8's, output g's bytes 16+4t.., output g+8's}; B (32
+// values × 8 rows) is {row g's bytes 4t.., row g's bytes 16+4t..}; C holds (output g, rows 2t and
+// 2t+1) and (output g+8, rows 2t and 2t+1). m16n8k16 takes the first or the second half of A
+// and B: Q2_K's two scale groups of 16 values.
+
+__device__ __forceinline__ void mma_k32(int* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                        unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
+}
+
+__device__ __forceinline__ void mma_k16(int* d, unsigned a0, unsigned a1, unsigned b0) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%7,%7,%7};"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(a0), "r"(a1), "r"(b0), "r"(0));
+}
+
+// One output row's raw words of a chunk for lane t (of its quad): Q8_0 the code words at 4t and
+// 16+4t and d; IQ2_XXS the sub-block's two words and d; Q2_K the code words at 4t and 16+4t,
+// d/dmin and the two groups' scale bytes. Loads only (see XRaw).
+struct TRaw {
+    unsigned u[4];
+};
+
+template <int F>
+__device__ __forceinline__ TRaw traw(const u8* __restrict__ w, const u8* __restrict__ s, int c, int t) {
+    TRaw r;
+    if (F == F_Q8_0) {
+        uint2 q = *(const uint2*)(w + c + 8 * t);  // values 8t..8t+7 (see tdec)
+        r.u[0] = q.x;
+        r.u[1] = q.y;
+        r.u[2] = ld16(s + 2 * (c >> 5));
+        r.u[3] = 0;
+    } else if (F == F_Q2_K) {
+        const u8* b = w + 64 * (c >> 8) + 32 * ((c & 255) >> 7);
+        const u8* hd = s + 20 * (c >> 8);
+        r.u[0] = *(const unsigned*)(b + 4 * t);
+        r.u[1] = *(const unsigned*)(b + 16 + 4 * t);
+        r.u[2] = *(const unsigned*)(hd + 16);
+        r.u[3] = ld16(hd + ((c & 255) >> 4));
+    } else {  // F_IQ2_XXS
+        uint2 q = *(const uint2*)(w + 8 * (c >> 5));
+        r.u[0] = q.x;
+        r.u[1] = q.y;
+        r.u[2] = ld16(s + 2 * (c >> 8));
+        r.u[3] = 0;
+    }
+    return r;
+}
+
+// The lane's two A words of one output row and the row's scales as xdec32 forms them: d[g] per
+// scale group (and Q2_K's min factors m[g]). An integer dot does not depend on the order of its
+// terms, so the k of a 32-value mma may be permuted as long as A and B agree: Q8_0 and IQ2_XXS
+// give lane t the chunk's values 8t..8t+3 (lo, the fragment's k 4t..) and 8t+4..8t+7 (hi, its k
+// 16+4t..), one 8-byte load each for codes and activations, and IQ2_XXS's lane decodes one grid
+// entry; Q2_K (two k16 mmas, one per scale group of 16) keeps values 4t.. and 16+4t...
+struct TDec {
+    unsigned lo, hi;
+    float d[2], m[2];
+};
+
+template <int F>
+__device__ __forceinline__ TDec tdec(const TRaw& r, int c, int t) {
+    TDec o;
+    if (F == F_Q8_0) {
+        o.lo = r.u[0];
+        o.hi = r.u[1];
+        o.d[0] = h2f((u16)r.u[2]);
+    } else if (F == F_Q2_K) {
+        int sh = 2 * ((c >> 5) & 3);
+        o.lo = (r.u[0] >> sh) & 0x03030303u;
+        o.hi = (r.u[1] >> sh) & 0x03030303u;
+        float d = h2f((u16)r.u[2]), dm = h2f((u16)(r.u[2] >> 16));
+#pragma unroll
+        for (int g = 0; g < 2; g++) {
+            unsigned k = (r.u[3] >> (8 * g)) & 255u;
+            o.d[g] = __fmul_rn(d, (float)(k & 15));
+            o.m[g] = __fmul_rn(dm, (float)(k >> 4));
+        }
+    } else {  // F_IQ2_XXS
+        unsigned a = r.u[0], sg = r.u[1];
+        o.d[0] = __fmul_rn(__fmul_rn(h2f((u16)r.u[2]), 0.5f + (float)(sg >> 28)), 0.25f);
+        unsigned long long grid = TAB_GRID((a >> (8 * t)) & 255);  // values 8t..8t+7
+        unsigned sb = iq2_signs((sg >> (7 * t)) & 127);
+        unsigned blo = nibble_bytes(sb & 15u), bhi = nibble_bytes(sb >> 4);
+        o.lo = (((unsigned)grid) ^ (blo * 255u)) + blo;
+        o.hi = (((unsigned)(grid >> 32)) ^ (bhi * 255u)) + bhi;
+    }
+    return o;
+}
+
+__device__ __forceinline__ int brev5(int t) { return (int)(__brev((unsigned)t) >> 27); }
+
+// The 16-output tile at o0 (outputs past m: the last row again, not stored) of P weight matrices
+// (codes w[p], heads s[p], k values a row) against the same 8·NT activation rows. xrow(r, q, d)
+// gives tile row r's int8 codes and block scales (both nullptr for a row past the tile's live
+// rows). store(o, r, v) gets v[0..P] of every output o < m and tile row r < nrows, from one
+// thread. W warps take 32 / W classes each, U chunks loaded ahead; each class sum goes to `red`
+// (32·P·16·8·NT floats), and the block adds the 32 in the butterfly's tree. Every thread of the
+// block must call it (barriers).
+template <int F, int NT, int P, int W, int U, typename XR, typename ST>
+__device__ __forceinline__ void xtile(const u8* const* w, const u8* const* s, int o0, int m, int k, XR xrow, int nrows,
+                                      ST store, float* red) {
+    constexpr int NR = 8 * NT;
+    int wp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const u8* wr[P][2];
+    const u8* sr[P][2];
+#pragma unroll
+    for (int p = 0; p < P; p++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int o = min(o0 + g + 8 * h, m - 1);
+            wr[p][h] = w[p] + (long long)o * row_bytes(F, k);
+            sr[p][h] = scale_row(F, s[p], o, k);
+        }
+    // Per n-tile: row g's codes and block scales (this lane's B words; the scales of C's columns,
+    // rows 2t and 2t+1, come from lanes 8t and 8t + 4 by shuffles).
+    const signed char* bq[NT];
+    const float* bd[NT];
+#pragma unroll
+    for (int j = 0; j < NT; j++) xrow(8 * j + g, bq[j], bd[j]);
+#pragma unroll 1
+    for (int tt = wp * (32 / W); tt < (wp + 1) * (32 / W); tt++) {
+        int l = brev5(tt);
+        float acc[P][NT][4];
+#pragma unroll
+        for (int p = 0; p < P; p++)
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[p][j][e] = 0.f;
+        for (int c0 = 32 * l; c0 < k; c0 += 1024 * U) {
+            TRaw raw[U][P][2];
+            unsigned bw[U][NT][2];
+            float dx[U][NT][2];
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                int c = c0 + 1024 * u;
+                if (c < k) {
+#pragma unroll
+                    for (int p = 0; p < P; p++)
+#pragma unroll
+                        for (int h = 0; h < 2; h++) raw[u][p][h] = traw<F>(wr[p][h], sr[p][h], c, t);
+#pragma unroll
+                    for (int j = 0; j < NT; j++) {
+                        if (F == F_Q2_K) {
+                            bw[u][j][0] = bq[j] ? *(const unsigned*)(bq[j] + c + 4 * t) : 0u;
+                            bw[u][j][1] = bq[j] ? *(const unsigned*)(bq[j] + c + 16 + 4 * t) : 0u;
+                        } else {
+                            uint2 b = bq[j] ? *(const uint2*)(bq[j] + c + 8 * t) : make_uint2(0u, 0u);
+                            bw[u][j][0] = b.x;
+                            bw[u][j][1] = b.y;
+                        }
+                        dx[u][j][0] = bq[j] ? bd[j][c >> 5] : 0.f;  // row g's; see below
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                int c = c0 + 1024 * u;
+                if (c >= k) break;
+#pragma unroll
+                for (int j = 0; j < NT; j++) {  // C's columns: rows 2t and 2t+1
+                    float dg = dx[u][j][0];
+                    dx[u][j][0] = __shfl_sync(0xffffffffu, dg, 8 * t);
+                    dx[u][j][1] = __shfl_sync(0xffffffffu, dg, 8 * t + 4);
+                }
+#pragma unroll
+                for (int p = 0; p < P; p++) {
+                    TDec a0 = tdec<F>(raw[u][p][0], c, t), a1 = tdec<F>(raw[u][p][1], c, t);
+#pragma unroll
+                    for (int j = 0; j < NT; j++) {
+                        if (F == F_Q2_K) {
+                            // Per group, xapply32's order: d·dx times the codes' dot, then −m·dx
+                            // times the sum of the row's codes (rows 2t, 2t+1's sums come from
+                            // the quads holding those rows' B words).
+#pragma unroll
+                            for (int gi = 0; gi < 2; gi++) {
+                                int is[4];
+                                mma_k16(is, gi ? a0.hi : a0.lo, gi ? a1.hi : a1.lo, bw[u][j][gi]);
+                                int xs = __dp4a(0x01010101, (int)bw[u][j][gi], 0);
+                                xs += __shfl_xor_sync(0xffffffffu, xs, 1);
+                                xs += __shfl_xor_sync(0xffffffffu, xs, 2);
+                                int xs0 = __shfl_sync(0xffffffffu, xs, 8 * t);
+                                int xs1 = __shfl_sync(0xffffffffu, xs, 8 * t + 4);
+#pragma unroll
+                                for (int e = 0; e < 4; e++) {
+                                    const TDec& a = e < 2 ? a0 : a1;
+                                    float dxe = dx[u][j][e & 1], v = acc[p][j][e];
+                                    v = __fmaf_rn(__fmul_rn(dxe, a.d[gi]), i2f_small(is[e]), v);
+                                    v = __fmaf_rn(-__fmul_rn(dxe, a.m[gi]), i2f_small((e & 1) ? xs1 : xs0), v);
+                                    acc[p][j][e] = v;
+                                }
+                            }
+                        } else {
+                            int is[4];
+                            mma_k32(is, a0.lo, a1.lo, a0.hi, a1.hi, bw[u][j][0], bw[u][j][1]);
+#pragma unroll
+                            for (int e = 0; e < 4; e++) {
+                                const TDec& a = e < 2 ? a0 : a1;
+                                acc[p][j][e] =
+                                    __fmaf_rn(__fmul_rn(a.d[0], dx[u][j][e & 1]), i2f_small(is[e]), acc[p][j][e]);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int p = 0; p < P; p++)
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int oo = g + 8 * (e >> 1), rr = 8 * j + 2 * t + (e & 1);
+                    red[((tt * P + p) * 16 + oo) * NR + rr] = acc[p][j][e];
+                }
+    }
+    __syncthreads();
+    // The 32 class sums (in bit-reversed class order) in the tree: neighbours, pairs of pairs, ...
+    for (int i = threadIdx.x; i < 16 * NR; i += 32 * W) {
+        int oo = i / NR, rr = i % NR;
+        float v[P];
+#pragma unroll
+        for (int p = 0; p < P; p++) {
+            float a[32];
+#pragma unroll
+            for (int q = 0; q < 32; q++) a[q] = red[((q * P + p) * 16 + oo) * NR + rr];
+#pragma unroll
+            for (int st = 1; st < 32; st *= 2)
+#pragma unroll
+                for (int q = 0; q < 32; q += 2 * st) a[q] = a[q] + a[q + st];
+            v[p] = a[0];
+        }
+        if (o0 + oo < m && rr < nrows) store(o0 + oo, rr, v);
+    }
+    __syncthreads();  // red is free again
+}
+
+// out[r, o] for n rows on tensor-core tiles (see gemvn_x8: the same results); grid (row tiles of
+// 8·NT, output tiles of 16). rpg a multiple of 16 (a tile's outputs share their activations).
+template <int F, int NT, int W>
+__device__ void gemvt_x8(float* __restrict__ out, const signed char* __restrict__ xq, const float* __restrict__ xd,
+                         const u8* __restrict__ w, const u8* __restrict__ s, int n, int k, int m, int ldx, int rpg) {
+    __shared__ float red[32 * 16 * 8 * NT];
+    int o0 = blockIdx.y * 16, r0 = blockIdx.x * 8 * NT;
+    long long xoff = (long long)(o0 / rpg) * k;
+    const u8* wp[1] = {w};
+    const u8* sp[1] = {s};
+    xtile<F, NT, 1, W, 4>(
+        wp, sp, o0, m, k,
+        [&](int r, const signed char*& q, const float*& d) {
+            bool live = r0 + r < n;
+            long long e = (long long)(r0 + r) * ldx + xoff;
+            q = live ? xq + e : nullptr;
+            d = live ? xd + e / 32 : nullptr;
+        },
+        n - r0, [&](int o, int r, const float* v) { out[(long long)(r0 + r) * m + o] = v[0]; }, red);
+}
+
+// Routed experts of several token rows on tensor-core tiles (see moe_upn_x8: the same results):
+// block (x-th active expert, 16 outputs), the expert's pairs in row tiles of 8·NT; gate and up
+// share the activations' fragments.
+template <int F, int NT, int W>
+__device__ void moe_upt_x8(float* __restrict__ h, const signed char* __restrict__ xq, const float* __restrict__ xd,
+                           const unsigned* order, const unsigned* off, const unsigned* active,
+                           const unsigned long long* ptrs, int nexp, int k, int d, int inter, float limit) {
+    __shared__ float red[32 * 2 * 16 * 8 * NT];
+    if (blockIdx.x >= active[nexp]) return;  // uniform in the block
+    unsigned e = active[blockIdx.x];
+    int o0 = blockIdx.y * 16;
+    const u8* wp[2] = {(const u8*)ptrs[e], (const u8*)ptrs[nexp + e]};
+    const u8* sp[2] = {(const u8*)ptrs[3 * nexp + e], (const u8*)ptrs[4 * nexp + e]};
+    unsigned b0 = off[e];
+    int cnt = (int)(off[e + 1] - b0);
+    for (int r0 = 0; r0 < cnt; r0 += 8 * NT) {
+        xtile<F, NT, 2, W, 2>(
+            wp, sp, o0, inter, d,
+            [&](int r, const signed char*& q, const float*& s) {
+                bool live = r0 + r < cnt;
+                long long tk = live ? order[b0 + r0 + r] / k : 0;
+                q = live ? xq + tk * d : nullptr;
+                s = live ? xd + tk * d / 32 : nullptr;
+            },
+            cnt - r0,
+            [&](int o, int r, const float* v) {
+                h[(long long)order[b0 + r0 + r] * inter + o] = swiglu_q(v[0], v[1], limit);
+            },
+            red);
+    }
+}
+
+template <int F, int NT, int W>
+__device__ void moe_downt_x8(float* __restrict__ y, const signed char* __restrict__ hq, const float* __restrict__ hd,
+                             const unsigned* order, const unsigned* off, const unsigned* active,
+                             const unsigned long long* ptrs, int nexp, int d, int inter) {
+    __shared__ float red[32 * 16 * 8 * NT];
+    if (blockIdx.x >= active[nexp]) return;  // uniform in the block
+    unsigned e = active[blockIdx.x];
+    int o0 = blockIdx.y * 16;
+    const u8* wp[1] = {(const u8*)ptrs[2 * nexp + e]};
+    const u8* sp[1] = {(const u8*)ptrs[5 * nexp + e]};
+    unsigned b0 = off[e];
+    int cnt = (int)(off[e + 1] - b0);
+    for (int r0 = 0; r0 < cnt; r0 += 8 * NT) {
+        xtile<F, NT, 1, W, 2>(
+            wp, sp, o0, d, inter,
+            [&](int r, const signed char*& q, const float*& s) {
+                bool live = r0 + r < cnt;
+                long long pr = live ? order[b0 + r0 + r] : 0;
+                q = live ? hq + pr * inter : nullptr;
+                s = live ? hd + pr * inter / 32 : nullptr;
+            },
+            cnt - r0, [&](int o, int r, const float* v) { y[(long long)order[b0 + r0 + r] * d + o] = v[0]; }, red);
+    }
+}
+
+// Tile kernels: gemvt_{n}{w}_F (NT = n n-tiles of 8 rows, w warps), moe_upt_F, moe_downt_F.
+#define TILE_GEMV(F, N, NT, W)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * W) gemvt##NT##W##_##N(                                         \
+        float* out, const signed char* xq, const float* xd, const u8* w, const u8* s, int n, int k, int m, int ldx, \
+        int rpg) {                                                                                                   \
+        pdl_enter();                                                                                                 \
+        fill_tabs<F, true>();                                                                                        \
+        gemvt_x8<F, NT, W>(out, xq, xd, w, s, n, k, m, ldx, rpg);                                                    \
+    }
+
+#define TILE_KERNELS(F, N)                                                                                           \
+    TILE_GEMV(F, N, 1, 8)                                                                                            \
+    TILE_GEMV(F, N, 2, 8)                                                                                            \
+    TILE_GEMV(F, N, 1, 16)                                                                                           \
+    TILE_GEMV(F, N, 2, 16)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(256) moe_upt_##N(                                                   \
+        float* h, const signed char* xq, const float* xd, const unsigned* order, const unsigned* off,               \
+        const unsigned* active, const unsigned long long* ptrs, int nexp, int k, int d, int inter, float limit) {    \
+        pdl_enter();                                                                                                 \
+        fill_tabs<F, true>();                                                                                        \
+        moe_upt_x8<F, 1, 8>(h, xq, xd, order, off, active, ptrs, nexp, k, d, inter, limit);                          \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(256) moe_downt_##N(                                                 \
+        float* y, const signed char* hq, const float* hd, const unsigned* order, const unsigned* off,               \
+        const unsigned* active, const unsigned long long* ptrs, int nexp, int d, int inter) {                        \
+        pdl_enter();                                                                                                 \
+        fill_tabs<F, true>();                                                                                        \
+        moe_downt_x8<F, 1, 8>(y, hq, hd, order, off, active, ptrs, nexp, d, inter);                                  \
+    }
+
+TILE_KERNELS(F_Q8_0, q8_0)
+TILE_KERNELS(F_Q2_K, q2_k)
+TILE_KERNELS(F_IQ2_XXS, iq2_xxs)
+
 // out[i, :] = f32(table[idx[i], :]) for a bf16 table (the embedding).
 extern "C" __global__ void gather_bf16(float* out, const u16* table, const unsigned* idx, int n, int cols) {
     pdl_enter();
