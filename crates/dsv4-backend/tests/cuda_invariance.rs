@@ -27,7 +27,7 @@ fn argmax(l: &[f32]) -> u32 {
 
 /// Sequence 0 prefills `prompt` in `chunks`, then decodes `DECODE` greedy tokens; with
 /// `other`, sequence 1 prefills and decodes beside it in the same steps (its rows after
-/// sequence 0's, at most `GEMV_ROWS` rows a step in all); with `skip`, sequence 0 takes the
+/// sequence 0's, at most `cap` rows a step in all); with `skip`, sequence 0 takes the
 /// second state slot (an idle sequence holds the first). Returns sequence 0's logits: the
 /// prompt's last row, then each decode row.
 fn run(
@@ -36,6 +36,7 @@ fn run(
     chunks: &[usize],
     other: Option<&[u32]>,
     skip: bool,
+    cap: usize,
 ) -> Vec<Vec<f32>> {
     let v = m.cfg.vocab_size;
     let idle = skip.then(|| m.alloc_seq().unwrap());
@@ -49,7 +50,7 @@ fn run(
         let mut rows: Vec<Row> = (0..n).map(|i| Row { seq: s0, pos: off0 + i, token: prompt[off0 + i] }).collect();
         off0 += n;
         if let (Some(s1), Some(o)) = (s1, other) {
-            let k = (GEMV_ROWS - n).min(o.len() - off1).min(1 + ci % 3);
+            let k = (cap - n).min(o.len() - off1).min(1 + ci % 3);
             rows.extend((0..k).map(|i| Row { seq: s1, pos: off1 + i, token: o[off1 + i] }));
             off1 += k;
         }
@@ -84,34 +85,54 @@ fn first_difference(a: &[Vec<f32>], b: &[Vec<f32>]) -> Option<usize> {
     a.iter().zip(b).position(|(x, y)| x.iter().zip(y).any(|(p, q)| p.to_bits() != q.to_bits()))
 }
 
-#[test]
-fn cuda_chunking_and_batching_are_bitwise_invariant() {
-    let Some(b) = gpu() else { return };
+/// Sequence 0's prompt (`cap` · 5 tokens) chunked in several ways, alone and beside another
+/// sequence, every step at most `cap` rows: the cases whose logits differ from chunks of `cap`
+/// alone.
+fn failures(cap: usize, mixed: &[usize]) -> Vec<String> {
+    let Some(b) = gpu() else { return Vec::new() };
     let dir = fixtures_dir().join(FIXTURE);
     let mut m = Model::load(b, &dir, 3, false).unwrap();
-    let prompt = tokens(40, m.cfg.vocab_size, 7);
+    let prompt = tokens(5 * cap, m.cfg.vocab_size, 7);
     let other = tokens(30, m.cfg.vocab_size, 8);
-    let eights: Vec<usize> = std::iter::repeat_n(GEMV_ROWS, prompt.len() / GEMV_ROWS).collect();
-    let reference = run(&mut m, &prompt, &eights, None, false);
+    let full = vec![cap; 5];
+    let reference = run(&mut m, &prompt, &full, None, false, cap);
     let ones = vec![1; prompt.len()];
-    let mixed = [3, 5, 1, 8, 7, 2, 6, 4, 4];
     assert_eq!(mixed.iter().sum::<usize>(), prompt.len());
+    assert!(mixed.iter().all(|&c| c <= cap));
     let fours = vec![4; prompt.len() / 4];
     let mut failures = Vec::new();
     for (name, chunks, o, skip) in [
         ("chunks of 1", &ones[..], None, false),
-        ("mixed chunks", &mixed[..], None, false),
-        ("the same chunks in the second state slot", &eights[..], None, true),
+        ("mixed chunks", mixed, None, false),
+        ("the same chunks in the second state slot", &full[..], None, true),
         ("chunks of 4 beside another sequence", &fours[..], Some(&other[..]), false),
-        ("mixed chunks beside another sequence", &mixed[..], Some(&other[..]), true),
+        ("mixed chunks beside another sequence", mixed, Some(&other[..]), true),
     ] {
-        let got = run(&mut m, &prompt, chunks, o, skip);
+        let got = run(&mut m, &prompt, chunks, o, skip, cap);
         match first_difference(&reference, &got) {
-            None => println!("{name}: bitwise equal to chunks of {GEMV_ROWS} alone"),
+            None => println!("{name}: bitwise equal to chunks of {cap} alone"),
             Some(i) => {
                 failures.push(format!("{name}: logits row {i} (0 = the prompt's last, i = decode step i) differs"))
             }
         }
     }
-    assert!(failures.is_empty(), "batch invariance broken on the GPU: {failures:?}");
+    failures
+}
+
+#[test]
+fn cuda_chunking_and_batching_are_bitwise_invariant() {
+    let f = failures(GEMV_ROWS, &[3, 5, 1, 8, 7, 2, 6, 4, 4]);
+    assert!(f.is_empty(), "batch invariance broken on the GPU: {f:?}");
+}
+
+/// Steps of up to 16 rows, as `dsv4 serve --token-budget 16` makes: bf16 products of 9–16
+/// rows take cuBLAS (above `GEMV_ROWS`), whose kernel choice depends on the row count, the
+/// likely cause of the GPU serving run's differing greedy outputs (PERF.md, after v14). Run with
+/// `--ignored` to check that on a GPU; it stays ignored until the bf16 products are invariant
+/// at 16 rows.
+#[test]
+#[ignore = "known: bf16 products of 9-16 rows are not batch invariant (PERF.md, after v14)"]
+fn cuda_invariance_at_16_rows() {
+    let f = failures(16, &[3, 13, 1, 16, 7, 2, 6, 16, 9, 7]);
+    assert!(f.is_empty(), "batch invariance at 16 rows broken on the GPU: {f:?}");
 }
