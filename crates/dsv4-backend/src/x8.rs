@@ -199,6 +199,23 @@ mod tests {
         *s >> 33
     }
 
+    /// A row of `k` values of format `f` in random blocks with finite, moderate f16 scales.
+    fn random_row(f: PackedFormat, k: usize, s: &mut u64) -> Vec<u8> {
+        let mut row: Vec<u8> = (0..f.row_bytes(k)).map(|_| lcg(s) as u8).collect();
+        let (bb, offs): (usize, &[usize]) = match f {
+            PackedFormat::Q8_0 => (34, &[0]),
+            PackedFormat::Q2_K => (84, &[80, 82]),
+            _ => (66, &[0]),
+        };
+        for b in row.chunks_mut(bb) {
+            for &o in offs {
+                let h = 0x2000u16 | (lcg(s) as u16 & 0x0fff);
+                b[o..o + 2].copy_from_slice(&h.to_le_bytes());
+            }
+        }
+        row
+    }
+
     #[test]
     fn quantised_activations_are_within_half_a_step() {
         let mut s = 1u64;
@@ -225,18 +242,7 @@ mod tests {
             let (xq, xd) = quantize(&x);
             for f in [PackedFormat::Q8_0, PackedFormat::Q2_K, PackedFormat::IQ2_XXS] {
                 for _ in 0..4 {
-                    let mut row: Vec<u8> = (0..f.row_bytes(k)).map(|_| lcg(&mut s) as u8).collect();
-                    let (bb, offs): (usize, &[usize]) = match f {
-                        PackedFormat::Q8_0 => (34, &[0]),
-                        PackedFormat::Q2_K => (84, &[80, 82]),
-                        _ => (66, &[0]),
-                    };
-                    for b in row.chunks_mut(bb) {
-                        for &o in offs {
-                            let h = 0x2000u16 | (lcg(&mut s) as u16 & 0x0fff);
-                            b[o..o + 2].copy_from_slice(&h.to_le_bytes());
-                        }
-                    }
+                    let row = random_row(f, k, &mut s);
                     let (a, b) = (dot(f, &row, k, &xq, &xd), dot_tiled(f, &row, k, &xq, &xd));
                     assert_eq!(a.to_bits(), b.to_bits(), "{} k {k}: butterfly {a} vs tiled {b}", f.name());
                 }
@@ -254,19 +260,7 @@ mod tests {
         let (xq, xd) = quantize(&x);
         for f in [PackedFormat::Q8_0, PackedFormat::Q2_K, PackedFormat::IQ2_XXS] {
             for r in 0..8 {
-                let mut row: Vec<u8> = (0..f.row_bytes(k)).map(|_| lcg(&mut s) as u8).collect();
-                // Finite, moderate f16 scales in every block.
-                let (bb, offs): (usize, &[usize]) = match f {
-                    PackedFormat::Q8_0 => (34, &[0]),
-                    PackedFormat::Q2_K => (84, &[80, 82]),
-                    _ => (66, &[0]),
-                };
-                for b in row.chunks_mut(bb) {
-                    for &o in offs {
-                        let h = 0x2000u16 | (lcg(&mut s) as u16 & 0x0fff);
-                        b[o..o + 2].copy_from_slice(&h.to_le_bytes());
-                    }
-                }
+                let row = random_row(f, k, &mut s);
                 let mut w = vec![0f32; k];
                 match f {
                     PackedFormat::Q8_0 => dequant_q8_0(&row, &mut w),

@@ -293,6 +293,23 @@ __device__ __forceinline__ XRaw xraw32(const u8* __restrict__ w, const u8* __res
     return r;
 }
 
+// Q2_K's two scale groups of a chunk from d/dmin (one word) and the groups' scale bytes (the low
+// two bytes of sc): d[g] = d · (k & 15), m[g] = dmin · (k >> 4) (xdec32 and the tiles' tdec).
+__device__ __forceinline__ void q2k_scales(unsigned ddm, unsigned sc, float* d, float* m) {
+    float dd = h2f((u16)ddm), dm = h2f((u16)(ddm >> 16));
+#pragma unroll
+    for (int g = 0; g < 2; g++) {
+        unsigned k = (sc >> (8 * g)) & 255u;
+        d[g] = __fmul_rn(dd, (float)(k & 15));
+        m[g] = __fmul_rn(dm, (float)(k >> 4));
+    }
+}
+
+// IQ2_XXS's scale of a 32-value sub-block: d · (0.5 + the 4 high bits of its sign word) / 4.
+__device__ __forceinline__ float iq2_scale(u16 d, unsigned sg) {
+    return __fmul_rn(__fmul_rn(h2f(d), 0.5f + (float)(sg >> 28)), 0.25f);
+}
+
 template <int F>
 __device__ __forceinline__ XChunk xdec32(const XRaw& r, int c) {
     XChunk ch;
@@ -302,18 +319,12 @@ __device__ __forceinline__ XChunk xdec32(const XRaw& r, int c) {
         for (int j = 0; j < 8; j++) ch.q[j] = (int)r.u[1 + j];
     } else if (F == F_Q2_K) {
         int sh = 2 * ((c >> 5) & 3);
-        float d = h2f((u16)r.u[8]), dm = h2f((u16)(r.u[8] >> 16));
 #pragma unroll
         for (int j = 0; j < 8; j++) ch.q[j] = (int)((r.u[j] >> sh) & 0x03030303u);
-#pragma unroll
-        for (int g = 0; g < 2; g++) {
-            unsigned k = (r.u[9] >> (8 * g)) & 255u;
-            ch.d[g] = __fmul_rn(d, (float)(k & 15));
-            ch.m[g] = __fmul_rn(dm, (float)(k >> 4));
-        }
+        q2k_scales(r.u[8], r.u[9], ch.d, ch.m);
     } else {  // F_IQ2_XXS
         unsigned a = r.u[1], sg = r.u[2];
-        ch.d[0] = __fmul_rn(__fmul_rn(h2f((u16)r.u[0]), 0.5f + (float)(sg >> 28)), 0.25f);
+        ch.d[0] = iq2_scale((u16)r.u[0], sg);
         // The bytes whose mask is 0xff are negated: (g ^ 0xff) + 1 = −g, with no carry out of
         // a byte (grid values are 8..43).
 #pragma unroll
@@ -1033,16 +1044,10 @@ __device__ __forceinline__ TDec tdec(const TRaw& r, int c, int t) {
         int sh = 2 * ((c >> 5) & 3);
         o.lo = (r.u[0] >> sh) & 0x03030303u;
         o.hi = (r.u[1] >> sh) & 0x03030303u;
-        float d = h2f((u16)r.u[2]), dm = h2f((u16)(r.u[2] >> 16));
-#pragma unroll
-        for (int g = 0; g < 2; g++) {
-            unsigned k = (r.u[3] >> (8 * g)) & 255u;
-            o.d[g] = __fmul_rn(d, (float)(k & 15));
-            o.m[g] = __fmul_rn(dm, (float)(k >> 4));
-        }
+        q2k_scales(r.u[2], r.u[3], o.d, o.m);
     } else {  // F_IQ2_XXS
         unsigned a = r.u[0], sg = r.u[1];
-        o.d[0] = __fmul_rn(__fmul_rn(h2f((u16)r.u[2]), 0.5f + (float)(sg >> 28)), 0.25f);
+        o.d[0] = iq2_scale((u16)r.u[2], sg);
         unsigned long long grid = TAB_GRID((a >> (8 * t)) & 255);  // values 8t..8t+7
         unsigned sb = iq2_signs((sg >> (7 * t)) & 127);
         unsigned blo = nibble_bytes(sb & 15u), bhi = nibble_bytes(sb >> 4);
