@@ -117,7 +117,7 @@ def report(tools, nvrtc, name, kernels, rev, usage=False):
             if body is None:
                 print(f"{tag:>10} {k}: no loop")
                 continue
-            top = collections.Counter(op.split(".")[0] for op in body).most_common(8)
+            top = collections.Counter(op.split(".")[0] for op in body).most_common(int(os.environ.get("SASS_TOP", "8")))
             print(f"{tag:>10} {k}: loop {len(body)} instructions, weighted {sum(map(cost, body))}; "
                   + ", ".join(f"{o} {n}" for o, n in top))
 

@@ -10,8 +10,9 @@
 //! only in summation order (cuBLAS tiles, warp reductions, FMA, online softmax): a few ulp per
 //! op, ~1e-6 after a few layers; 1e-4 leaves two orders of margin while any indexing or state
 //! bug shows as O(1). The f32-weight backend is held to the same 1e-4 against the plain CPU.
-//! The fast path (bf16 activations through cuBLAS above 8 rows, per-expert cuBLAS above 64)
-//! rounds activations to bf16 (2^-9 relative) and is held to [`FAST_TOL`] per row.
+//! The fast path (bf16 activations in every bf16 product: tensor-core tiles up to 16 rows,
+//! cuBLAS above, per-expert cuBLAS above 64) rounds activations to bf16 (2^-9 relative) and is
+//! held to [`FAST_TOL`] per row.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -391,8 +392,9 @@ fn row_errs(a: &[f32], b: &[f32], cols: usize) -> Vec<f64> {
         .collect()
 }
 
-/// The fast path (bf16 activations in cuBLAS products above 8 rows, grouped experts up to 64
-/// rows, per-expert cuBLAS above) against the CPU on bf16-rounded weights.
+/// The fast path (bf16 activations in every bf16 product: tiles up to 16 rows, cuBLAS above;
+/// grouped experts up to 64 rows, per-expert cuBLAS above) against the CPU on bf16-rounded
+/// weights.
 #[test]
 fn cuda_bf16_fast_path_close_to_cpu() {
     let Some(b) = gpu() else { return };

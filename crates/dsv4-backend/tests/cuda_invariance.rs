@@ -1,15 +1,15 @@
-//! Batch invariance on the GPU, bitwise, in the default (fast) mode: a sequence's logits do not
-//! depend on how its prompt is chunked nor on the sequences that share its steps, as long as
-//! every step stays at or below the row counts where products leave their batch-invariant
-//! kernels (`bf16::GEMV_ROWS` for bf16 weights). Serving on the GPU gave different greedy
-//! outputs at different concurrency levels even with every step at 16 rows or fewer
-//! (BENCHMARKS.md, fifth session); this names which of the two properties breaks.
+//! Batch invariance on the GPU, bitwise, in exact and in the default (fast) mode: a sequence's
+//! logits do not depend on how its prompt is chunked nor on the sequences that share its steps,
+//! as long as every step stays at or below the row counts where products leave their
+//! batch-invariant kernels (`bf16::GEMV_ROWS` for bf16 and f32 weights). Serving on the GPU gave
+//! different greedy outputs at different concurrency levels even with every step at 16 rows or
+//! fewer (BENCHMARKS.md, fifth session): f32 and bf16 products of 9–16 rows took cuBLAS then.
 //! Prints "skipping: no CUDA device" and passes where none is present.
 #![cfg(feature = "cuda")]
 
 mod common;
 use common::{fixtures_dir, gpu, tokens};
-use dsv4_backend::cuda::{bf16::GEMV_ROWS, CudaBackend};
+use dsv4_backend::cuda::CudaBackend;
 use dsv4_backend::{Batch, Model, Row};
 
 const FIXTURE: &str = "csa4_hca128_long";
@@ -87,9 +87,10 @@ fn first_difference(a: &[Vec<f32>], b: &[Vec<f32>]) -> Option<usize> {
 
 /// Sequence 0's prompt (`cap` · 5 tokens) chunked in several ways, alone and beside another
 /// sequence, every step at most `cap` rows: the cases whose logits differ from chunks of `cap`
-/// alone.
-fn failures(cap: usize, mixed: &[usize]) -> Vec<String> {
+/// alone (in exact mode, or the default fast mode).
+fn failures(cap: usize, mixed: &[usize], exact: bool) -> Vec<String> {
     let Some(b) = gpu() else { return Vec::new() };
+    b.set_exact(exact);
     let dir = fixtures_dir().join(FIXTURE);
     let mut m = Model::load(b, &dir, 3, false).unwrap();
     let prompt = tokens(5 * cap, m.cfg.vocab_size, 7);
@@ -121,19 +122,22 @@ fn failures(cap: usize, mixed: &[usize]) -> Vec<String> {
 
 #[test]
 fn cuda_chunking_and_batching_are_bitwise_invariant() {
-    let f = failures(GEMV_ROWS, &[3, 5, 1, 8, 7, 2, 6, 4, 4]);
+    let f = failures(8, &[3, 5, 1, 8, 7, 2, 6, 4, 4], true);
     assert!(f.is_empty(), "batch invariance broken on the GPU: {f:?}");
 }
 
-/// Steps of up to 16 rows, as `dsv4 serve --token-budget 16` makes. Fails on the H200 (sixth
-/// session: chunks of 1, mixed chunks and chunks beside another sequence differ from chunks of
-/// 16 at the prompt's last row; at 8 rows all pass): the reproduction of the GPU serving run's
-/// differing greedy outputs. Prime suspect: bf16 products of 9–16 rows take cuBLAS (above
-/// `GEMV_ROWS`), whose kernel choice depends on the row count (PERF.md, after v14). Ignored
-/// until the fix; `--ignored` runs it.
+/// Steps of up to 16 rows, as `dsv4 serve --token-budget 16` makes. Failed on the H200 while
+/// f32 and bf16 products of 9–16 rows took cuBLAS (sixth session: chunks of 1, mixed chunks and
+/// chunks beside another sequence differed at the prompt's last row).
 #[test]
-#[ignore = "known failure on the GPU: steps of 9-16 rows are not batch invariant (PERF.md, after v14)"]
 fn cuda_invariance_at_16_rows() {
-    let f = failures(16, &[3, 13, 1, 16, 7, 2, 6, 16, 9, 7]);
+    let f = failures(16, &[3, 13, 1, 16, 7, 2, 6, 16, 9, 7], true);
     assert!(f.is_empty(), "batch invariance at 16 rows broken on the GPU: {f:?}");
+}
+
+/// The same in the default (fast) mode that `dsv4 serve` runs.
+#[test]
+fn cuda_invariance_at_16_rows_fast() {
+    let f = failures(16, &[3, 13, 1, 16, 7, 2, 6, 16, 9, 7], false);
+    assert!(f.is_empty(), "batch invariance at 16 rows (fast mode) broken on the GPU: {f:?}");
 }

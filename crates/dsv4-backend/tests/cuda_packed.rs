@@ -394,3 +394,40 @@ fn cuda_hc_pre_norm_is_hc_pre_then_norm() {
         bitwise(&host(&a1), &ha[r * d..(r + 1) * d], "norm, a row alone");
     }
 }
+
+/// bf16 products of up to `bf16::GEMV_ROWS` rows give each row bitwise its one-row result: in
+/// fast mode on the tensor-core tiles (`gemvt_bf16`) where the shapes allow and on the GEMV
+/// kernel where not, in exact mode on the GEMV kernel (any row count). Against the f64 product
+/// on the bf16 weights: exact mode (f32 activations) within 1e-5 of the output's scale, fast
+/// mode (activations rounded to bf16, 2^-9 relative each) within 1e-2.
+#[test]
+fn cuda_bf16_products_are_row_invariant() {
+    let Some(b) = gpu() else { return };
+    let mut r = ChaCha8Rng::seed_from_u64(11);
+    // (m, k, groups): a partial 16-output tile (44 outputs, one group); a grouped projection of
+    // 32 outputs a group (tiles); one of k = 264 (not a multiple of 32: the GEMV kernel).
+    for (m, k, groups) in [(44usize, 512usize, 1usize), (64, 256, 2), (44, 264, 2)] {
+        let w: Vec<f32> = (0..m * k).map(|_| dsv4_backend::bf16::round_bf16(r.gen_range(-0.1f32..0.1))).collect();
+        let wt = b.upload(HostTensor::new("layers.0.attn.wq.weight", vec![m, k], w.clone())).unwrap();
+        for (exact, n) in [(false, 1usize), (false, 3), (false, 16), (true, 21)] {
+            b.set_exact(exact);
+            let (x, xc) = activations(&b, n, groups * k, 5 + n as u64);
+            let y = if groups == 1 { b.matmul(&x, &wt) } else { b.grouped_matmul(&x, &wt, groups) };
+            let y = b.to_host(&y);
+            let want = reference(&xc, &w, m, k, groups);
+            let e = rel_err(&y, &want);
+            let tol = if exact { 1e-5 } else { 1e-2 };
+            println!("bf16 [{m}, {k}] x{groups}, {n} rows (exact {exact}): error {e:.2e}");
+            assert!(e < tol, "bf16 [{m}, {k}] x{groups}, {n} rows (exact {exact}): error {e}");
+            for row in 0..n {
+                let xr = row_of(&b, &xc, row);
+                let one = if groups == 1 { b.matmul(&xr, &wt) } else { b.grouped_matmul(&xr, &wt, groups) };
+                let one = b.to_host(&one);
+                for (i, (a, g)) in one.iter().zip(&y[row * m..(row + 1) * m]).enumerate() {
+                    assert_eq!(a.to_bits(), g.to_bits(), "bf16 [{m}, {k}] x{groups}: row {row} of {n}, output {i}");
+                }
+            }
+        }
+    }
+    b.set_exact(true);
+}

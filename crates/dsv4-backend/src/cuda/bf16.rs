@@ -1,9 +1,10 @@
 //! Launchers of `kernels/bf16.cu`: products with bf16 weights, the grouped routed experts, the
 //! nonfinite probe and on-device random weights.
 //!
-//! A product with at most [`GEMV_ROWS`] rows (decode), or any product in exact mode, runs the
+//! A product with at most [`gemv_rows`] rows (decode) runs `gemvt_bf16` (tensor cores,
+//! activations rounded to bf16, f32 accumulation), and in exact mode (any row count) the
 //! `gemv_bf16` kernel: f32 activations, bf16 weights read once with 16-byte loads, f32
-//! accumulation. Larger products cast the activations to bf16 and run cuBLAS `gemmEx` (bf16
+//! accumulation. Both sum each row in one order whatever the row count. Larger products cast the activations to bf16 and run cuBLAS `gemmEx` (bf16
 //! inputs, f32 compute and output). Routed experts: the (row, slot) pairs are grouped by expert
 //! on the device; up to [`GROUPED_MAX_ROWS`] rows (or in exact mode) one launch each for the
 //! up and down projections (`quant.cu`, where bf16 is one of the formats) covers every active
@@ -18,8 +19,26 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaView, DevicePtrMut, LaunchConf
 use dsv4_model::weights::Expert;
 use std::ffi::c_void;
 
-/// Largest row count of a dense product that uses the bf16 GEMV kernel.
-pub const GEMV_ROWS: usize = 8;
+/// Largest row count of a dense product on bf16 or f32 weights that uses the batch-invariant
+/// kernels (`gemvt_bf16`, `gemv_bf16`, `gemv_f32`), whose every row's sum has one order whatever
+/// the row count: up to here a row's result does not depend on its batch (cuBLAS above picks
+/// its kernel by shape).
+/// Serving steps of up to 16 rows (`--token-budget 16`, batch 16 decode) stay invariant.
+pub const GEMV_ROWS: usize = 16;
+
+/// [`GEMV_ROWS`], or `DSV4_GEMV_ROWS` (A/B of the invariant kernels against cuBLAS).
+pub fn gemv_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| std::env::var("DSV4_GEMV_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(GEMV_ROWS))
+}
+
+/// Whether fast-mode bf16 products of up to [`gemv_rows`] rows take `gemvt_bf16` (default) or,
+/// with `DSV4_BF16_TILES=0`, the f32-activation GEMV kernels (both batch invariant).
+fn gemv_tiles() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DSV4_BF16_TILES").map(|v| v != "0").unwrap_or(true))
+}
+
 /// Largest row count of a MoE call that uses the grouped expert kernels (fast mode).
 pub const GROUPED_MAX_ROWS: usize = 64;
 
@@ -40,7 +59,7 @@ impl CudaBackend {
         if n == 0 || m == 0 {
             return out;
         }
-        if n <= GEMV_ROWS || self.exact() {
+        if n <= gemv_rows() || self.exact() {
             self.gemv(&mut out.data, &x.data, w, n, k, m, x.cols, m / groups);
             return out;
         }
@@ -83,6 +102,10 @@ impl CudaBackend {
 
     /// `out[n, m]` (row stride m) `= x[r, g(o)·k..] · w[o, :]` with `g(o) = o / rpg`.
     #[allow(clippy::too_many_arguments)]
+    /// The GEMV kernels (f32 activations; any row count, rows in groups of 8), or in fast mode
+    /// `gemvt_bf16` (tensor cores, activations rounded to bf16, 16 rows a tile) where the shapes
+    /// allow: k a multiple of 32, a tile's 16 outputs in one group.
+    #[allow(clippy::too_many_arguments)]
     fn gemv(
         &self,
         out: &mut CudaSlice<f32>,
@@ -94,17 +117,32 @@ impl CudaBackend {
         ldx: usize,
         rpg: usize,
     ) {
-        let warps_per_block = 8usize;
-        let cfg = LaunchConfig {
-            grid_dim: (m.div_ceil(warps_per_block) as u32, 1, 1),
-            block_dim: (32 * warps_per_block as u32, 1, 1),
-            shared_mem_bytes: 0,
+        let tiles = !self.exact()
+            && gemv_tiles()
+            && k.is_multiple_of(32)
+            && ldx.is_multiple_of(4)
+            && (rpg == m || rpg.is_multiple_of(16));
+        let (f, cfg) = if tiles {
+            let cfg = LaunchConfig {
+                grid_dim: (m.div_ceil(16) as u32, n.div_ceil(16) as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            (&self.k.gemvt_bf16, cfg)
+        } else {
+            let warps_per_block = 8usize;
+            let cfg = LaunchConfig {
+                grid_dim: (m.div_ceil(warps_per_block) as u32, 1, 1),
+                block_dim: (32 * warps_per_block as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            (if n == 1 { &self.k.gemv1_bf16 } else { &self.k.gemv_bf16 }, cfg)
         };
         // SAFETY: argument types and buffer sizes match the kernel.
         ck(
             unsafe {
                 self.stream
-                    .kernel(if n == 1 { &self.k.gemv1_bf16 } else { &self.k.gemv_bf16 })
+                    .kernel(f)
                     .arg(out)
                     .arg(x)
                     .arg(w)
@@ -326,7 +364,8 @@ fn x8_pairs(
     tiles: bool,
 ) {
     let (ki, di, ii, nei) = (s.k as i32, s.d as i32, s.inter as i32, s.nexp as i32);
-    let o = if x.rows == 1 { super::quant::x8_opw() } else { super::quant::X8Opw { gemv: 1, up: 1, down: 1 } };
+    let all = super::quant::x8_opw();
+    let o = if x.rows == 1 { all } else { super::quant::X8Opw { gemv: 1, up: 1, down: all.downn, downn: 1 } };
     // Warp kernels: 8 outputs a block (per_warp each); tile kernels: 16 a block.
     let grid = |cols: usize, per_warp: usize| LaunchConfig {
         grid_dim: (p.blocks, cols.div_ceil(if tiles { 16 } else { 8 * per_warp }) as u32, 1),

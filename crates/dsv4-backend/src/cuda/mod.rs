@@ -175,6 +175,7 @@ pub(crate) struct Kernels {
     pub moe_combine: CudaFunction,
     pub gemv_bf16: CudaFunction,
     pub gemv1_bf16: CudaFunction,
+    pub gemvt_bf16: CudaFunction,
     pub cast_bf16: CudaFunction,
     pub moe_sort: CudaFunction,
     pub moe_gather_bf16: CudaFunction,
@@ -291,6 +292,7 @@ impl Kernels {
                 "probe_finite",
                 "rand_normal",
                 "gemv1_bf16",
+                "gemvt_bf16",
             ],
         )?
         .into_iter();
@@ -333,6 +335,7 @@ impl Kernels {
             probe_finite: n(&mut bf),
             rand_normal: n(&mut bf),
             gemv1_bf16: n(&mut bf),
+            gemvt_bf16: n(&mut bf),
         })
     }
 }
@@ -783,8 +786,8 @@ impl CudaBackend {
         p
     }
 
-    /// `out[n, m] = x[n, k] · w[m, k]ᵀ`: up to 8 rows `gemv_f32`, else cuBLAS (column-major:
-    /// `outᵀ = w · xᵀ`).
+    /// `out[n, m] = x[n, k] · w[m, k]ᵀ`: up to [`bf16::gemv_rows`] rows `gemv_f32` (batch
+    /// invariant), else cuBLAS (column-major: `outᵀ = w · xᵀ`).
     pub(crate) fn gemm_xwt(
         &self,
         x: &CudaSlice<f32>,
@@ -797,7 +800,7 @@ impl CudaBackend {
         if n == 0 || m == 0 {
             return out;
         }
-        if n <= 8 {
+        if n <= bf16::gemv_rows() {
             // Wide rows (mHC: 16384) get 1024 threads: more loads in flight per output.
             let threads = if k >= 8192 { 1024 } else { 256 };
             let lc = LaunchConfig { grid_dim: (m as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };

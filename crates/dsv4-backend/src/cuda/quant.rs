@@ -130,24 +130,30 @@ fn suffix(f: PackedFormat) -> &'static str {
 /// Outputs one warp computes in the one-row int8 kernels: (gemv, gate/up, down). More outputs a
 /// warp put more loads in flight and share one activation chunk, but take registers: on the
 /// 43-layer q2 step 1,1,1 measured 11.06 ms against 11.26 for 1,2,4 (PERF.md v12). The sums are
-/// the same either way. `DSV4_X8_OPW=GEMV,UP,DOWN` (each 1 to 8) overrides the default.
+/// the same either way. `DSV4_X8_OPW=GEMV,UP,DOWN[,DOWNN]` (each 1 to 8; DOWNN, the several-row
+/// down kernel's, 1 or 2) overrides the default.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct X8Opw {
     pub gemv: usize,
     pub up: usize,
     pub down: usize,
+    pub downn: usize,
 }
 
 pub(crate) fn x8_opw() -> X8Opw {
     static OPW: std::sync::OnceLock<X8Opw> = std::sync::OnceLock::new();
     *OPW.get_or_init(|| {
-        let default = X8Opw { gemv: 1, up: 1, down: 1 };
+        let default = X8Opw { gemv: 1, up: 1, down: 1, downn: 1 };
         let Ok(v) = std::env::var("DSV4_X8_OPW") else { return default };
         let n: Vec<usize> = v.split(',').filter_map(|t| t.trim().parse().ok()).collect();
+        let ok = |p: &[usize]| p.iter().all(|p| (1..=8).contains(p));
         match n[..] {
-            [gemv, up, down] if [gemv, up, down].iter().all(|p| (1..=8).contains(p)) => X8Opw { gemv, up, down },
+            [gemv, up, down] if ok(&n) => X8Opw { gemv, up, down, downn: 1 },
+            [gemv, up, down, downn] if ok(&n) && downn <= 2 => X8Opw { gemv, up, down, downn },
             _ => {
-                tracing::warn!("DSV4_X8_OPW={v:?} is not GEMV,UP,DOWN (each 1 to 8); using {default:?}");
+                tracing::warn!(
+                    "DSV4_X8_OPW={v:?} is not GEMV,UP,DOWN[,DOWNN] (each 1 to 8, DOWNN 1 or 2); using {default:?}"
+                );
                 default
             }
         }
@@ -159,10 +165,11 @@ pub fn source() -> String {
     let body = super::kernel_source("quant.cu", include_str!("kernels/quant.cu"));
     let o = x8_opw();
     format!(
-        "#define X8_OPW_GEMV {}\n#define X8_OPW_UP {}\n#define X8_OPW_DOWN {}\n{}{body}",
+        "#define X8_OPW_GEMV {}\n#define X8_OPW_UP {}\n#define X8_OPW_DOWN {}\n#define X8_OPWN_DOWN {}\n{}{body}",
         o.gemv,
         o.up,
         o.down,
+        o.downn,
         crate::x8::iq2_tables_source("__device__ const")
     )
 }

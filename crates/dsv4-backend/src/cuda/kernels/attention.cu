@@ -294,6 +294,10 @@ extern "C" __global__ void index_topk(unsigned* sel, int topk, const float* scor
 #define ATT_KP 64  // key addresses looked up at a time (a multiple of ATT_KT)
 #define ATT_CJ 4   // slices the merge loads at a time
 #define MAX_D 512
+#ifndef ATT_MINB
+#define ATT_MINB 2  // blocks an SM (registers ≤ 128): batch decode runs rows × 128 blocks in waves
+#endif
+#define ATT_CP (ATT_KT * MAX_D / 4 / (32 * ATT_HG))  // float4s a thread stages a tile
 
 // Key j of row t: its window rows first (the ring before the chunk, this batch's kv from the
 // chunk on), then its compressed entries (selected, or every visible one).
@@ -315,7 +319,7 @@ __device__ __forceinline__ const float* att_key(int j, int nwin, long long lo, c
 // and leaves (max, sum, o) in `part`. The group's last slice block to finish merges the S
 // partials in slice order with the sink. Rows are t0 + blockIdx.x (the launcher tiles rows so
 // that `part` stays small); `done` counts finished slices per (tile row, group) and is left zero.
-extern "C" __global__ void attention(float* out, float* part, unsigned* done, const float* q, const float* kv,
+extern "C" __global__ void __launch_bounds__(32 * ATT_HG, ATT_MINB) attention(float* out, float* part, unsigned* done, const float* q, const float* kv,
                                      const float* ring, int win, int rcap, const float* entries, int cap, int m,
                                      const unsigned* sel, int has_sel, int topk, const float* sinks,
                                      const unsigned* rows, int n, int t0, int heads, int d, float scale) {
@@ -359,9 +363,30 @@ extern "C" __global__ void attention(float* out, float* part, unsigned* done, co
                                       rows, n, t, d);
         __syncthreads();
         int pb = (k0 - j0) % ATT_KP;
-        for (int i = threadIdx.x; i < nt * d4; i += blockDim.x) {
-            int kk = i / d4, c4 = i - kk * d4;
-            reinterpret_cast<float4*>(ks[kk])[c4] = reinterpret_cast<const float4*>(kp[pb + kk])[c4];
+        // Every load of the tile issued before any store (one memory latency a tile, not one a
+        // float4): ATT_CP float4s a thread cover a full tile at 256 threads, any rest in a loop.
+        {
+            float4 v[ATT_CP];
+#pragma unroll
+            for (int u = 0; u < ATT_CP; u++) {
+                int i = threadIdx.x + u * blockDim.x;
+                if (i < nt * d4) {
+                    int kk = i / d4, c4 = i - kk * d4;
+                    v[u] = reinterpret_cast<const float4*>(kp[pb + kk])[c4];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < ATT_CP; u++) {
+                int i = threadIdx.x + u * blockDim.x;
+                if (i < nt * d4) {
+                    int kk = i / d4, c4 = i - kk * d4;
+                    reinterpret_cast<float4*>(ks[kk])[c4] = v[u];
+                }
+            }
+            for (int i = threadIdx.x + ATT_CP * blockDim.x; i < nt * d4; i += blockDim.x) {
+                int kk = i / d4, c4 = i - kk * d4;
+                reinterpret_cast<float4*>(ks[kk])[c4] = reinterpret_cast<const float4*>(kp[pb + kk])[c4];
+            }
         }
         __syncthreads();
         if (!live) continue;

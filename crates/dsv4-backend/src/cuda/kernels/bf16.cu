@@ -31,12 +31,16 @@ __device__ __forceinline__ uint4 ldg_stream(const unsigned short* p) {
     return r;
 }
 
-__device__ __forceinline__ float dot8(const float* w, const float* __restrict__ x) {
-    float4 a = *(const float4*)x, b = *(const float4*)(x + 4);
+// One 8-value chunk's products in a fixed order (every bf16 product kernel's chunk sum).
+__device__ __forceinline__ float dot8v(const float* w, float4 a, float4 b) {
     float s = w[0] * a.x;
     s += w[1] * a.y; s += w[2] * a.z; s += w[3] * a.w;
     s += w[4] * b.x; s += w[5] * b.y; s += w[6] * b.z; s += w[7] * b.w;
     return s;
+}
+
+__device__ __forceinline__ float dot8(const float* w, const float* __restrict__ x) {
+    return dot8v(w, *(const float4*)x, *(const float4*)(x + 4));
 }
 
 // acc[j] += w_row · x_row(j) for the `nr` rows given by `xrow[j]` (each `k` wide, 16-byte
@@ -102,6 +106,77 @@ extern "C" __global__ void gemv1_bf16(float* out, const float* x, const unsigned
                                       int ldx, int rpg) {
     pdl_enter();
     gemv_bf16_r<1>(out, x, w, n, k, m, ldx, rpg);
+}
+
+// Fast-mode bf16 products of 1 to 16 rows on tensor cores (mma.m16n8k16, bf16 operands, f32
+// accumulation): activations rounded to bf16 (the fast path's stated approximation, as for the
+// cuBLAS products above GEMV_ROWS), and a fixed summation order whatever the row count, so a
+// row's result does not depend on its batch:
+// - block (16 outputs, 16 rows), 8 warps; warp w takes the k32 blocks w, w + 8, w + 16, ... in
+//   increasing order, two mma each (lane (g, t) holds values 8t..8t+7 of a block: one 16-byte
+//   weight load per output row and 32 bytes of its row's activations; the mma's k order is a
+//   fixed permutation of the block's, the same for weights and activations);
+// - the 8 warps' partial sums added in warp order through shared memory.
+// A row only ever occupies its own mma column, and each output element is formed from its own
+// weight row, activation column and accumulator. Needs k a multiple of 32 and the 16 outputs of
+// a tile in one group (rpg a multiple of 16, or one group); the launcher checks.
+// (a, b) rounded to bf16 (nearest even, as f2bf) and packed: a in the low half.
+__device__ __forceinline__ unsigned bf2_pack(float a, float b) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+    return r;
+}
+
+__device__ __forceinline__ void mma_bf16(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                         unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+extern "C" __global__ void __launch_bounds__(256) gemvt_bf16(float* out, const float* x, const unsigned short* w,
+                                                            int n, int k, int m, int ldx, int rpg) {
+    pdl_enter();
+    __shared__ float part[8][16][17];  // [warp][output][row] (+1: no bank conflicts on the merge)
+    int wp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int o0 = blockIdx.x * 16, r0 = blockIdx.y * 16;
+    int nr = min(16, n - r0);
+    const unsigned short* wa = w + (long long)min(o0 + g, m - 1) * k + 8 * t;  // outputs past m: not stored
+    const unsigned short* wb = w + (long long)min(o0 + g + 8, m - 1) * k + 8 * t;
+    long long xoff = (long long)(o0 / rpg) * k + 8 * t;
+    const float* xa = x + (long long)(r0 + min(g, nr - 1)) * ldx + xoff;  // rows past n: not stored
+    const float* xb = x + (long long)(r0 + min(g + 8, nr - 1)) * ldx + xoff;
+    bool two = nr > 8;
+    float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 2
+    for (int kb = 32 * wp; kb < k; kb += 256) {
+        uint4 A = ldg_stream(wa + kb), B = ldg_stream(wb + kb);
+        float4 p = *(const float4*)(xa + kb), q = *(const float4*)(xa + kb + 4);
+        mma_bf16(d0, A.x, B.x, A.y, B.y, bf2_pack(p.x, p.y), bf2_pack(p.z, p.w));
+        mma_bf16(d0, A.z, B.z, A.w, B.w, bf2_pack(q.x, q.y), bf2_pack(q.z, q.w));
+        if (two) {
+            float4 u = *(const float4*)(xb + kb), v = *(const float4*)(xb + kb + 4);
+            mma_bf16(d1, A.x, B.x, A.y, B.y, bf2_pack(u.x, u.y), bf2_pack(u.z, u.w));
+            mma_bf16(d1, A.z, B.z, A.w, B.w, bf2_pack(v.x, v.y), bf2_pack(v.z, v.w));
+        }
+    }
+    // d[0], d[1]: output g, rows 2t, 2t + 1 of the n8 tile; d[2], d[3]: output g + 8.
+    part[wp][g][2 * t] = d0[0];
+    part[wp][g][2 * t + 1] = d0[1];
+    part[wp][g + 8][2 * t] = d0[2];
+    part[wp][g + 8][2 * t + 1] = d0[3];
+    part[wp][g][8 + 2 * t] = d1[0];
+    part[wp][g][9 + 2 * t] = d1[1];
+    part[wp][g + 8][8 + 2 * t] = d1[2];
+    part[wp][g + 8][9 + 2 * t] = d1[3];
+    __syncthreads();
+    int oo = threadIdx.x >> 4, rr = threadIdx.x & 15;
+    if (o0 + oo >= m || rr >= nr) return;
+    float v = part[0][oo][rr];
+#pragma unroll
+    for (int i = 1; i < 8; i++) v += part[i][oo][rr];
+    out[(long long)(r0 + rr) * m + o0 + oo] = v;
 }
 
 extern "C" __global__ void cast_bf16(unsigned short* out, const float* x, long long len) {

@@ -90,7 +90,7 @@ extern "C" __global__ void rope(float* x, const unsigned* rows, int n, const dou
     }
 }
 
-// out[r, o] = x[r, :] · w[o, :] for r < n <= 8, f32 weights (mHC, router): one block of 256
+// out[r, o] = x[r, :] · w[o, :] for r < n (groups of 8 rows), f32 weights (mHC, router): one block of 256
 // threads per output column, each thread a strided slice of k, then a fixed-order block sum —
 // a decode row's product of a short, very wide matrix (mHC: 24 × 16384) gets the whole block.
 //
@@ -120,31 +120,36 @@ extern "C" __global__ void gemv_f32(float* out, const float* x, const float* w, 
         if (threadIdx.x == 0) out[o] = v;
         return;
     }
-    float acc[8];
+    // Several rows: groups of 8, each row's sum in the same order whatever the group or n.
+    for (int r0 = 0; r0 < n; r0 += 8) {
+        int nr = min(8, n - r0);
+        const float* xr = x + (long long)r0 * k;
+        float acc[8];
 #pragma unroll
-    for (int j = 0; j < 8; j++) acc[j] = 0.f;
-    for (int c = threadIdx.x; c < k4; c += blockDim.x) {
-        float4 a = ((const float4*)wr)[c];
+        for (int j = 0; j < 8; j++) acc[j] = 0.f;
+        for (int c = threadIdx.x; c < k4; c += blockDim.x) {
+            float4 a = ((const float4*)wr)[c];
 #pragma unroll
-        for (int j = 0; j < 8; j++)
-            if (j < n) {
-                float4 b = ((const float4*)(x + (long long)j * k))[c];
-                acc[j] += a.x * b.x;
-                acc[j] += a.y * b.y;
-                acc[j] += a.z * b.z;
-                acc[j] += a.w * b.w;
-            }
-    }
-    for (int c = 4 * k4 + threadIdx.x; c < k; c += blockDim.x) {
-        float wv = wr[c];
+            for (int j = 0; j < 8; j++)
+                if (j < nr) {
+                    float4 b = ((const float4*)(xr + (long long)j * k))[c];
+                    acc[j] += a.x * b.x;
+                    acc[j] += a.y * b.y;
+                    acc[j] += a.z * b.z;
+                    acc[j] += a.w * b.w;
+                }
+        }
+        for (int c = 4 * k4 + threadIdx.x; c < k; c += blockDim.x) {
+            float wv = wr[c];
 #pragma unroll
-        for (int j = 0; j < 8; j++)
-            if (j < n) acc[j] += wv * x[(long long)j * k + c];
-    }
+            for (int j = 0; j < 8; j++)
+                if (j < nr) acc[j] += wv * xr[(long long)j * k + c];
+        }
 #pragma unroll
-    for (int j = 0; j < 8; j++) {
-        if (j >= n) break;
-        float v = block_sum(acc[j], sh);
-        if (threadIdx.x == 0) out[(long long)j * m + o] = v;
+        for (int j = 0; j < 8; j++) {
+            if (j >= nr) break;
+            float v = block_sum(acc[j], sh);
+            if (threadIdx.x == 0) out[(long long)(r0 + j) * m + o] = v;
+        }
     }
 }

@@ -641,6 +641,9 @@ extern "C" __global__ void quant_x8(signed char* __restrict__ xq, float* __restr
 #ifndef X8_OPW_DOWN
 #define X8_OPW_DOWN 1
 #endif
+#ifndef X8_OPWN_DOWN
+#define X8_OPWN_DOWN 1
+#endif
 
 // out[j] = weight row j (codes wr[j], heads sr[j]) · one row of int8 activations, for NR rows,
 // each sum over the row's 32-value chunks c = 32·lane + 1024·i in that order, then the warp's
@@ -781,56 +784,72 @@ __device__ void moe_down_x8(float* __restrict__ y, const signed char* __restrict
 
 // Several rows on int8 activations: each chunk's weight codes decoded once, then per row its
 // dp4a sums and FMAs, the same operations as one row alone (integer sums are exact), so a row's
-// result does not depend on how many rows share the call. Row groups as rows_all.
-template <int F, int R, typename XR, typename ST>
-__device__ __forceinline__ void xrows_group(const u8* wr, const u8* sr, int r0, int nr, int k, int lane, XR xr_of,
-                                            ST store) {
-    float acc[R];
+// result does not depend on how many rows share the call. Row groups as rows_all. NW weight
+// rows (wr[w], sr[w]: the up kernel's gate and up rows) share each activation load, and all
+// their loads for U chunks are issued before any decode; store(w, r, v) gets weight row w's
+// result for row r (for w = 0 first, then 1, ...).
+template <int F, int R, int NW, int U, typename XR, typename ST>
+__device__ __forceinline__ void xrows_group(const u8* const* wr, const u8* const* sr, int r0, int nr, int k, int lane,
+                                            XR xr_of, ST store) {
+    float acc[NW][R];
     const signed char* xq[R];
     const float* xd[R];
 #pragma unroll
     for (int j = 0; j < R; j++) {
-        acc[j] = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; w++) acc[w][j] = 0.f;
         xr_of(r0 + min(j, nr - 1), xq[j], xd[j]);
     }
-    constexpr int U = R > 2 ? 1 : 2;  // (registers: this kernel also holds R rows' accumulators)
     for (int c0 = lane * 32; c0 < k; c0 += 1024 * U) {
-        XRaw raw[U];
+        XRaw raw[NW][U];
 #pragma unroll
         for (int u = 0; u < U; u++)
-            if (c0 + 1024 * u < k) raw[u] = xraw32<F>(wr, sr, c0 + 1024 * u);
+#pragma unroll
+            for (int w = 0; w < NW; w++)
+                if (c0 + 1024 * u < k) raw[w][u] = xraw32<F>(wr[w], sr[w], c0 + 1024 * u);
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int c = c0 + 1024 * u;
             if (c >= k) break;
-            XChunk ch = xdec32<F>(raw[u], c);
+            XChunk ch[NW];
+#pragma unroll
+            for (int w = 0; w < NW; w++) ch[w] = xdec32<F>(raw[w][u], c);
 #pragma unroll
             for (int j = 0; j < R; j++) {
                 if (j < nr) {
                     int4 a = *(const int4*)(xq[j] + c), b = *(const int4*)(xq[j] + c + 16);
                     int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-                    acc[j] = xapply32<F>(ch, x, xd[j][c >> 5], acc[j]);
+                    float dx = xd[j][c >> 5];
+#pragma unroll
+                    for (int w = 0; w < NW; w++) acc[w][j] = xapply32<F>(ch[w], x, dx, acc[w][j]);
                 }
             }
         }
     }
 #pragma unroll
-    for (int j = 0; j < R; j++) {
-        float v = warp_sum(acc[j]);
-        if (j < nr) store(r0 + j, v);
-    }
+    for (int w = 0; w < NW; w++)
+#pragma unroll
+        for (int j = 0; j < R; j++) {
+            float v = warp_sum(acc[w][j]);
+            if (j < nr) store(w, r0 + j, v);
+        }
 }
 
-template <int F, typename XR, typename ST>
-__device__ __forceinline__ void xrows_all(const u8* wr, const u8* sr, int nrows, int k, int lane, XR xr, ST st) {
+// All nrows rows in groups of up to 8 (one pass over the weights a group; see rows_all; two
+// weight rows: groups of up to 4, for registers); more chunks in flight for small groups
+// (registers: a group also holds its rows' accumulators).
+template <int F, int NW, typename XR, typename ST>
+__device__ __forceinline__ void xrows_all(const u8* const* wr, const u8* const* sr, int nrows, int k, int lane, XR xr,
+                                          ST st) {
+    constexpr int U1 = NW == 1 ? 2 : 4, G = NW == 1 ? 8 : 4;
     int r0 = 0;
     while (r0 < nrows) {
         int left = nrows - r0;
-        int nr = min(left, 8);  // one pass over the weights for up to 8 rows (see rows_all)
-        if (nr >= 5) xrows_group<F, 8>(wr, sr, r0, nr, k, lane, xr, st);
-        else if (nr >= 3) xrows_group<F, 4>(wr, sr, r0, nr, k, lane, xr, st);
-        else if (nr == 2) xrows_group<F, 2>(wr, sr, r0, 2, k, lane, xr, st);
-        else xrows_group<F, 1>(wr, sr, r0, 1, k, lane, xr, st);
+        int nr = min(left, G);
+        if (nr >= 5) xrows_group<F, 8, NW, 1>(wr, sr, r0, nr, k, lane, xr, st);
+        else if (nr >= 3) xrows_group<F, 4, NW, 1>(wr, sr, r0, nr, k, lane, xr, st);
+        else if (nr == 2) xrows_group<F, 2, NW, 2>(wr, sr, r0, 2, k, lane, xr, st);
+        else xrows_group<F, 1, NW, U1>(wr, sr, r0, 1, k, lane, xr, st);
         r0 += nr;
     }
 }
@@ -843,17 +862,20 @@ __device__ void gemvn_x8(float* __restrict__ out, const signed char* __restrict_
     int o = blockIdx.x * Q_WARPS + wp;
     if (o >= m) return;
     long long xoff = (long long)(o / rpg) * k;
-    xrows_all<F>(w + (long long)o * row_bytes(F, k), scale_row(F, s, o, k), n, k, lane,
-                 [&](int r, const signed char*& q, const float*& d) {
-                     long long e = (long long)r * ldx + xoff;
-                     q = xq + e;
-                     d = xd + e / 32;
-                 },
-                 [&](int r, float v) { if (lane == 0) out[(long long)r * m + o] = v; });
+    const u8* wr = w + (long long)o * row_bytes(F, k);
+    const u8* sr = scale_row(F, s, o, k);
+    xrows_all<F, 1>(&wr, &sr, n, k, lane,
+                    [&](int r, const signed char*& q, const float*& d) {
+                        long long e = (long long)r * ldx + xoff;
+                        q = xq + e;
+                        d = xd + e / 32;
+                    },
+                    [&](int, int r, float v) { if (lane == 0) out[(long long)r * m + o] = v; });
 }
 
 // Routed experts of several token rows on int8 activations (see moe_up_q): an expert's pairs in
-// groups of up to 8, gate products then up products.
+// groups of up to 8, each group's gate and up products in one pass (their loads in flight
+// together).
 template <int F>
 __device__ void moe_upn_x8(float* __restrict__ h, const signed char* __restrict__ xq, const float* __restrict__ xd,
                            const unsigned* order, const unsigned* off, const unsigned* active,
@@ -864,51 +886,57 @@ __device__ void moe_upn_x8(float* __restrict__ h, const signed char* __restrict_
     int o = blockIdx.y * Q_WARPS + wp;
     if (o >= inter) return;
     long long rb = row_bytes(F, d);
-    const u8* w1 = (const u8*)ptrs[e] + o * rb;
-    const u8* w3 = (const u8*)ptrs[nexp + e] + o * rb;
-    const u8* s1 = scale_row(F, (const u8*)ptrs[3 * nexp + e], o, d);
-    const u8* s3 = scale_row(F, (const u8*)ptrs[4 * nexp + e], o, d);
+    const u8* wr[2] = {(const u8*)ptrs[e] + o * rb, (const u8*)ptrs[nexp + e] + o * rb};
+    const u8* sr[2] = {scale_row(F, (const u8*)ptrs[3 * nexp + e], o, d),
+                       scale_row(F, (const u8*)ptrs[4 * nexp + e], o, d)};
     unsigned b0 = off[e];
     int cnt = (int)(off[e + 1] - b0);
-    int r0 = 0;
-    while (r0 < cnt) {
-        int nr = min(8, cnt - r0);
-        auto xr = [&](int r, const signed char*& q, const float*& s) {
-            long long t = order[b0 + r0 + r] / k;
-            q = xq + t * d;
-            s = xd + t * d / 32;
-        };
-        float g[8];
-        xrows_all<F>(w1, s1, nr, d, lane, xr, [&](int r, float v) { g[r] = v; });
-        xrows_all<F>(w3, s3, nr, d, lane, xr, [&](int r, float v) {
-            if (lane == 0) h[(long long)order[b0 + r0 + r] * inter + o] = swiglu_q(g[r], v, limit);
-        });
-        r0 += nr;
-    }
+    float g[4];  // a group's gate values (groups of up to 4 from r0 a multiple of 4)
+    xrows_all<F, 2>(wr, sr, cnt, d, lane,
+                    [&](int r, const signed char*& q, const float*& s) {
+                        long long t = order[b0 + r] / k;
+                        q = xq + t * d;
+                        s = xd + t * d / 32;
+                    },
+                    [&](int w, int r, float v) {
+                        if (w == 0) g[r & 3] = v;
+                        else if (lane == 0) h[(long long)order[b0 + r] * inter + o] = swiglu_q(g[r & 3], v, limit);
+                    });
 }
 
+// X8_OPWN_DOWN (1 or 2) outputs a warp, sharing each activation load (the same sums).
 template <int F>
 __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restrict__ hq, const float* __restrict__ hd,
                              const unsigned* order, const unsigned* off, const unsigned* active,
                              const unsigned long long* ptrs, int nexp, int d, int inter) {
+    constexpr int P = X8_OPWN_DOWN;
     if (blockIdx.x >= active[nexp]) return;
     unsigned e = active[blockIdx.x];
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int c = blockIdx.y * Q_WARPS + wp;
+    int c = (blockIdx.y * Q_WARPS + wp) * P;
     if (c >= d) return;
     unsigned b0 = off[e];
     int cnt = (int)(off[e + 1] - b0);
-    xrows_all<F>((const u8*)ptrs[2 * nexp + e] + c * row_bytes(F, inter),
-                 scale_row(F, (const u8*)ptrs[5 * nexp + e], c, inter), cnt, inter, lane,
-                 [&](int r, const signed char*& q, const float*& s) {
-                     long long p = order[b0 + r];
-                     q = hq + p * inter;
-                     s = hd + p * inter / 32;
-                 },
-                 [&](int r, float v) { if (lane == 0) y[(long long)order[b0 + r] * d + c] = v; });
+    const u8* wr[P];
+    const u8* sr[P];
+#pragma unroll
+    for (int j = 0; j < P; j++) {  // outputs past d: the last row again, not stored
+        int cj = min(c + j, d - 1);
+        wr[j] = (const u8*)ptrs[2 * nexp + e] + cj * row_bytes(F, inter);
+        sr[j] = scale_row(F, (const u8*)ptrs[5 * nexp + e], cj, inter);
+    }
+    xrows_all<F, P>(wr, sr, cnt, inter, lane,
+                    [&](int r, const signed char*& q, const float*& s) {
+                        long long p = order[b0 + r];
+                        q = hq + p * inter;
+                        s = hd + p * inter / 32;
+                    },
+                    [&](int w, int r, float v) {
+                        if (lane == 0 && c + w < d) y[(long long)order[b0 + r] * d + c + w] = v;
+                    });
 }
 
-#define X8_KERNELS(F, N)                                                                                             \
+#define X8_KERNELS(F, N, UPB)                                                                                           \
     extern "C" __global__ void gemv1x_##N(float* out, const signed char* xq, const float* xd, const u8* w,          \
                                           const u8* s, int n, int k, int m, int ldx, int rpg) {                      \
         pdl_enter();                                                                                                 \
@@ -933,7 +961,7 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
         fill_tabs<F, true>();                                                                                        \
         gemvn_x8<F>(out, xq, xd, w, s, n, k, m, ldx, rpg);                                                           \
     }                                                                                                                \
-    extern "C" __global__ void moe_upx_##N(float* h, const signed char* xq, const float* xd, const unsigned* order, \
+    extern "C" __global__ void __launch_bounds__(256, UPB) moe_upx_##N(float* h, const signed char* xq, const float* xd, const unsigned* order, \
                                            const unsigned* off, const unsigned* active,                             \
                                            const unsigned long long* ptrs, int nexp, int k, int d, int inter,        \
                                            float limit) {                                                            \
@@ -949,9 +977,11 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
         moe_downn_x8<F>(y, hq, hd, order, off, active, ptrs, nexp, d, inter);                                        \
     }
 
-X8_KERNELS(F_Q8_0, q8_0)
-X8_KERNELS(F_Q2_K, q2_k)
-X8_KERNELS(F_IQ2_XXS, iq2_xxs)
+// UPB: blocks an SM the several-row up kernel is compiled for (IQ2_XXS fits two in 128
+// registers without spills; the wider formats' decodes would spill).
+X8_KERNELS(F_Q8_0, q8_0, 1)
+X8_KERNELS(F_Q2_K, q2_k, 1)
+X8_KERNELS(F_IQ2_XXS, iq2_xxs, 2)
 
 // ---- int8 tensor-core tiles: several rows on `mma` (m16n8k32 / m16n8k16 on s8), bitwise the
 // one-row sums.
