@@ -16,7 +16,8 @@ Needs NVRTC, ptxas, cuobjdump and nvdisasm; pinned wheels from PyPI hold them:
   (cd /tmp/cuda-tools && for f in *.whl; do unzip -qo "$f"; done)
   python3 tools/kernel_sass.py --cuda /tmp/cuda-tools/nvidia/cu13 quant.cu gemv1_iq2_xxs gemv1_q8_0
 
-`--against REV` also compiles the file as of git revision REV and prints both.
+`--against REV` also compiles the file as of git revision REV and prints both; SASS_TOP sets how
+many opcodes the summary names, SASS_DUMP=1 prints the loop itself to stderr.
 """
 import argparse
 import collections
@@ -89,6 +90,10 @@ def hot_loop(sass):
     if not loops:
         return None
     lo, hi = max(loops, key=lambda x: x[1] - x[0])
+    if os.environ.get("SASS_DUMP"):  # the loop's instructions themselves, to stderr
+        for a, op, args in ins:
+            if lo <= a <= hi:
+                print(f"{a:6x}  {op} {args}", file=sys.stderr)
     return [op for a, op, _ in ins if lo <= a <= hi]
 
 

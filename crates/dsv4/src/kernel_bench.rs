@@ -91,7 +91,11 @@ pub fn run() -> Result<()> {
             let name = f.map_or("bf16", |f| f.name());
             let vals = host_values(&b, &w);
             let err = check(&b, &w, &vals, 3);
-            if err.is_nan() || err >= 1e-4 {
+            // Fast-mode bf16 products round the activations to bf16 (`gemvt_bf16`, cuBLAS):
+            // about 2^-9 relative a term, so the test's 1e-2 bound; the packed products keep f32
+            // activations in this table.
+            let tol = if f.is_none() && !b.exact() { 1e-2 } else { 1e-4 };
+            if err.is_nan() || err >= tol {
                 bail!("{name} [{m}, {k}]: product differs from the CPU decoder's by {err:.2e}");
             }
             let bytes = w.bytes() as f64;

@@ -128,7 +128,7 @@ impl CudaBackend {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            (&self.k.gemvt_bf16, cfg)
+            (if n > 8 { &self.k.gemvt16_bf16 } else { &self.k.gemvt_bf16 }, cfg)
         } else {
             let warps_per_block = 8usize;
             let cfg = LaunchConfig {

@@ -176,6 +176,8 @@ pub(crate) struct Kernels {
     pub gemv_bf16: CudaFunction,
     pub gemv1_bf16: CudaFunction,
     pub gemvt_bf16: CudaFunction,
+    /// `gemvt_bf16`'s bits with one k block in flight a warp (more than 8 rows).
+    pub gemvt16_bf16: CudaFunction,
     pub cast_bf16: CudaFunction,
     pub moe_sort: CudaFunction,
     pub moe_gather_bf16: CudaFunction,
@@ -293,6 +295,7 @@ impl Kernels {
                 "rand_normal",
                 "gemv1_bf16",
                 "gemvt_bf16",
+                "gemvt16_bf16",
             ],
         )?
         .into_iter();
@@ -336,6 +339,7 @@ impl Kernels {
             rand_normal: n(&mut bf),
             gemv1_bf16: n(&mut bf),
             gemvt_bf16: n(&mut bf),
+            gemvt16_bf16: n(&mut bf),
         })
     }
 }

@@ -49,9 +49,17 @@ __device__ __forceinline__ unsigned iq2_signs(unsigned i7) { return i7 | ((__pop
 // bit j at bit 8j (j + 7j), and no two of the shifted copies overlap.
 __device__ __forceinline__ unsigned nibble_bytes(unsigned n) { return (n * 0x00204081u) & 0x01010101u; }
 
-// Branch-free (selects, not branches): a branch here ends the basic block, and ptxas then
-// cannot issue the next chunk's loads before this one's arithmetic (PERF.md v5).
+// f16 → f32 is exact, so the device's one conversion instruction and the host build's integer
+// form below give the same bits (the integer form took ~15 instructions a scale on the device:
+// one or two a 32-value chunk in every decode). Branch-free (selects, not branches): a branch
+// here ends the basic block, and ptxas then cannot issue the next chunk's loads before this
+// one's arithmetic (PERF.md v5).
 __device__ __forceinline__ float h2f(u16 h) {
+#ifdef __CUDA_ARCH__
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#endif
     unsigned s = ((unsigned)h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
     float sub = __uint2float_rn(m) * 5.9604644775390625e-8f;  // m · 2^-24, exact
     sub = __uint_as_float(__float_as_uint(sub) | s);
@@ -936,7 +944,7 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
                     });
 }
 
-#define X8_KERNELS(F, N, UPB)                                                                                           \
+#define X8_KERNELS(F, N, UPB, DNB)                                                                                           \
     extern "C" __global__ void gemv1x_##N(float* out, const signed char* xq, const float* xd, const u8* w,          \
                                           const u8* s, int n, int k, int m, int ldx, int rpg) {                      \
         pdl_enter();                                                                                                 \
@@ -969,7 +977,7 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
         fill_tabs<F, true>();                                                                                        \
         moe_upn_x8<F>(h, xq, xd, order, off, active, ptrs, nexp, k, d, inter, limit);                                \
     }                                                                                                                \
-    extern "C" __global__ void moe_downx_##N(float* y, const signed char* hq, const float* hd,                      \
+    extern "C" __global__ void __launch_bounds__(256, DNB) moe_downx_##N(float* y, const signed char* hq, const float* hd, \
                                              const unsigned* order, const unsigned* off, const unsigned* active,     \
                                              const unsigned long long* ptrs, int nexp, int d, int inter) {           \
         pdl_enter();                                                                                                 \
@@ -977,11 +985,15 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
         moe_downn_x8<F>(y, hq, hd, order, off, active, ptrs, nexp, d, inter);                                        \
     }
 
-// UPB: blocks an SM the several-row up kernel is compiled for (IQ2_XXS fits two in 128
-// registers without spills; the wider formats' decodes would spill).
-X8_KERNELS(F_Q8_0, q8_0, 1)
-X8_KERNELS(F_Q2_K, q2_k, 1)
-X8_KERNELS(F_IQ2_XXS, iq2_xxs, 2)
+// UPB / DNB: blocks an SM the several-row up / down kernels are compiled for. At batch 16 an
+// expert holds one or two rows and these kernels are bound by issue with 2 blocks an SM (ncu:
+// 16 warps an SM, 1.1 eligible a scheduler); H200, 4 q2 layers, batch 16 (PERF.md v16): Q2_K
+// down at 3 blocks (80 registers, 12 bytes of spills) 6.23 → 5.19 ms a step, IQ2_XXS gate/up at
+// 3 (80 registers, 60 bytes of spills) −0.1 to −0.25 ms. A bound of 1 lets ptxas take ~150
+// registers (one block an SM). The wider formats' decodes would spill more.
+X8_KERNELS(F_Q8_0, q8_0, 1, 2)
+X8_KERNELS(F_Q2_K, q2_k, 1, 3)
+X8_KERNELS(F_IQ2_XXS, iq2_xxs, 3, 3)
 
 // ---- int8 tensor-core tiles: several rows on `mma` (m16n8k32 / m16n8k16 on s8), bitwise the
 // one-row sums.
