@@ -287,7 +287,15 @@ extern "C" __global__ void index_topk(unsigned* sel, int topk, const float* scor
     for (int j = threadIdx.x; j < k; j += blockDim.x) sel[(long long)t * topk + j] = sidx[j];
 }
 
-#define ATT_S 16   // slices a row's keys are split into: fixed, so a row's sums never depend on its batch
+#define ATT_S 16   // slices a row's keys are split into at most (the grid's z)
+// Keys a slice takes at least: a row of nk keys uses S = min(ATT_S, ⌈nk / ATT_MINK⌉) slices, a
+// function of the row alone (its position and selection), so its sums never depend on its batch.
+// The other blocks of its grid count themselves and return. With 16 slices always, a 128-key
+// window gave 8 keys a block, and at batch 16 its 2,048 blocks ran in ~8 waves of a chain of
+// loads, a partial write and a 16-way merge (SWA 83 µs at batch 16, PERF.md v16).
+#ifndef ATT_MINK
+#define ATT_MINK 32
+#endif
 #define ATT_HG 8   // heads a block takes, one warp each: they share each staged key tile
 #define ATT_KT 16  // keys a tile stages in shared memory
 #define ATT_KG 4   // keys a warp takes at a time within a tile
@@ -314,7 +322,7 @@ __device__ __forceinline__ const float* att_key(int j, int nwin, long long lo, c
 }
 
 // Sink-softmax attention (values are the keys), flash-decoding style. Block (row, head group,
-// slice): slice s of ATT_S takes the row's keys [s·nk/S, (s+1)·nk/S), stages them ATT_KT at a
+// slice): slice s of the row's S (see ATT_MINK) takes its keys [s·nk/S, (s+1)·nk/S), stages them ATT_KT at a
 // time in shared memory for its ATT_HG heads (one warp each, an online softmax over the slice),
 // and leaves (max, sum, o) in `part`. The group's last slice block to finish merges the S
 // partials in slice order with the sink. Rows are t0 + blockIdx.x (the launcher tiles rows so
@@ -338,104 +346,107 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_HG, ATT_MINB) attention(fl
         ncomp = has_sel ? min(topk, vis) : vis;
     }
     int nk = nwin + ncomp;
-    int j0 = (int)((long long)nk * s / ATT_S), j1 = (int)((long long)nk * (s + 1) / ATT_S);
+    const int S = min(ATT_S, max(1, (nk + ATT_MINK - 1) / ATT_MINK));
+    int j0 = (int)((long long)nk * s / S), j1 = (int)((long long)nk * (s + 1) / S);
     bool live = h < heads;
-    float qv[MAX_D / 32], o[MAX_D / 32];
-    const float* qr = q + ((long long)t * heads + (live ? h : 0)) * d;
-#pragma unroll
-    for (int i = 0; i < MAX_D / 32; i++) {
-        int c = lane + 32 * i;
-        qv[i] = c < d ? qr[c] : 0.f;
-        o[i] = 0.f;
-    }
-    // The tile starts zero and only ever holds finite keys: columns d..MAX_D stay zero (the hot
-    // loops need no column guard) and rows past a short tile's end are finite, so their
-    // discarded products (weight exactly 0) add exactly zero.
-    for (int i = threadIdx.x; i < ATT_KT * MAX_D; i += blockDim.x) (&ks[0][0])[i] = 0.f;
-    float mx = -INFINITY, l = 0.f;
-    int d4 = d >> 2;
-    for (int k0 = j0; k0 < j1; k0 += ATT_KT) {
-        int nt = min(ATT_KT, j1 - k0);
-        __syncthreads();  // the previous tile is no longer read (nor the pointers, below)
-        // The next ATT_KP keys' addresses in one round trip (a selected entry's index is itself a load).
-        if ((k0 - j0) % ATT_KP == 0 && threadIdx.x < min(ATT_KP, j1 - k0))
-            kp[threadIdx.x] = att_key(k0 + threadIdx.x, nwin, lo, kv, ring, rcap, entries, cap, sel, has_sel, topk,
-                                      rows, n, t, d);
-        __syncthreads();
-        int pb = (k0 - j0) % ATT_KP;
-        // Every load of the tile issued before any store (one memory latency a tile, not one a
-        // float4): ATT_CP float4s a thread cover a full tile at 256 threads, any rest in a loop.
-        {
-            float4 v[ATT_CP];
-#pragma unroll
-            for (int u = 0; u < ATT_CP; u++) {
-                int i = threadIdx.x + u * blockDim.x;
-                if (i < nt * d4) {
-                    int kk = i / d4, c4 = i - kk * d4;
-                    v[u] = reinterpret_cast<const float4*>(kp[pb + kk])[c4];
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < ATT_CP; u++) {
-                int i = threadIdx.x + u * blockDim.x;
-                if (i < nt * d4) {
-                    int kk = i / d4, c4 = i - kk * d4;
-                    reinterpret_cast<float4*>(ks[kk])[c4] = v[u];
-                }
-            }
-            for (int i = threadIdx.x + ATT_CP * blockDim.x; i < nt * d4; i += blockDim.x) {
-                int kk = i / d4, c4 = i - kk * d4;
-                reinterpret_cast<float4*>(ks[kk])[c4] = reinterpret_cast<const float4*>(kp[pb + kk])[c4];
-            }
-        }
-        __syncthreads();
-        if (!live) continue;
-        // ATT_KG keys at a time: their dot products' butterflies overlap; each key's values are
-        // read from shared memory once, for the dot product and again (from registers) for the
-        // weighted sum.
-#pragma unroll 1
-        for (int g0 = 0; g0 < nt; g0 += ATT_KG) {
-            float kr[ATT_KG][MAX_D / 32], sc[ATT_KG];
-#pragma unroll
-            for (int u = 0; u < ATT_KG; u++) {
-                float dot = 0.f;
-#pragma unroll
-                for (int i = 0; i < MAX_D / 32; i++) {
-                    kr[u][i] = ks[g0 + u][lane + 32 * i];
-                    dot += qv[i] * kr[u][i];
-                }
-                sc[u] = dot;
-            }
-#pragma unroll
-            for (int u = 0; u < ATT_KG; u++) sc[u] = g0 + u < nt ? warp_sum(sc[u]) * scale : -INFINITY;
-            float nm = mx;
-#pragma unroll
-            for (int u = 0; u < ATT_KG; u++) nm = fmaxf(nm, sc[u]);
-            // The group's first key is a key, so nm is finite where the scores are.
-            float corr = expf(mx - nm);
-            l = l * corr;
-#pragma unroll
-            for (int i = 0; i < MAX_D / 32; i++) o[i] = o[i] * corr;
-#pragma unroll
-            for (int u = 0; u < ATT_KG; u++) {
-                float pw = expf(sc[u] - nm);  // 0 past the tile's end (sc = −∞)
-                l = l + pw;
-#pragma unroll
-                for (int i = 0; i < MAX_D / 32; i++) o[i] = o[i] + pw * kr[u][i];
-            }
-            mx = nm;
-        }
-    }
     int G = gridDim.y;
-    if (live) {
-        float* pr = part + (((long long)tl * heads + h) * ATT_S + s) * (d + 2);
+    if (s < S) {  // block-uniform: slices past S hold no keys
+        float qv[MAX_D / 32], o[MAX_D / 32];
+        const float* qr = q + ((long long)t * heads + (live ? h : 0)) * d;
 #pragma unroll
         for (int i = 0; i < MAX_D / 32; i++) {
             int c = lane + 32 * i;
-            if (c < d) pr[c] = o[i];
+            qv[i] = c < d ? qr[c] : 0.f;
+            o[i] = 0.f;
         }
-        if (lane == 0) { pr[d] = mx; pr[d + 1] = l; }
-    }
+        // The tile starts zero and only ever holds finite keys: columns d..MAX_D stay zero (the hot
+        // loops need no column guard) and rows past a short tile's end are finite, so their
+        // discarded products (weight exactly 0) add exactly zero.
+        for (int i = threadIdx.x; i < ATT_KT * MAX_D; i += blockDim.x) (&ks[0][0])[i] = 0.f;
+        float mx = -INFINITY, l = 0.f;
+        int d4 = d >> 2;
+        for (int k0 = j0; k0 < j1; k0 += ATT_KT) {
+            int nt = min(ATT_KT, j1 - k0);
+            __syncthreads();  // the previous tile is no longer read (nor the pointers, below)
+            // The next ATT_KP keys' addresses in one round trip (a selected entry's index is itself a load).
+            if ((k0 - j0) % ATT_KP == 0 && threadIdx.x < min(ATT_KP, j1 - k0))
+                kp[threadIdx.x] = att_key(k0 + threadIdx.x, nwin, lo, kv, ring, rcap, entries, cap, sel, has_sel, topk,
+                                          rows, n, t, d);
+            __syncthreads();
+            int pb = (k0 - j0) % ATT_KP;
+            // Every load of the tile issued before any store (one memory latency a tile, not one a
+            // float4): ATT_CP float4s a thread cover a full tile at 256 threads, any rest in a loop.
+            {
+                float4 v[ATT_CP];
+#pragma unroll
+                for (int u = 0; u < ATT_CP; u++) {
+                    int i = threadIdx.x + u * blockDim.x;
+                    if (i < nt * d4) {
+                        int kk = i / d4, c4 = i - kk * d4;
+                        v[u] = reinterpret_cast<const float4*>(kp[pb + kk])[c4];
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < ATT_CP; u++) {
+                    int i = threadIdx.x + u * blockDim.x;
+                    if (i < nt * d4) {
+                        int kk = i / d4, c4 = i - kk * d4;
+                        reinterpret_cast<float4*>(ks[kk])[c4] = v[u];
+                    }
+                }
+                for (int i = threadIdx.x + ATT_CP * blockDim.x; i < nt * d4; i += blockDim.x) {
+                    int kk = i / d4, c4 = i - kk * d4;
+                    reinterpret_cast<float4*>(ks[kk])[c4] = reinterpret_cast<const float4*>(kp[pb + kk])[c4];
+                }
+            }
+            __syncthreads();
+            if (!live) continue;
+            // ATT_KG keys at a time: their dot products' butterflies overlap; each key's values are
+            // read from shared memory once, for the dot product and again (from registers) for the
+            // weighted sum.
+#pragma unroll 1
+            for (int g0 = 0; g0 < nt; g0 += ATT_KG) {
+                float kr[ATT_KG][MAX_D / 32], sc[ATT_KG];
+#pragma unroll
+                for (int u = 0; u < ATT_KG; u++) {
+                    float dot = 0.f;
+#pragma unroll
+                    for (int i = 0; i < MAX_D / 32; i++) {
+                        kr[u][i] = ks[g0 + u][lane + 32 * i];
+                        dot += qv[i] * kr[u][i];
+                    }
+                    sc[u] = dot;
+                }
+#pragma unroll
+                for (int u = 0; u < ATT_KG; u++) sc[u] = g0 + u < nt ? warp_sum(sc[u]) * scale : -INFINITY;
+                float nm = mx;
+#pragma unroll
+                for (int u = 0; u < ATT_KG; u++) nm = fmaxf(nm, sc[u]);
+                // The group's first key is a key, so nm is finite where the scores are.
+                float corr = expf(mx - nm);
+                l = l * corr;
+#pragma unroll
+                for (int i = 0; i < MAX_D / 32; i++) o[i] = o[i] * corr;
+#pragma unroll
+                for (int u = 0; u < ATT_KG; u++) {
+                    float pw = expf(sc[u] - nm);  // 0 past the tile's end (sc = −∞)
+                    l = l + pw;
+#pragma unroll
+                    for (int i = 0; i < MAX_D / 32; i++) o[i] = o[i] + pw * kr[u][i];
+                }
+                mx = nm;
+            }
+        }
+        if (live) {
+            float* pr = part + (((long long)tl * heads + h) * ATT_S + s) * (d + 2);
+#pragma unroll
+            for (int i = 0; i < MAX_D / 32; i++) {
+                int c = lane + 32 * i;
+                if (c < d) pr[c] = o[i];
+            }
+            if (lane == 0) { pr[d] = mx; pr[d + 1] = l; }
+        }
+    }  // s < S
     // Publish the partial, then count it; the block that completes the count merges.
     __threadfence();
     __syncthreads();
@@ -448,31 +459,32 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_HG, ATT_MINB) attention(fl
     if (!last || !live) return;
     __threadfence();
     const float* ph = part + ((long long)tl * heads + h) * ATT_S * (d + 2);
-    // Lane s < ATT_S holds slice s's weight exp(m_s − M) / den; M covers the sink too.
-    float ms = lane < ATT_S ? __ldcg(ph + lane * (d + 2) + d) : -INFINITY;
-    float ls = lane < ATT_S ? __ldcg(ph + lane * (d + 2) + d + 1) : 0.f;
+    // Lane s < S holds slice s's weight exp(m_s − M) / den; M covers the sink too.
+    float ms = lane < S ? __ldcg(ph + lane * (d + 2) + d) : -INFINITY;
+    float ls = lane < S ? __ldcg(ph + lane * (d + 2) + d + 1) : 0.f;
     float M = sinks[h];
-    for (int i = 0; i < ATT_S; i++) M = fmaxf(M, __shfl_sync(0xffffffffu, ms, i));
+    for (int i = 0; i < S; i++) M = fmaxf(M, __shfl_sync(0xffffffffu, ms, i));
     float den = expf(sinks[h] - M);
-    for (int i = 0; i < ATT_S; i++) den += __shfl_sync(0xffffffffu, ls, i) * expf(__shfl_sync(0xffffffffu, ms, i) - M);
-    float wgt = lane < ATT_S ? expf(ms - M) / den : 0.f;
+    for (int i = 0; i < S; i++) den += __shfl_sync(0xffffffffu, ls, i) * expf(__shfl_sync(0xffffffffu, ms, i) - M);
+    float wgt = lane < S ? expf(ms - M) / den : 0.f;
     float* orow = out + ((long long)t * heads + h) * d;
     // Slices in order, ATT_CJ at a time with all their loads issued before the sums.
     float acc[MAX_D / 32];
 #pragma unroll
     for (int i = 0; i < MAX_D / 32; i++) acc[i] = 0.f;
 #pragma unroll 1
-    for (int j0 = 0; j0 < ATT_S; j0 += ATT_CJ) {
+    for (int j0 = 0; j0 < S; j0 += ATT_CJ) {
         float v[ATT_CJ][MAX_D / 32];
 #pragma unroll
         for (int u = 0; u < ATT_CJ; u++)
 #pragma unroll
             for (int i = 0; i < MAX_D / 32; i++) {
                 int c = lane + 32 * i;
-                v[u][i] = c < d ? __ldcg(ph + (j0 + u) * (d + 2) + c) : 0.f;
+                v[u][i] = c < d && j0 + u < S ? __ldcg(ph + (j0 + u) * (d + 2) + c) : 0.f;
             }
 #pragma unroll
         for (int u = 0; u < ATT_CJ; u++) {
+            if (j0 + u >= S) break;
             float wj = __shfl_sync(0xffffffffu, wgt, j0 + u);
 #pragma unroll
             for (int i = 0; i < MAX_D / 32; i++) acc[i] += v[u][i] * wj;
