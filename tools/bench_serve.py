@@ -64,7 +64,8 @@ def one_request(url, prompt, max_tokens, key, out, index=None):
 
 
 def engine_times(url, key):
-    """The engine's step counters from /metrics: (steps, forward seconds, step seconds)."""
+    """The engine's step counters from /metrics: (steps, forward seconds, step seconds, plan
+    seconds, snapshot seconds, snapshots, restore seconds)."""
     req = urllib.request.Request(url + "/metrics", headers={"authorization": "Bearer " + key} if key else {})
     try:
         body = urllib.request.urlopen(req, timeout=10).read().decode()
@@ -75,7 +76,9 @@ def engine_times(url, key):
         if line and not line.startswith("#"):
             name, _, val = line.partition(" ")
             v[name] = float(val)
-    keys = ("dsv4_engine_steps_total", "dsv4_engine_forward_seconds_total", "dsv4_engine_step_seconds_total")
+    keys = ("dsv4_engine_steps_total", "dsv4_engine_forward_seconds_total", "dsv4_engine_step_seconds_total",
+            "dsv4_engine_plan_seconds_total", "dsv4_engine_snapshot_seconds_total", "dsv4_engine_snapshots_total",
+            "dsv4_engine_restore_seconds_total")
     return tuple(v.get(k, 0.0) for k in keys)
 
 
@@ -121,8 +124,10 @@ def step_split(e0, e1, wall):
     if not e0 or not e1 or e1[0] <= e0[0]:
         return None
     n = e1[0] - e0[0]
-    return {"steps": int(n), "forward": round((e1[1] - e0[1]) / n * 1e3, 3),
-            "step": round((e1[2] - e0[2]) / n * 1e3, 3), "wall": round(wall / n * 1e3, 3)}
+    per = lambda i: round((e1[i] - e0[i]) / n * 1e3, 3)  # noqa: E731
+    # plan and snapshot are parts of step outside forward; restore runs between steps (in wall).
+    return {"steps": int(n), "forward": per(1), "step": per(2), "wall": round(wall / n * 1e3, 3),
+            "plan": per(3), "snapshot": per(4), "snapshots": int(e1[5] - e0[5]), "restore": per(6)}
 
 
 def main():

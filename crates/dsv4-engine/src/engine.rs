@@ -446,8 +446,11 @@ impl<B: Backend> Engine<B> {
                         }
                     }
                     if let Some(pc) = &mut self.prefix {
-                        match pc.lookup(&s.req.prompt) {
-                            Some(hit) if self.model.restore(slot, &hit.snap) => {
+                        let t0 = Instant::now();
+                        let restored = pc.lookup(&s.req.prompt).filter(|hit| self.model.restore(slot, &hit.snap));
+                        self.metrics.restore_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                        match restored {
+                            Some(hit) => {
                                 s.prefilled = hit.len;
                                 s.cached = hit.len;
                                 self.metrics.prefix_hits.fetch_add(1, Ordering::Relaxed);
@@ -527,6 +530,7 @@ impl<B: Backend> Engine<B> {
         if self.prefix.is_none() {
             return;
         }
+        let t0 = Instant::now();
         if let Some(snap) = self.model.snapshot(slot) {
             debug_assert_eq!(snap.len, tokens.len());
             if let Some(pc) = &mut self.prefix {
@@ -536,6 +540,8 @@ impl<B: Backend> Engine<B> {
                 pc.insert(tokens, snap);
             }
         }
+        self.metrics.snapshot_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.metrics.snapshots_total.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Builds one batch: the decode rows of each running sequence that has a token to feed (with
@@ -666,7 +672,9 @@ impl<B: Backend> Engine<B> {
     }
 
     fn step_inner(&mut self) {
+        let t_plan = Instant::now();
         let (rows, out_rows, outs, chunks) = self.plan();
+        self.metrics.plan_ns.fetch_add(t_plan.elapsed().as_nanos() as u64, Ordering::Relaxed);
         if rows.is_empty() {
             return;
         }

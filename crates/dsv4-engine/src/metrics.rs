@@ -161,6 +161,13 @@ pub struct Metrics {
     /// Nanoseconds inside the engine's step: planning, the forward, sampling and emission.
     /// Their difference is what the engine adds to the device's time.
     pub step_ns: AtomicU64,
+    /// Parts of the step outside the forward, so a gap between the two can be named: planning
+    /// (the drafter included), prefix-cache snapshots (device state copied to the host) and
+    /// their number. Restores at admission run between steps (`restore_ns`).
+    pub plan_ns: AtomicU64,
+    pub snapshot_ns: AtomicU64,
+    pub snapshots_total: AtomicU64,
+    pub restore_ns: AtomicU64,
     pub prefix_hits: AtomicU64,
     pub prefix_misses: AtomicU64,
     pub prefix_tokens_reused: AtomicU64,
@@ -190,6 +197,10 @@ impl Default for Metrics {
             steps_total: AtomicU64::new(0),
             forward_ns: AtomicU64::new(0),
             step_ns: AtomicU64::new(0),
+            plan_ns: AtomicU64::new(0),
+            snapshot_ns: AtomicU64::new(0),
+            snapshots_total: AtomicU64::new(0),
+            restore_ns: AtomicU64::new(0),
             prefix_hits: AtomicU64::new(0),
             prefix_misses: AtomicU64::new(0),
             prefix_tokens_reused: AtomicU64::new(0),
@@ -240,6 +251,25 @@ impl Metrics {
             "counter",
             "Time inside engine steps (planning, forward, sampling, emission).",
             g(&self.step_ns) / 1e9,
+        );
+        gauge(
+            "dsv4_engine_plan_seconds_total",
+            "counter",
+            "Time planning steps (inside engine steps; the drafter included).",
+            g(&self.plan_ns) / 1e9,
+        );
+        gauge(
+            "dsv4_engine_snapshot_seconds_total",
+            "counter",
+            "Time saving prefix-cache snapshots (inside engine steps).",
+            g(&self.snapshot_ns) / 1e9,
+        );
+        gauge("dsv4_engine_snapshots_total", "counter", "Prefix-cache snapshots saved.", g(&self.snapshots_total));
+        gauge(
+            "dsv4_engine_restore_seconds_total",
+            "counter",
+            "Time restoring cached prefixes at admission (between engine steps).",
+            g(&self.restore_ns) / 1e9,
         );
         gauge(
             "dsv4_prefix_cache_hits_total",

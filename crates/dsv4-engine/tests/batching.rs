@@ -86,8 +86,14 @@ fn parallel_requests_equal_their_sequential_runs() {
     // The step timers: the forward runs inside the engine step, so it cannot take longer.
     let (fwd, step) = (Metrics::get(&h.metrics.forward_ns), Metrics::get(&h.metrics.step_ns));
     assert!(Metrics::get(&h.metrics.steps_total) > 0 && fwd > 0 && fwd <= step, "forward {fwd} ns, step {step} ns");
+    // Planning and snapshots are parts of the step outside the forward.
+    let (plan, snap) = (Metrics::get(&h.metrics.plan_ns), Metrics::get(&h.metrics.snapshot_ns));
+    assert!(fwd + plan + snap <= step, "forward {fwd} + plan {plan} + snapshots {snap} ns > step {step} ns");
     let text = h.metrics.render();
-    assert!(text.contains("dsv4_engine_forward_seconds_total ") && text.contains("dsv4_engine_step_seconds_total "));
+    for name in ["forward", "step", "plan", "snapshot", "restore"] {
+        assert!(text.contains(&format!("dsv4_engine_{name}_seconds_total ")), "{name} timer not rendered");
+    }
+    assert!(text.contains("dsv4_engine_snapshots_total "));
 }
 
 #[test]
