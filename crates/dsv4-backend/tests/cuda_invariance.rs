@@ -1,7 +1,7 @@
-//! Batch invariance on the GPU, bitwise, in exact and in the default (fast) mode: a sequence's
-//! logits do not depend on how its prompt is chunked nor on the sequences that share its steps,
-//! as long as every step stays at or below the row counts where products leave their
-//! batch-invariant kernels (`bf16::GEMV_ROWS` for bf16 and f32 weights). Serving on the GPU gave
+//! Batch invariance on the GPU, bitwise, in exact mode (`dsv4 serve`'s default: at any step
+//! size) and in fast mode (`--cuda-fast`, `dsv4 bench`: up to `bf16::GEMV_ROWS` rows a step,
+//! above which bf16 and f32 products take cuBLAS): a sequence's logits do not depend on how its
+//! prompt is chunked nor on the sequences that share its steps. Serving on the GPU gave
 //! different greedy outputs at different concurrency levels even with every step at 16 rows or
 //! fewer (BENCHMARKS.md, fifth session): f32 and bf16 products of 9–16 rows took cuBLAS then.
 //! Prints "skipping: no CUDA device" and passes where none is present.
@@ -135,9 +135,19 @@ fn cuda_invariance_at_16_rows() {
     assert!(f.is_empty(), "batch invariance at 16 rows broken on the GPU: {f:?}");
 }
 
-/// The same in the default (fast) mode that `dsv4 serve` runs.
+/// The same in fast mode (`dsv4 serve --cuda-fast`, and `dsv4 bench`'s default).
 #[test]
 fn cuda_invariance_at_16_rows_fast() {
     let f = failures(16, &[3, 13, 1, 16, 7, 2, 6, 16, 9, 7], false);
     assert!(f.is_empty(), "batch invariance at 16 rows (fast mode) broken on the GPU: {f:?}");
+}
+
+/// Exact mode (`dsv4 serve`'s default) keeps one kernel path for any batch, so prefill chunks of
+/// more than 16 rows (here up to 48) must be invariant too. The f32 products (router gate, mHC)
+/// took cuBLAS above 16 rows even in exact mode until the eighth session; this test was written
+/// then and has not yet run on a GPU.
+#[test]
+fn cuda_invariance_of_large_chunks_exact() {
+    let f = failures(48, &[3, 45, 1, 48, 7, 20, 30, 48, 38], true);
+    assert!(f.is_empty(), "batch invariance of 48-row chunks (exact mode) broken on the GPU: {f:?}");
 }

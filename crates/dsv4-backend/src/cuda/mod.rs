@@ -790,8 +790,11 @@ impl CudaBackend {
         p
     }
 
-    /// `out[n, m] = x[n, k] · w[m, k]ᵀ`: up to [`bf16::gemv_rows`] rows `gemv_f32` (batch
-    /// invariant), else cuBLAS (column-major: `outᵀ = w · xᵀ`).
+    /// `out[n, m] = x[n, k] · w[m, k]ᵀ`: up to [`bf16::gemv_rows`] rows, and at any row count in
+    /// exact mode, `gemv_f32` (batch invariant), else cuBLAS (column-major: `outᵀ = w · xᵀ`).
+    /// Exact mode (`dsv4 serve`'s default) promises one kernel path for any batch, so a prompt's
+    /// prefill chunks of more than 16 rows (the router gate, the mHC mixes) must not take cuBLAS,
+    /// whose kernel depends on the shape.
     pub(crate) fn gemm_xwt(
         &self,
         x: &CudaSlice<f32>,
@@ -804,7 +807,7 @@ impl CudaBackend {
         if n == 0 || m == 0 {
             return out;
         }
-        if n <= bf16::gemv_rows() {
+        if n <= bf16::gemv_rows() || self.exact() {
             // Wide rows (mHC: 16384) get 1024 threads: more loads in flight per output.
             let threads = if k >= 8192 { 1024 } else { 256 };
             let lc = LaunchConfig { grid_dim: (m as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
