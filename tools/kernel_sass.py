@@ -17,7 +17,8 @@ Needs NVRTC, ptxas, cuobjdump and nvdisasm; pinned wheels from PyPI hold them:
   python3 tools/kernel_sass.py --cuda /tmp/cuda-tools/nvidia/cu13 quant.cu gemv1_iq2_xxs gemv1_q8_0
 
 `--against REV` also compiles the file as of git revision REV and prints both; SASS_TOP sets how
-many opcodes the summary names, SASS_DUMP=1 prints the loop itself to stderr.
+many opcodes the summary names, SASS_DUMP=1 prints the loop itself to stderr. FILE may also be
+a path with a '/' (relative to the repository), e.g. tools/sass/iq2_sign_variants.cu.
 """
 import argparse
 import collections
@@ -49,6 +50,8 @@ def source(name, rev):
         src += ("__device__ const unsigned long long IQ2XXS_GRID[256] = {0};\n"
                 "__device__ const unsigned char KSIGNS_IQ2XS[128] = {0};\n"
                 "__device__ const unsigned long long KMASK_IQ2XS[128] = {0};\n")
+    if "/" in name:  # a file outside the backend's kernels (tools/sass/: decode experiments)
+        return src + read(name)
     return src + read(f"{KDIR}/{name}")
 
 
@@ -101,7 +104,7 @@ def report(tools, nvrtc, name, kernels, rev, usage=False):
     with tempfile.TemporaryDirectory() as d:
         p, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
         with open(p, "w") as f:
-            f.write(ptx(nvrtc, source(name, rev), name))
+            f.write(ptx(nvrtc, source(name, rev), os.path.basename(name)))
         r = subprocess.run([os.path.join(tools, "bin", "ptxas"), "-arch=sm_90a", "-O3", "-v", p, "-o", cubin],
                            check=True, capture_output=True, text=True)
         if usage:
