@@ -252,6 +252,10 @@ pub trait Backend: Send + Sync {
     }
     /// Runs a recorded step over the inputs [`Backend::prepare_step`] staged.
     fn replay(&self, _g: &Self::Graph) {}
+    /// The kernel launches a recorded step holds (issue 11 counts them a layer); 0 where unknown.
+    fn graph_kernels(&self, _g: &Self::Graph) -> usize {
+        0
+    }
     /// The replayed step's results on the host (one synchronisation): the logits only when
     /// `logits` is set, else the output rows' argmax.
     fn step_output(&self, _g: &Self::Graph, _logits: bool) -> StepResult {

@@ -374,6 +374,13 @@ impl<B: Backend> Model<B> {
         self.graphs.len()
     }
 
+    /// The kernel launches of the recorded step of `rows` rows and `out` output rows (no
+    /// taps), if one is recorded and the backend counts them.
+    pub fn recorded_kernels(&self, rows: usize, out: usize) -> Option<usize> {
+        let (_, g) = self.graphs.get(&(rows, out, 0))?;
+        Some(self.backend.graph_kernels(g)).filter(|&k| k > 0)
+    }
+
     /// Takes a free sequence slot with fresh (reset) state.
     pub fn alloc_seq(&mut self) -> Result<usize, ModelError> {
         let peers = self.on_peers(|m| m.alloc_seq().ok());

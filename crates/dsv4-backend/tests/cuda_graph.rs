@@ -70,6 +70,10 @@ fn check(exact: bool) {
     let got = script(&mut graphs, cfg.vocab_size);
     assert!(graphs.recorded_steps() >= 3, "only {} step shapes were recorded", graphs.recorded_steps());
     assert_eq!(eager.recorded_steps(), 0);
+    // The recorded step's kernel launches (what `dsv4 bench` reports a layer): at least one a layer.
+    let k = graphs.recorded_kernels(3, 3).expect("the 3-row decode step recorded, its kernels counted");
+    assert!(k >= cfg.n_layers(), "{k} kernels in a step of {} layers", cfg.n_layers());
+    println!("the 3-row recorded step launches {k} kernels ({} layers)", cfg.n_layers());
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         assert!(
             g == w,

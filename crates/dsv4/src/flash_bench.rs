@@ -255,9 +255,15 @@ pub fn run(a: BenchArgs) -> Result<()> {
             frac * 100.0,
             HBM_BYTES_PER_S / 1e12
         );
+        // Issue 11 counts the kernels a decode layer launches: the recorded step's kernel nodes
+        // (embedding, final norm, LM head and sampling included) over the layers.
+        let kernels = m.recorded_kernels(bs, bs);
+        if let Some(k) = kernels {
+            println!("decode batch {bs:>3}: the recorded step launches {k} kernels = {:.1} a layer", k as f64 / nl);
+        }
         results.push(serde_json::json!({"kind": "decode", "batch": bs, "context": dctx, "ms_per_step": st * 1e3,
             "tokens_per_s": tps, "tokens_per_s_43_layers": tps43, "weight_bytes": wbytes, "kv_bytes": kvb,
-            "hbm_fraction": frac}));
+            "hbm_fraction": frac, "step_kernels": kernels}));
     }
 
     if std::env::var_os("DSV4_PROFILE").is_some() {

@@ -76,6 +76,35 @@ type Shape = (usize, usize, usize);
 pub struct StepGraph {
     graph: CudaGraph,
     key: Shape,
+    /// Its kernel nodes: the launches one replay makes.
+    pub(crate) kernels: usize,
+}
+
+/// The kernel nodes of a captured graph (0 if the driver cannot list them).
+fn kernel_nodes(g: &CudaGraph) -> usize {
+    use cudarc::driver::sys;
+    let graph = g.cu_graph();
+    let mut n = 0usize;
+    // SAFETY: `graph` is a live graph owned by `g`; the first call only reads the node count,
+    // the second fills a buffer of exactly that many handles, and each handle is only queried.
+    unsafe {
+        if sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) != sys::CUresult::CUDA_SUCCESS {
+            return 0;
+        }
+        let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); n];
+        if sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n) != sys::CUresult::CUDA_SUCCESS {
+            return 0;
+        }
+        nodes
+            .iter()
+            .take(n)
+            .filter(|&&node| {
+                let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+                sys::cuGraphNodeGetType(node, &mut t) == sys::CUresult::CUDA_SUCCESS
+                    && t == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL
+            })
+            .count()
+    }
 }
 
 // SAFETY: a graph is used by one thread at a time: the model that owns it runs its steps on
@@ -182,7 +211,8 @@ impl CudaBackend {
             return Err(format!("recorded step {key:?}: the forward returned other output shapes"));
         }
         graph.upload().map_err(|e| format!("CUDA graph upload: {e:?}"))?;
-        Ok(StepGraph { graph, key })
+        let kernels = kernel_nodes(&graph);
+        Ok(StepGraph { graph, key, kernels })
     }
 
     pub(crate) fn replay(&self, g: &StepGraph) {

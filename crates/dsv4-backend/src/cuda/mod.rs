@@ -1420,6 +1420,10 @@ impl Backend for CudaBackend {
         CudaBackend::replay(self, g)
     }
 
+    fn graph_kernels(&self, g: &graph::StepGraph) -> usize {
+        g.kernels
+    }
+
     fn step_output(&self, g: &graph::StepGraph, logits: bool) -> crate::backend::StepResult {
         CudaBackend::step_output(self, g, logits)
     }
