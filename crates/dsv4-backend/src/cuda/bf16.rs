@@ -2,10 +2,11 @@
 //! nonfinite probe and on-device random weights.
 //!
 //! A product with at most [`gemv_rows`] rows (decode) runs `gemvt_bf16` (tensor cores,
-//! activations rounded to bf16, f32 accumulation), and in exact mode (any row count) the
-//! `gemv_bf16` kernel: f32 activations, bf16 weights read once with 16-byte loads, f32
-//! accumulation. Both sum each row in one order whatever the row count. Larger products cast the activations to bf16 and run cuBLAS `gemmEx` (bf16
-//! inputs, f32 compute and output). Routed experts: the (row, slot) pairs are grouped by expert
+//! activations rounded to bf16, f32 accumulation; `gemvt16_bf16`, the same sums with fewer
+//! loads in flight, above 8 rows), and in exact mode (any row count) the `gemv_bf16` kernel: f32
+//! activations, bf16 weights read once with 16-byte loads, f32 accumulation. Both sum each row
+//! in one order whatever the row count. Larger products cast the activations to bf16 and run
+//! cuBLAS `gemmEx` (bf16 inputs, f32 compute and output). Routed experts: the (row, slot) pairs are grouped by expert
 //! on the device; up to [`GROUPED_MAX_ROWS`] rows (or in exact mode) one launch each for the
 //! up and down projections (`quant.cu`, where bf16 is one of the formats) covers every active
 //! expert with no host synchronisation; above
