@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device session's checks and measurements (see tools/device/build.sh):
 #   run(command: "bash tools/device/run.sh [PART...]", carry: [".devbin"])
-# PARTs, in the order given (default: all): tests, kernels, flash-exact, flash-int8 (the
-# 43-layer q2 bench on the exact and the int8-activation products). Writes each part's output
+# PARTs, in the order given (default: tests kernels flash-exact flash-int8): tests, kernels,
+# flash-exact, flash-int8 (the 43-layer q2 bench on the exact and the int8-activation products),
+# flash-served (43 q2 layers in serve's exact mode), flash-bf16 (4 bf16 layers), serve
+# (bench_serve at 1 / 16 / 64). Writes each part's output
 # and a summary to $OUT (or /tmp/dsv4-out); the device tool brings back at most 8 files.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -42,6 +44,29 @@ for part in $PARTS; do
         env DSV4_INT8=$([ "$mode" = int8 ] && echo 1 || echo 0) timeout 420 $B $F > "$OUT/flash-q2-$mode.txt" 2>&1
         echo "flash q2 43 layers ($mode): exit $?" >> "$S"
         grep -E '^(prefill|decode|verify|dspark)' "$OUT/flash-q2-$mode.txt" | cut -c1-220 >> "$S"
+        ;;
+    flash-served)
+        # The 43-layer q2 decode in the mode `dsv4 serve` runs by default (exact: f32 activations
+        # into bf16 products), the figure bench_serve's rates compare with.
+        timeout 300 $B bench --backend cuda --synthetic flash --layers 43 --weights q2 --contexts '' --cuda-exact \
+            --decode-batches 1,16 --decode-context 4096 --decode-tokens 16 > "$OUT/flash-served.txt" 2>&1
+        echo "flash q2 43 layers (serve's exact mode): exit $?" >> "$S"
+        grep -E '^decode' "$OUT/flash-served.txt" | cut -c1-220 >> "$S"
+        ;;
+    flash-bf16)
+        # Issue 11's bf16 figure: 4 Flash-dim layers, batch 1 (and 16), ctx 4096.
+        timeout 240 $B bench --backend cuda --synthetic flash --layers 4 --weights bf16 --contexts '' \
+            --decode-batches 1,16 --decode-context 4096 --decode-tokens 16 > "$OUT/flash-bf16.txt" 2>&1
+        echo "flash bf16 4 layers: exit $?" >> "$S"
+        grep -E '^decode' "$OUT/flash-bf16.txt" | cut -c1-220 >> "$S"
+        ;;
+    serve)
+        # bench_serve on the 43-layer q2 model at 1 / 16 / 64 (serve's default, exact mode: compare
+        # with flash-served), with the engine's per-step split (forward, plan, snapshots).
+        timeout 420 python3 -u tools/bench_serve.py --spawn $B --backend cuda --concurrency 1,16,64 --max-tokens 16 \
+            --extra "--synthetic-flash-layers 43 --synthetic-flash-weights q2 --max-context 4096" > "$OUT/serve.txt" 2>&1
+        echo "serve q2 43 layers: exit $?" >> "$S"
+        grep -E '^\{' "$OUT/serve.txt" | cut -c1-400 >> "$S"
         ;;
     *) echo "unknown part $part" >> "$S" ;;
     esac

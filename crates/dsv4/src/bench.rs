@@ -64,6 +64,10 @@ pub struct BenchArgs {
     /// report the device memory in use.
     #[arg(long, default_value = "")]
     pub reserve: String,
+    /// CUDA: exact mode, what `dsv4 serve` runs unless `--cuda-fast` (f32 activations into bf16
+    /// products, one kernel path at any batch), so a serving run compares with the same kernels.
+    #[arg(long)]
+    pub cuda_exact: bool,
 }
 
 /// Hidden 1024, 8 layers (2 SWA, then CSA 4 / HCA 128), 16 heads of 128, 32 experts top-4.

@@ -116,6 +116,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     check_scheme(scheme, "--weights")?;
     let reserve = parse_reserve(&a.reserve)?;
     let b = CudaBackend::new(0).context("starting the CUDA backend")?;
+    b.set_exact(a.cuda_exact);
     let dev = b.device_name();
     let total_mem = b.mem_total();
     let free0 = b.mem_free();
