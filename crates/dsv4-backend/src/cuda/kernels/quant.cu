@@ -760,6 +760,19 @@ __device__ void moe_up_x8(float* __restrict__ h, const signed char* __restrict__
         if (lane == 0 && o + j < inter) h[r * inter + o + j] = swiglu_q(v[2 * j], v[2 * j + 1], limit);
 }
 
+// Expert e's down-projection rows c..c+P (codes wr, heads sr) in the address table `ptrs`;
+// outputs past d take the last row again (the callers do not store them).
+template <int F, int P>
+__device__ __forceinline__ void down_rows(const u8** wr, const u8** sr, const unsigned long long* ptrs, int nexp,
+                                          unsigned e, int c, int d, int inter) {
+#pragma unroll
+    for (int j = 0; j < P; j++) {
+        int cj = min(c + j, d - 1);
+        wr[j] = (const u8*)ptrs[2 * nexp + e] + cj * row_bytes(F, inter);
+        sr[j] = scale_row(F, (const u8*)ptrs[5 * nexp + e], cj, inter);
+    }
+}
+
 // hq/hd: quant_x8 of the up kernel's output rows (one per pair, `inter` wide); X8_OPW_DOWN
 // outputs a warp.
 template <int F>
@@ -776,12 +789,7 @@ __device__ void moe_down_x8(float* __restrict__ y, const signed char* __restrict
     long long r = live ? order[b0] : 0;
     const u8* wr[P];
     const u8* sr[P];
-#pragma unroll
-    for (int j = 0; j < P; j++) {  // outputs past d: the last row again, not stored
-        int cj = min(c + j, d - 1);
-        wr[j] = (const u8*)ptrs[2 * nexp + e] + cj * row_bytes(F, inter);
-        sr[j] = scale_row(F, (const u8*)ptrs[5 * nexp + e], cj, inter);
-    }
+    down_rows<F, P>(wr, sr, ptrs, nexp, e, c, d, inter);
     float v[P];
     xrows_dot<F, P, 2>(v, wr, sr, hq + r * inter, hd + r * inter / 32, inter, lane, live);
     if (!live) return;
@@ -927,12 +935,7 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
     int cnt = (int)(off[e + 1] - b0);
     const u8* wr[P];
     const u8* sr[P];
-#pragma unroll
-    for (int j = 0; j < P; j++) {  // outputs past d: the last row again, not stored
-        int cj = min(c + j, d - 1);
-        wr[j] = (const u8*)ptrs[2 * nexp + e] + cj * row_bytes(F, inter);
-        sr[j] = scale_row(F, (const u8*)ptrs[5 * nexp + e], cj, inter);
-    }
+    down_rows<F, P>(wr, sr, ptrs, nexp, e, c, d, inter);
     xrows_all<F, P>(wr, sr, cnt, inter, lane,
                     [&](int r, const signed char*& q, const float*& s) {
                         long long p = order[b0 + r];
