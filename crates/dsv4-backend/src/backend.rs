@@ -93,6 +93,11 @@ pub trait Backend: Send + Sync {
     fn embed(&self, table: &Self::W, rows: &Self::Rows) -> Self::T;
     /// `x · wᵀ` with `w` stored `[out, in]`.
     fn matmul(&self, x: &Self::T, w: &Self::W) -> Self::T;
+    /// `x · w_iᵀ` for each weight, results in `ws`' order: the products of one input, which a
+    /// backend may run as one launch (each result as [`Backend::matmul`] gives it).
+    fn matmul_many(&self, x: &Self::T, ws: &[&Self::W]) -> Vec<Self::T> {
+        ws.iter().map(|w| self.matmul(x, w)).collect()
+    }
     /// Grouped projection: the columns of `x` split into `groups` blocks, block `g` multiplied by
     /// rows `g·R..(g+1)·R` of `w` (`wo_a`, spec §5.7). Output `[rows, groups·R]`.
     fn grouped_matmul(&self, x: &Self::T, w: &Self::W, groups: usize) -> Self::T;

@@ -209,37 +209,47 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
     let li = Some(l);
     let (d, eps) = (cfg.head_dim, cfg.rms_eps);
 
-    let qr = b.rms_norm(&b.matmul(a, &aw.wq_a), Some(&aw.q_norm), cfg.q_lora_rank, eps);
+    // Every product of the attention input at once (a backend may run them as one launch):
+    // wq_a, wkv, then the compressor's and the indexer's projections where the layer has them.
+    let mut ws = vec![&aw.wq_a, &aw.wkv];
+    if let Some(c) = &aw.compressor {
+        ws.extend([&c.wkv, &c.wgate]);
+    }
+    if let Some(ix) = &aw.indexer {
+        ws.extend([&ix.compressor.wkv, &ix.compressor.wgate, &ix.weights_proj]);
+    }
+    let mut pa = b.matmul_many(a, &ws).into_iter();
+    let mut next = || pa.next().expect("one product a weight");
+    let (q_a, kv_a) = (next(), next());
+    let comp_uz = aw.compressor.as_ref().map(|_| (next(), next()));
+    let index_uzw = aw.indexer.as_ref().map(|_| (next(), next(), next()));
+
+    let qr = b.rms_norm(&q_a, Some(&aw.q_norm), cfg.q_lora_rank, eps);
     cx.cap(li, "attn.q_a", &qr);
     let q = b.rms_norm_rope(&b.matmul(&qr, &aw.wq_b), None, d, eps, cx.rows, freqs);
     cx.cap(li, "attn.q", &q);
-    let kv = b.rms_norm_rope(&b.matmul(a, &aw.wkv), Some(&aw.kv_norm), d, eps, cx.rows, freqs);
+    let kv = b.rms_norm_rope(&kv_a, Some(&aw.kv_norm), d, eps, cx.rows, freqs);
     cx.cap(li, "attn.kv", &kv);
 
     // Compressors are fed before attention so an entry closing at t is visible to t (§9.4 #6).
-    if let Some(c) = &aw.compressor {
-        let u = b.matmul(a, &c.wkv);
-        let z = b.matmul(a, &c.wgate);
+    if let (Some(c), Some((u, z))) = (&aw.compressor, comp_uz) {
         cx.cap(li, "attn.compressor.kv", &u);
         cx.cap(li, "attn.compressor.gate", &z);
         b.compress(cx.cache, l, CompSlot::Kv, &u, &z, c, cx.rows, freqs, cfg);
     }
-    let sel = match &aw.indexer {
-        Some(ix) => {
+    let sel = match (&aw.indexer, index_uzw) {
+        (Some(ix), Some((u, z, wts))) => {
             let c = &ix.compressor;
-            let u = b.matmul(a, &c.wkv);
-            let z = b.matmul(a, &c.wgate);
             cx.cap(li, "attn.indexer.compressor.kv", &u);
             cx.cap(li, "attn.indexer.compressor.gate", &z);
             b.compress(cx.cache, l, CompSlot::Index, &u, &z, c, cx.rows, freqs, cfg);
             let mut qi = b.matmul(&qr, &ix.wq_b);
             b.rope(&mut qi, cx.rows, freqs, cfg.index_head_dim, false);
             cx.cap(li, "attn.indexer.q", &qi);
-            let wts = b.matmul(a, &ix.weights_proj);
             cx.cap(li, "attn.indexer.weights", &wts);
             Some(b.index_select(cx.cache, l, &qi, &wts, cx.rows, cfg))
         }
-        None => None,
+        _ => None,
     };
     let mut o = b.attention(cx.cache, l, &q, &kv, sel.as_ref(), &aw.sinks, cx.rows, cfg);
     cx.cap(li, "attn.core", &o);

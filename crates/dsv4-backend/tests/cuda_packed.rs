@@ -431,3 +431,35 @@ fn cuda_bf16_products_are_row_invariant() {
     }
     b.set_exact(true);
 }
+
+/// Several bf16 products of one input in one launch (`Backend::matmul_many`, the attention
+/// input's compressor and indexer projections) are bitwise each product alone: in fast mode
+/// (tensor-core tiles) at 1, 3 and 16 rows and in exact mode (the GEMV kernels) at 1 and 21,
+/// with a packed weight among them (run on its own) and shapes that end mid-tile.
+#[test]
+fn cuda_bf16_products_in_one_launch_are_each_alone() {
+    let Some(b) = gpu() else { return };
+    let mut r = ChaCha8Rng::seed_from_u64(12);
+    let k = 512;
+    let mut ws = Vec::new();
+    for (i, m) in [64usize, 44, 1024, 8, 200].into_iter().enumerate() {
+        let w: Vec<f32> = (0..m * k).map(|_| dsv4_backend::bf16::round_bf16(r.gen_range(-0.1f32..0.1))).collect();
+        ws.push(b.upload(HostTensor::new(format!("layers.0.attn.w{i}.weight"), vec![m, k], w)).unwrap());
+    }
+    let packed = b.upload_random_packed(PackedFormat::Q8_0, 96, k, 0.03, 9);
+    let all: Vec<_> = ws.iter().take(2).chain([&packed]).chain(ws.iter().skip(2)).collect();
+    for (exact, n) in [(false, 1usize), (false, 3), (false, 16), (true, 1), (true, 21)] {
+        b.set_exact(exact);
+        let (x, _) = activations(&b, n, k, 40 + n as u64);
+        let many = b.matmul_many(&x, &all);
+        assert_eq!(many.len(), all.len());
+        for (j, (w, got)) in all.iter().zip(&many).enumerate() {
+            let (got, alone) = (b.to_host(got), b.to_host(&b.matmul(&x, w)));
+            assert_eq!(got.len(), alone.len(), "product {j}: shape");
+            for (i, (p, q)) in got.iter().zip(&alone).enumerate() {
+                assert_eq!(p.to_bits(), q.to_bits(), "product {j}, {n} rows (exact {exact}), value {i}: {p} vs {q}");
+            }
+        }
+    }
+    b.set_exact(true);
+}

@@ -13,7 +13,7 @@
 //! that the expert offsets are read back (one sync per MoE layer) and each active expert runs
 //! two cuBLAS bf16 products over its gathered rows.
 
-use super::launch::Kernel;
+use super::launch::{Kernel, KernelStruct};
 use super::{cfg1d, ck, CudaBackend, CudaCache, CudaRoute, CudaTensor, CudaWeight};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaView, DevicePtrMut, LaunchConfig};
@@ -40,6 +40,34 @@ fn gemv_tiles() -> bool {
     *ON.get_or_init(|| std::env::var("DSV4_BF16_TILES").map(|v| v != "0").unwrap_or(true))
 }
 
+/// `BFG_MAX` of bf16.cu: products one bf16 launch takes at most.
+pub(crate) const BFG_MAX: usize = 8;
+
+/// `BfGroup` of bf16.cu: the products of one launch (weights, outputs and their shapes) and the
+/// first block of each, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct BfGroup {
+    w: [u64; BFG_MAX],
+    out: [u64; BFG_MAX],
+    m: [i32; BFG_MAX],
+    rpg: [i32; BFG_MAX],
+    b0: [i32; BFG_MAX + 1],
+    count: i32,
+}
+
+// SAFETY: #[repr(C)] integers in bf16.cu's field order (8-byte pointers first, then 4-byte
+// ints: 8·8 + 8·8 + 4·(8 + 8 + 9 + 1) = 232 bytes, no padding), as the kernels declare it.
+unsafe impl KernelStruct for BfGroup {}
+
+/// One product of a grouped bf16 launch.
+struct BfEntry<'a> {
+    out: &'a mut CudaSlice<f32>,
+    w: &'a CudaSlice<u16>,
+    m: usize,
+    rpg: usize,
+}
+
 /// Largest row count of a MoE call that uses the grouped expert kernels (fast mode).
 pub const GROUPED_MAX_ROWS: usize = 64;
 
@@ -61,7 +89,7 @@ impl CudaBackend {
             return out;
         }
         if n <= gemv_rows() || self.exact() {
-            self.gemv(&mut out.data, &x.data, w, n, k, m, x.cols, m / groups);
+            self.gemv(&x.data, n, k, x.cols, &mut [BfEntry { out: &mut out.data, w, m, rpg: m / groups }]);
             return out;
         }
         let xb = self.cast_bf16(&x.data, n * x.cols);
@@ -101,57 +129,74 @@ impl CudaBackend {
         out
     }
 
-    /// `out[n, m]` (row stride m) `= x[r, g(o)·k..] · w[o, :]` with `g(o) = o / rpg`.
-    #[allow(clippy::too_many_arguments)]
-    /// The GEMV kernels (f32 activations; any row count, rows in groups of 8), or in fast mode
-    /// `gemvt_bf16` (tensor cores, activations rounded to bf16, 16 rows a tile) where the shapes
-    /// allow: k a multiple of 32, a tile's 16 outputs in one group.
-    #[allow(clippy::too_many_arguments)]
-    fn gemv(
-        &self,
-        out: &mut CudaSlice<f32>,
-        x: &CudaSlice<f32>,
-        w: &CudaSlice<u16>,
-        n: usize,
-        k: usize,
-        m: usize,
-        ldx: usize,
-        rpg: usize,
-    ) {
+    /// The products `x · w_iᵀ` of one input with several bf16 weights `[m_i, k]`, in one launch
+    /// where the GEMV kernels serve the row count (decode, and exact mode at any count): the
+    /// compressor's and indexer's projections of an attention input, 64–1,024 outputs each, ran
+    /// 4–64 blocks a launch alone. `None` where they don't (cuBLAS sizes): call them one by one.
+    pub(crate) fn matmul_bf16_many(&self, x: &CudaTensor, ws: &[(&CudaSlice<u16>, usize)]) -> Option<Vec<CudaTensor>> {
+        let n = x.rows;
+        let k = x.cols;
+        if n == 0 || ws.len() > BFG_MAX || !(n <= gemv_rows() || self.exact()) {
+            return None;
+        }
+        let mut outs: Vec<CudaTensor> = ws.iter().map(|&(_, m)| self.tensor(n, m)).collect();
+        let mut entries: Vec<BfEntry> =
+            outs.iter_mut().zip(ws).map(|(o, &(w, m))| BfEntry { out: &mut o.data, w, m, rpg: m }).collect();
+        self.gemv(&x.data, n, k, k, &mut entries);
+        Some(outs)
+    }
+
+    /// `out_i[n, m_i]` (row stride m_i) `= x[r, g(o)·k..] · w_i[o, :]` with `g(o) = o / rpg_i`,
+    /// every entry in one launch: the GEMV kernels (f32 activations; any row count, rows in
+    /// groups of 8), or in fast mode `gemvt_bf16` (tensor cores, activations rounded to bf16, 16
+    /// rows a tile) where the shapes allow: k a multiple of 32, a tile's 16 outputs in one group.
+    /// A block computes the same sums whatever entries share its launch.
+    fn gemv(&self, x: &CudaSlice<f32>, n: usize, k: usize, ldx: usize, entries: &mut [BfEntry]) {
+        assert!(!entries.is_empty() && entries.len() <= BFG_MAX, "{} bf16 products in one launch", entries.len());
         let tiles = !self.exact()
             && gemv_tiles()
             && k.is_multiple_of(32)
             && ldx.is_multiple_of(4)
-            && (rpg == m || rpg.is_multiple_of(16));
-        let (f, cfg) = if tiles {
-            let cfg = LaunchConfig {
-                grid_dim: (m.div_ceil(16) as u32, n.div_ceil(16) as u32, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            (if n > 8 { &self.k.gemvt16_bf16 } else { &self.k.gemvt_bf16 }, cfg)
-        } else {
-            let warps_per_block = 8usize;
-            let cfg = LaunchConfig {
-                grid_dim: (m.div_ceil(warps_per_block) as u32, 1, 1),
-                block_dim: (32 * warps_per_block as u32, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            (if n == 1 { &self.k.gemv1_bf16 } else { &self.k.gemv_bf16 }, cfg)
+            && entries.iter().all(|e| e.rpg == e.m || e.rpg.is_multiple_of(16));
+        // Outputs a block takes: a 16-output tile, or 8 warps of one output each.
+        let per = if tiles { 16 } else { 8 };
+        let mut g = BfGroup::default();
+        let mut blocks = 0usize;
+        for (i, e) in entries.iter().enumerate() {
+            g.w[i] = self.dev_ptr(e.w);
+            g.out[i] = self.dev_ptr(e.out);
+            g.m[i] = e.m as i32;
+            g.rpg[i] = e.rpg as i32;
+            g.b0[i] = blocks as i32;
+            blocks += e.m.div_ceil(per);
+        }
+        g.b0[entries.len()] = blocks as i32;
+        g.count = entries.len() as i32;
+        if blocks == 0 {
+            return;
+        }
+        let f = match (tiles, n) {
+            (true, n) if n > 8 => &self.k.gemvt16_bf16,
+            (true, _) => &self.k.gemvt_bf16,
+            (false, 1) => &self.k.gemv1_bf16,
+            (false, _) => &self.k.gemv_bf16,
         };
-        // SAFETY: argument types and buffer sizes match the kernel.
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, if tiles { n.div_ceil(16) as u32 } else { 1 }, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types match the kernel (BfGroup is bf16.cu's struct); entry i's
+        // weight holds m_i·k values and its output n·m_i, and x holds n rows of ldx.
         ck(
             unsafe {
                 self.stream
                     .kernel(f)
-                    .arg(out)
+                    .arg_struct(&g)
                     .arg(x)
-                    .arg(w)
                     .arg(&(n as i32))
                     .arg(&(k as i32))
-                    .arg(&(m as i32))
                     .arg(&(ldx as i32))
-                    .arg(&(rpg as i32))
                     .launch(cfg)
             },
             "gemv_bf16",

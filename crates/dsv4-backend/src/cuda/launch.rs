@@ -10,7 +10,8 @@
 //! `DSV4_PDL=0` launches without the attribute (the A/B switch; `pdl_enter` is then a no-op).
 //!
 //! [`Kernel::kernel`] is a drop-in for cudarc's `launch_builder`: the same `arg` / `launch`
-//! chain, each argument copied into an 8-byte slot when it is pushed.
+//! chain, each argument copied into an 8-byte slot when it is pushed (a larger by-value struct
+//! through [`Launch::arg_struct`]).
 
 use cudarc::driver::{
     sys, CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DriverError, LaunchConfig,
@@ -31,8 +32,17 @@ pub(crate) struct Launch<'a> {
     stream: &'a CudaStream,
     func: &'a CudaFunction,
     slots: [u64; MAX_ARGS],
+    /// Parameters passed by address instead of through a slot (structs wider than 8 bytes).
+    structs: [Option<&'a [u8]>; MAX_ARGS],
     n: usize,
 }
+
+/// A `#[repr(C)]` value a kernel takes by value as one parameter, laid out as its C struct.
+///
+/// # Safety
+/// The type must be `#[repr(C)]`, `Copy`, hold no padding bytes the kernel reads, and match
+/// the kernel parameter's C layout field for field.
+pub(crate) unsafe trait KernelStruct: Copy {}
 
 /// `stream.kernel(f)`: starts a [`Launch`] of `f` on the stream.
 pub(crate) trait Kernel {
@@ -41,7 +51,7 @@ pub(crate) trait Kernel {
 
 impl Kernel for CudaStream {
     fn kernel<'a>(&'a self, func: &'a CudaFunction) -> Launch<'a> {
-        Launch { stream: self, func, slots: [0; MAX_ARGS], n: 0 }
+        Launch { stream: self, func, slots: [0; MAX_ARGS], structs: [None; MAX_ARGS], n: 0 }
     }
 }
 
@@ -83,11 +93,22 @@ impl<T> KernelArg for &CudaView<'_, T> {
     }
 }
 
-impl Launch<'_> {
+impl<'a> Launch<'a> {
     /// Pushes the next kernel argument (in the kernel's parameter order).
     pub(crate) fn arg<A: KernelArg>(&mut self, a: A) -> &mut Self {
         assert!(self.n < MAX_ARGS, "a kernel launch takes at most {MAX_ARGS} arguments");
         self.slots[self.n] = a.word(self.stream);
+        self.n += 1;
+        self
+    }
+
+    /// Pushes a by-value struct parameter (its bytes are read when the kernel is queued).
+    pub(crate) fn arg_struct<S: KernelStruct>(&mut self, s: &'a S) -> &mut Self {
+        assert!(self.n < MAX_ARGS, "a kernel launch takes at most {MAX_ARGS} arguments");
+        // SAFETY: `S` is plain `#[repr(C)]` data (KernelStruct's contract); the slice covers
+        // exactly its bytes and lives as long as the launch being built.
+        let bytes = unsafe { std::slice::from_raw_parts(s as *const S as *const u8, std::mem::size_of::<S>()) };
+        self.structs[self.n] = Some(bytes);
         self.n += 1;
         self
     }
@@ -100,8 +121,11 @@ impl Launch<'_> {
     pub(crate) unsafe fn launch(&mut self, cfg: LaunchConfig) -> Result<(), DriverError> {
         self.stream.context().bind_to_thread()?;
         let mut params: [*mut std::ffi::c_void; MAX_ARGS] = [std::ptr::null_mut(); MAX_ARGS];
-        for (p, s) in params.iter_mut().zip(self.slots.iter_mut()).take(self.n) {
-            *p = s as *mut u64 as *mut std::ffi::c_void;
+        for (i, (p, s)) in params.iter_mut().zip(self.slots.iter_mut()).take(self.n).enumerate() {
+            *p = match self.structs[i] {
+                Some(b) => b.as_ptr() as *mut std::ffi::c_void,
+                None => s as *mut u64 as *mut std::ffi::c_void,
+            };
         }
         // SAFETY: an all-zero CUlaunchAttribute is a valid value of the C struct (a union of
         // plain integers); the one field the driver reads for this id is set below.
@@ -120,8 +144,9 @@ impl Launch<'_> {
             attrs: &mut attr,
             numAttrs: u32::from(pdl_on()),
         };
-        // SAFETY: `params` points at `self.n` live slots, one a parameter, each holding the
-        // parameter's bytes (the caller vouches for their types); `config` and `attr` outlive
+        // SAFETY: `params` points at `self.n` live slots or structs, one a parameter, each
+        // holding the parameter's bytes (the caller vouches for their types); the driver only
+        // reads through the pointers; `config` and `attr` outlive
         // the call, which copies them.
         unsafe { sys::cuLaunchKernelEx(&config, self.func.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
             .result()

@@ -974,6 +974,31 @@ impl Backend for CudaBackend {
         CudaTensor::new(x.rows, w.rows, self.gemm_xwt(&x.data, x.rows, x.cols, &w.data, w.rows))
     }
 
+    fn matmul_many(&self, x: &CudaTensor, ws: &[&CudaWeight]) -> Vec<CudaTensor> {
+        // The bf16 weights in launches of up to bf16::BFG_MAX products, the rest one by one.
+        let bf: Vec<usize> = (0..ws.len()).filter(|&i| ws[i].q.is_none() && ws[i].bf.is_some()).collect();
+        let mut outs: Vec<Option<CudaTensor>> = ws.iter().map(|_| None).collect();
+        for part in bf.chunks(bf16::BFG_MAX).filter(|p| p.len() > 1) {
+            let group: Vec<(&CudaSlice<u16>, usize)> = part
+                .iter()
+                .map(|&i| {
+                    assert_eq!(
+                        x.cols, ws[i].cols,
+                        "matmul: input width {} vs weight [{}, {}]",
+                        x.cols, ws[i].rows, ws[i].cols
+                    );
+                    (ws[i].bf.as_ref().expect("filtered to bf16 weights"), ws[i].rows)
+                })
+                .collect();
+            if let Some(r) = self.matmul_bf16_many(x, &group) {
+                for (&i, t) in part.iter().zip(r) {
+                    outs[i] = Some(t);
+                }
+            }
+        }
+        outs.into_iter().zip(ws).map(|(o, w)| o.unwrap_or_else(|| self.matmul(x, w))).collect()
+    }
+
     fn grouped_matmul(&self, x: &CudaTensor, w: &CudaWeight, groups: usize) -> CudaTensor {
         let inw = x.cols / groups;
         let r = w.rows / groups;

@@ -67,13 +67,38 @@ __device__ __forceinline__ void warp_rows_dot_r(float* acc, const unsigned short
     }
 }
 
+// The products of one input x with up to BFG_MAX bf16 weights of the same k, in one launch:
+// entry e (weight w[e] [m[e], k], output out[e] [n, m[e]], rows per x group rpg[e]) takes blocks
+// b0[e]..b0[e + 1] of the grid's x. A single product is a one-entry table. The compressor's and
+// indexer's projections of one attention input are 2–5 products of 64–1,024 outputs: alone each
+// launch ran 4–64 blocks and its own ~8 µs chain at one row (PERF.md v17).
+#define BFG_MAX 8
+struct BfGroup {
+    const unsigned short* w[BFG_MAX];
+    float* out[BFG_MAX];
+    int m[BFG_MAX];
+    int rpg[BFG_MAX];
+    int b0[BFG_MAX + 1];
+    int count;
+};
+
+// The entry holding block bx, and bx made relative to the entry's first block.
+__device__ __forceinline__ int bfg_entry(const BfGroup& g, int* bx) {
+    int e = 0;
+#pragma unroll
+    for (int i = 1; i < BFG_MAX; i++)
+        if (i < g.count && *bx >= g.b0[i]) e = i;
+    *bx -= g.b0[e];
+    return e;
+}
+
 // out[r, o] = x[r, (o / rpg)·k .. +k] · w[o, :] for r < n, o < m; x rows are ldx apart (a plain
-// product has rpg = m). One warp per output column o, rows in groups of R (8; 1 for a single
-// row: fewer registers, more warps resident).
+// product has rpg = m). One warp per output column o (block bx of the product), rows in groups
+// of R (8; 1 for a single row: fewer registers, more warps resident).
 template <int R>
 __device__ void gemv_bf16_r(float* __restrict__ out, const float* __restrict__ x,
-                            const unsigned short* __restrict__ w, int n, int k, int m, int ldx, int rpg) {
-    int o = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
+                            const unsigned short* __restrict__ w, int n, int k, int m, int ldx, int rpg, int bx) {
+    int o = (int)((bx * (long long)blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
     if (o >= m) return;
     const unsigned short* wr = w + (long long)o * k;
     long long xoff = (long long)(o / rpg) * k;
@@ -96,16 +121,16 @@ __device__ void gemv_bf16_r(float* __restrict__ out, const float* __restrict__ x
     }
 }
 
-extern "C" __global__ void gemv_bf16(float* out, const float* x, const unsigned short* w, int n, int k, int m,
-                                     int ldx, int rpg) {
+extern "C" __global__ void gemv_bf16(BfGroup g, const float* x, int n, int k, int ldx) {
     pdl_enter();
-    gemv_bf16_r<GV_ROWS>(out, x, w, n, k, m, ldx, rpg);
+    int bx = blockIdx.x, e = bfg_entry(g, &bx);
+    gemv_bf16_r<GV_ROWS>(g.out[e], x, g.w[e], n, k, g.m[e], ldx, g.rpg[e], bx);
 }
 
-extern "C" __global__ void gemv1_bf16(float* out, const float* x, const unsigned short* w, int n, int k, int m,
-                                      int ldx, int rpg) {
+extern "C" __global__ void gemv1_bf16(BfGroup g, const float* x, int n, int k, int ldx) {
     pdl_enter();
-    gemv_bf16_r<1>(out, x, w, n, k, m, ldx, rpg);
+    int bx = blockIdx.x, e = bfg_entry(g, &bx);
+    gemv_bf16_r<1>(g.out[e], x, g.w[e], n, k, g.m[e], ldx, g.rpg[e], bx);
 }
 
 // Fast-mode bf16 products of 1 to 16 rows on tensor cores (mma.m16n8k16, bf16 operands, f32
@@ -142,10 +167,10 @@ __device__ __forceinline__ void mma_bf16(float* d, unsigned a0, unsigned a1, uns
 // batch 16, with fewer registers).
 template <int U>
 __device__ __forceinline__ void gemvt_body(float* out, const float* x, const unsigned short* w, int n, int k, int m,
-                                           int ldx, int rpg) {
+                                           int ldx, int rpg, int bx) {
     __shared__ float part[8][16][17];  // [warp][output][row] (+1: no bank conflicts on the merge)
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    int o0 = blockIdx.x * 16, r0 = blockIdx.y * 16;
+    int o0 = bx * 16, r0 = blockIdx.y * 16;
     int nr = min(16, n - r0);
     const unsigned short* wa = w + (long long)min(o0 + g, m - 1) * k + 8 * t;  // outputs past m: not stored
     const unsigned short* wb = w + (long long)min(o0 + g + 8, m - 1) * k + 8 * t;
@@ -191,16 +216,16 @@ __device__ __forceinline__ void gemvt_body(float* out, const float* x, const uns
     out[(long long)(r0 + rr) * m + o0 + oo] = v;
 }
 
-extern "C" __global__ void __launch_bounds__(256) gemvt_bf16(float* out, const float* x, const unsigned short* w,
-                                                            int n, int k, int m, int ldx, int rpg) {
+extern "C" __global__ void __launch_bounds__(256) gemvt_bf16(BfGroup g, const float* x, int n, int k, int ldx) {
     pdl_enter();
-    gemvt_body<4>(out, x, w, n, k, m, ldx, rpg);
+    int bx = blockIdx.x, e = bfg_entry(g, &bx);
+    gemvt_body<4>(g.out[e], x, g.w[e], n, k, g.m[e], ldx, g.rpg[e], bx);
 }
 
-extern "C" __global__ void __launch_bounds__(256) gemvt16_bf16(float* out, const float* x, const unsigned short* w,
-                                                              int n, int k, int m, int ldx, int rpg) {
+extern "C" __global__ void __launch_bounds__(256) gemvt16_bf16(BfGroup g, const float* x, int n, int k, int ldx) {
     pdl_enter();
-    gemvt_body<1>(out, x, w, n, k, m, ldx, rpg);
+    int bx = blockIdx.x, e = bfg_entry(g, &bx);
+    gemvt_body<1>(g.out[e], x, g.w[e], n, k, g.m[e], ldx, g.rpg[e], bx);
 }
 
 extern "C" __global__ void cast_bf16(unsigned short* out, const float* x, long long len) {
