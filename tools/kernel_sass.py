@@ -17,7 +17,8 @@ Needs NVRTC, ptxas, cuobjdump and nvdisasm; pinned wheels from PyPI hold them:
   python3 tools/kernel_sass.py --cuda /tmp/cuda-tools/nvidia/cu13 quant.cu gemv1_iq2_xxs gemv1_q8_0
 
 `--against REV` also compiles the file as of git revision REV and prints both; SASS_TOP sets how
-many opcodes the summary names, SASS_DUMP=1 prints the loop itself to stderr. FILE may also be
+many opcodes the summary names, SASS_DUMP=1 prints the loop itself to stderr, SASS_FULL=1 the
+whole kernel. FILE may also be
 a path with a '/' (relative to the repository), e.g. tools/sass/iq2_sign_variants.cu.
 """
 import argparse
@@ -120,6 +121,8 @@ def report(tools, nvrtc, name, kernels, rev, usage=False):
         for k in kernels:
             sass = subprocess.run([os.path.join(tools, "bin", "cuobjdump"), "-sass", "-fun", k, cubin], env=env,
                                   check=True, capture_output=True, text=True).stdout
+            if os.environ.get("SASS_FULL"):
+                sys.stderr.write(sass)
             body = hot_loop(sass)
             tag = rev or "worktree"
             if body is None:

@@ -274,13 +274,17 @@ impl CudaBackend {
                 "rand_normal",
             )
         };
+        // The dense products read their first weight bytes before waiting for the kernel before
+        // them (PDL): each weight is complete (synchronised) before any kernel can read it.
         if bf {
             let w = self.alloc::<u16>(len);
             launch(self.dev_ptr(&w));
+            self.synchronize();
             CudaWeight { rows, cols, data: self.alloc(1), bf: Some(w), q: None }
         } else {
             let w = self.alloc::<f32>(len);
             launch(self.dev_ptr(&w));
+            self.synchronize();
             CudaWeight { rows, cols, data: w, bf: None, q: None }
         }
     }

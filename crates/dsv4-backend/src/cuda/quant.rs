@@ -360,6 +360,9 @@ impl CudaBackend {
                 "patch_blocks",
             );
         }
+        // The dense products read their first weight bytes before waiting for the kernel before
+        // them (PDL): the weight is complete before any kernel can read it.
+        self.synchronize();
         self.note_x8_format(format);
         CudaWeight { rows, cols, data: self.alloc(1), bf: None, q: Some(QuantDev { format, blocks, scales }) }
     }

@@ -179,11 +179,23 @@ __device__ __forceinline__ void gemvt_body(float* out, const float* x, const uns
     const float* xb = x + (long long)(r0 + min(g + 8, nr - 1)) * ldx + xoff;
     bool two = nr > 8;
     float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int kb0 = 32 * wp; kb0 < k; kb0 += 256 * U) {
-        uint4 A[U], B[U];
+    uint4 A[U], B[U];
+    auto load = [&](int kb0) {
 #pragma unroll
         for (int u = 0; u < U; u++)
             if (kb0 + 256 * u < k) A[u] = ldg_stream(wa + kb0 + 256 * u), B[u] = ldg_stream(wb + kb0 + 256 * u);
+    };
+    // Weights never change during a forward (the weight draws synchronise after writing them),
+    // so the first loads are issued before PDL's wait: they fly while the previous kernel ends
+    // (pdl_enter_after).
+    load(32 * wp);
+    unsigned dep = 0;
+#pragma unroll
+    for (int u = 0; u < U; u++)
+        if (32 * wp + 256 * u < k) dep ^= A[u].x ^ B[u].x;
+    pdl_enter_after(dep);
+    for (int kb0 = 32 * wp; kb0 < k; kb0 += 256 * U) {
+        if (kb0 != 32 * wp) load(kb0);
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int kb = kb0 + 256 * u;
@@ -216,14 +228,13 @@ __device__ __forceinline__ void gemvt_body(float* out, const float* x, const uns
     out[(long long)(r0 + rr) * m + o0 + oo] = v;
 }
 
+// (gemvt_body waits for the previous kernel itself, after its first weight loads.)
 extern "C" __global__ void __launch_bounds__(256) gemvt_bf16(BfGroup g, const float* x, int n, int k, int ldx) {
-    pdl_enter();
     int bx = blockIdx.x, e = bfg_entry(g, &bx);
     gemvt_body<4>(g.out[e], x, g.w[e], n, k, g.m[e], ldx, g.rpg[e], bx);
 }
 
 extern "C" __global__ void __launch_bounds__(256) gemvt16_bf16(BfGroup g, const float* x, int n, int k, int ldx) {
-    pdl_enter();
     int bx = blockIdx.x, e = bfg_entry(g, &bx);
     gemvt_body<1>(g.out[e], x, g.w[e], n, k, g.m[e], ldx, g.rpg[e], bx);
 }

@@ -19,6 +19,18 @@ __device__ __forceinline__ void pdl_enter() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+// pdl_enter after loads of data no kernel writes during a forward (weights), so that they fly
+// while the previous kernel ends. ptxas hoists a plain wait above every load (it only delays
+// them; tools/sass/pdl_order_probe.cu), so the wait is made to depend on `dep`, a value formed
+// from one word of each such load (its value does not matter): the loads are issued first, and
+// the wait runs once they have landed.
+__device__ __forceinline__ void pdl_enter_after(unsigned dep) {
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.eq.u32 p, %0, 0x2545F491;\n\t@p griddepcontrol.wait;\n\t"
+                 "@!p griddepcontrol.wait;\n\t}" ::"r"(dep)
+                 : "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 #define GRID_STRIDE(i, total) \
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (total); \
          i += (long long)gridDim.x * blockDim.x)

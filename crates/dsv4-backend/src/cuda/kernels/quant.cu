@@ -301,6 +301,14 @@ __device__ __forceinline__ XRaw xraw32(const u8* __restrict__ w, const u8* __res
     return r;
 }
 
+// One word of each load xraw32 issued, combined (pdl_enter_after's dependency).
+template <int F>
+__device__ __forceinline__ unsigned xraw_dep(const XRaw& r) {
+    if (F == F_Q8_0) return r.u[0] ^ r.u[1] ^ r.u[5];
+    if (F == F_Q2_K) return r.u[0] ^ r.u[4] ^ r.u[8] ^ r.u[9];
+    return r.u[0] ^ r.u[1];
+}
+
 // Q2_K's two scale groups of a chunk from d/dmin (one word) and the groups' scale bytes (the low
 // two bytes of sc): d[g] = d · (k & 15), m[g] = dmin · (k >> 4) (xdec32 and the tiles' tdec).
 __device__ __forceinline__ void q2k_scales(unsigned ddm, unsigned sc, float* d, float* m) {
@@ -659,8 +667,10 @@ extern "C" __global__ void quant_x8(signed char* __restrict__ xq, float* __restr
 // aligned). Every row's loads for U chunks are issued before any chunk is
 // decoded, one activation chunk serves all NR rows, and the block's IQ2_XXS grid is copied while
 // the first loads are in flight: every thread of the block must call this (`live` false: no
-// loads, no result; the caller returns after).
-template <int F, int NR, int U>
+// loads, no result; the caller returns after). EARLY: the caller has not waited for the previous
+// kernel (PDL) and the weight rows are fixed (a dense product's, not a routed expert's): the
+// first weight loads are issued before the wait, so they fly while the previous kernel ends.
+template <int F, int NR, int U, bool EARLY = false>
 __device__ __forceinline__ void xrows_dot(float* out, const u8* const* wr, const u8* const* sr,
                                           const signed char* __restrict__ xq, const float* __restrict__ xd, int k,
                                           int lane, bool live) {
@@ -689,6 +699,15 @@ __device__ __forceinline__ void xrows_dot(float* out, const u8* const* wr, const
     };
     int c0 = lane * 32;
     load(c0);
+    if (EARLY) {
+        unsigned dep = 0;
+#pragma unroll
+        for (int u = 0; u < U; u++)
+#pragma unroll
+            for (int j = 0; j < NR; j++)
+                if (live && c0 + 1024 * u < k) dep ^= xraw_dep<F>(raw[j][u]);
+        pdl_enter_after(dep);
+    }
     fill_tabs<F, true>();
     if (!live) return;
     apply(c0);
@@ -702,7 +721,8 @@ __device__ __forceinline__ void xrows_dot(float* out, const u8* const* wr, const
 
 // out[0, o] = x[(o / rpg)·k .. +k] · w[o, :] for one row, from its int8 activations (xq, xd
 // as quant_x8 wrote them over the whole row of width ldx); X8_OPW_GEMV outputs a warp (the
-// launcher keeps rpg a multiple of it, so a warp's outputs share their activations).
+// launcher keeps rpg a multiple of it, so a warp's outputs share their activations). Waits for
+// the previous kernel inside xrows_dot, after its first weight loads.
 template <int F>
 __device__ void gemv_x8(float* __restrict__ out, const signed char* __restrict__ xq, const float* __restrict__ xd,
                         const u8* __restrict__ w, const u8* __restrict__ s, int k, int m, int rpg) {
@@ -720,7 +740,7 @@ __device__ void gemv_x8(float* __restrict__ out, const signed char* __restrict__
         sr[j] = scale_row(F, s, oj, k);
     }
     float v[P];
-    xrows_dot<F, P, 4>(v, wr, sr, xq + xoff, xd + xoff / 32, k, lane, live);
+    xrows_dot<F, P, 4, true>(v, wr, sr, xq + xoff, xd + xoff / 32, k, lane, live);
     if (!live) return;
 #pragma unroll
     for (int j = 0; j < P; j++)
@@ -950,8 +970,7 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
 #define X8_KERNELS(F, N, UPB, DNB)                                                                                           \
     extern "C" __global__ void gemv1x_##N(float* out, const signed char* xq, const float* xd, const u8* w,          \
                                           const u8* s, int n, int k, int m, int ldx, int rpg) {                      \
-        pdl_enter();                                                                                                 \
-        gemv_x8<F>(out, xq, xd, w, s, k, m, rpg);                                                                    \
+        gemv_x8<F>(out, xq, xd, w, s, k, m, rpg); /* waits for the previous kernel inside */                         \
     }                                                                                                                \
     extern "C" __global__ void moe_up1x_##N(float* h, const signed char* xq, const float* xd, const unsigned* order, \
                                             const unsigned* off, const unsigned* active,                            \
