@@ -296,16 +296,18 @@ extern "C" __global__ void index_topk(unsigned* sel, int topk, const float* scor
 #ifndef ATT_MINK
 #define ATT_MINK 32
 #endif
-#define ATT_HG 8   // heads a block takes, one warp each: they share each staged key tile
-#define ATT_KT 16  // keys a tile stages in shared memory
-#define ATT_KG 4   // keys a warp takes at a time within a tile
-#define ATT_KP 64  // key addresses looked up at a time (a multiple of ATT_KT)
+#define ATT_HG 8   // heads a block takes, one warp each: they share each staged key group
+#define ATT_KG 4   // keys a warp takes at a time (a group: one stage of the copy ring)
+#ifndef ATT_ST
+#define ATT_ST 5   // stages of the copy ring: ATT_ST − 1 groups' loads in flight ahead of the math (≤ 5: 48 KB static)
+#endif
+#define ATT_KP 128 // key addresses looked up at a time (a multiple of ATT_KG, >= (ATT_ST - 1)·ATT_KG)
 #define ATT_CJ 4   // slices the merge loads at a time
 #define MAX_D 512
 #ifndef ATT_MINB
 #define ATT_MINB 2  // blocks an SM (registers ≤ 128): batch decode runs rows × 128 blocks in waves
 #endif
-#define ATT_CP (ATT_KT * MAX_D / 4 / (32 * ATT_HG))  // float4s a thread stages a tile
+#define ATT_CPG (ATT_KG * MAX_D / 4 / (32 * ATT_HG))  // 16-byte copies a thread issues a group (at most)
 
 // Key j of row t: its window rows first (the ring before the chunk, this batch's kv from the
 // chunk on), then its compressed entries (selected, or every visible one).
@@ -321,10 +323,19 @@ __device__ __forceinline__ const float* att_key(int j, int nwin, long long lo, c
     return entries + (seq * cap + e) * d;
 }
 
+__device__ __forceinline__ void att_cp16(float* dst, const float* src) {
+    unsigned sa = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(src) : "memory");
+}
+__device__ __forceinline__ void att_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void att_cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(ATT_ST - 2) : "memory"); }
+
 // Sink-softmax attention (values are the keys), flash-decoding style. Block (row, head group,
-// slice): slice s of the row's S (see ATT_MINK) takes its keys [s·nk/S, (s+1)·nk/S), stages them ATT_KT at a
-// time in shared memory for its ATT_HG heads (one warp each, an online softmax over the slice),
-// and leaves (max, sum, o) in `part`. The group's last slice block to finish merges the S
+// slice): slice s of the row's S (see ATT_MINK) takes its keys [s·nk/S, (s+1)·nk/S) in groups of
+// ATT_KG, copied (cp.async) into a ring of ATT_ST shared-memory stages: ATT_ST − 1 groups' loads
+// are in flight while a group's math runs, so the slice pays about one memory latency, not one a
+// tile. Its ATT_HG heads (one warp each) share each staged group; an online softmax over the
+// slice leaves (max, sum, o) in `part`. The group's last slice block to finish merges the S
 // partials in slice order with the sink. Rows are t0 + blockIdx.x (the launcher tiles rows so
 // that `part` stays small); `done` counts finished slices per (tile row, group) and is left zero.
 extern "C" __global__ void __launch_bounds__(32 * ATT_HG, ATT_MINB) attention(float* out, float* part, unsigned* done, const float* q, const float* kv,
@@ -332,11 +343,13 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_HG, ATT_MINB) attention(fl
                                      const unsigned* sel, int has_sel, int topk, const float* sinks,
                                      const unsigned* rows, int n, int t0, int heads, int d, float scale) {
     pdl_enter();
-    __shared__ __align__(16) float ks[ATT_KT][MAX_D];
+    __shared__ __align__(16) float ks[ATT_ST][ATT_KG][MAX_D];
     __shared__ const float* kp[ATT_KP];
     __shared__ unsigned last;
     int tl = blockIdx.x, t = t0 + tl, g = blockIdx.y, s = blockIdx.z;
     int lane = threadIdx.x & 31, wp = threadIdx.x >> 5, h = g * ATT_HG + wp;
+    bool live = h < heads;
+    float sink = live ? sinks[h] : 0.f;  // only the merging block uses it; its load is off the chain here
     long long p = ROW_POS(t);
     long long lo = p + 1 > win ? p + 1 - win : 0;
     int nwin = (int)(p - lo + 1);
@@ -348,9 +361,13 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_HG, ATT_MINB) attention(fl
     int nk = nwin + ncomp;
     const int S = min(ATT_S, max(1, (nk + ATT_MINK - 1) / ATT_MINK));
     int j0 = (int)((long long)nk * s / S), j1 = (int)((long long)nk * (s + 1) / S);
-    bool live = h < heads;
     int G = gridDim.y;
     if (s < S) {  // block-uniform: slices past S hold no keys
+        int nks = j1 - j0, ng = (nks + ATT_KG - 1) / ATT_KG;
+        // The first ATT_KP keys' addresses in one round trip (a selected entry's index is itself a load).
+        if (threadIdx.x < min(ATT_KP, nks))
+            kp[threadIdx.x] = att_key(j0 + threadIdx.x, nwin, lo, kv, ring, rcap, entries, cap, sel, has_sel, topk,
+                                      rows, n, t, d);
         float qv[MAX_D / 32], o[MAX_D / 32];
         const float* qr = q + ((long long)t * heads + (live ? h : 0)) * d;
 #pragma unroll
@@ -359,83 +376,94 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_HG, ATT_MINB) attention(fl
             qv[i] = c < d ? qr[c] : 0.f;
             o[i] = 0.f;
         }
-        // The tile starts zero and only ever holds finite keys: columns d..MAX_D stay zero (the hot
-        // loops need no column guard) and rows past a short tile's end are finite, so their
-        // discarded products (weight exactly 0) add exactly zero.
-        for (int i = threadIdx.x; i < ATT_KT * MAX_D; i += blockDim.x) (&ks[0][0])[i] = 0.f;
-        float mx = -INFINITY, l = 0.f;
-        int d4 = d >> 2;
-        for (int k0 = j0; k0 < j1; k0 += ATT_KT) {
-            int nt = min(ATT_KT, j1 - k0);
-            __syncthreads();  // the previous tile is no longer read (nor the pointers, below)
-            // The next ATT_KP keys' addresses in one round trip (a selected entry's index is itself a load).
-            if ((k0 - j0) % ATT_KP == 0 && threadIdx.x < min(ATT_KP, j1 - k0))
-                kp[threadIdx.x] = att_key(k0 + threadIdx.x, nwin, lo, kv, ring, rcap, entries, cap, sel, has_sel, topk,
-                                          rows, n, t, d);
-            __syncthreads();
-            int pb = (k0 - j0) % ATT_KP;
-            // Every load of the tile issued before any store (one memory latency a tile, not one a
-            // float4): ATT_CP float4s a thread cover a full tile at 256 threads, any rest in a loop.
-            {
-                float4 v[ATT_CP];
+        // Columns d..MAX_D are never copied: zero (qv is zero there too, so they add exactly zero).
+        if (d < MAX_D)
+            for (int i = threadIdx.x; i < ATT_ST * ATT_KG * (MAX_D - d); i += blockDim.x) {
+                int r = i / (MAX_D - d);
+                (&ks[0][0][0])[r * MAX_D + d + (i - r * (MAX_D - d))] = 0.f;
+            }
+        // This thread's copies of a group (blockDim = 32·ATT_HG covers its ATT_KG·d4 16-byte chunks):
+        // chunk i = tid + u·blockDim is key i / d4's float4 i % d4.
+        int d4 = d >> 2, ck[ATT_CPG], cc[ATT_CPG];
 #pragma unroll
-                for (int u = 0; u < ATT_CP; u++) {
-                    int i = threadIdx.x + u * blockDim.x;
-                    if (i < nt * d4) {
-                        int kk = i / d4, c4 = i - kk * d4;
-                        v[u] = reinterpret_cast<const float4*>(kp[pb + kk])[c4];
-                    }
-                }
+        for (int u = 0; u < ATT_CPG; u++) {
+            int i = threadIdx.x + u * blockDim.x;
+            ck[u] = i < ATT_KG * d4 ? i / d4 : ATT_KG;
+            cc[u] = i - ck[u] * d4;
+        }
+        // Group gi's copies into stage gi mod ATT_ST (one commit a call, empty past the slice). A
+        // short last group's missing rows are zero: finite, so their weight-0 products add exactly 0.
+        auto issue = [&](int gi) {
+            if (gi < ng) {
+                int k = gi * ATT_KG, nt = min(ATT_KG, nks - k), pb = k % ATT_KP;
+                float* st = &ks[gi % ATT_ST][0][0];
 #pragma unroll
-                for (int u = 0; u < ATT_CP; u++) {
-                    int i = threadIdx.x + u * blockDim.x;
-                    if (i < nt * d4) {
-                        int kk = i / d4, c4 = i - kk * d4;
-                        reinterpret_cast<float4*>(ks[kk])[c4] = v[u];
-                    }
-                }
-                for (int i = threadIdx.x + ATT_CP * blockDim.x; i < nt * d4; i += blockDim.x) {
-                    int kk = i / d4, c4 = i - kk * d4;
-                    reinterpret_cast<float4*>(ks[kk])[c4] = reinterpret_cast<const float4*>(kp[pb + kk])[c4];
+                for (int u = 0; u < ATT_CPG; u++) {
+                    if (ck[u] >= ATT_KG) continue;
+                    float* dst = st + ck[u] * MAX_D + 4 * cc[u];
+                    if (ck[u] < nt) att_cp16(dst, kp[pb + ck[u]] + 4 * cc[u]);
+                    else *reinterpret_cast<float4*>(dst) = make_float4(0.f, 0.f, 0.f, 0.f);
                 }
             }
-            __syncthreads();
+            att_cp_commit();
+        };
+        __syncthreads();  // kp (and the zero columns) written
+#pragma unroll
+        for (int gi = 0; gi < ATT_ST - 1; gi++) issue(gi);
+        float mx = -INFINITY, l = 0.f;
+#pragma unroll 1
+        for (int gc = 0; gc < ng; gc++) {
+            att_cp_wait();    // this thread's copies of group gc have landed
+            __syncthreads();  // everyone's have, and every warp is done with group gc − 1's stage
+            int gn = gc + ATT_ST - 1;
+            if (gn < ng && (gn * ATT_KG) % ATT_KP == 0) {  // the next ATT_KP addresses (no reader is left)
+                if (threadIdx.x < min(ATT_KP, nks - gn * ATT_KG))
+                    kp[threadIdx.x] = att_key(j0 + gn * ATT_KG + threadIdx.x, nwin, lo, kv, ring, rcap, entries, cap,
+                                              sel, has_sel, topk, rows, n, t, d);
+                __syncthreads();
+            }
+            issue(gn);  // into group gc − 1's stage
             if (!live) continue;
             // ATT_KG keys at a time: their dot products' butterflies overlap; each key's values are
             // read from shared memory once, for the dot product and again (from registers) for the
             // weighted sum.
-#pragma unroll 1
-            for (int g0 = 0; g0 < nt; g0 += ATT_KG) {
-                float kr[ATT_KG][MAX_D / 32], sc[ATT_KG];
+            const float* kb = &ks[gc % ATT_ST][0][0];
+            int nt = min(ATT_KG, nks - gc * ATT_KG);
+            float kr[ATT_KG][MAX_D / 32], sc[ATT_KG];
 #pragma unroll
-                for (int u = 0; u < ATT_KG; u++) {
-                    float dot = 0.f;
+            for (int u = 0; u < ATT_KG; u++) {
+                float dot = 0.f;
 #pragma unroll
-                    for (int i = 0; i < MAX_D / 32; i++) {
-                        kr[u][i] = ks[g0 + u][lane + 32 * i];
-                        dot += qv[i] * kr[u][i];
-                    }
-                    sc[u] = dot;
+                for (int i = 0; i < MAX_D / 32; i++) {
+                    kr[u][i] = kb[u * MAX_D + lane + 32 * i];
+                    dot = fmaf(qv[i], kr[u][i], dot);
                 }
-#pragma unroll
-                for (int u = 0; u < ATT_KG; u++) sc[u] = g0 + u < nt ? warp_sum(sc[u]) * scale : -INFINITY;
-                float nm = mx;
-#pragma unroll
-                for (int u = 0; u < ATT_KG; u++) nm = fmaxf(nm, sc[u]);
-                // The group's first key is a key, so nm is finite where the scores are.
-                float corr = expf(mx - nm);
-                l = l * corr;
-#pragma unroll
-                for (int i = 0; i < MAX_D / 32; i++) o[i] = o[i] * corr;
-#pragma unroll
-                for (int u = 0; u < ATT_KG; u++) {
-                    float pw = expf(sc[u] - nm);  // 0 past the tile's end (sc = −∞)
-                    l = l + pw;
-#pragma unroll
-                    for (int i = 0; i < MAX_D / 32; i++) o[i] = o[i] + pw * kr[u][i];
-                }
-                mx = nm;
+                sc[u] = dot;
             }
+            // The ATT_KG butterflies level by level (interleaved: one shuffle latency a level, not
+            // one a key and level), every lane in the same tree, so every lane gets the same sums.
+#pragma unroll
+            for (int x = 16; x > 0; x >>= 1)
+#pragma unroll
+                for (int u = 0; u < ATT_KG; u++) sc[u] += __shfl_xor_sync(0xffffffffu, sc[u], x);
+#pragma unroll
+            for (int u = 0; u < ATT_KG; u++) sc[u] = u < nt ? sc[u] * scale : -INFINITY;
+            float nm = mx;
+#pragma unroll
+            for (int u = 0; u < ATT_KG; u++) nm = fmaxf(nm, sc[u]);
+            // The group's first key is a key, so nm is finite where the scores are.
+            float corr = expf(mx - nm);
+            l = l * corr;
+#pragma unroll
+            for (int i = 0; i < MAX_D / 32; i++) o[i] = o[i] * corr;
+#pragma unroll
+            for (int u = 0; u < ATT_KG; u++) {
+                float pw = expf(sc[u] - nm);  // 0 past the slice's end (sc = −∞)
+                l = l + pw;
+#pragma unroll
+                for (int i = 0; i < MAX_D / 32; i++) o[i] = fmaf(pw, kr[u][i], o[i]);
+            }
+            mx = nm;
         }
         if (live) {
             float* pr = part + (((long long)tl * heads + h) * ATT_S + s) * (d + 2);
@@ -447,24 +475,36 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_HG, ATT_MINB) attention(fl
             if (lane == 0) { pr[d] = mx; pr[d + 1] = l; }
         }
     }  // s < S
-    // Publish the partial, then count it; the block that completes the count merges.
-    __threadfence();
+    // Publish the partial, then count it; the block that completes the count merges. One thread
+    // fences for the block after the barrier (the pattern of cooperative groups' grid sync).
     __syncthreads();
     if (threadIdx.x == 0) {
+        __threadfence();
         unsigned prev = atomicAdd(&done[tl * G + g], 1u);
         last = prev == ATT_S - 1;
-        if (last) done[tl * G + g] = 0;  // every other slice has counted: ready for the next launch
+        if (last) {
+            done[tl * G + g] = 0;  // every other slice has counted: ready for the next launch
+            __threadfence();
+        }
     }
     __syncthreads();
     if (!last || !live) return;
-    __threadfence();
     const float* ph = part + ((long long)tl * heads + h) * ATT_S * (d + 2);
+    // The first ATT_CJ slices' values are loaded with the statistics: one round trip for S <= ATT_CJ.
+    float v[ATT_CJ][MAX_D / 32];
+#pragma unroll
+    for (int u = 0; u < ATT_CJ; u++)
+#pragma unroll
+        for (int i = 0; i < MAX_D / 32; i++) {
+            int c = lane + 32 * i;
+            v[u][i] = c < d && u < S ? __ldcg(ph + u * (d + 2) + c) : 0.f;
+        }
     // Lane s < S holds slice s's weight exp(m_s − M) / den; M covers the sink too.
     float ms = lane < S ? __ldcg(ph + lane * (d + 2) + d) : -INFINITY;
     float ls = lane < S ? __ldcg(ph + lane * (d + 2) + d + 1) : 0.f;
-    float M = sinks[h];
+    float M = sink;
     for (int i = 0; i < S; i++) M = fmaxf(M, __shfl_sync(0xffffffffu, ms, i));
-    float den = expf(sinks[h] - M);
+    float den = expf(sink - M);
     for (int i = 0; i < S; i++) den += __shfl_sync(0xffffffffu, ls, i) * expf(__shfl_sync(0xffffffffu, ms, i) - M);
     float wgt = lane < S ? expf(ms - M) / den : 0.f;
     float* orow = out + ((long long)t * heads + h) * d;
@@ -473,19 +513,19 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_HG, ATT_MINB) attention(fl
 #pragma unroll
     for (int i = 0; i < MAX_D / 32; i++) acc[i] = 0.f;
 #pragma unroll 1
-    for (int j0 = 0; j0 < S; j0 += ATT_CJ) {
-        float v[ATT_CJ][MAX_D / 32];
+    for (int c0 = 0; c0 < S; c0 += ATT_CJ) {
+        if (c0 > 0)
 #pragma unroll
-        for (int u = 0; u < ATT_CJ; u++)
+            for (int u = 0; u < ATT_CJ; u++)
 #pragma unroll
-            for (int i = 0; i < MAX_D / 32; i++) {
-                int c = lane + 32 * i;
-                v[u][i] = c < d && j0 + u < S ? __ldcg(ph + (j0 + u) * (d + 2) + c) : 0.f;
-            }
+                for (int i = 0; i < MAX_D / 32; i++) {
+                    int c = lane + 32 * i;
+                    v[u][i] = c < d && c0 + u < S ? __ldcg(ph + (c0 + u) * (d + 2) + c) : 0.f;
+                }
 #pragma unroll
         for (int u = 0; u < ATT_CJ; u++) {
-            if (j0 + u >= S) break;
-            float wj = __shfl_sync(0xffffffffu, wgt, j0 + u);
+            if (c0 + u >= S) break;
+            float wj = __shfl_sync(0xffffffffu, wgt, c0 + u);
 #pragma unroll
             for (int i = 0; i < MAX_D / 32; i++) acc[i] += v[u][i] * wj;
         }
