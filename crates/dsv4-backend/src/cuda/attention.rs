@@ -105,6 +105,20 @@ const INDEX_SCORE_EW: usize = 4;
 /// group of `INDEX_SCORE_EW` each.
 const INDEX_SCORE_ENTRIES: usize = 8 * INDEX_SCORE_EW;
 
+/// Blocks a row of `index_score`: one for each `INDEX_SCORE_ENTRIES` entries up to
+/// `INDEX_SCORE_BLOCKS`; a small batch (fewer than `INDEX_SCORE_SPREAD` rows) spreads each row
+/// over up to `INDEX_SCORE_SPREAD / n` blocks (warp w of block y takes entry group w·Y + y, so
+/// each block then has fewer busy warps on its own SM). Every entry's score is computed the same
+/// way whatever the grid.
+fn index_score_blocks(maxvis: usize, n: usize) -> usize {
+    let base = maxvis.div_ceil(INDEX_SCORE_ENTRIES).min(INDEX_SCORE_BLOCKS);
+    let groups = maxvis.div_ceil(INDEX_SCORE_EW);
+    base.max(groups.min(INDEX_SCORE_SPREAD / n.max(1)))
+}
+
+/// Blocks of `index_score` a small batch is spread over (about one an SM).
+const INDEX_SCORE_SPREAD: usize = 128;
+
 /// Lightning-indexer top-k: scores of every visible entry (`index_score`), then a threshold
 /// select and a sort of the k chosen per row (`index_topk`, O(visible) per row).
 pub fn index_select(
@@ -135,7 +149,7 @@ pub fn index_select(
     let smem = (hd * (nh + 1) + 8 * INDEX_SCORE_EW * hd + nh) * 4;
     assert!(nh <= 128 && smem <= INDEX_SCORE_SMEM, "indexer of {nh} heads × {hd}: over index_score's shared memory");
     let lc = LaunchConfig {
-        grid_dim: (n as u32, maxvis.div_ceil(INDEX_SCORE_ENTRIES).min(INDEX_SCORE_BLOCKS) as u32, 1),
+        grid_dim: (n as u32, index_score_blocks(maxvis, n) as u32, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: smem as u32,
     };

@@ -105,33 +105,135 @@ extern "C" __global__ void comp_store(float* raw_u, float* raw_z, int k, const f
     }
 }
 
-// Indexer scores: score = Σ_h w_h·ws·max(q_h·k, 0)·qs. Block (row, y): the row's queries are
-// staged transposed (qT[c][h], rows padded to nh + 1: conflict-free both ways) with their
-// weights; each warp takes IDX_EW entries at a time (entries y·8·IDX_EW + w·IDX_EW + ...,
-// stepping by the grid), stages their keys, and lane j owns heads j, j + 32, ...: each qT read
-// serves IDX_EW entries and each key read (a broadcast) IDX_HPL heads. One butterfly sums the
-// heads. Dynamic shared memory: (hd·(nh + 1) + 8·IDX_EW·hd + nh) floats.
+// Indexer scores: score = Σ_h w_h·ws·max(q_h·k, 0)·qs. Block (row, y); warp w takes IDX_EW
+// entries at a time (group w·Y + y of IDX_EW entries, Y = gridDim.y, stepping by 8·Y groups: any
+// Y works, and a grid of more than vis / (8·IDX_EW) blocks a row spreads a short row over more
+// SMs with fewer busy warps each) and lane j owns
+// heads j, j + 32, ...: each dot product is one chain over the channels in order (a product, then
+// a sum, per channel), and one butterfly sums the heads of an entry, as in the CPU's twin order
+// of old (the values are those of the previous kernel bit for bit).
+// Fast path (hd a multiple of 16, hd <= 128, nh = 32, 64 or 128, 16-byte aligned q and entries):
+// the queries are staged as float4 columns qc[hd/4][nh] (lane h reads a float4 of 4 channels,
+// conflict-free), each warp's keys as [IDX_EW][hd] (a float4 read is a broadcast); the next
+// group's keys are prefetched into registers while the current one is scored. Otherwise the
+// transposed staging of old. Dynamic shared memory: (hd·(nh + 1) + 8·IDX_EW·hd + nh) floats
+// (the fast path uses nh·hd + 8·IDX_EW·hd of them).
 #define IDX_HPL 4  // heads a lane owns at most (nh <= 128)
 #define IDX_EW 4   // entries a warp scores at a time
-extern "C" __global__ void index_score(float* scores, int maxvis, const float* q, const float* wts,
-                                       const float* entries, int cap, const unsigned* rows, int n, int m, int nh,
-                                       int hd, float qs, float ws) {
-    pdl_enter();
-    extern __shared__ float sm[];
+#define IDX_KR 4   // float4s of keys a lane prefetches (IDX_EW·hd/4 <= 32·IDX_KR: hd <= 128)
+#define IDX_QB 8   // float4s of queries a thread has in flight while staging
+#ifndef IDX_FMA
+#define IDX_FMA 0  // 1: fused multiply-adds (half the issue; scores then round differently)
+#endif
+#if IDX_FMA
+#define IDX_MAC(d, a, b) d = fmaf(a, b, d)
+#else
+#define IDX_MAC(d, a, b) d += (a) * (b)
+#endif
+
+template <int HPL>
+__device__ __forceinline__ void index_score_fast(float* scores, int maxvis, const float* q, const float* wts,
+                                                 const float* entries, int cap, const unsigned* rows, int n,
+                                                 int nh, int hd, float qs, float ws, long long vis, float* sm) {
+    int t = blockIdx.x, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    int h4 = hd >> 2, nk4 = IDX_EW * h4;
+    float4* qc = (float4*)sm;                   // [h4][nh]: q[h][4c4 .. 4c4 + 3] at c4·nh + h
+    float4* kw = qc + h4 * nh + w * nk4;        // this warp's [IDX_EW][h4]
+    const float4* ebase = (const float4*)entries + (long long)ROW_SEQ(t) * cap * h4;
+    long long step = (long long)gridDim.y * 8 * IDX_EW;
+    long long s0 = ((long long)w * gridDim.y + blockIdx.y) * IDX_EW;
+    float4 kr[IDX_KR];
+    auto load_keys = [&](long long s) {
+        int ne4 = (int)min((long long)IDX_EW, vis - s) * h4;
+        const float4* src = ebase + s * h4;
+#pragma unroll
+        for (int i = 0; i < IDX_KR; i++) {
+            int c = lane + 32 * i;
+            kr[i] = c < ne4 ? src[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    };
+    if (s0 < vis) load_keys(s0);
+    float wv[HPL];
+#pragma unroll
+    for (int j = 0; j < HPL; j++) wv[j] = wts[(long long)t * nh + lane + 32 * j] * ws;
+    // Stage the queries: a warp moves 8 heads × 4 float4s at a time (lane = 8a + b: head 8g + b,
+    // float4 4c + a), whole 32-byte sectors from global and 128 contiguous bytes a quarter-warp
+    // in shared memory.
+    const float4* qr = (const float4*)q + (long long)t * nh * h4;
+    int nhg = nh >> 3, nchunk = nhg * (h4 >> 2);  // chunks of 32 float4s
+    for (int base = 0; base < nchunk; base += IDX_QB * 8) {
+        float4 v[IDX_QB];
+#pragma unroll
+        for (int i = 0; i < IDX_QB; i++) {
+            int g = base + w + 8 * i, h = (g % nhg) * 8 + (lane & 7), c4 = (g / nhg) * 4 + (lane >> 3);
+            if (g < nchunk) v[i] = qr[h * h4 + c4];
+        }
+#pragma unroll
+        for (int i = 0; i < IDX_QB; i++) {
+            int g = base + w + 8 * i, h = (g % nhg) * 8 + (lane & 7), c4 = (g / nhg) * 4 + (lane >> 3);
+            if (g < nchunk) qc[c4 * nh + h] = v[i];
+        }
+    }
+    __syncthreads();
+    for (; s0 < vis; s0 += step) {
+        int ne = (int)min((long long)IDX_EW, vis - s0);
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < IDX_KR; i++)
+            if (lane + 32 * i < nk4) kw[lane + 32 * i] = kr[i];
+        __syncwarp();
+        if (s0 + step < vis) load_keys(s0 + step);
+        float d[HPL][IDX_EW];
+#pragma unroll
+        for (int j = 0; j < HPL; j++)
+#pragma unroll
+            for (int e = 0; e < IDX_EW; e++) d[j][e] = 0.f;
+        const float4* qp = qc + lane;
+#pragma unroll 4
+        for (int c4 = 0; c4 < h4; c4++) {
+            float4 kv[IDX_EW];
+#pragma unroll
+            for (int e = 0; e < IDX_EW; e++) kv[e] = kw[e * h4 + c4];
+#pragma unroll
+            for (int j = 0; j < HPL; j++) {
+                float4 qv = qp[32 * j];
+#pragma unroll
+                for (int e = 0; e < IDX_EW; e++) {
+                    IDX_MAC(d[j][e], qv.x, kv[e].x);
+                    IDX_MAC(d[j][e], qv.y, kv[e].y);
+                    IDX_MAC(d[j][e], qv.z, kv[e].z);
+                    IDX_MAC(d[j][e], qv.w, kv[e].w);
+                }
+            }
+            qp += nh;
+        }
+#pragma unroll
+        for (int e = 0; e < IDX_EW; e++) {
+            float acc = 0.f;
+#pragma unroll
+            for (int j = 0; j < HPL; j++) acc += wv[j] * (fmaxf(d[j][e], 0.f) * qs);
+            acc = warp_sum(acc);
+            if (lane == 0 && e < ne) scores[(long long)t * maxvis + s0 + e] = acc;
+        }
+    }
+}
+
+// Any shape: the queries staged transposed (qT[c][h], rows padded to nh + 1), a float at a time.
+__device__ __forceinline__ void index_score_any(float* scores, int maxvis, const float* q, const float* wts,
+                                               const float* entries, int cap, const unsigned* rows, int n,
+                                               int nh, int hd, float qs, float ws, long long vis, float* sm) {
     int qst = nh + 1;
     float* qT = sm;                       // [hd][nh + 1]
     float* kb = sm + hd * qst;            // [8][IDX_EW][hd]
     float* wv = kb + 8 * IDX_EW * hd;     // [nh]
     int t = blockIdx.x, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    long long vis = ((long long)ROW_POS(t) + 1) / m;
     long long step = (long long)gridDim.y * 8 * IDX_EW;
-    if ((long long)blockIdx.y * 8 * IDX_EW >= vis) return;
     const float* qr = q + (long long)t * nh * hd;
     for (int i = threadIdx.x; i < nh * hd; i += blockDim.x) qT[(i % hd) * qst + i / hd] = qr[i];
     for (int h = threadIdx.x; h < nh; h += blockDim.x) wv[h] = wts[(long long)t * nh + h] * ws;
     __syncthreads();
     float* kw = kb + w * IDX_EW * hd;
-    for (long long s0 = ((long long)blockIdx.y * 8 + w) * IDX_EW; s0 < vis; s0 += step) {
+    for (long long s0 = ((long long)w * gridDim.y + blockIdx.y) * IDX_EW; s0 < vis; s0 += step) {
         int ne = (int)min((long long)IDX_EW, vis - s0);
         const float* k = entries + ((long long)ROW_SEQ(t) * cap + s0) * hd;
         __syncwarp();
@@ -152,7 +254,7 @@ extern "C" __global__ void index_score(float* scores, int maxvis, const float* q
                 if (32 * j >= nh) break;
                 float qv = lane + 32 * j < nh ? qT[c * qst + lane + 32 * j] : 0.f;
 #pragma unroll
-                for (int e = 0; e < IDX_EW; e++) d[j][e] += qv * kc[e];
+                for (int e = 0; e < IDX_EW; e++) IDX_MAC(d[j][e], qv, kc[e]);
             }
         }
 #pragma unroll
@@ -167,6 +269,26 @@ extern "C" __global__ void index_score(float* scores, int maxvis, const float* q
     }
 }
 
+extern "C" __global__ void index_score(float* scores, int maxvis, const float* q, const float* wts,
+                                       const float* entries, int cap, const unsigned* rows, int n, int m, int nh,
+                                       int hd, float qs, float ws) {
+    pdl_enter();
+    extern __shared__ float4 sm4[];
+    float* sm = (float*)sm4;
+    int t = blockIdx.x;
+    long long vis = ((long long)ROW_POS(t) + 1) / m;
+    if ((long long)blockIdx.y * IDX_EW >= vis) return;
+    bool fast = hd % 16 == 0 && hd <= 128 && nh % 32 == 0 && (((unsigned long long)q | (unsigned long long)entries) & 15) == 0;
+    if (fast && nh == 64)
+        index_score_fast<2>(scores, maxvis, q, wts, entries, cap, rows, n, nh, hd, qs, ws, vis, sm);
+    else if (fast && nh == 32)
+        index_score_fast<1>(scores, maxvis, q, wts, entries, cap, rows, n, nh, hd, qs, ws, vis, sm);
+    else if (fast && nh == 128)
+        index_score_fast<4>(scores, maxvis, q, wts, entries, cap, rows, n, nh, hd, qs, ws, vis, sm);
+    else
+        index_score_any(scores, maxvis, q, wts, entries, cap, rows, n, nh, hd, qs, ws, vis, sm);
+}
+
 // Order-preserving map of a float to an unsigned key (larger float, larger key).
 __device__ __forceinline__ unsigned fkey(float x) {
     unsigned b = __float_as_uint(x);
@@ -174,117 +296,219 @@ __device__ __forceinline__ unsigned fkey(float x) {
 }
 
 #define TOPK_MAX 2048
+#define TOPK_T 256  // threads a block (the launcher's)
+#define TOPK_R 8    // keys a thread holds in registers: rows of <= TOPK_T·TOPK_R entries read the scores once
+
+// (key, entry) as one 64-bit value: larger key first, then the lower entry. Never 0 (the padding).
+__device__ __forceinline__ unsigned long long topk_pack(unsigned key, unsigned s) {
+    return ((unsigned long long)key << 32) | (unsigned)~s;
+}
+
+// Exclusive prefix sum of v over the block in thread order, and the total: one barrier. `par`
+// alternates between consecutive calls (the partials' buffer).
+__device__ __forceinline__ unsigned topk_scan(unsigned v, unsigned* total, unsigned (*wt)[TOPK_T / 32], int par) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    unsigned inc = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        unsigned x = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += x;
+    }
+    if (lane == 31) wt[par][w] = inc;
+    __syncthreads();
+    unsigned before = 0, all = 0;
+#pragma unroll
+    for (int i = 0; i < TOPK_T / 32; i++) {
+        unsigned x = wt[par][i];
+        if (i < w) before += x;
+        all += x;
+    }
+    *total = all;
+    return before + inc - v;
+}
+
+// Histogram count of the (converged) warp's keys: lanes with equal digits are found with 8
+// ballots and the lowest adds them all (no same-address atomics within a warp).
+__device__ __forceinline__ void topk_hist(unsigned* h, bool on, unsigned digit) {
+    unsigned mk = __ballot_sync(0xffffffffu, on);
+    if (mk == 0) return;
+#pragma unroll
+    for (int b = 0; b < 8; b++) {
+        unsigned x = __ballot_sync(0xffffffffu, (digit >> b) & 1u);
+        mk &= ((digit >> b) & 1u) ? x : ~x;
+    }
+    if (on && (mk & ((1u << (threadIdx.x & 31)) - 1)) == 0) atomicAdd(&h[digit], __popc(mk));
+}
+
+// Bitonic sort (descending) of the TOPK_T·P packed values, thread i holding i·P .. i·P + P − 1:
+// strides below P within a thread, below 32·P by shuffles, larger ones through shared memory
+// (one barrier each). Then the first k entries to out.
+template <int P>
+__device__ __forceinline__ void topk_sort(unsigned long long (*buf)[TOPK_MAX], unsigned* out, int k) {
+    int tid = threadIdx.x;
+    unsigned long long v[P];
+#pragma unroll
+    for (int p = 0; p < P; p++) v[p] = tid * P + p < k ? buf[0][tid * P + p] : 0ull;
+    int par = 1;
+#pragma unroll
+    for (int size = 2; size <= TOPK_T * P; size <<= 1) {
+#pragma unroll
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            if (stride < P) {
+#pragma unroll
+                for (int p = 0; p < P; p++) {
+                    if (p & stride) continue;
+                    unsigned long long a = v[p], b = v[p | stride];
+                    bool desc = ((tid * P + p) & size) == 0;
+                    bool sw = desc ? a < b : a > b;
+                    v[p] = sw ? b : a;
+                    v[p | stride] = sw ? a : b;
+                }
+            } else if (stride < 32 * P) {
+#pragma unroll
+                for (int p = 0; p < P; p++) {
+                    int e = tid * P + p;
+                    unsigned long long o = __shfl_xor_sync(0xffffffffu, v[p], stride / P);
+                    bool keepmax = ((e & stride) == 0) == ((e & size) == 0);
+                    v[p] = keepmax == (o > v[p]) ? o : v[p];
+                }
+            } else {
+#pragma unroll
+                for (int p = 0; p < P; p++) buf[par][tid * P + p] = v[p];
+                __syncthreads();
+#pragma unroll
+                for (int p = 0; p < P; p++) {
+                    int e = tid * P + p;
+                    unsigned long long o = buf[par][e ^ stride];
+                    bool keepmax = ((e & stride) == 0) == ((e & size) == 0);
+                    v[p] = keepmax == (o > v[p]) ? o : v[p];
+                }
+                par ^= 1;
+            }
+        }
+    }
+#pragma unroll
+    for (int p = 0; p < P; p++)
+        if (tid * P + p < k) out[tid * P + p] = ~(unsigned)v[p];
+}
 
 // Top-k per row: sel[t, j] for j < min(topk, vis), score descending, ties to the lower entry
-// index (the CPU's order). O(vis) per row: (1) the k-th largest key T, bit by bit from the top
-// (32 block-wide counts); (2) every key > T, then keys == T in index order until k; (3) a
-// bitonic sort of those k in shared memory. `topk` <= TOPK_MAX (checked by the launcher).
+// index (the CPU's order). O(vis) per row: (1) the k-th largest key T, a byte at a time from the
+// top (a histogram of the next byte over the keys sharing the bytes found so far; every warp then
+// scans it itself, so one barrier a byte), stopping early once the bin holding T is taken whole;
+// (2) every key above T's bin, then the bin's keys in index order until k (one block scan);
+// (3) a bitonic sort of those k (packed key and entry, so the order is total). A thread keeps
+// TOPK_R consecutive keys in registers; entries past TOPK_T·TOPK_R are re-read from the scores.
+// `topk` <= TOPK_MAX (checked by the launcher); blockDim.x == TOPK_T.
 extern "C" __global__ void index_topk(unsigned* sel, int topk, const float* scores, int maxvis, const unsigned* rows,
                                       int n, int m) {
     pdl_enter();
-    __shared__ unsigned skey[TOPK_MAX];
-    __shared__ unsigned sidx[TOPK_MAX];
-    __shared__ unsigned cnt;
-    __shared__ unsigned wsum[32];
-    int t = blockIdx.x;
+    __shared__ __align__(16) unsigned long long buf[2][TOPK_MAX];
+    __shared__ __align__(16) unsigned hist[4][256];
+    __shared__ unsigned wt[2][TOPK_T / 32];
+    int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
     int vis = (int)(((long long)ROW_POS(t) + 1) / m);
     int k = min(topk, vis);
     if (k <= 0) return;
     const float* sc = scores + (long long)t * maxvis;
-    // T, the k-th largest key, one byte at a time from the top: a histogram of the next byte
-    // over the keys that share the bytes found so far, and warp 0 finds the byte at which the
-    // count from the top reaches the rank still wanted.
-    __shared__ unsigned hist[256];
-    __shared__ unsigned s_digit, s_above;
-    unsigned thr = 0, pmask = 0, want = (unsigned)k;
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
-        __syncthreads();
-        for (int s = threadIdx.x; s < vis; s += blockDim.x) {
-            unsigned key = fkey(sc[s]);
-            if ((key & pmask) == thr) atomicAdd(&hist[(key >> shift) & 255u], 1u);
-        }
-        __syncthreads();
-        if (threadIdx.x < 32) {
-            int lane = threadIdx.x;
-            unsigned c[8], tot = 0;  // lane l: bins 255 − 8l down to 248 − 8l
+    int rv = min(TOPK_R, (vis + TOPK_T - 1) / TOPK_T), nreg = TOPK_T * rv;
+    unsigned key[TOPK_R];
 #pragma unroll
-            for (int i = 0; i < 8; i++) { c[i] = hist[255 - 8 * lane - i]; tot += c[i]; }
-            unsigned inc = tot;
-            for (int o = 1; o < 32; o <<= 1) {
-                unsigned v = __shfl_up_sync(0xffffffffu, inc, o);
-                if (lane >= o) inc += v;
-            }
-            unsigned exc = inc - tot;
-            unsigned ball = __ballot_sync(0xffffffffu, exc < want && inc >= want);
-            if (lane == __ffs(ball) - 1) {
-                unsigned cum = exc;
-                for (int i = 0; i < 8; i++) {
-                    if (cum + c[i] >= want) { s_digit = 255u - 8u * lane - i; s_above = cum; break; }
-                    cum += c[i];
-                }
-            }
+    for (int r = 0; r < TOPK_R; r++) key[r] = r < rv && tid * rv + r < vis ? fkey(sc[tid * rv + r]) : 0u;
+    ((uint4*)hist)[tid] = make_uint4(0u, 0u, 0u, 0u);
+    __syncthreads();
+    unsigned thr = 0, pmask = 0, want = (unsigned)k;
+#pragma unroll 1
+    for (int pass = 0; pass < 4; pass++) {
+        int shift = 24 - 8 * pass;
+        unsigned* h = hist[pass];
+#pragma unroll
+        for (int r = 0; r < TOPK_R; r++) {
+            bool on = r < rv && tid * rv + r < vis && (key[r] & pmask) == thr;
+            topk_hist(h, on, (key[r] >> shift) & 255u);
+        }
+        for (int base = nreg; base < vis; base += TOPK_T) {
+            int s = base + tid;
+            unsigned kk = s < vis ? fkey(sc[s]) : 0u;
+            topk_hist(h, s < vis && (kk & pmask) == thr, (kk >> shift) & 255u);
         }
         __syncthreads();
-        want -= s_above;
-        thr |= s_digit << shift;
+        // Every warp: lane l holds bins 255 − 8l down to 248 − 8l; the bin at which the count
+        // from the top reaches `want`.
+        uint4 lo = ((const uint4*)h)[62 - 2 * lane], hi = ((const uint4*)h)[63 - 2 * lane];
+        unsigned c[8] = {hi.w, hi.z, hi.y, hi.x, lo.w, lo.z, lo.y, lo.x}, tot = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) tot += c[i];
+        unsigned inc = tot;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            unsigned x = __shfl_up_sync(0xffffffffu, inc, o);
+            if (lane >= o) inc += x;
+        }
+        unsigned exc = inc - tot;
+        int src = __ffs(__ballot_sync(0xffffffffu, exc < want && inc >= want)) - 1;
+        unsigned digit = 0, above = 0, inbin = 0, cum = exc;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            if (cum < want && cum + c[i] >= want) { digit = 255u - 8u * lane - i; above = cum; inbin = c[i]; }
+            cum += c[i];
+        }
+        digit = __shfl_sync(0xffffffffu, digit, src);
+        above = __shfl_sync(0xffffffffu, above, src);
+        inbin = __shfl_sync(0xffffffffu, inbin, src);
+        want -= above;
+        thr |= digit << shift;
         pmask |= 255u << shift;
+        if (inbin == want) break;  // the whole bin is taken: no ties to break
     }
-    if (threadIdx.x == 0) cnt = 0;
+    // Keys whose masked value is above thr: all taken, in any slot of [0, k − want) (the sort
+    // orders them); keys in the bin: the first `want` in index order, slots k − want ...
+    unsigned first = (unsigned)k - want, ng = 0, nt = 0;
+#pragma unroll
+    for (int r = 0; r < TOPK_R; r++) {
+        bool ok = r < rv && tid * rv + r < vis;
+        unsigned mk = key[r] & pmask;
+        ng += ok && mk > thr;
+        nt += ok && mk == thr;
+    }
+    unsigned tot;
+    unsigned ex = topk_scan((ng << 16) | nt, &tot, wt, 0);
+    unsigned gp = ex >> 16, tp = ex & 0xffffu;
+#pragma unroll
+    for (int r = 0; r < TOPK_R; r++) {
+        int s = tid * rv + r;
+        if (!(r < rv && s < vis)) continue;
+        unsigned mk = key[r] & pmask;
+        if (mk > thr) {
+            buf[0][gp++] = topk_pack(key[r], (unsigned)s);
+        } else if (mk == thr) {
+            if (tp < want) buf[0][first + tp] = topk_pack(key[r], (unsigned)s);
+            tp++;
+        }
+    }
+    unsigned go = tot >> 16, to = tot & 0xffffu;
+    int par = 1;
+    for (int base = nreg; base < vis && (go < first || to < want); base += TOPK_T) {
+        int s = base + tid;
+        unsigned kk = s < vis ? fkey(sc[s]) : 0u, mk = kk & pmask;
+        bool gt = s < vis && mk > thr, tie = s < vis && mk == thr;
+        unsigned e = topk_scan(((unsigned)gt << 16) | (unsigned)tie, &tot, wt, par);
+        par ^= 1;
+        if (gt) buf[0][go + (e >> 16)] = topk_pack(kk, (unsigned)s);
+        if (tie && to + (e & 0xffffu) < want) buf[0][first + to + (e & 0xffffu)] = topk_pack(kk, (unsigned)s);
+        go += tot >> 16;
+        to += tot & 0xffffu;
+    }
     __syncthreads();
-    for (int s = threadIdx.x; s < vis; s += blockDim.x) {
-        unsigned key = fkey(sc[s]);
-        if (key > thr) {
-            unsigned p = atomicAdd(&cnt, 1u);
-            skey[p] = key;
-            sidx[p] = (unsigned)s;
-        }
-    }
-    __syncthreads();
-    unsigned g = cnt;
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int base = 0; base < vis && g < (unsigned)k; base += blockDim.x) {
-        int s = base + threadIdx.x;
-        bool tie = s < vis && fkey(sc[s]) == thr;
-        unsigned ball = __ballot_sync(0xffffffffu, tie);
-        if (lane == 0) wsum[w] = __popc(ball);
-        __syncthreads();
-        unsigned before = __popc(ball & ((1u << lane) - 1)), total = 0;
-        for (int i = 0; i < nw; i++) {
-            if (i < w) before += wsum[i];
-            total += wsum[i];
-        }
-        if (tie && g + before < (unsigned)k) {
-            skey[g + before] = thr;
-            sidx[g + before] = (unsigned)s;
-        }
-        __syncthreads();
-        g = min((unsigned)k, g + total);
-    }
-    int np = 1;
-    while (np < k) np <<= 1;
-    for (int i = k + threadIdx.x; i < np; i += blockDim.x) {
-        skey[i] = 0;
-        sidx[i] = 0xffffffffu;
-    }
-    __syncthreads();
-    for (int size = 2; size <= np; size <<= 1) {
-        for (int stride = size >> 1; stride > 0; stride >>= 1) {
-            for (int i = threadIdx.x; i < np; i += blockDim.x) {
-                int j = i ^ stride;
-                if (j > i) {
-                    unsigned ka = skey[i], kb = skey[j], ia = sidx[i], ib = sidx[j];
-                    bool a_first = ka > kb || (ka == kb && ia < ib);
-                    if (a_first != ((i & size) == 0)) {
-                        skey[i] = kb; skey[j] = ka;
-                        sidx[i] = ib; sidx[j] = ia;
-                    }
-                }
-            }
-            __syncthreads();
-        }
-    }
-    for (int j = threadIdx.x; j < k; j += blockDim.x) sel[(long long)t * topk + j] = sidx[j];
+    unsigned* out = sel + (long long)t * topk;
+    if (k <= TOPK_T)
+        topk_sort<1>(buf, out, k);
+    else if (k <= 2 * TOPK_T)
+        topk_sort<2>(buf, out, k);
+    else if (k <= 4 * TOPK_T)
+        topk_sort<4>(buf, out, k);
+    else
+        topk_sort<8>(buf, out, k);
 }
 
 #define ATT_S 16   // slices a row's keys are split into at most (the grid's z)
