@@ -40,6 +40,13 @@ fn gemv_tiles() -> bool {
     *ON.get_or_init(|| std::env::var("DSV4_BF16_TILES").map(|v| v != "0").unwrap_or(true))
 }
 
+/// Whether [`crate::Backend::matmul_many`] runs the bf16 products of one input in one launch
+/// (default) or, with `DSV4_BF16_GROUP=0`, one launch each (the same results).
+pub(crate) fn group_products() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DSV4_BF16_GROUP").map(|v| v != "0").unwrap_or(true))
+}
+
 /// `BFG_MAX` of bf16.cu: products one bf16 launch takes at most.
 pub(crate) const BFG_MAX: usize = 8;
 

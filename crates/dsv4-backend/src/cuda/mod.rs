@@ -975,8 +975,10 @@ impl Backend for CudaBackend {
     }
 
     fn matmul_many(&self, x: &CudaTensor, ws: &[&CudaWeight]) -> Vec<CudaTensor> {
-        // The bf16 weights in launches of up to bf16::BFG_MAX products, the rest one by one.
-        let bf: Vec<usize> = (0..ws.len()).filter(|&i| ws[i].q.is_none() && ws[i].bf.is_some()).collect();
+        // The bf16 weights in launches of up to bf16::BFG_MAX products, the rest one by one
+        // (all one by one with DSV4_BF16_GROUP=0, the A/B switch).
+        let grouped = bf16::group_products();
+        let bf: Vec<usize> = (0..ws.len()).filter(|&i| grouped && ws[i].q.is_none() && ws[i].bf.is_some()).collect();
         let mut outs: Vec<Option<CudaTensor>> = ws.iter().map(|_| None).collect();
         for part in bf.chunks(bf16::BFG_MAX).filter(|p| p.len() > 1) {
             let group: Vec<(&CudaSlice<u16>, usize)> = part
