@@ -395,6 +395,50 @@ fn cuda_hc_pre_norm_is_hc_pre_then_norm() {
     }
 }
 
+/// In int8 mode the fused HC_PRE + norm writes the norm's int8 twin (`quant4_block32` in hc.cu):
+/// a product on its output is bitwise the product on a copy of the values (quantised by the
+/// product itself, `quant_block32`), and the values are bitwise HC_PRE then `rms_norm`. At
+/// V4-Flash's width (d = 4 × the block's 1024 threads) and at d = 96 (32 threads, a thread's
+/// fourth column out of the row).
+#[test]
+fn cuda_hc_pre_norm_twin_is_the_norms_codes() {
+    let Some(b) = gpu() else { return };
+    b.set_exact(false);
+    b.set_int8(true);
+    for d in [4096usize, 96] {
+        let mut cfg = dsv4_model::synth::tiny_config(64);
+        cfg.hidden = d;
+        cfg.hc_mult = 4;
+        let n = cfg.hc_mult;
+        let mix = (2 + n) * n;
+        let up = |name: &str, shape: Vec<usize>, seed: u64, scale: f32| {
+            let (_, t) = activations(&b, 1, shape.iter().product(), seed);
+            b.upload(HostTensor::new(name, shape, t.data.iter().map(|v| v * scale).collect())).unwrap()
+        };
+        let hc = dsv4_model::weights::Hc {
+            fn_: up("layers.0.hc_attn_fn", vec![mix, n * d], 1, 0.05),
+            base: up("layers.0.hc_attn_base", vec![mix], 2, 1.0),
+            scale: up("layers.0.hc_attn_scale", vec![3], 3, 1.0),
+        };
+        let norm = up("layers.0.attn_norm.weight", vec![d], 4, 1.0);
+        // A Q8_0 weight: with one uploaded, whole-row norms write the twin.
+        let m = 40;
+        let w = b.upload(host("layers.0.attn.wq_a.weight", m, d, &random_packed(PackedFormat::Q8_0, m, d, 6))).unwrap();
+        for rows in [1, 3] {
+            let (x, _) = activations(&b, rows, n * d, 5 + rows as u64);
+            let (_, a, _, _) = b.hc_pre_norm(&x, &hc, &norm, &cfg);
+            let (y2, _, _) = b.hc_pre(&x, &hc, &cfg);
+            let a2 = b.to_host(&b.rms_norm(&y2, Some(&norm), d, cfg.rms_eps));
+            let ha = b.to_host(&a);
+            assert!(ha.iter().zip(&a2).all(|(p, q)| p.to_bits() == q.to_bits()), "d {d}, {rows} rows: norm values");
+            let copy = b.upload(HostTensor::new("a", vec![rows, d], ha)).unwrap();
+            let (p, q) = (b.to_host(&b.matmul(&a, &w)), b.to_host(&b.matmul(&CudaTensor::new(rows, d, copy.data), &w)));
+            assert!(p.iter().zip(&q).all(|(p, q)| p.to_bits() == q.to_bits()), "d {d}, {rows} rows: twin");
+        }
+    }
+    b.set_int8(false);
+}
+
 /// bf16 products of up to `bf16::GEMV_ROWS` rows give each row bitwise its one-row result: in
 /// fast mode on the tensor-core tiles (`gemvt_bf16`) where the shapes allow and on the GEMV
 /// kernel where not, in exact mode on the GEMV kernel (any row count). Against the f64 product

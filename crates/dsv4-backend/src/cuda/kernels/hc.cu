@@ -73,9 +73,10 @@ __device__ void sinkhorn_regn(float* c, const float* a, int iters, float eps) {
             float g[N];
 #pragma unroll
             for (int t = 0; t < N; t++) g[t] = __shfl_sync(0xffffffffu, v, pass == 0 ? j * N + t : t * N + q);
-            float s = 0.f;
+            // The serial loop's `0 + g[0]` is g[0]: the values are positive (or NaN), never -0.
+            float s = g[0];
 #pragma unroll
-            for (int t = 0; t < N; t++) s += g[t];
+            for (int t = 1; t < N; t++) s += g[t];
             s += eps;
             v = v / s;
         }
@@ -212,13 +213,16 @@ extern "C" __global__ void hc_pre_dot(float* part, const float* __restrict__ x, 
 
 // Row i's HC_PRE head (the blocks of hc_pre_apply and hc_pre_apply_norm): adds the row's
 // HC_SPLIT partials in slice order, applies ρ and forms pre in shared memory; block `sink` forms
-// post and the Sinkhorn comb instead and returns true (it has no columns to mix).
+// post and the Sinkhorn comb instead and returns true (it has no columns to mix). base and scale
+// are loaded with the partials (after them they were a second memory round trip before the
+// Sinkhorn).
 __device__ bool hc_pre_head(float* pre, float* post, float* comb, const float* __restrict__ part, const float* base,
                             const float* scale, int n, int d, int iters, float rms_eps, float hc_eps, int sink) {
     __shared__ float mv[(2 + MAX_HC) * MAX_HC + 1];
     __shared__ float a[MAX_HC * MAX_HC];
     __shared__ float cm[MAX_HC * MAX_HC];
     int i = blockIdx.y, mix = (2 + n) * n, t = threadIdx.x;
+    float bt = t < mix ? base[t] : 0.f, sc0 = scale[0], sc1 = scale[1], sc2 = scale[2];
     if (t <= mix) {
         const float* p = part + (long long)i * HC_SPLIT * (mix + 1) + t;
         float v = 0.f;
@@ -227,11 +231,11 @@ __device__ bool hc_pre_head(float* pre, float* post, float* comb, const float* _
     }
     __syncthreads();
     float rho = 1.0f / sqrtf(mv[mix] / (float)(n * d) + rms_eps);
-    if (t < n) pre[t] = sigmoid_(mv[t] * rho * scale[0] + base[t]) + hc_eps;
+    if (t < n) pre[t] = sigmoid_(mv[t] * rho * sc0 + bt) + hc_eps;
     // The Sinkhorn block runs beside the others' mix instead of before one block's share of it.
     if ((int)blockIdx.x == sink) {
-        if (t >= n && t < 2 * n) post[i * n + t - n] = 2.0f * sigmoid_(mv[t] * rho * scale[1] + base[t]);
-        else if (t >= 2 * n && t < mix) a[t - 2 * n] = mv[t] * rho * scale[2] + base[t];
+        if (t >= n && t < 2 * n) post[i * n + t - n] = 2.0f * sigmoid_(mv[t] * rho * sc1 + bt);
+        else if (t >= 2 * n && t < mix) a[t - 2 * n] = mv[t] * rho * sc2 + bt;
         __syncthreads();
         // In shared memory (its ~2·iters dependent passes would each wait on global memory).
         if (t < 32) {
@@ -264,10 +268,171 @@ extern "C" __global__ void hc_pre_apply(float* y, float* post, float* comb, cons
     }
 }
 
+// quant_block32 of four blocks at once (value u of lane i is value i of block u): the same codes
+// and scales (the maxima are exact whatever the order; a block with a NaN or ±∞ gives codes 0 and
+// scale NaN whatever its maximum), with the four maxima through one transposing butterfly (6
+// shuffles instead of 20: after the xor-16 and xor-8 steps lane i holds block (i >> 3) & 3) and
+// each lane dividing for one block (2 divisions a warp instead of 8), the scales then broadcast.
+__device__ __forceinline__ void quant4_block32(const float v[4], signed char q[4], float d_out[4]) {
+    int lane = threadIdx.x & 31;
+    float a[4];
+    unsigned bad = 0;
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+        a[u] = fabsf(v[u]);
+        if (__any_sync(0xffffffffu, !(a[u] <= 3.402823466e38f))) bad |= 1u << u;
+    }
+    bool h16 = lane & 16, h8 = lane & 8;
+    float k0 = h16 ? a[2] : a[0], k1 = h16 ? a[3] : a[1];  // the pair this half keeps
+    float s0 = h16 ? a[0] : a[2], s1 = h16 ? a[1] : a[3];  // the pair the other half keeps
+    k0 = fmaxf(k0, __shfl_xor_sync(0xffffffffu, s0, 16));
+    k1 = fmaxf(k1, __shfl_xor_sync(0xffffffffu, s1, 16));
+    float m = h8 ? k1 : k0, o = h8 ? k0 : k1;
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, o, 8));
+    for (int off = 4; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    float d = __fdiv_rn(m, 127.f);
+    float id = d != 0.f ? __fdiv_rn(1.f, d) : 0.f;
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+        float du = __shfl_sync(0xffffffffu, d, 8 * u), iu = __shfl_sync(0xffffffffu, id, 8 * u);
+        bool b = (bad >> u) & 1;
+        int qq = b ? 0 : (int)roundf(__fmul_rn(v[u], iu));
+        d_out[u] = b ? __int_as_float(0x7fc00000) : du;
+        q[u] = (signed char)max(-127, min(127, qq));
+    }
+}
+
+// Block 0 of hc_pre_apply_norm for n = N ≤ 4 streams and d ≤ 4·blockDim columns (V4: 4 × 4096
+// on 1024 threads), one memory round trip deep: every global load the row needs (the thread's
+// ≤ 4 columns of the n streams and of the norm weight, base, scale, and the HC_SPLIT partials
+// through shared memory) is issued at once; warp 0 adds the partials (lane o output o) and forms
+// ρ and pre; each thread mixes its columns in registers, writes y, and normalises them without
+// reading y back. The operations and their order are hc_pre_head's, hc_mix's and
+// rms_norm_slice's (thread t's columns t + u·blockDim, u = 0..3, are rms_norm_slice's j = u; the
+// twin through quant4_block32, quant_block32's values), so every value is bitwise the general
+// path's and the `rms_norm` launch's of this block size. FULL: d == 4·blockDim (no guards).
+template <int N, bool FULL>
+__device__ __forceinline__ void hc_pre_norm_row(float* y, float* a, signed char* xq, float* xd,
+                                                const float* __restrict__ x, const float* __restrict__ part,
+                                                const float* base, const float* scale, const float* nw, int d,
+                                                float rms_eps, float hc_eps, int twin, float* pre, float* sh) {
+    constexpr int MIX = (2 + N) * N, CPT = 4;
+    static_assert(MIX < 32, "warp 0 holds the partial sums");
+    __shared__ float sp[HC_SPLIT * (MIX + 1)];
+    __shared__ float rr;  // the norm's 1/rms
+    int t = threadIdx.x, lane = t & 31, wp = t >> 5, bd = blockDim.x;
+    long long i = blockIdx.y, row = i * d;
+    const float* xr = x + i * N * d + t;
+    const float* wr = nw + t;
+    float xv[CPT][N], wv[CPT];
+#pragma unroll
+    for (int u = 0; u < CPT; u++) {
+        bool in = FULL || t + u * bd < d;
+#pragma unroll
+        for (int s = 0; s < N; s++) xv[u][s] = in ? xr[s * d + u * bd] : 0.f;
+        wv[u] = in ? wr[u * bd] : 1.f;
+    }
+    // The partials through shared memory, one coalesced load a thread (in warp 0's registers,
+    // 32 loads a lane beside the columns' 20 overflowed 64 registers and went out in two waves).
+    float bt = lane < N ? base[lane] : 0.f, sc0 = scale[0];
+    const float* p = part + i * HC_SPLIT * (MIX + 1);
+#pragma unroll 1
+    for (int e = t; e < HC_SPLIT * (MIX + 1); e += bd) sp[e] = p[e];
+    __syncthreads();
+    if (wp == 0) {
+        float v = 0.f;
+#pragma unroll
+        for (int s = 0; s < HC_SPLIT; s++) v += sp[s * (MIX + 1) + min(lane, MIX)];
+        float ms = __shfl_sync(0xffffffffu, v, MIX);  // the row's Σ x² (output mix)
+        float rho = 1.0f / sqrtf(ms / (float)(N * d) + rms_eps);
+        if (lane < N) pre[lane] = sigmoid_(v * rho * sc0 + bt) + hc_eps;
+    }
+    __syncthreads();
+    float pr[N];
+#pragma unroll
+    for (int s = 0; s < N; s++) pr[s] = pre[s];
+    float yv[CPT], ss = 0.f;
+    float* yr = y + row + t;
+#pragma unroll
+    for (int u = 0; u < CPT; u++) {
+        float acc = 0.f;
+#pragma unroll
+        for (int s = 0; s < N; s++) acc += pr[s] * xv[u][s];
+        yv[u] = acc;
+        if (FULL || t + u * bd < d) yr[u * bd] = acc;
+    }
+#pragma unroll
+    for (int u = 0; u < CPT; u++)
+        if (FULL || t + u * bd < d) ss += yv[u] * yv[u];
+    // block_sum's sum (without its leading barrier: sh is not in use before it), its serial
+    // add of the warp partials and r formed by warp 0 alone (in every warp they cost 32 warps ×
+    // ~85 issue slots on one SM; one more barrier instead).
+    ss = warp_sum(ss);
+    if (lane == 0) sh[wp] = ss;
+    __syncthreads();
+    if (wp == 0) {
+        float tot = 0.f;
+        for (int k = 0; k < (bd >> 5); k++) tot += sh[k];
+        if (lane == 0) rr = 1.0f / sqrtf(tot / (float)d + rms_eps);
+    }
+    __syncthreads();
+    float r = rr;
+    float ov[CPT];
+    float* ar = a + row + t;
+#pragma unroll
+    for (int u = 0; u < CPT; u++) {
+        ov[u] = yv[u] * r * wv[u];
+        if (FULL || t + u * bd < d) ar[u * bd] = ov[u];
+    }
+    if (twin) {  // d a multiple of 32: a warp's columns u are one block, all in or all out
+        signed char q[CPT];
+        float dq[CPT];
+        quant4_block32(ov, q, dq);
+        signed char* qr = xq + row + t;
+#pragma unroll
+        for (int u = 0; u < CPT; u++) {
+            if (!(FULL || t + u * bd < d)) continue;
+            qr[u * bd] = q[u];
+            if (lane == 0) xd[(row + t + u * bd) >> 5] = dq[u];
+        }
+    }
+}
+
+// Block 1 of hc_pre_apply_norm (and of nothing else) for n = N ≤ 4, warp 0 alone: the row's
+// partial sums in lane o's registers (all HC_SPLIT loads issued together, with base and scale),
+// ρ by a shuffle, post, then the Sinkhorn comb written from the lanes' registers: hc_pre_head's
+// operations without its three block barriers and shared-memory hops.
+template <int N>
+__device__ __forceinline__ void hc_sink_row(float* post, float* comb, const float* __restrict__ part,
+                                            const float* base, const float* scale, int d, int iters, float rms_eps,
+                                            float hc_eps) {
+    constexpr int MIX = (2 + N) * N;
+    static_assert(MIX < 32 && N * N <= 32, "one warp");
+    __shared__ float am[N * N];
+    int t = threadIdx.x;
+    if (t >= 32) return;
+    long long i = blockIdx.y;
+    bool on = t <= MIX;
+    float bt = t < MIX ? base[t] : 0.f, sc1 = scale[1], sc2 = scale[2];
+    const float* p = part + i * HC_SPLIT * (MIX + 1) + (on ? t : 0);
+    float pv[HC_SPLIT];
+#pragma unroll
+    for (int s = 0; s < HC_SPLIT; s++) pv[s] = p[s * (MIX + 1)];
+    float v = 0.f;
+#pragma unroll
+    for (int s = 0; s < HC_SPLIT; s++) v += pv[s];
+    float ms = __shfl_sync(0xffffffffu, v, MIX);
+    float rho = 1.0f / sqrtf(ms / (float)(N * d) + rms_eps);
+    if (t >= N && t < 2 * N) post[i * N + t - N] = 2.0f * sigmoid_(v * rho * sc1 + bt);
+    else if (t >= 2 * N && t < MIX) am[t - 2 * N] = v * rho * sc2 + bt;
+    __syncwarp();
+    sinkhorn_regn<N>(comb + i * N * N, am, iters, hc_eps);
+}
+
 // HC_PRE apply and the RMSNorm after it in one launch, grid (2, rows): block 1 forms post and
 // comb; block 0 mixes the whole row into y, then normalises it (rms_norm_slice: the same
 // operations, in the same order, as the `rms_norm` launch of this block size) into `a`, with the
-// int8 twin when `twin`.
+// int8 twin when `twin`. n = 4 and d ≤ 4·blockDim (V4) take hc_pre_norm_row and hc_sink_row.
 extern "C" __global__ void __launch_bounds__(1024) hc_pre_apply_norm(float* y, float* a, signed char* xq, float* xd, float* post, float* comb,
                                              const float* __restrict__ x, const float* __restrict__ part,
                                              const float* base, const float* scale, const float* nw, int n, int d,
@@ -275,6 +440,13 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre_apply_norm(float* y, f
     pdl_enter();
     __shared__ float pre[MAX_HC];
     __shared__ float sh[32];
+    if (n == 4 && d <= 4 * (int)blockDim.x) {
+        if (blockIdx.x == 1) hc_sink_row<4>(post, comb, part, base, scale, d, iters, rms_eps, hc_eps);
+        else if (d == 4 * (int)blockDim.x)
+            hc_pre_norm_row<4, true>(y, a, xq, xd, x, part, base, scale, nw, d, rms_eps, hc_eps, twin, pre, sh);
+        else hc_pre_norm_row<4, false>(y, a, xq, xd, x, part, base, scale, nw, d, rms_eps, hc_eps, twin, pre, sh);
+        return;
+    }
     if (hc_pre_head(pre, post, comb, part, base, scale, n, d, iters, rms_eps, hc_eps, 1)) return;
     long long i = blockIdx.y;
     hc_mix(y + i * d, x + i * n * d, pre, n, d);
