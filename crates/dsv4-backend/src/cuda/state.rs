@@ -14,7 +14,7 @@ use super::launch::Kernel;
 use super::{ck, CudaBackend};
 use crate::batch::Batch;
 use crate::cpu::state::{SeqState, TruncateError, MAX_ROLLBACK};
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, PinnedHostSlice};
 use dsv4_model::{AttnKind, Config};
 
 /// One compressor's state for every slot.
@@ -132,6 +132,8 @@ pub struct CudaCache {
     pub probes: CudaSlice<u32>,
     /// Bumped whenever a buffer that a recorded step addresses moves (entries growing).
     pub generation: u64,
+    /// Page-locked host memory snapshots download through (allocated at the first, grown).
+    staging: std::sync::Mutex<Option<PinnedHostSlice<f32>>>,
 }
 
 impl CudaCache {
@@ -162,6 +164,7 @@ impl CudaCache {
             meta: vec![SlotMeta::default(); slots],
             probes,
             generation: 0,
+            staging: std::sync::Mutex::new(None),
         }
     }
 
@@ -228,37 +231,26 @@ impl CudaCache {
     }
 }
 
-/// Device to host copy of `len` floats at `off` (synchronises).
-/// Downloads the regions `(buffer, offset, len)` with one synchronisation: each is copied
-/// (stream-ordered, device to device) into one staging buffer, which comes back in one copy.
-/// A snapshot saved at every prompt's end otherwise paid a synchronous copy per buffer and layer
-/// (~250 for 43 layers, PERF.md v13).
-fn dtoh_all(b: &CudaBackend, regions: &[(&CudaSlice<f32>, usize, usize)]) -> Vec<Vec<f32>> {
-    let total: usize = regions.iter().map(|r| r.2).sum();
-    if total == 0 {
-        return regions.iter().map(|_| Vec::new()).collect();
+/// Pushes the regions holding positions `from..to` of slot `seq` of a ring of `cap` rows of
+/// width `w` (position p at row p mod cap): one region, or two where the span wraps, in
+/// position order.
+fn ring_span<'a>(
+    regions: &mut Vec<(&'a CudaSlice<f32>, usize, usize)>,
+    buf: &'a CudaSlice<f32>,
+    seq: usize,
+    cap: usize,
+    w: usize,
+    from: usize,
+    to: usize,
+) {
+    debug_assert!(to.saturating_sub(from) <= cap, "a ring span longer than the ring");
+    let mut p = from;
+    while p < to {
+        let r = p % cap;
+        let n = (cap - r).min(to - p);
+        regions.push((buf, (seq * cap + r) * w, n * w));
+        p += n;
     }
-    // SAFETY: uninitialised device memory, but the regions below tile it exactly (their
-    // lengths sum to `total`), so every element is written before the download reads it.
-    let mut staging = ck(unsafe { b.stream.alloc::<f32>(total) }, "snapshot staging");
-    let mut at = 0;
-    for &(buf, off, len) in regions {
-        if len > 0 {
-            let mut dst = staging.slice_mut(at..at + len);
-            ck(b.stream.memcpy_dtod(&buf.slice(off..off + len), &mut dst), "snapshot gather");
-            at += len;
-        }
-    }
-    let flat = ck(b.stream.clone_dtoh(&staging), "snapshot download");
-    ck(b.stream.synchronize(), "synchronize");
-    let mut at = 0;
-    regions
-        .iter()
-        .map(|&(_, _, len)| {
-            at += len;
-            flat[at - len..at].to_vec()
-        })
-        .collect()
 }
 
 /// Host to device copy into `buf` at `off` (stream-ordered; the driver stages pageable memory
@@ -285,57 +277,109 @@ impl CudaCache {
         let (rc, d) = (self.ring_cap, cfg.head_dim);
         let meta = self.meta[seq];
         let high = meta.high.max(len);
+        // The window rows kept, and each compressor's raw rows the state reads (the open window,
+        // the last closed one with overlap, the rollback history): only these positions come
+        // back, so a short sequence's snapshot is a few rows a layer, not every ring.
+        let lo = high.saturating_sub(rc).max(meta.floor.saturating_sub(self.window));
+        let raw_from = |cd: &CompDev| {
+            let hist = high.saturating_sub(cd.rows).max(meta.floor).min(len);
+            (hist.min(cd.need_from(len)), hist)
+        };
         // Every region first (window ring; per compressor raw u, raw z, entries), then one
         // download, consumed below in the same order.
         let mut regions = Vec::new();
         for (ld, ls) in self.layers.iter().zip(st.layers.iter()) {
-            regions.push((&ld.ring, seq * rc * d, rc * d));
+            ring_span(&mut regions, &ld.ring, seq, rc, d, lo, len);
             for (cd, cs) in [(&ld.comp, &ls.comp), (&ld.index, &ls.index)] {
                 let (Some(cd), Some(_)) = (cd.as_ref(), cs.as_ref()) else { continue };
                 let (w, k) = (cd.width(), cd.rows);
-                regions.push((&cd.raw_u, seq * k * w, k * w));
-                regions.push((&cd.raw_z, seq * k * w, k * w));
+                let (from, _) = raw_from(cd);
+                ring_span(&mut regions, &cd.raw_u, seq, k, w, from, len);
+                ring_span(&mut regions, &cd.raw_z, seq, k, w, from, len);
                 regions.push((&cd.entries, seq * cd.cap * cd.head, len / cd.ratio * cd.head));
             }
         }
-        let mut got = dtoh_all(b, &regions).into_iter();
-        let mut next = || got.next().expect("one download a region");
+        let flat = self.download(b, &regions);
+        let mut at = 0;
+        let mut take = |n: usize| {
+            at += n;
+            &flat[at - n..at]
+        };
         for (ld, ls) in self.layers.iter().zip(st.layers.iter_mut()) {
-            let ring = next();
+            let ring = take(len.saturating_sub(lo) * d);
             let cap = ls.cap();
-            let lo = high.saturating_sub(rc).max(meta.floor.saturating_sub(self.window));
-            debug_assert!(len - lo <= cap);
+            debug_assert!(len.saturating_sub(lo) <= cap);
             for p in lo..len {
                 let c = p % cap;
-                ls.ring[c * d..(c + 1) * d].copy_from_slice(row(&ring, p % rc, d));
+                ls.ring[c * d..(c + 1) * d].copy_from_slice(row(ring, p - lo, d));
                 ls.ring_pos[c] = p;
             }
             for (cd, cs) in [(&ld.comp, &mut ls.comp), (&ld.index, &mut ls.index)] {
                 let (Some(cd), Some(cs)) = (cd.as_ref(), cs.as_mut()) else { continue };
-                let (m, w, h, k) = (cd.ratio, cd.width(), cd.head, cd.rows);
-                let raw_u = next();
-                let raw_z = next();
+                let (m, w, h) = (cd.ratio, cd.width(), cd.head);
+                let (from, hist) = raw_from(cd);
+                let raw_u = take((len - from) * w);
+                let raw_z = take((len - from) * w);
+                // Rows of positions r (from ≤ r < len).
                 let rows = |buf: &[f32], r: std::ops::Range<usize>| -> Vec<f32> {
-                    r.flat_map(|p| row(buf, p % k, w).to_vec()).collect()
+                    buf[(r.start - from) * w..(r.end - from) * w].to_vec()
                 };
                 let done = len / m;
-                cs.open_u = rows(&raw_u, done * m..len);
-                cs.open_z = rows(&raw_z, done * m..len);
+                cs.open_u = rows(raw_u, done * m..len);
+                cs.open_z = rows(raw_z, done * m..len);
                 if cd.overlap && done > 0 {
                     for r in 0..m {
-                        let p = (done - 1) * m + r;
-                        cs.prev_u[r * h..(r + 1) * h].copy_from_slice(&row(&raw_u, p % k, w)[..h]);
-                        cs.prev_z[r * h..(r + 1) * h].copy_from_slice(&row(&raw_z, p % k, w)[..h]);
+                        let p = (done - 1) * m + r - from;
+                        cs.prev_u[r * h..(r + 1) * h].copy_from_slice(&row(raw_u, p, w)[..h]);
+                        cs.prev_z[r * h..(r + 1) * h].copy_from_slice(&row(raw_z, p, w)[..h]);
                     }
                 }
-                cs.entries = next();
-                let hist = high.saturating_sub(k).max(meta.floor).min(len);
-                cs.hist_u = rows(&raw_u, hist..len);
-                cs.hist_z = rows(&raw_z, hist..len);
+                cs.entries = take(len / m * h).to_vec();
+                cs.hist_u = rows(raw_u, hist..len);
+                cs.hist_z = rows(raw_z, hist..len);
                 cs.hist_start = hist;
             }
         }
         st
+    }
+
+    /// Downloads the regions `(buffer, offset, len)`, concatenated, with one synchronisation:
+    /// each is copied straight into the cache's page-locked staging buffer (grown as needed),
+    /// which then comes back as one host vector. Through pageable memory and a device staging
+    /// buffer, a 43-layer snapshot took 50–64 ms (bench_serve on the H200, PERF.md v17).
+    fn download(&self, b: &CudaBackend, regions: &[(&CudaSlice<f32>, usize, usize)]) -> Vec<f32> {
+        let total: usize = regions.iter().map(|r| r.2).sum();
+        if total == 0 {
+            return Vec::new();
+        }
+        let mut guard = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        if guard.as_ref().is_none_or(|p| p.len() < total) {
+            let n = total.max(guard.as_ref().map_or(0, |p| 2 * p.len()));
+            // SAFETY: page-locked host memory of n floats (plain, not write-combined: the host
+            // reads it); every element read below is first written by a copy.
+            *guard = Some(ck(unsafe { b.stream.context().alloc_pinned_with_flags::<f32>(n, 0) }, "snapshot staging"));
+        }
+        let pinned = guard.as_mut().expect("allocated above");
+        let host = ck(pinned.as_mut_slice(), "snapshot staging");
+        let mut at = 0;
+        for &(buf, off, len) in regions {
+            if len == 0 {
+                continue;
+            }
+            let src = b.dev_ptr(buf) + (off * std::mem::size_of::<f32>()) as u64;
+            // SAFETY: `src` addresses `len` floats inside `buf` (off + len ≤ buf.len(), as the
+            // callers' regions are rows of its slots); the destination is page-locked host memory
+            // that outlives the copy, which the synchronisation below completes.
+            ck(
+                unsafe {
+                    cudarc::driver::result::memcpy_dtoh_async(&mut host[at..at + len], src, b.stream.cu_stream())
+                },
+                "snapshot download",
+            );
+            at += len;
+        }
+        ck(b.stream.synchronize(), "synchronize");
+        host[..total].to_vec()
     }
 
     /// Writes a host state of `len` tokens into slot `seq` (the inverse of [`CudaCache::save`]):
