@@ -11,6 +11,14 @@
 __device__ const unsigned long long GRIDT[256] = {0};
 __device__ __forceinline__ unsigned iq2_signs(unsigned i7) { return i7 | ((__popc(i7) & 1u) << 7); }
 __device__ __forceinline__ unsigned nibble_bytes(unsigned n) { return (n * 0x00204081u) & 0x01010101u; }
+// PRMT with sign replication (selector 0xBA98). Not `__byte_perm`, which keeps 3 bits of each
+// selector nibble: NVRTC turned its 0xBA98 into 0x3210 (the counts above were taken so; the
+// instruction counts are the same).
+__device__ __forceinline__ unsigned sgn(unsigned x) {
+    unsigned m;
+    asm("prmt.b32 %0, %1, 0, 0xBA98;" : "=r"(m) : "r"(x));
+    return m;
+}
 
 template <int V>
 __device__ __forceinline__ int dec_dot(unsigned a, unsigned sg, const int* x, const unsigned long long* G, int& ns) {
@@ -26,9 +34,9 @@ __device__ __forceinline__ int dec_dot(unsigned a, unsigned sg, const int* x, co
             is = __dp4a((int)((g1 ^ (bhi * 255u)) + bhi), x[2 * kk + 1], is);
         } else if (V == 1 || V == 2) {  // PRMT sign replication; V 2: the sign fix by a second dp4a
             unsigned s7 = (sg >> (7 * kk)) & 127;
-            unsigned mlo = __byte_perm((s7 & 15u) * 0x10204080u, 0, 0xBA98);
+            unsigned mlo = sgn((s7 & 15u) * 0x10204080u);
             unsigned hi = (s7 & 0x70u) * 0x01020408u + ((unsigned)__popc(s7) << 31);
-            unsigned mhi = __byte_perm(hi, 0, 0xBA98);
+            unsigned mhi = sgn(hi);
             if (V == 1) {
                 is = __dp4a((int)((g0 ^ mlo) + (mlo & 0x01010101u)), x[2 * kk], is);
                 is = __dp4a((int)((g1 ^ mhi) + (mhi & 0x01010101u)), x[2 * kk + 1], is);
@@ -39,8 +47,8 @@ __device__ __forceinline__ int dec_dot(unsigned a, unsigned sg, const int* x, co
                 ns = __dp4a((int)mhi, x[2 * kk + 1], ns);
             }
         } else {  // V 3: a sign word with quad q's 4 signs at bits 8i + 7 - q (parity stored)
-            unsigned mlo = __byte_perm(sg << (2 * kk), 0, 0xBA98);
-            unsigned mhi = __byte_perm(sg << (2 * kk + 1), 0, 0xBA98);
+            unsigned mlo = sgn(sg << (2 * kk));
+            unsigned mhi = sgn(sg << (2 * kk + 1));
             is = __dp4a((int)((g0 ^ mlo) + (mlo & 0x01010101u)), x[2 * kk], is);
             is = __dp4a((int)((g1 ^ mhi) + (mhi & 0x01010101u)), x[2 * kk + 1], is);
         }

@@ -312,19 +312,26 @@ fn row_of(b: &CudaBackend, t: &Tensor, r: usize) -> CudaTensor {
 }
 
 /// Synthetic packed weights drawn on the device dequantise to finite values of about the
-/// requested size (what `dsv4 bench --synthetic flash --experts q2` relies on).
+/// requested size (what `dsv4 bench --synthetic flash --experts q2` relies on), download as
+/// valid blocks (IQ2_XXS: `Planes::join` refuses sign words GGUF cannot hold), and the device
+/// product equals the product with the downloaded blocks' CPU values.
 #[test]
 fn cuda_random_packed_weights_are_sane() {
     let Some(b) = gpu() else { return };
     b.set_exact(true);
     for format in PackedFormat::ALL {
         let w = b.upload_random_packed(format, 64, 1024, 0.03, 7);
-        let (x, _) = activations(&b, 1, 1024, 3);
+        let (x, xt) = activations(&b, 1, 1024, 3);
         let y = b.to_host(&b.matmul(&x, &w));
         let rms = (y.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / y.len() as f64).sqrt();
         // x ~ U(-1, 1): |x|² ≈ 1024/3, so y's RMS ≈ 0.03·√(1024/3) ≈ 0.55.
         println!("{}: output RMS {rms:.3}", format.name());
         assert!(y.iter().all(|v| v.is_finite()) && (0.1..3.0).contains(&rms), "{}: RMS {rms}", format.name());
+        let vals = b.download_packed(&w).expect("packed").dequantize(64, 1024);
+        for (o, &g) in y.iter().enumerate() {
+            let e: f64 = (0..1024).map(|c| xt.data[c] as f64 * vals[o * 1024 + c] as f64).sum();
+            assert!((g as f64 - e).abs() < 1e-4 * (1.0 + e.abs()), "{} output {o}: {g} vs {e}", format.name());
+        }
     }
 }
 

@@ -74,6 +74,13 @@ int main() {
     int hdr[4];
     while (fread(hdr, 4, 4, stdin) == 4) {
         int f = hdr[0], k = hdr[1];
+        if (f == 200) {  // k IQ2_XXS sign words through iq2_even_signs (the synthetic draw's fix-up)
+            std::vector<unsigned> w(k);
+            if (fread(w.data(), 4, k, stdin) != (size_t)k) return 2;
+            for (auto& x : w) x = iq2_even_signs(x);
+            fwrite(w.data(), 4, k, stdout);
+            continue;
+        }
         if (f >= 100) {
             std::vector<u8> w(hdr[2]), s(hdr[3]);
             if (fread(w.data(), 1, w.size(), stdin) != w.size() || fread(s.data(), 1, s.size(), stdin) != s.size()) return 2;
@@ -305,4 +312,43 @@ fn device_int8_products_built_for_the_host_equal_the_twin() {
         assert!(same, "chunk {i} ({}): device {g:e}, twin {w:e}", formats[i / (200 * k / 32)].1.name());
     }
     println!("int8 chunks bitwise equal: {}", got.len());
+}
+
+/// The synthetic draw's fix-up of random IQ2_XXS sign words (`iq2_even_signs`, built for the
+/// host) makes every word one `Planes::join` accepts, changes only the 8th sign of a grid entry
+/// (bit 30 − 2kk), and keeps the words that are already valid (those of GGUF blocks).
+#[test]
+fn iq2_even_signs_built_for_the_host_gives_gguf_sign_words() {
+    use dsv4_model::packed::{iq2_gguf_signs, iq2_sign_word};
+    let dir = tempfile::tempdir().unwrap();
+    let Some(exe) = compile(dir.path()) else {
+        println!("skipping: no C++ compiler");
+        return;
+    };
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(10);
+    let n = 20000;
+    let mut words: Vec<u32> = (0..n).map(|_| rng.gen()).collect();
+    words.extend((0..n).map(|_| iq2_sign_word(rng.gen::<u32>() & 0x0fff_ffff)));
+    let mut input = Vec::new();
+    for v in [200, words.len() as i32, 0, 0] {
+        input.extend(v.to_le_bytes());
+    }
+    input.extend(words.iter().flat_map(|w| w.to_le_bytes()));
+    let inp = dir.path().join("signs.bin");
+    std::fs::write(&inp, &input).unwrap();
+    let out = Command::new(&exe).stdin(std::fs::File::open(&inp).unwrap()).output().unwrap();
+    assert!(out.status.success(), "host iq2_even_signs exited with {:?}", out.status);
+    let got: Vec<u32> = out.stdout.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    assert_eq!(got.len(), words.len());
+    let (mut fixed, eighth) = (0, 0x5500_0000u32);
+    for (i, (&w, &g)) in words.iter().zip(&got).enumerate() {
+        assert!(iq2_gguf_signs(g).is_some(), "word {i}: {w:08x} → {g:08x} has an odd grid entry");
+        assert_eq!((w ^ g) & !eighth, 0, "word {i}: {w:08x} → {g:08x} changed more than the 8th signs");
+        if i >= n {
+            assert_eq!(g, w, "word {i}: a valid word changed");
+        }
+        fixed += (w != g) as usize;
+    }
+    // About 15/16 of random words have some odd grid entry.
+    assert!(fixed > n * 7 / 8 && fixed < n, "{fixed} of {n} random words fixed");
 }

@@ -115,7 +115,7 @@ impl PackedFormat {
             PackedFormat::IQ2_XXS => (66, 2, 64),
             PackedFormat::Fp8 | PackedFormat::Fp4 => return None,
         };
-        Some(Planes { block_bytes, code_off, code_len })
+        Some(Planes { block_bytes, code_off, code_len, iq2_signs: self == PackedFormat::IQ2_XXS })
     }
 
     pub fn name(self) -> &'static str {
@@ -136,17 +136,78 @@ impl PackedFormat {
 /// are 34/66/84/144 bytes, so in place their codes sit at 2- or 4-byte alignment and a kernel
 /// loads them in narrow pieces (ncu: 12 of each 32-byte sector used, 61 % excess L2 sectors on
 /// Q8_0, PERF.md v8); split, a lane loads its codes in one 8- or 16-byte load.
+///
+/// IQ2_XXS (`iq2_signs`) is also repacked, so that its decode spends fewer instructions on
+/// signs (PERF.md v16). GGUF holds a 32-value sub-block as two words: 4 grid indices, and 4 × 7
+/// sign bits (each grid entry's 8th sign is implicit: an even number of negatives per 8 values)
+/// under a 4-bit scale. The planes hold, per sub-block, 8 code bytes: the grid word as it is,
+/// then a sign word with all 32 signs, bit `8i + 7 − q` the sign of value `4q + i` (quad `q` =
+/// 0..8 of 4 values, `i` = 0..4). So quad `q`'s byte mask (0xff where negative) is one shift
+/// and one sign-replicating byte permute, `prmt(s << q, 0, 0xBA98)`. The head of a block is 8
+/// bytes, one 32-bit word per 128 values: the scales of its 4 sub-blocks (the `j`th's at bits
+/// 4j) in the low half, d (f16) in the high half, so d is held twice and a lane reads its
+/// chunk's d and scale in one 4-byte load. 72 bytes a block on the device instead of
+/// GGUF's 66. [`Self::join`] gives the GGUF blocks back, and refuses a sign word whose grid
+/// entries do not have an even number of negatives (GGUF cannot hold it) or heads whose two
+/// copies of d differ.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Planes {
     pub block_bytes: usize,
     /// Where the codes start in a block, and how many bytes they take.
     pub code_off: usize,
     pub code_len: usize,
+    /// IQ2_XXS's repacked sign words and 8-byte heads (see above).
+    pub iq2_signs: bool,
 }
+
+/// IQ2_XXS's 32 signs of a sub-block in the planes' order from GGUF's 4 × 7 stored bits (the low
+/// 28 bits of `aux`; the 8th sign of each grid entry is the parity of its 7).
+pub fn iq2_sign_word(aux: u32) -> u32 {
+    let mut s = 0u32;
+    for kk in 0..4 {
+        let s7 = (aux >> (7 * kk)) & 127;
+        let s8 = s7 | ((s7.count_ones() & 1) << 7);
+        for j in 0..8 {
+            let (q, i) = (2 * kk + j / 4, j % 4);
+            s |= ((s8 >> j) & 1) << (8 * i + 7 - q);
+        }
+    }
+    s
+}
+
+/// The inverse of [`iq2_sign_word`]: GGUF's 4 × 7 sign bits, or `None` when a grid entry has an
+/// odd number of negatives.
+pub fn iq2_gguf_signs(s: u32) -> Option<u32> {
+    let mut aux = 0u32;
+    for kk in 0..4 {
+        let mut s8 = 0u32;
+        for j in 0..8 {
+            let (q, i) = (2 * kk + j / 4, j % 4);
+            s8 |= ((s >> (8 * i + 7 - q)) & 1) << j;
+        }
+        if s8.count_ones() % 2 == 1 {
+            return None;
+        }
+        aux |= (s8 & 127) << (7 * kk);
+    }
+    Some(aux)
+}
+
+/// IQ2_XXS head bytes a block on the device (see [`Planes`]).
+const IQ2_HEAD: usize = 8;
 
 impl Planes {
     pub fn head_len(&self) -> usize {
-        self.block_bytes - self.code_len
+        if self.iq2_signs {
+            IQ2_HEAD
+        } else {
+            self.block_bytes - self.code_len
+        }
+    }
+
+    /// Device bytes of a block (both planes).
+    pub fn device_block_bytes(&self) -> usize {
+        self.code_len + self.head_len()
     }
 
     /// (codes, heads) of whole blocks, each plane in block order.
@@ -156,6 +217,20 @@ impl Planes {
         let (mut codes, mut heads) = (Vec::with_capacity(n * self.code_len), Vec::with_capacity(n * self.head_len()));
         let end = self.code_off + self.code_len;
         for b in blocks.chunks_exact(self.block_bytes) {
+            if self.iq2_signs {
+                let mut scales = 0u32;
+                for (j, sub) in b[self.code_off..end].chunks_exact(8).enumerate() {
+                    let aux = u32::from_le_bytes([sub[4], sub[5], sub[6], sub[7]]);
+                    codes.extend_from_slice(&sub[..4]);
+                    codes.extend_from_slice(&iq2_sign_word(aux).to_le_bytes());
+                    scales |= (aux >> 28) << (4 * j);
+                }
+                for h in 0..2 {
+                    heads.extend_from_slice(&((scales >> (16 * h)) as u16).to_le_bytes());
+                    heads.extend_from_slice(&b[..2]);
+                }
+                continue;
+            }
             heads.extend_from_slice(&b[..self.code_off]);
             codes.extend_from_slice(&b[self.code_off..end]);
             heads.extend_from_slice(&b[end..]);
@@ -163,22 +238,36 @@ impl Planes {
         (codes, heads)
     }
 
-    /// The blocks [`Self::split`] took apart.
-    pub fn join(&self, codes: &[u8], heads: &[u8]) -> Vec<u8> {
+    /// The blocks [`Self::split`] took apart; an error for IQ2_XXS planes that are not GGUF
+    /// blocks (see [`Planes`]).
+    pub fn join(&self, codes: &[u8], heads: &[u8]) -> Result<Vec<u8>, String> {
         let n = codes.len() / self.code_len;
-        assert!(
-            codes.len() == n * self.code_len && heads.len() == n * self.head_len(),
-            "planes of {} and {} bytes are not {n} blocks",
-            codes.len(),
-            heads.len()
-        );
+        if codes.len() != n * self.code_len || heads.len() != n * self.head_len() {
+            return Err(format!("planes of {} and {} bytes are not {n} blocks", codes.len(), heads.len()));
+        }
         let mut out = Vec::with_capacity(n * self.block_bytes);
-        for (c, h) in codes.chunks_exact(self.code_len).zip(heads.chunks_exact(self.head_len())) {
+        for (bi, (c, h)) in codes.chunks_exact(self.code_len).zip(heads.chunks_exact(self.head_len())).enumerate() {
+            if self.iq2_signs {
+                if h[2..4] != h[6..8] {
+                    return Err(format!("IQ2_XXS block {bi}: the head's two copies of d differ"));
+                }
+                let scales = u16::from_le_bytes([h[0], h[1]]) as u32 | (u16::from_le_bytes([h[4], h[5]]) as u32) << 16;
+                out.extend_from_slice(&h[2..4]);
+                for (j, sub) in c.chunks_exact(8).enumerate() {
+                    let s = u32::from_le_bytes([sub[4], sub[5], sub[6], sub[7]]);
+                    let aux = iq2_gguf_signs(s).ok_or_else(|| {
+                        format!("IQ2_XXS block {bi} sub-block {j}: a grid entry with an odd number of negatives")
+                    })?;
+                    out.extend_from_slice(&sub[..4]);
+                    out.extend_from_slice(&(aux | ((scales >> (4 * j)) & 15) << 28).to_le_bytes());
+                }
+                continue;
+            }
             out.extend_from_slice(&h[..self.code_off]);
             out.extend_from_slice(c);
             out.extend_from_slice(&h[self.code_off..]);
         }
-        out
+        Ok(out)
     }
 }
 
@@ -205,15 +294,29 @@ impl Packed {
         }
     }
 
-    /// Bytes held (blocks and, for the official formats, scales as one byte each on a device).
+    /// Bytes held on a device (GGUF: both planes; the official formats: blocks and scales, FP4's
+    /// as one byte each).
     pub fn device_bytes(&self) -> u64 {
-        (self.blocks.len() + if self.format == PackedFormat::Fp8 { 4 } else { 1 } * self.scales.len()) as u64
+        let blocks = match self.format.planes() {
+            Some(p) => self.blocks.len() / p.block_bytes * p.device_block_bytes(),
+            None => self.blocks.len(),
+        };
+        (blocks + if self.format == PackedFormat::Fp8 { 4 } else { 1 } * self.scales.len()) as u64
     }
 
-    /// Device bytes of a `[rows, cols]` weight in `format` (blocks + scales).
+    /// Bytes of a `[rows, cols]` weight in `format` as stored (blocks + scales).
     pub fn bytes_of(format: PackedFormat, rows: usize, cols: usize) -> u64 {
         let scale_bytes = if format == PackedFormat::Fp8 { 4 } else { 1 };
         (rows * format.row_bytes(cols) + scale_bytes * format.n_scales(rows, cols)) as u64
+    }
+
+    /// Device bytes of a `[rows, cols]` weight in `format`: both planes of a GGUF format (IQ2_XXS
+    /// 72 bytes a block against 66 stored, see [`Planes`]), else [`Self::bytes_of`].
+    pub fn device_bytes_of(format: PackedFormat, rows: usize, cols: usize) -> u64 {
+        match format.planes() {
+            Some(p) => (rows * (cols / format.block()) * p.device_block_bytes()) as u64,
+            None => Self::bytes_of(format, rows, cols),
+        }
     }
 }
 
@@ -254,8 +357,104 @@ mod tests {
             let blocks: Vec<u8> = (0..3 * pl.block_bytes).map(|i| (i * 37 % 251) as u8).collect();
             let (codes, heads) = pl.split(&blocks);
             assert_eq!((codes.len(), heads.len()), (3 * pl.code_len, 3 * pl.head_len()));
-            assert_eq!(&codes[pl.code_len..2 * pl.code_len], &blocks[pl.block_bytes + pl.code_off..][..pl.code_len]);
-            assert_eq!(pl.join(&codes, &heads), blocks, "{}", f.name());
+            if !pl.iq2_signs {
+                assert_eq!(pl.head_len(), pl.block_bytes - pl.code_len);
+                let code = &blocks[pl.block_bytes + pl.code_off..][..pl.code_len];
+                assert_eq!(&codes[pl.code_len..2 * pl.code_len], code);
+            }
+            assert_eq!(pl.join(&codes, &heads).unwrap(), blocks, "{}", f.name());
         }
+        assert_eq!(Packed::device_bytes_of(PackedFormat::IQ2_XXS, 2, 512), 4 * 72);
+        assert_eq!(Packed::bytes_of(PackedFormat::IQ2_XXS, 2, 512), 4 * 66);
+        assert_eq!(Packed::device_bytes_of(PackedFormat::Q2_K, 2, 512), 4 * 84);
+    }
+
+    /// A small deterministic generator (xorshift64*) for the tests' random blocks.
+    fn rng(seed: u64) -> impl FnMut() -> u64 {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        move || {
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        }
+    }
+
+    /// The IQ2_XXS planes decoded on the host as the kernels read them (quant.cu's `iq2_scale` and
+    /// `iq2_quads`): per 32-value sub-block j the scale from head word j / 4, and value 4q + i the
+    /// grid byte negated when bit 8i + 7 − q of the sign word is set.
+    fn iq2_planes_decode(codes: &[u8], heads: &[u8]) -> Vec<f32> {
+        let mut out = Vec::new();
+        for (c, h) in codes.chunks_exact(64).zip(heads.chunks_exact(8)) {
+            for (j, sub) in c.chunks_exact(8).enumerate() {
+                let hw = u32::from_le_bytes(h[4 * (j / 4)..][..4].try_into().unwrap());
+                let d = half::f16::from_bits((hw >> 16) as u16).to_f32();
+                let db = d * (0.5 + ((hw >> (4 * (j % 4))) & 15) as f32) * 0.25;
+                let s = u32::from_le_bytes(sub[4..8].try_into().unwrap());
+                for q in 0..8 {
+                    let grid = quant::IQ2XXS_GRID[sub[q / 2] as usize].to_le_bytes();
+                    for i in 0..4 {
+                        let g = grid[4 * (q % 2) + i] as f32;
+                        out.push(if (s >> (8 * i + 7 - q)) & 1 == 1 { -(db * g) } else { db * g });
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn iq2_planes_round_trip_and_decode_as_gguf() {
+        let pl = PackedFormat::IQ2_XXS.planes().unwrap();
+        let mut r = rng(5);
+        for n in [1usize, 2, 7] {
+            // Random GGUF blocks (any bytes are a valid IQ2_XXS block), d a finite f16.
+            let mut blocks: Vec<u8> = (0..n * 66).map(|_| r() as u8).collect();
+            for b in blocks.chunks_exact_mut(66) {
+                b[..2].copy_from_slice(&f16_bits((r() % 2000) as f32 / 1000.0 - 1.0).to_le_bytes());
+            }
+            let (codes, heads) = pl.split(&blocks);
+            assert_eq!((codes.len(), heads.len()), (64 * n, 8 * n));
+            assert_eq!(pl.join(&codes, &heads).unwrap(), blocks);
+            let mut want = vec![0f32; 256 * n];
+            quant::dequant_iq2_xxs(&blocks, &mut want);
+            let got = iq2_planes_decode(&codes, &heads);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.to_bits(), w.to_bits(), "value {i}: planes {g}, GGUF {w}");
+            }
+        }
+        // Every 7-bit sign pattern of every grid entry, through the sign word and back.
+        for i in 0..(1u32 << 28) / 4093 {
+            let aux = i * 4093 + (i & 4095);
+            let aux = aux & 0x0fff_ffff;
+            assert_eq!(iq2_gguf_signs(iq2_sign_word(aux)), Some(aux));
+        }
+    }
+
+    #[test]
+    fn iq2_join_refuses_what_gguf_cannot_hold() {
+        let pl = PackedFormat::IQ2_XXS.planes().unwrap();
+        let mut r = rng(9);
+        let blocks: Vec<u8> = (0..2 * 66).map(|_| r() as u8).collect();
+        let (codes, heads) = pl.split(&blocks);
+        // Any one sign flipped leaves its grid entry with an odd number of negatives.
+        for bit in 0..32 {
+            let mut c = codes.clone();
+            let at = 64 + 8 * 3 + 4 + bit / 8;
+            c[at] ^= 1 << (bit % 8);
+            let e = pl.join(&c, &heads).unwrap_err();
+            assert!(e.contains("block 1 sub-block 3"), "{e}");
+            // Two signs of the same grid entry flipped keep it even (a valid, different block).
+            // (Bit 8i + 7 − q and bit 8(i + 1 mod 4) + 7 − q: values of the same quad.)
+            let partner = 8 * ((bit / 8 + 1) % 4) + bit % 8;
+            c[64 + 8 * 3 + 4 + partner / 8] ^= 1 << (partner % 8);
+            let j = pl.join(&c, &heads).unwrap();
+            assert_ne!(j, blocks);
+            assert_eq!(pl.split(&j), (c, heads.clone()));
+        }
+        let mut h = heads.clone();
+        h[7] ^= 0x10;
+        assert!(pl.join(&codes, &h).unwrap_err().contains("two copies of d"));
+        assert!(pl.join(&codes[..63], &heads).is_err());
     }
 }

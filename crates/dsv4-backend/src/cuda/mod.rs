@@ -901,7 +901,7 @@ impl Backend for CudaBackend {
         let (r, c) = t.rows_cols();
         match &t.packed {
             Some(p) if self.bf16 && crate::bf16::keeps_packed(&t.name, &t.shape, p.format) => {
-                dsv4_model::Packed::bytes_of(p.format, r, c)
+                dsv4_model::Packed::device_bytes_of(p.format, r, c)
             }
             _ if self.bf16 && crate::bf16::is_bf16_weight(&t.name, &t.shape) => (r * c * 2) as u64,
             _ => (r * c * 4) as u64,

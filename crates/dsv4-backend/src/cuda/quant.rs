@@ -184,6 +184,7 @@ impl QuantKernels {
             "gather_bf16".to_string(),
             "rand_bytes".into(),
             "patch_blocks".into(),
+            "iq2_even_signs_k".into(),
             "fill_u8".into(),
             "quant_x8".into(),
         ];
@@ -305,16 +306,32 @@ impl CudaBackend {
             );
             b
         };
-        let blocks = draw(n, format == PackedFormat::Fp8, seed);
+        let mut blocks = draw(n, format == PackedFormat::Fp8, seed);
+        if format == PackedFormat::IQ2_XXS {
+            // Random sign words hold an odd number of negatives in half their grid entries, which
+            // GGUF cannot (its 8th sign is the parity of 7): made even, as GGUF blocks split.
+            let ns = n / 8;
+            ck(
+                unsafe {
+                    self.stream
+                        .kernel(self.qk.get("iq2_even_signs_k"))
+                        .arg(&mut blocks)
+                        .arg(&(ns as i64))
+                        .launch(cfg1d(ns, 256))
+                },
+                "iq2_even_signs_k",
+            );
+        }
         let f16 = |x: f32| dsv4_model::packed::f16_bits(x) as u32;
         // (offset of d in a head, d, offset of dmin, dmin): d and dmin chosen so values have
         // about `std` (see each format's layout in dsv4_model::quant; the head holds a block's
-        // bytes other than its codes, in order).
+        // bytes other than its codes, in order; IQ2_XXS's holds d twice, at 2 and 6, see
+        // dsv4_model::packed::Planes).
         let patch = match format {
             PackedFormat::Q8_0 => Some((0i32, f16(std / 74.0), -1i32, 0)),
             PackedFormat::Q4_K => Some((0, f16(std / 145.0), 2, f16(std * 7.5 / 145.0))),
             PackedFormat::Q2_K => Some((16, f16(std / 8.4), 18, f16(std * 1.5 / 8.4))),
-            PackedFormat::IQ2_XXS => Some((0, f16(std / 50.0), -1, 0)),
+            PackedFormat::IQ2_XXS => Some((2, f16(std / 50.0), 6, f16(std / 50.0))),
             _ => None,
         };
         let mut scales = match format {
@@ -383,7 +400,10 @@ impl CudaBackend {
                 (codes, raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
             }
             PackedFormat::Fp4 => (codes, raw.iter().map(|&e| f32::from_bits((e as u32) << 23)).collect()),
-            f => (f.planes().expect("a GGUF format").join(&codes, &raw), Vec::new()),
+            f => match f.planes().expect("a GGUF format").join(&codes, &raw) {
+                Ok(b) => (b, Vec::new()),
+                Err(e) => panic!("download of packed {} planes: {e}", f.name()),
+            },
         };
         Some(Packed { format: q.format, blocks, scales })
     }

@@ -31,23 +31,13 @@ __device__ const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f
 // each kernel's start), where a warp's 32 lanes index it at scattered places (from global
 // memory through L1 such a load costs up to one wavefront per 128-byte line it touches, ~14 for
 // the 2 KB grid); the global itself in the host build of tests/quant_host.rs. The sign tables
-// are not read: their entries are computed (iq2_signs).
+// are not read: the planes hold every sign (iq2_quads).
 #ifdef __CUDACC_RTC__
 __shared__ unsigned long long S_GRID[256];
 #define TAB_GRID(i) S_GRID[i]
 #else
 #define TAB_GRID(i) IQ2XXS_GRID[i]
 #endif
-
-// KSIGNS_IQ2XS[i]: the 7 stored sign bits and their parity as the 8th (an even number of
-// negatives per 8 values). Computed, not looked up: a table read is a shared-memory load whose
-// scattered lanes conflict (ncu: the int8 kernels' shared loads took 65 % excess wavefronts),
-// this is three integer instructions.
-__device__ __forceinline__ unsigned iq2_signs(unsigned i7) { return i7 | ((__popc(i7) & 1u) << 7); }
-
-// The low byte of each of the 4 bytes of m: bit j of the nibble n (0..15) — 0x00204081 places
-// bit j at bit 8j (j + 7j), and no two of the shifted copies overlap.
-__device__ __forceinline__ unsigned nibble_bytes(unsigned n) { return (n * 0x00204081u) & 0x01010101u; }
 
 // f16 → f32 is exact, so the device's one conversion instruction and the host build's integer
 // form below give the same bits (the integer form took ~15 instructions a scale on the device:
@@ -68,6 +58,55 @@ __device__ __forceinline__ float h2f(u16 h) {
 }
 
 __device__ __forceinline__ u16 ld16(const u8* p) { return *(const u16*)p; }
+
+// Byte i of the result: 0xff where bit 8i + 7 of x is set, else 0 (PRMT's sign replication,
+// selector 0xBA98). Inline PTX: `__byte_perm` keeps only 3 bits of each selector nibble (NVRTC
+// passes 0xBA98 as 0x3210), and the 4th is the sign-replication bit.
+__device__ __forceinline__ unsigned sign_bytes(unsigned x) {
+#ifdef __CUDA_ARCH__
+    unsigned m;
+    asm("prmt.b32 %0, %1, 0, 0xBA98;" : "=r"(m) : "r"(x));
+    return m;
+#else
+    return ((x >> 7) & 0x01010101u) * 255u;
+#endif
+}
+
+// IQ2_XXS as the planes hold it (dsv4_model::packed::Planes): per 32-value sub-block the grid
+// word (4 grid indices) and a sign word whose bit 8i + 7 − q is the sign of value 4q + i (quad
+// q = 0..7; the 8th sign of each grid entry, implicit in GGUF, stored); per 128 values a head
+// word, the 4 sub-blocks' scales (the jth's at bits 4j) in its low half and d (f16) in its high
+// half.
+// Grid entry kk (quads 2kk, 2kk + 1) of a sub-block as two signed int8 words: the bytes whose
+// mask is 0xff are negated, (g ^ 0xff) + 1 = −g, with no carry out of a byte (grid values are
+// 8..43). One shift and one PRMT a quad's mask.
+__device__ __forceinline__ uint2 iq2_quads(unsigned long long grid, unsigned sg, int kk) {
+    unsigned mlo = sign_bytes(sg << (2 * kk)), mhi = sign_bytes(sg << (2 * kk + 1));
+    uint2 q;
+    q.x = (((unsigned)grid) ^ mlo) + (mlo & 0x01010101u);
+    q.y = (((unsigned)(grid >> 32)) ^ mhi) + (mhi & 0x01010101u);
+    return q;
+}
+
+// The head word of the 128 values holding value c (a 32-bit load: d and the 4 scales).
+__device__ __forceinline__ unsigned iq2_head(const u8* __restrict__ s, int c) {
+    return *(const unsigned*)(s + 4 * (c >> 7));
+}
+
+// IQ2_XXS's scale of the 32-value sub-block holding value c, from its head word hw (iq2_head):
+// d · (0.5 + the sub-block's 4-bit scale) / 4 (the scale's shift is 4 · ((c >> 5) & 3)).
+__device__ __forceinline__ float iq2_scale(unsigned hw, int c) {
+    return __fmul_rn(__fmul_rn(h2f((u16)(hw >> 16)), 0.5f + (float)((hw >> ((c >> 3) & 12)) & 15u)), 0.25f);
+}
+
+// Sign word sg with an even number of negatives in each grid entry (the 8th sign of entry kk,
+// value 7: quad 2kk + 1, bit 30 − 2kk, set to the parity of the other 7), as GGUF holds it: the
+// synthetic draw (`iq2_even_signs_k`) of random planes.
+__device__ __forceinline__ unsigned iq2_even_signs(unsigned sg) {
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) sg ^= (unsigned)(__popc(sg & (0xC0C0C0C0u >> (2 * kk))) & 1) << (30 - 2 * kk);
+    return sg;
+}
 
 // Byte j of w as a float, minus `bias`, without the quarter-rate int→float conversion: the
 // byte becomes the low mantissa bits of 2^23 (0x4B0000bb is 2^23 + b exactly) and the
@@ -104,13 +143,13 @@ __device__ __forceinline__ long long row_bytes(int f, int k) {
     }
 }
 
-// Head bytes of one row of a GGUF format (2 a Q8_0 block; 16, 20, 2 a Q4_K, Q2_K, IQ2_XXS one).
+// Head bytes of one row of a GGUF format (2 a Q8_0 block; 16, 20, 8 a Q4_K, Q2_K, IQ2_XXS one).
 __device__ __forceinline__ long long head_bytes(int f, int k) {
     switch (f) {
         case F_Q8_0: return (long long)(k / 32) * 2;
         case F_Q4_K: return (long long)(k / 256) * 16;
         case F_Q2_K: return (long long)(k / 256) * 20;
-        case F_IQ2_XXS: return (long long)(k / 256) * 2;
+        case F_IQ2_XXS: return (long long)(k / 256) * 8;
         default: return 0;
     }
 }
@@ -157,7 +196,7 @@ __device__ __forceinline__ Raw8 raw8(const u8* __restrict__ w, const u8* __restr
         r.u[2] = q.x;
         r.u[3] = q.y;
     } else if (F == F_IQ2_XXS) {
-        r.u[0] = ld16(s + 2 * (c >> 8));
+        r.u[0] = iq2_head(s, c);
         uint2 q = *(const uint2*)(w + 8 * (c >> 5));  // the 32-value sub-block's two words
         r.u[1] = q.x;
         r.u[2] = q.y;
@@ -217,16 +256,16 @@ __device__ __forceinline__ void deq8r(const Raw8& r, int c, float* y) {
         for (int jj = 0; jj < 8; jj++) y[jj] = __fsub_rn(__fmul_rn(dl, bytef(jj < 4 ? lo : hi, jj & 3, BIAS_U8)), ml);
     } else if (F == F_IQ2_XXS) {
         int kk = (c >> 3) & 3;
-        unsigned a = r.u[1], sg = r.u[2];
-        float db = __fmul_rn(__fmul_rn(h2f((u16)r.u[0]), 0.5f + (float)(sg >> 28)), 0.25f);
+        unsigned a = r.u[1];
+        float db = iq2_scale(r.u[0], c);
         unsigned long long grid = TAB_GRID((a >> (8 * kk)) & 255);
-        unsigned signs = iq2_signs((sg >> (7 * kk)) & 127);
-        unsigned lo = (unsigned)grid, hi = (unsigned)(grid >> 32);
+        // Value i of quad 2kk + h (values 8kk + 4h + i): its sign at bit 8i + 7 − h of sk.
+        unsigned lo = (unsigned)grid, hi = (unsigned)(grid >> 32), sk = r.u[2] << (2 * kk);
         // ×(−1) is a flip of the sign bit, exactly.
 #pragma unroll
         for (int j = 0; j < 8; j++)
             y[j] = __uint_as_float(__float_as_uint(__fmul_rn(db, bytef(j < 4 ? lo : hi, j & 3, BIAS_U8))) ^
-                                   (((signs >> j) & 1u) << 31));
+                                   ((sk << (24 - 8 * (j & 3) + (j >> 2))) & 0x80000000u));
     } else if (F == F_FP8) {
         float sc = __uint_as_float(r.u[0]);
 #pragma unroll
@@ -293,7 +332,7 @@ __device__ __forceinline__ XRaw xraw32(const u8* __restrict__ w, const u8* __res
         r.u[8] = *(const unsigned*)(hd + 16);
         r.u[9] = ld16(hd + (v >> 4));  // the two groups' scale bytes (v >> 4 is even)
     } else {  // F_IQ2_XXS
-        r.u[0] = ld16(s + 2 * (c >> 8));
+        r.u[0] = iq2_head(s, c);
         uint2 q = *(const uint2*)(w + 8 * (c >> 5));
         r.u[1] = q.x;
         r.u[2] = q.y;
@@ -321,11 +360,6 @@ __device__ __forceinline__ void q2k_scales(unsigned ddm, unsigned sc, float* d, 
     }
 }
 
-// IQ2_XXS's scale of a 32-value sub-block: d · (0.5 + the 4 high bits of its sign word) / 4.
-__device__ __forceinline__ float iq2_scale(u16 d, unsigned sg) {
-    return __fmul_rn(__fmul_rn(h2f(d), 0.5f + (float)(sg >> 28)), 0.25f);
-}
-
 template <int F>
 __device__ __forceinline__ XChunk xdec32(const XRaw& r, int c) {
     XChunk ch;
@@ -339,17 +373,13 @@ __device__ __forceinline__ XChunk xdec32(const XRaw& r, int c) {
         for (int j = 0; j < 8; j++) ch.q[j] = (int)((r.u[j] >> sh) & 0x03030303u);
         q2k_scales(r.u[8], r.u[9], ch.d, ch.m);
     } else {  // F_IQ2_XXS
-        unsigned a = r.u[1], sg = r.u[2];
-        ch.d[0] = iq2_scale((u16)r.u[0], sg);
-        // The bytes whose mask is 0xff are negated: (g ^ 0xff) + 1 = −g, with no carry out of
-        // a byte (grid values are 8..43).
+        unsigned a = r.u[1];
+        ch.d[0] = iq2_scale(r.u[0], c);
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
-            unsigned long long grid = TAB_GRID((a >> (8 * kk)) & 255);
-            unsigned sb = iq2_signs((sg >> (7 * kk)) & 127);
-            unsigned blo = nibble_bytes(sb & 15u), bhi = nibble_bytes(sb >> 4);  // 1 in each negated byte
-            ch.q[2 * kk] = (int)((((unsigned)grid) ^ (blo * 255u)) + blo);
-            ch.q[2 * kk + 1] = (int)((((unsigned)(grid >> 32)) ^ (bhi * 255u)) + bhi);
+            uint2 q = iq2_quads(TAB_GRID((a >> (8 * kk)) & 255), r.u[2], kk);
+            ch.q[2 * kk] = (int)q.x;
+            ch.q[2 * kk + 1] = (int)q.y;
         }
     }
     return ch;
@@ -1054,7 +1084,7 @@ __device__ __forceinline__ void mma_k16(int* d, unsigned a0, unsigned a1, unsign
 }
 
 // One output row's raw words of a chunk for lane t (of its quad): Q8_0 the code words at 4t and
-// 16+4t and d; IQ2_XXS the sub-block's two words and d; Q2_K the code words at 4t and 16+4t,
+// 16+4t and d; IQ2_XXS the sub-block's two words and its head word; Q2_K the code words at 4t and 16+4t,
 // d/dmin and the two groups' scale bytes. Loads only (see XRaw).
 struct TRaw {
     unsigned u[4];
@@ -1080,7 +1110,7 @@ __device__ __forceinline__ TRaw traw(const u8* __restrict__ w, const u8* __restr
         uint2 q = *(const uint2*)(w + 8 * (c >> 5));
         r.u[0] = q.x;
         r.u[1] = q.y;
-        r.u[2] = ld16(s + 2 * (c >> 8));
+        r.u[2] = iq2_head(s, c);
         r.u[3] = 0;
     }
     return r;
@@ -1110,13 +1140,10 @@ __device__ __forceinline__ TDec tdec(const TRaw& r, int c, int t) {
         o.hi = (r.u[1] >> sh) & 0x03030303u;
         q2k_scales(r.u[2], r.u[3], o.d, o.m);
     } else {  // F_IQ2_XXS
-        unsigned a = r.u[0], sg = r.u[1];
-        o.d[0] = iq2_scale((u16)r.u[2], sg);
-        unsigned long long grid = TAB_GRID((a >> (8 * t)) & 255);  // values 8t..8t+7
-        unsigned sb = iq2_signs((sg >> (7 * t)) & 127);
-        unsigned blo = nibble_bytes(sb & 15u), bhi = nibble_bytes(sb >> 4);
-        o.lo = (((unsigned)grid) ^ (blo * 255u)) + blo;
-        o.hi = (((unsigned)(grid >> 32)) ^ (bhi * 255u)) + bhi;
+        o.d[0] = iq2_scale(r.u[2], c);
+        uint2 q = iq2_quads(TAB_GRID((r.u[0] >> (8 * t)) & 255), r.u[1], t);  // values 8t..8t+7
+        o.lo = q.x;
+        o.hi = q.y;
     }
     return o;
 }
@@ -1406,6 +1433,16 @@ extern "C" __global__ void rand_bytes(u8* w, long long n, int fp8, unsigned long
         u8 b = r & 255;
         if (fp8) b = (u8)((b & 0x87) | ((4 + (r >> 8) % 7) << 3));
         w[i] = b;
+    }
+}
+
+// IQ2_XXS code planes of random bytes made GGUF blocks again (iq2_even_signs on each of the n
+// sub-blocks' sign words, the second word of 8 bytes).
+extern "C" __global__ void iq2_even_signs_k(u8* w, long long n) {
+    pdl_enter();
+    GRID_STRIDE(i, n) {
+        unsigned* sg = (unsigned*)(w + 8 * i + 4);
+        *sg = iq2_even_signs(*sg);
     }
 }
 
