@@ -14,7 +14,7 @@ use super::launch::Kernel;
 use super::{ck, CudaBackend};
 use crate::batch::Batch;
 use crate::cpu::state::{SeqState, TruncateError, MAX_ROLLBACK};
-use cudarc::driver::{CudaSlice, PinnedHostSlice};
+use cudarc::driver::{CudaSlice, LaunchConfig, PinnedHostSlice};
 use dsv4_model::{AttnKind, Config};
 
 /// One compressor's state for every slot.
@@ -344,40 +344,54 @@ impl CudaCache {
     }
 
     /// Downloads the regions `(buffer, offset, len)`, concatenated, with one synchronisation:
-    /// each is copied straight into the cache's page-locked staging buffer (grown as needed),
-    /// which then comes back as one host vector. Through pageable memory and a device staging
-    /// buffer, a 43-layer snapshot took 50–64 ms (bench_serve on the H200, PERF.md v17).
+    /// one kernel gathers them into a device buffer (their addresses in a table), which comes
+    /// back in one copy through the cache's page-locked staging buffer (grown as needed).
+    /// Through pageable memory and a device-to-device copy a region, a 43-layer snapshot took
+    /// 50–64 ms (bench_serve on the H200, PERF.md v17).
     fn download(&self, b: &CudaBackend, regions: &[(&CudaSlice<f32>, usize, usize)]) -> Vec<f32> {
+        let regions: Vec<_> = regions.iter().filter(|r| r.2 > 0).collect();
         let total: usize = regions.iter().map(|r| r.2).sum();
         if total == 0 {
             return Vec::new();
         }
+        let mut table = Vec::with_capacity(3 * regions.len());
+        let mut at = 0;
+        for &&(buf, off, len) in &regions {
+            debug_assert!(off + len <= buf.len(), "a snapshot region past its buffer");
+            table.extend([b.dev_ptr(buf) + (off * std::mem::size_of::<f32>()) as u64, len as u64, at as u64]);
+            at += len;
+        }
+        let table = ck(b.stream.clone_htod(&table), "snapshot table");
+        let mut flat = b.alloc::<f32>(total);
+        // SAFETY: each table row addresses `len` floats inside a live buffer (the regions are
+        // rows of this cache's slots) and a distinct range of `flat`, which holds `total`.
+        ck(
+            unsafe {
+                b.stream.kernel(&b.k.gather_regions).arg(&mut flat).arg(&table).launch(LaunchConfig {
+                    grid_dim: (regions.len() as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            },
+            "gather_regions",
+        );
         let mut guard = self.staging.lock().unwrap_or_else(|e| e.into_inner());
         if guard.as_ref().is_none_or(|p| p.len() < total) {
             let n = total.max(guard.as_ref().map_or(0, |p| 2 * p.len()));
             // SAFETY: page-locked host memory of n floats (plain, not write-combined: the host
-            // reads it); every element read below is first written by a copy.
+            // reads it); the elements read below are first written by the copy.
             *guard = Some(ck(unsafe { b.stream.context().alloc_pinned_with_flags::<f32>(n, 0) }, "snapshot staging"));
         }
         let pinned = guard.as_mut().expect("allocated above");
         let host = ck(pinned.as_mut_slice(), "snapshot staging");
-        let mut at = 0;
-        for &(buf, off, len) in regions {
-            if len == 0 {
-                continue;
-            }
-            let src = b.dev_ptr(buf) + (off * std::mem::size_of::<f32>()) as u64;
-            // SAFETY: `src` addresses `len` floats inside `buf` (off + len ≤ buf.len(), as the
-            // callers' regions are rows of its slots); the destination is page-locked host memory
-            // that outlives the copy, which the synchronisation below completes.
-            ck(
-                unsafe {
-                    cudarc::driver::result::memcpy_dtoh_async(&mut host[at..at + len], src, b.stream.cu_stream())
-                },
-                "snapshot download",
-            );
-            at += len;
-        }
+        // SAFETY: `flat` holds `total` floats; the destination is page-locked host memory of at
+        // least `total` that outlives the copy, which the synchronisation below completes.
+        ck(
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(&mut host[..total], b.dev_ptr(&flat), b.stream.cu_stream())
+            },
+            "snapshot download",
+        );
         ck(b.stream.synchronize(), "synchronize");
         host[..total].to_vec()
     }

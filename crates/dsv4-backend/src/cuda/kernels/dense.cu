@@ -24,6 +24,16 @@ extern "C" __global__ void copy_blocks(float* dst, const float* src, int count, 
     }
 }
 
+// out[at_r .. at_r + len_r] = src_r[0 .. len_r] for region r of a table of (source address,
+// length, destination offset) triples, one block a region: a snapshot's ~200 regions in one launch
+// and one copy back instead of a copy a region.
+extern "C" __global__ void gather_regions(float* out, const unsigned long long* table) {
+    pdl_enter();
+    const float* src = (const float*)table[3 * blockIdx.x];
+    long long len = (long long)table[3 * blockIdx.x + 1], at = (long long)table[3 * blockIdx.x + 2];
+    for (long long i = threadIdx.x; i < len; i += blockDim.x) out[at + i] = src[i];
+}
+
 // out[i, s*d + c] = x[i, c] for every mHC stream s.
 extern "C" __global__ void hc_expand(float* out, const float* x, int rows, int d, int nstreams) {
     pdl_enter();
