@@ -48,15 +48,16 @@ extern "C" __global__ void route(unsigned* ids, float* wts, const float* logits,
         }
     }
     __syncwarp();
-    if (lane == 0) {
-        float sum = 0.f;
-        for (int j = 0; j < k; j++) sum += sqrt_softplus(z[ch[j]]);
-        for (int j = 0; j < k; j++) {
-            float s = sqrt_softplus(z[ch[j]]);
-            float w = norm_topk ? s / sum : s;
-            ids[(long long)i * k + j] = ch[j];
-            wts[(long long)i * k + j] = w * scale;
-        }
+    // Lane j < k scores choice j (its logit loads in parallel: lane 0 alone waited on k loads in
+    // turn, ~3 µs of the kernel's 5–9.5 µs); every lane adds the k scores in choice order.
+    unsigned cj = lane < k ? ch[lane] : 0u;
+    float sj = lane < k ? sqrt_softplus(z[cj]) : 0.f;
+    float sum = 0.f;
+    for (int j = 0; j < k; j++) sum += __shfl_sync(0xffffffffu, sj, j);
+    if (lane < k) {
+        float w = norm_topk ? sj / sum : sj;
+        ids[(long long)i * k + lane] = cj;
+        wts[(long long)i * k + lane] = w * scale;
     }
 }
 
