@@ -299,7 +299,9 @@ impl CudaCache {
                 regions.push((&cd.entries, seq * cd.cap * cd.head, len / cd.ratio * cd.head));
             }
         }
+        let t0 = std::time::Instant::now();
         let flat = self.download(b, &regions);
+        let t_download = t0.elapsed();
         let mut at = 0;
         let mut take = |n: usize| {
             at += n;
@@ -340,6 +342,14 @@ impl CudaCache {
                 cs.hist_start = hist;
             }
         }
+        // The phases of a served step's snapshot (bench_serve's `snapshot` share), for RUST_LOG.
+        tracing::debug!(
+            "snapshot of {len} tokens: {} regions, {} floats; download {:.2} ms, host {:.2} ms",
+            regions.len(),
+            flat.len(),
+            t_download.as_secs_f64() * 1e3,
+            (t0.elapsed() - t_download).as_secs_f64() * 1e3
+        );
         st
     }
 
