@@ -13,7 +13,7 @@ mod common;
 use common::{gpu, rel_err};
 use dsv4_backend::cpu::{CpuBackend, Tensor};
 use dsv4_backend::cuda::quant::{X8Tiles, QGEMV_ROWS};
-use dsv4_backend::cuda::{CudaBackend, CudaTensor};
+use dsv4_backend::cuda::{CudaBackend, CudaTensor, CudaWeight};
 use dsv4_backend::Backend;
 use dsv4_model::packed::{Packed, PackedFormat};
 use dsv4_model::quant;
@@ -358,19 +358,16 @@ fn cuda_norm_rope_is_norm_then_rope() {
     }
 }
 
-/// HC_PRE with the sub-block's RMSNorm in one launch is bitwise HC_PRE and then the norm, at
-/// V4-Flash's width (4 streams of 4096) for one row and for three, and each row alone is
-/// bitwise that row among the three.
-#[test]
-fn cuda_hc_pre_norm_is_hc_pre_then_norm() {
-    let Some(b) = gpu() else { return };
+/// A tiny config of `d`-wide hidden states in 4 mHC streams, with random HC_PRE weights and
+/// norm weight for one sub-block.
+fn hc_sub_block(b: &CudaBackend, d: usize) -> (dsv4_model::Config, dsv4_model::weights::Hc<CudaWeight>, CudaWeight) {
     let mut cfg = dsv4_model::synth::tiny_config(64);
-    cfg.hidden = 4096;
+    cfg.hidden = d;
     cfg.hc_mult = 4;
-    let (n, d) = (cfg.hc_mult, cfg.hidden);
+    let n = cfg.hc_mult;
     let mix = (2 + n) * n;
     let up = |name: &str, shape: Vec<usize>, seed: u64, scale: f32| {
-        let (_, t) = activations(&b, 1, shape.iter().product(), seed);
+        let (_, t) = activations(b, 1, shape.iter().product(), seed);
         b.upload(HostTensor::new(name, shape, t.data.iter().map(|v| v * scale).collect())).unwrap()
     };
     let hc = dsv4_model::weights::Hc {
@@ -379,6 +376,17 @@ fn cuda_hc_pre_norm_is_hc_pre_then_norm() {
         scale: up("layers.0.hc_attn_scale", vec![3], 3, 1.0),
     };
     let norm = up("layers.0.attn_norm.weight", vec![d], 4, 1.0);
+    (cfg, hc, norm)
+}
+
+/// HC_PRE with the sub-block's RMSNorm in one launch is bitwise HC_PRE and then the norm, at
+/// V4-Flash's width (4 streams of 4096) for one row and for three, and each row alone is
+/// bitwise that row among the three.
+#[test]
+fn cuda_hc_pre_norm_is_hc_pre_then_norm() {
+    let Some(b) = gpu() else { return };
+    let (cfg, hc, norm) = hc_sub_block(&b, 4096);
+    let (n, d) = (cfg.hc_mult, cfg.hidden);
     let (x3, xc) = activations(&b, 3, n * d, 5);
     let host = |t: &CudaTensor| b.to_host(t);
     let bitwise = |a: &[f32], c: &[f32], what: &str| {
@@ -413,21 +421,8 @@ fn cuda_hc_pre_norm_twin_is_the_norms_codes() {
     b.set_exact(false);
     b.set_int8(true);
     for d in [4096usize, 96] {
-        let mut cfg = dsv4_model::synth::tiny_config(64);
-        cfg.hidden = d;
-        cfg.hc_mult = 4;
+        let (cfg, hc, norm) = hc_sub_block(&b, d);
         let n = cfg.hc_mult;
-        let mix = (2 + n) * n;
-        let up = |name: &str, shape: Vec<usize>, seed: u64, scale: f32| {
-            let (_, t) = activations(&b, 1, shape.iter().product(), seed);
-            b.upload(HostTensor::new(name, shape, t.data.iter().map(|v| v * scale).collect())).unwrap()
-        };
-        let hc = dsv4_model::weights::Hc {
-            fn_: up("layers.0.hc_attn_fn", vec![mix, n * d], 1, 0.05),
-            base: up("layers.0.hc_attn_base", vec![mix], 2, 1.0),
-            scale: up("layers.0.hc_attn_scale", vec![3], 3, 1.0),
-        };
-        let norm = up("layers.0.attn_norm.weight", vec![d], 4, 1.0);
         // A Q8_0 weight: with one uploaded, whole-row norms write the twin.
         let m = 40;
         let w = b.upload(host("layers.0.attn.wq_a.weight", m, d, &random_packed(PackedFormat::Q8_0, m, d, 6))).unwrap();
