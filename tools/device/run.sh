@@ -3,6 +3,7 @@
 #   run(command: "bash tools/device/run.sh [PART...]", carry: [".devbin"])
 # PARTs, in the order given (default: tests kernels flash-exact flash-int8): tests, kernels,
 # flash-exact, flash-int8 (the 43-layer q2 bench on the exact and the int8-activation products),
+# flash-b64 (batches 1 / 16 / 64 on contexts cloned from one prefilled sequence),
 # flash-served (43 q2 layers in serve's exact mode), flash-bf16 (4 bf16 layers), serve
 # (bench_serve at 1 / 16 / 64). Writes each part's output
 # and a summary to $OUT (or /tmp/dsv4-out); the device tool brings back at most 8 files.
@@ -45,11 +46,20 @@ for part in $PARTS; do
         echo "flash q2 43 layers ($mode): exit $?" >> "$S"
         grep -E '^(prefill|decode|verify|dspark)' "$OUT/flash-q2-$mode.txt" | cut -c1-220 >> "$S"
         ;;
+    flash-b64)
+        # Issue 11's batch 64 at context 4096 (with 1 and 16 beside it): the first sequence is
+        # prefilled and the other 63 restored from its snapshot (--decode-fill clone; prefilling
+        # all 64 took ~4 minutes).
+        timeout 300 $B bench --backend cuda --synthetic flash --layers 43 --weights q2 --contexts '' --reserve 64x4096 \
+            --decode-fill clone --decode-batches 1,16,64 --decode-context 4096 --decode-tokens 16 > "$OUT/flash-b64.txt" 2>&1
+        echo "flash q2 43 layers, batch 64 (cloned contexts): exit $?" >> "$S"
+        grep -E '^decode' "$OUT/flash-b64.txt" | cut -c1-220 >> "$S"
+        ;;
     flash-served)
         # The 43-layer q2 decode in the mode `dsv4 serve` runs by default (exact: f32 activations
         # into bf16 products), the figure bench_serve's rates compare with.
         timeout 300 $B bench --backend cuda --synthetic flash --layers 43 --weights q2 --contexts '' --cuda-exact \
-            --decode-batches 1,16 --decode-context 4096 --decode-tokens 16 > "$OUT/flash-served.txt" 2>&1
+            --decode-fill clone --decode-batches 1,16 --decode-context 4096 --decode-tokens 16 > "$OUT/flash-served.txt" 2>&1
         echo "flash q2 43 layers (serve's exact mode): exit $?" >> "$S"
         grep -E '^decode' "$OUT/flash-served.txt" | cut -c1-220 >> "$S"
         ;;

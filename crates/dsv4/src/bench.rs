@@ -31,6 +31,11 @@ pub struct BenchArgs {
     /// `--synthetic flash`: context each decode sequence holds before timing.
     #[arg(long, default_value_t = 4096)]
     pub decode_context: usize,
+    /// `--synthetic flash`: how the decode sequences get their context: `prefill` (each its own
+    /// prompt) or `clone` (the first is prefilled, the others restored from its snapshot: the
+    /// same state bytes to read a step, and batch 64 at 4096 in seconds instead of minutes).
+    #[arg(long, default_value = "prefill", value_parser = ["prefill", "clone"])]
+    pub decode_fill: String,
     #[arg(long, default_value_t = 512)]
     pub prompt_len: usize,
     #[arg(long, default_value_t = 32)]

@@ -193,9 +193,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let seqs: Vec<usize> = (0..max_b).map(|_| m.alloc_seq()).collect::<Result<_, _>>()?;
     let streams: Vec<Vec<u32>> = seqs.iter().map(|&s| toks(dctx + 1, 1000 + s as u64, vocab)).collect();
     let t0 = Instant::now();
+    // With --decode-fill clone only the first sequence is prefilled; the rest restore its state.
+    let prefilled = if a.decode_fill == "clone" { &seqs[..seqs.len().min(1)] } else { &seqs[..] };
     if dctx > 0 {
         let per = (chunk / dctx.min(chunk)).max(1);
-        for group in seqs.chunks(per) {
+        for group in prefilled.chunks(per) {
             let mut off = 0;
             while off < dctx {
                 let n = (dctx - off).min(chunk);
@@ -210,7 +212,18 @@ pub fn run(a: BenchArgs) -> Result<()> {
             }
         }
     }
-    eprintln!("decode: {max_b} sequences prefilled to {dctx} in {:.1} s", t0.elapsed().as_secs_f64());
+    if dctx > 0 && prefilled.len() < seqs.len() {
+        let snap = m.snapshot(seqs[0]).context("snapshot of the prefilled decode sequence")?;
+        for &s in &seqs[prefilled.len()..] {
+            anyhow::ensure!(m.restore(s, &snap), "restoring decode sequence {s} from the first one's snapshot");
+        }
+        m.backend_and_cache().0.synchronize();
+    }
+    eprintln!(
+        "decode: {max_b} sequences at context {dctx} ({} prefilled, the rest cloned) in {:.1} s",
+        prefilled.len(),
+        t0.elapsed().as_secs_f64()
+    );
     let mut pos = vec![dctx; max_b];
     for &bs in &batches {
         let steps = a.decode_tokens.max(1);
