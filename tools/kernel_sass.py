@@ -3,7 +3,7 @@
 
 Compiles one of `crates/dsv4-backend/src/cuda/kernels/*.cu` the way the backend does (NVRTC,
 compute_90a, the file's fmad setting, `common.cuh` prepended; quant.cu gets zeroed IQ2_XXS
-tables, which do not change the code), assembles it for sm_90a with ptxas, disassembles it,
+tables and gemm.cu appended, which do not change the code), assembles it for sm_90a with ptxas, disassembles it,
 and reports for each named kernel its longest loop: instructions, a weighted issue cost and the
 most frequent opcodes. The weights are cycles a warp instruction occupies one SM sub-partition
 on Hopper: FP32 1, integer/logic/PRMT 2, conversions and MUFU 8. A static predictor only:
@@ -53,6 +53,8 @@ def source(name, rev):
                 "__device__ const unsigned long long KMASK_IQ2XS[128] = {0};\n")
     if "/" in name:  # a file outside the backend's kernels (tools/sass/: decode experiments)
         return src + read(name)
+    if name == "quant.cu":  # one module with gemm.cu, as cuda/quant.rs builds it
+        return src + read(f"{KDIR}/quant.cu") + "\n" + read(f"{KDIR}/gemm.cu")
     return src + read(f"{KDIR}/{name}")
 
 

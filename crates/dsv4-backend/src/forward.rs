@@ -246,8 +246,11 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
             let mut qi = b.matmul(&qr, &ix.wq_b);
             b.rope(&mut qi, cx.rows, freqs, cfg.index_head_dim, false);
             cx.cap(li, "attn.indexer.q", &qi);
+            let sel = b.index_select(cx.cache, l, &qi, &wts, cx.rows, cfg);
+            // Captured after the selection, so a stage timer (`DSV4_PROFILE`) tells the
+            // indexer's scores and top-k apart from the attention.
             cx.cap(li, "attn.indexer.weights", &wts);
-            Some(b.index_select(cx.cache, l, &qi, &wts, cx.rows, cfg))
+            Some(sel)
         }
         _ => None,
     };

@@ -509,3 +509,97 @@ fn cuda_bf16_products_in_one_launch_are_each_alone() {
     }
     b.set_exact(true);
 }
+
+/// The tensor-core tiles for many rows (gemm.cu: prefill chunks, decode batches above the int8
+/// path's rows) against their twin: the weights dequantised and the activations rounded to bf16
+/// (as the tiles do), summed in f64. The tiles' f32 sums differ from it only in the order of the
+/// additions: ≤ 1e-5 of the output's scale for the products (k ≤ 1024). Routed experts also
+/// round h = SwiGLU(gate, up) to bf16, where the f32 gate and up (~1e-6 from the twin's) can move
+/// a rounding by one bf16 step (2^-8 of that term) in a few of the 256 terms of a down sum, each
+/// about 2^-8 / √256 ≈ 2.4e-4 of the output's scale (1.2e-4 measured on the H200): ≤ 1e-3,
+/// still 20× below the 2e-2 that bounds the bf16 path against the exact product.
+#[test]
+fn cuda_prefill_tiles_match_the_bf16_twin() {
+    use dsv4_backend::bf16::round_bf16;
+    let Some(b) = gpu() else { return };
+    b.set_exact(false);
+    b.set_tiles_dense(true);
+    let rb = |v: &[f32]| v.iter().map(|&x| round_bf16(x)).collect::<Vec<f32>>();
+    for (fi, format) in PackedFormat::ALL.into_iter().enumerate() {
+        // 300 rows: two full row tiles of 128 and a partial one; m = 384: three output tiles.
+        let (m, k, n) = (384, 1024, 300);
+        let p = random_packed(format, m, k, 300 + fi as u64);
+        let w = b.upload(host("layers.0.attn.wq_a.weight", m, k, &p)).unwrap();
+        assert!(w.q.is_some(), "{} kept packed", format.name());
+        let wf = rb(&p.dequantize(m, k));
+        let (xg, xc) = activations(&b, n, k, 310 + fi as u64);
+        let got = b.to_host(&b.matmul(&xg, &w));
+        let e = rel_err(&got, &reference(&Tensor::new(n, k, rb(&xc.data)), &wf, m, k, 1));
+        println!("tiles {} {n} rows: {e:.2e} from the bf16 twin", format.name());
+        assert!(e <= 1e-5, "tiles {} product, {n} rows: {e:.2e} from the bf16 twin", format.name());
+        // The grouped projection (wo_a): two groups of 256 outputs, each over its own k inputs.
+        let pg = random_packed(format, 512, k, 320 + fi as u64);
+        let wg = b.upload(host("layers.0.attn.wo_a.weight", 512, k, &pg)).unwrap();
+        let (xg, xc) = activations(&b, 70, 2 * k, 330 + fi as u64);
+        let got = b.to_host(&b.grouped_matmul(&xg, &wg, 2));
+        let want = reference(&Tensor::new(70, 2 * k, rb(&xc.data)), &rb(&pg.dequantize(512, k)), 512, k, 2);
+        let e = rel_err(&got, &want);
+        assert!(e <= 1e-5, "tiles {} grouped product: {e:.2e} from the bf16 twin", format.name());
+    }
+    let cpu = CpuBackend;
+    let (d, inter, ne) = (256, 256, 8);
+    let pairs = [
+        (PackedFormat::IQ2_XXS, PackedFormat::Q2_K),
+        (PackedFormat::Q4_K, PackedFormat::Q4_K),
+        (PackedFormat::Fp4, PackedFormat::Fp4),
+        (PackedFormat::Q8_0, PackedFormat::Fp8),
+    ];
+    for (pi, (f13, f2)) in pairs.into_iter().enumerate() {
+        let (gpu_e, cpu_e) = random_experts(&b, (f13, f2), (d, inter, ne), 9000 + 100 * pi as u64);
+        let mut c = dsv4_model::synth::tiny_config(64);
+        c.n_routed_experts = ne;
+        c.n_experts_per_tok = 4;
+        let bias_g = b.upload(HostTensor::new("bias", vec![ne], vec![0.0; ne])).unwrap();
+        let bias_c = Tensor::new(1, ne, vec![0.0; ne]);
+        // 100 rows: 400 pairs, ~50 an expert (tiles of 64 pairs); 200 rows: ~100 an expert
+        // (tiles of 128).
+        for n in [100, 200] {
+            let (xg, xc) = activations(&b, n, d, 40 + n as u64);
+            let (lg, lc) = activations(&b, n, ne, 50 + n as u64);
+            let got = b.to_host(&b.moe(&xg, &b.route(&lg, Some(&bias_g), None, &c), &gpu_e, 0, 10.0));
+            let want = experts_twin(&xc, &cpu.route(&lc, Some(&bias_c), None, &c), &cpu_e, 10.0);
+            let e = rel_err(&got, &want);
+            println!("tiles {}/{} experts, {n} rows: {e:.2e} from the bf16 twin", f13.name(), f2.name());
+            assert!(e <= 1e-3, "tiles {}/{} experts, {n} rows: {e:.2e} from the bf16 twin", f13.name(), f2.name());
+        }
+    }
+    b.set_tiles_dense(false);
+}
+
+/// Routed experts as the tensor-core tiles compute them, in f64: x and the weights rounded to
+/// bf16, h = SwiGLU(gate, up) rounded to bf16, the slots' outputs added in routing order.
+fn experts_twin(x: &Tensor, r: &dsv4_backend::cpu::Route, experts: &[Expert<Tensor>], limit: f32) -> Vec<f32> {
+    use dsv4_backend::bf16::round_bf16;
+    let (d, inter) = (x.cols, experts[0].w1.rows);
+    let dot = |w: &Tensor, o: usize, v: &[f64]| -> f64 {
+        w.data[o * w.cols..(o + 1) * w.cols].iter().zip(v).map(|(a, b)| round_bf16(*a) as f64 * b).sum()
+    };
+    let mut out = vec![0f32; x.rows * d];
+    for t in 0..x.rows {
+        let xr: Vec<f64> = x.data[t * d..(t + 1) * d].iter().map(|&v| round_bf16(v) as f64).collect();
+        for j in 0..r.k {
+            let e = &experts[r.ids[t * r.k + j] as usize];
+            let h: Vec<f64> = (0..inter)
+                .map(|o| {
+                    let g = (dot(&e.w1, o, &xr) as f32).min(limit);
+                    let u = (dot(&e.w3, o, &xr) as f32).clamp(-limit, limit);
+                    round_bf16(g / (1.0 + (-g).exp()) * u) as f64
+                })
+                .collect();
+            for o in 0..d {
+                out[t * d + o] += r.weights[t * r.k + j] * dot(&e.w2, o, &h) as f32;
+            }
+        }
+    }
+    out
+}

@@ -135,7 +135,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
         free1 as f64 / 1e9
     );
     let max_b = batches.iter().copied().max().unwrap_or(1).max(reserve.map_or(1, |r| r.0));
-    let mut m = Model::new(b, cfg.clone(), w, max_b.max(1));
+    // DSV4_PROFILE_PREFILL (below) prefills one more sequence beside the decode ones.
+    let profile_slot = std::env::var_os("DSV4_PROFILE_PREFILL").is_some() as usize;
+    let mut m = Model::new(b, cfg.clone(), w, max_b.max(1) + profile_slot);
     let mut memory = serde_json::Value::Null;
     if let Some((seqs, tokens)) = reserve {
         let (b, cache) = m.backend_and_cache();
@@ -283,6 +285,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if std::env::var_os("DSV4_PROFILE").is_some() {
         profile_step(&mut m, &seqs[..1], &mut pos, vocab)?;
     }
+    // `DSV4_PROFILE_PREFILL=N[,N…]`: the same stage timing over one prefill chunk of N tokens (a fresh
+    // sequence), where issue 12's time goes.
+    let chunks = std::env::var("DSV4_PROFILE_PREFILL").map(|v| parse_list(&v)).unwrap_or(Ok(Vec::new()));
+    for n in chunks.context("DSV4_PROFILE_PREFILL")? {
+        let s = m.alloc_seq()?;
+        let t = toks(n.max(1), 4242, vocab);
+        let rows: Vec<Row> = t.iter().enumerate().map(|(p, &token)| Row { seq: s, pos: p, token }).collect();
+        profile_rows(&mut m, rows, &format!("one prefill chunk of {} tokens", t.len()))?;
+        m.free_seq(s);
+    }
 
     // Speculative verify rounds (target side): each of the first B sequences feeds its anchor and
     // l drafts in one forward, then is cut back to the anchor (no replay). Compared with the plain
@@ -393,14 +405,20 @@ impl dsv4_backend::Capture<CudaBackend> for StageTimer {
 fn profile_step(m: &mut Model<CudaBackend>, seqs: &[usize], pos: &mut [usize], vocab: usize) -> Result<()> {
     let rows: Vec<Row> =
         seqs.iter().enumerate().map(|(i, &s)| Row { seq: s, pos: pos[i], token: (pos[i] % vocab) as u32 }).collect();
-    let all: Vec<usize> = (0..rows.len()).collect();
-    let mut t = StageTimer { marks: vec![("start", m.backend.timing_event(), Instant::now())] };
-    let t0 = Instant::now();
-    m.forward_with(&Batch::new(rows)?, &all, Some(&mut t))?;
-    let wall = t0.elapsed().as_secs_f64() * 1e3;
+    profile_rows(m, rows, &format!("one decode step of {} sequence(s)", seqs.len()))?;
     for p in pos.iter_mut().take(seqs.len()) {
         *p += 1;
     }
+    Ok(())
+}
+
+/// One forward of `rows` (the last row's logits) with every stage timed (see [`profile_step`]).
+fn profile_rows(m: &mut Model<CudaBackend>, rows: Vec<Row>, what: &str) -> Result<()> {
+    let outs = if rows.len() > 1 { vec![rows.len() - 1] } else { (0..rows.len()).collect() };
+    let mut t = StageTimer { marks: vec![("start", m.backend.timing_event(), Instant::now())] };
+    let t0 = Instant::now();
+    m.forward_with(&Batch::new(rows)?, &outs, Some(&mut t))?;
+    let wall = t0.elapsed().as_secs_f64() * 1e3;
     let mut agg: Vec<(&str, f64, f64, usize)> = Vec::new();
     for w in t.marks.windows(2) {
         let gpu = w[0].1.elapsed_ms(&w[1].1).unwrap_or(f32::NAN) as f64;
@@ -416,10 +434,7 @@ fn profile_step(m: &mut Model<CudaBackend>, seqs: &[usize], pos: &mut [usize], v
     }
     agg.sort_by(|a, b| b.1.total_cmp(&a.1));
     let gpu_total: f64 = agg.iter().map(|a| a.1).sum();
-    println!(
-        "profile: one decode step of {} sequence(s): {wall:.2} ms wall, {gpu_total:.2} ms GPU timeline",
-        seqs.len()
-    );
+    println!("profile: {what}: {wall:.2} ms wall, {gpu_total:.2} ms GPU timeline");
     for (name, gpu, host, n) in agg {
         println!("  {name:<32} x{n:<3} GPU {gpu:8.3} ms   host {host:8.3} ms");
     }

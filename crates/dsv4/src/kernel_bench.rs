@@ -3,7 +3,8 @@
 //! the CPU decoder (`dsv4_model::quant`, f64 dot products), then timed at 1, 2, 4, 8 and 16
 //! rows with CUDA events (launches back to back). The figure is weight bytes read once per call over the time, against
 //! the 4.3 TB/s the H200 copies at. Then the int8-activation path of Q8_0, Q2_K and IQ2_XXS,
-//! checked against its CPU twin and the exact product, timed the same way.
+//! checked against its CPU twin and the exact product, timed the same way. Last, products of
+//! 64 to 4096 rows on the tensor-core tiles (prefill), as TFLOP/s.
 
 use anyhow::{bail, Context, Result};
 use dsv4_backend::cuda::{CudaBackend, CudaWeight};
@@ -15,6 +16,9 @@ const ROWS: [usize; 5] = [1, 2, 4, 8, 16];
 /// Row counts of the int8 table: also the batch-32/64 and verify sizes the tensor-core tiles
 /// serve (above `DSV4_X8_MAX_ROWS` a product takes the bf16 path, so set it to time those).
 const X8_ROWS: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
+/// Row counts of the many-row table (gemm.cu's tensor-core tiles): a batch-64 decode step and
+/// prefill chunks.
+const PG_ROWS: [usize; 4] = [64, 256, 1024, 4096];
 
 /// The weight's f32 values as the CPU decoder gives them (bf16: the rounded values).
 fn host_values(b: &CudaBackend, w: &CudaWeight) -> Vec<f32> {
@@ -155,6 +159,34 @@ pub fn run() -> Result<()> {
         }
     }
     b.set_int8(false);
-    println!("{}", serde_json::json!({"device": b.device_name(), "kernels": table, "int8": x8_table}));
+    // Many rows (prefill chunks, large decode batches): the tensor-core tiles of gemm.cu
+    // (`DSV4_PGEMM=0`: the bf16 scratch and cuBLAS they replace). Checked at 20 rows against
+    // the CPU decoder (bf16 operands: the 1e-2 bound), timed as FLOP/s.
+    let mut pg_table = Vec::new();
+    b.set_tiles_dense(true);
+    for f in formats.into_iter().flatten() {
+        for (si, &(m, k)) in shapes.iter().enumerate() {
+            let w = b.upload_random_packed(f, m, k, 0.02, 11 + si as u64);
+            let err = check(&b, &w, &host_values(&b, &w), 20);
+            if err.is_nan() || err >= 1e-2 {
+                bail!("tiles {} [{m}, {k}]: product differs from the CPU decoder's by {err:.2e}", f.name());
+            }
+            let mut line = format!("tiles {:>8} [{m:>5}, {k:>4}]  err {err:.1e}:", f.name());
+            let mut tfs = Vec::new();
+            for n in PG_ROWS {
+                let r = 2.0 * (n * m * k) as f64 / time(&b, &w, n, 5);
+                tfs.push(r / 1e12);
+                line += &format!("  {n:>4} rows {:6.1} TFLOP/s", r / 1e12);
+            }
+            println!("{line}");
+            pg_table.push(serde_json::json!({"format": f.name(), "m": m, "k": k, "rel_err": err, "rows": PG_ROWS,
+                "tflop_per_s": tfs}));
+        }
+    }
+    b.set_tiles_dense(false);
+    println!(
+        "{}",
+        serde_json::json!({"device": b.device_name(), "kernels": table, "int8": x8_table, "tiles": pg_table})
+    );
     Ok(())
 }

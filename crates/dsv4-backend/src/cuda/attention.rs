@@ -201,6 +201,16 @@ const ATTN_HEADS_PER_BLOCK: usize = 8;
 /// Rows an attention launch takes at most (its partials: 2.1 MB a row for 64 heads of 512).
 const ATTN_ROW_TILE: usize = 64;
 
+/// Rows from which a fast-mode attention call takes the tensor-core kernel (`attention_tc`:
+/// prefill chunks); decode batches keep the f32 kernel, whose key slices spread a few rows over
+/// the whole GPU (`attention_tc` runs one block a row and 64 heads).
+const ATC_MIN_ROWS: usize = 256;
+/// `ATC_H` of attention.cu: heads an `attention_tc` block takes.
+const ATC_HEADS: usize = 64;
+/// `ATC_SMEM` of attention.cu: `attention_tc`'s dynamic shared memory (queries and two key tiles
+/// of 16, rows of 520 bf16).
+pub(crate) const ATC_SMEM: usize = (ATC_HEADS + 2 * 16) * 520 * 2;
+
 /// Attention of every (row, head), then the chunk's KV rows enter the window ring (the last
 /// `window + MAX_ROLLBACK` of each segment, so that a rollback finds its window).
 #[allow(clippy::too_many_arguments)]
@@ -231,27 +241,20 @@ pub fn attend(
     };
     let scale = (d as f32).powf(-0.5);
     let (ni, di, wi, rci) = (n as i32, d as i32, win as i32, rcap as i32);
-    // Partials of ATT_S slices per (row, head), for ATTN_ROW_TILE rows a launch at most.
-    let tile = n.min(ATTN_ROW_TILE);
-    let groups = h.div_ceil(ATTN_HEADS_PER_BLOCK);
-    let mut part = b.alloc::<f32>(tile * h * ATTN_SLICES * (d + 2));
-    let mut done = ck(b.stream.alloc_zeros::<u32>(tile * groups), "alloc attention counters");
-    // SAFETY (every launch): argument types and buffer sizes match the kernels; `part` and `done`
-    // hold `tile` rows, and each launch covers at most `tile` rows from `t0`.
-    for t0 in (0..n).step_by(tile) {
-        let rows_here = (n - t0).min(tile);
+    let tc = n >= ATC_MIN_ROWS && d == 512 && h.is_multiple_of(ATC_HEADS) && !b.exact() && b.attention_tc();
+    if tc {
         let lc = LaunchConfig {
-            grid_dim: (rows_here as u32, groups as u32, ATTN_SLICES as u32),
-            block_dim: (32 * ATTN_HEADS_PER_BLOCK as u32, 1, 1),
-            shared_mem_bytes: 0,
+            grid_dim: (n as u32, (h / ATC_HEADS) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: ATC_SMEM as u32,
         };
+        // SAFETY: argument types and buffer sizes match the kernel (q and out [n, h·512], the
+        // state's ring and entries as the f32 kernel reads them).
         ck(
             unsafe {
                 b.stream
-                    .kernel(&b.k.attention)
+                    .kernel(&b.k.attention_tc)
                     .arg(&mut out.data)
-                    .arg(&mut part)
-                    .arg(&mut done)
                     .arg(&q.data)
                     .arg(&kv.data)
                     .arg(&ls.ring)
@@ -266,14 +269,57 @@ pub fn attend(
                     .arg(&sinks.data)
                     .arg(rows.dev.as_ref())
                     .arg(&ni)
-                    .arg(&(t0 as i32))
                     .arg(&(h as i32))
-                    .arg(&di)
-                    .arg(&scale)
                     .launch(lc)
             },
-            "attention",
+            "attention_tc",
         );
+    }
+    if !tc {
+        // Partials of ATT_S slices per (row, head), for ATTN_ROW_TILE rows a launch at most.
+        let tile = n.min(ATTN_ROW_TILE);
+        let groups = h.div_ceil(ATTN_HEADS_PER_BLOCK);
+        let mut part = b.alloc::<f32>(tile * h * ATTN_SLICES * (d + 2));
+        let mut done = ck(b.stream.alloc_zeros::<u32>(tile * groups), "alloc attention counters");
+        // SAFETY (every launch): argument types and buffer sizes match the kernels; `part` and `done`
+        // hold `tile` rows, and each launch covers at most `tile` rows from `t0`.
+        for t0 in (0..n).step_by(tile) {
+            let rows_here = (n - t0).min(tile);
+            let lc = LaunchConfig {
+                grid_dim: (rows_here as u32, groups as u32, ATTN_SLICES as u32),
+                block_dim: (32 * ATTN_HEADS_PER_BLOCK as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            ck(
+                unsafe {
+                    b.stream
+                        .kernel(&b.k.attention)
+                        .arg(&mut out.data)
+                        .arg(&mut part)
+                        .arg(&mut done)
+                        .arg(&q.data)
+                        .arg(&kv.data)
+                        .arg(&ls.ring)
+                        .arg(&wi)
+                        .arg(&rci)
+                        .arg(entries)
+                        .arg(&(cap as i32))
+                        .arg(&(m as i32))
+                        .arg(seli)
+                        .arg(&has_sel)
+                        .arg(&(topk as i32))
+                        .arg(&sinks.data)
+                        .arg(rows.dev.as_ref())
+                        .arg(&ni)
+                        .arg(&(t0 as i32))
+                        .arg(&(h as i32))
+                        .arg(&di)
+                        .arg(&scale)
+                        .launch(lc)
+                },
+                "attention",
+            );
+        }
     }
     // SAFETY: argument types and buffer sizes match the kernel.
     ck(

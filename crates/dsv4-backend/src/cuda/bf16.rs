@@ -631,7 +631,33 @@ pub(crate) fn moe(
         );
         return out;
     }
-    // Large batches: per-expert cuBLAS over the gathered rows (offsets read back once).
+    // Many rows: the tensor-core tiles, every expert in one launch a projection.
+    if super::gemm::experts_fit(d, inter) {
+        let ek = b.packed_expert_kernels(experts, false);
+        let mut y = b.alloc::<f32>(nk * d);
+        if share {
+            // The combine reads every slot's row: those of other ranks' experts must be zero.
+            ck(b.stream.memset_zeros(&mut y), "zero expert outputs");
+        }
+        let pairs = super::gemm::SortedPairs { order: order.as_view(), off: off.as_view(), nexp: ne, k, d, inter };
+        b.pgemm_experts(&ek, x, &pairs, &mut y, limit);
+        ck(
+            unsafe {
+                b.stream
+                    .kernel(&b.k.moe_combine)
+                    .arg(&mut out.data)
+                    .arg(&y)
+                    .arg(&route.weights)
+                    .arg(&(n as i32))
+                    .arg(&ki)
+                    .arg(&di)
+                    .launch(cfg1d(n * d, 256))
+            },
+            "moe_combine",
+        );
+        return out;
+    }
+    // Otherwise: per-expert cuBLAS over the gathered rows (offsets read back once).
     let offs = ck(b.stream.clone_dtoh(&off), "read expert offsets");
     ck(b.stream.synchronize(), "synchronize");
     // Slots held here (all of them unless this is a share of the experts).

@@ -14,6 +14,7 @@
 pub mod attention;
 pub mod bf16;
 pub mod dspark;
+pub mod gemm;
 pub mod graph;
 pub(crate) mod launch;
 pub mod moe;
@@ -169,6 +170,7 @@ pub(crate) struct Kernels {
     pub index_score: CudaFunction,
     pub index_topk: CudaFunction,
     pub attention: CudaFunction,
+    pub attention_tc: CudaFunction,
     pub ring_write: CudaFunction,
     pub route: CudaFunction,
     pub moe_up: CudaFunction,
@@ -281,7 +283,11 @@ impl Kernels {
             ],
         )?;
         let h = compile(ctx, 1, &["hc_pre_dot", "hc_pre_apply", "hc_pre_apply_norm", "hc_post", "hc_head"])?;
-        let a = compile(ctx, 2, &["comp_pool", "comp_store", "index_score", "index_topk", "attention", "ring_write"])?;
+        let a = compile(
+            ctx,
+            2,
+            &["comp_pool", "comp_store", "index_score", "index_topk", "attention", "attention_tc", "ring_write"],
+        )?;
         let m = compile(ctx, 3, &["route", "moe_up", "moe_down", "moe_combine"])?;
         let mut bf = compile(
             ctx,
@@ -327,6 +333,7 @@ impl Kernels {
             index_score: n(&mut a),
             index_topk: n(&mut a),
             attention: n(&mut a),
+            attention_tc: n(&mut a),
             ring_write: n(&mut a),
             route: n(&mut m),
             moe_up: n(&mut m),
@@ -373,6 +380,10 @@ pub struct CudaBackend {
     x8_rows: std::sync::atomic::AtomicUsize,
     /// Which int8 products take the tensor-core tiles ([`quant::X8Tiles`] as u8).
     x8_tiles: std::sync::atomic::AtomicU8,
+    /// Dense packed products of many rows on gemm.cu's tiles ([`Self::set_tiles_dense`]).
+    tiles_dense: std::sync::atomic::AtomicBool,
+    /// Prefill chunks' attention on tensor cores ([`Self::set_attention_tc`]).
+    attention_tc: std::sync::atomic::AtomicBool,
     /// Recorded steps' persistent inputs and outputs, and the step being recorded.
     pub(crate) steps: Mutex<graph::Steps>,
     /// Device copies of hash layers' `tid2eid` tables, by host address and length.
@@ -496,6 +507,29 @@ impl CudaBackend {
         quant::X8Tiles::from_u8(self.x8_tiles.load(std::sync::atomic::Ordering::Relaxed))
     }
 
+    /// Whether dense packed products above the int8 path's rows take gemm.cu's tensor-core
+    /// tiles (the weight decoded in the tile load) or the bf16 scratch and cuBLAS. Starts off
+    /// (`DSV4_PGEMM_DENSE=1` turns it on): at 256 rows and more cuBLAS on the scratch is
+    /// faster than today's tiles (PERF.md v18); routed experts take the tiles either way.
+    pub fn set_tiles_dense(&self, on: bool) {
+        self.tiles_dense.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn tiles_dense(&self) -> bool {
+        self.tiles_dense.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether fast-mode attention of prefill-sized calls (256 rows and more) takes
+    /// `attention_tc` (bf16 queries, keys and weights on tensor cores, f32 sums) or the f32
+    /// kernel. Starts on unless `DSV4_ATT_TC=0`.
+    pub fn set_attention_tc(&self, on: bool) {
+        self.attention_tc.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn attention_tc(&self) -> bool {
+        self.attention_tc.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Opens device `ordinal`, compiles the kernels and creates the stream and cuBLAS handle.
     pub fn with_weights(ordinal: usize, bf16: bool) -> Result<Self, CudaInitError> {
         // SAFETY: these only try to dlopen the libraries.
@@ -535,6 +569,10 @@ impl CudaBackend {
             cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             attention::INDEX_SCORE_SMEM as i32,
         )?;
+        k.attention_tc.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            attention::ATC_SMEM as i32,
+        )?;
         let qk = quant::QuantKernels::load(&ctx)?;
         let dummy_f32 = stream.alloc_zeros::<f32>(1)?;
         let dummy_u32 = stream.alloc_zeros::<u32>(1)?;
@@ -559,6 +597,12 @@ impl CudaBackend {
             int8: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_INT8").map_or(true, |v| v.trim() != "0")),
             x8_rows: std::sync::atomic::AtomicUsize::new(quant::qgemv_rows_env()),
             x8_tiles: std::sync::atomic::AtomicU8::new(quant::X8Tiles::from_env() as u8),
+            attention_tc: std::sync::atomic::AtomicBool::new(
+                std::env::var("DSV4_ATT_TC").map_or(true, |v| v.trim() != "0"),
+            ),
+            tiles_dense: std::sync::atomic::AtomicBool::new(
+                std::env::var("DSV4_PGEMM_DENSE").is_ok_and(|v| v.trim() == "1"),
+            ),
             steps: Mutex::new(graph::Steps::default()),
             hash_tables: Mutex::new(HashMap::new()),
             _blas_workspace: ws,

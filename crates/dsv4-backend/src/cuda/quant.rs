@@ -97,6 +97,12 @@ pub(crate) struct ExpertKernels<'a> {
     pub x8: Option<(&'a CudaFunction, &'a CudaFunction)>,
     /// `x8` are the tile kernels (`moe_upt` / `moe_downt`: blocks of 16 outputs).
     pub x8_tiles: bool,
+    /// The tensor-core tiles for many rows (gemm.cu: `pgemm_up64`, `pgemm_down64`, and the
+    /// 128-row tiles).
+    pub pg_up: &'a CudaFunction,
+    pub pg_down: &'a CudaFunction,
+    pub pg_up128: &'a CudaFunction,
+    pub pg_down128: &'a CudaFunction,
 }
 
 /// A weight in a packed format on the device.
@@ -160,12 +166,14 @@ pub(crate) fn x8_opw() -> X8Opw {
     })
 }
 
-/// `quant.cu` with the IQ2_XXS tables of the CPU decoder and the outputs a warp prepended.
+/// `quant.cu` with the IQ2_XXS tables of the CPU decoder and the outputs a warp prepended, and
+/// `gemm.cu` (the tensor-core tiles, which decode with quant.cu's functions) appended.
 pub fn source() -> String {
     let body = super::kernel_source("quant.cu", include_str!("kernels/quant.cu"));
+    let gemm = super::kernel_source("gemm.cu", include_str!("kernels/gemm.cu"));
     let o = x8_opw();
     format!(
-        "#define X8_OPW_GEMV {}\n#define X8_OPW_UP {}\n#define X8_OPW_DOWN {}\n#define X8_OPWN_DOWN {}\n{}{body}",
+        "#define X8_OPW_GEMV {}\n#define X8_OPW_UP {}\n#define X8_OPW_DOWN {}\n#define X8_OPWN_DOWN {}\n{}{body}\n{gemm}",
         o.gemv,
         o.up,
         o.down,
@@ -187,9 +195,23 @@ impl QuantKernels {
             "iq2_even_signs_k".into(),
             "fill_u8".into(),
             "quant_x8".into(),
+            "moe_tiles".into(),
         ];
         for f in PackedFormat::ALL.into_iter().map(suffix).chain(["bf16w"]) {
-            for k in ["gemv", "moe_up", "moe_down", "deq_bf16", "gemv1", "moe_up1", "moe_down1"] {
+            for k in [
+                "gemv",
+                "moe_up",
+                "moe_down",
+                "deq_bf16",
+                "gemv1",
+                "moe_up1",
+                "moe_down1",
+                "pgemm",
+                "pgemm_up64",
+                "pgemm_down64",
+                "pgemm_up128",
+                "pgemm_down128",
+            ] {
                 names.push(format!("{k}_{f}"));
             }
         }
@@ -209,11 +231,11 @@ impl QuantKernels {
         Ok(QuantKernels(m))
     }
 
-    fn get(&self, name: &str) -> &CudaFunction {
+    pub(crate) fn get(&self, name: &str) -> &CudaFunction {
         &self.0[name]
     }
 
-    fn of(&self, kind: &str, f: PackedFormat) -> &CudaFunction {
+    pub(crate) fn of(&self, kind: &str, f: PackedFormat) -> &CudaFunction {
         self.get(&format!("{kind}_{}", suffix(f)))
     }
 }
@@ -413,6 +435,9 @@ impl CudaBackend {
         let n = x.rows;
         assert_eq!(x.cols, groups * k, "packed product: input width {} vs {groups} × {k}", x.cols);
         if n > self.x8_rows() && !self.exact() {
+            if let Some(out) = self.pgemm_dense(x, q, m, k, groups) {
+                return out;
+            }
             let bf = self.dequant_bf16(q, m, k);
             return self.matmul_bf16(x, &bf, m, k, groups);
         }
@@ -588,6 +613,10 @@ impl CudaBackend {
             table: self.address_table(ptrs),
             x8,
             x8_tiles,
+            pg_up: self.qk.get(&format!("pgemm_up64_{f13}")),
+            pg_down: self.qk.get(&format!("pgemm_down64_{f2}")),
+            pg_up128: self.qk.get(&format!("pgemm_up128_{f13}")),
+            pg_down128: self.qk.get(&format!("pgemm_down128_{f2}")),
         }
     }
 

@@ -761,6 +761,196 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_HG, ATT_MINB) attention(fl
     }
 }
 
+// ---- Attention of many rows on tensor cores (prefill chunks): block (row, 64 heads). The 64
+// heads share every key (values are the keys), so S = Q·Kᵀ (64 heads × 16 keys, k = 512) and
+// O += P·V (64 × 512, k = 16 keys) are `mma.m16n8k16` products: Q, K and P rounded to bf16, f32
+// sums, an online softmax per head with the sink in the denominator at the end. Warp w owns heads
+// 16·(w % 4).. and O's columns 256·(w / 4)..; the two warps of a head tile both form its S (the
+// QK product is a third of the work, and sharing it would cost a barrier). Keys arrive 16 at a
+// time: the next tile's f32 rows are loaded into registers while the current one's math runs,
+// then rounded and stored into the other shared buffer. Dynamic shared memory: ATC_SMEM bytes.
+#define ATC_H 64       // heads a block
+#define ATC_KT 16      // keys a tile
+#define ATC_LD 520     // bf16 a shared row: 512 + 8 (ldmatrix rows on 8 distinct bank groups)
+#define ATC_SMEM ((ATC_H + 2 * ATC_KT) * ATC_LD * 2)
+
+__device__ __forceinline__ void atc_ldsm(unsigned* r, const unsigned short* p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void atc_ldsm_t(unsigned* r, const unsigned short* p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void atc_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ unsigned atc_bf2(float a, float b) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+    return r;
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+    attention_tc(float* out, const float* q, const float* kv, const float* ring, int win, int rcap,
+                 const float* entries, int cap, int m, const unsigned* sel, int has_sel, int topk,
+                 const float* sinks, const unsigned* rows, int n, int heads) {
+    pdl_enter();
+    const int d = 512;
+    extern __shared__ __align__(16) unsigned short atc_sm[];
+    unsigned short* Qs = atc_sm;                   // [ATC_H][ATC_LD]
+    unsigned short* Ks = atc_sm + ATC_H * ATC_LD;  // [2][ATC_KT][ATC_LD]
+    int t = blockIdx.x, h0 = blockIdx.y * ATC_H;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+    int mi = warp & 3, nh = warp >> 2;
+    long long p = ROW_POS(t);
+    long long lo = p + 1 > win ? p + 1 - win : 0;
+    int nwin = (int)(p - lo + 1), ncomp = 0;
+    if (m > 0) {
+        int vis = (int)((p + 1) / m);
+        ncomp = has_sel ? min(topk, vis) : vis;
+    }
+    int nk = nwin + ncomp, ntiles = (nk + ATC_KT - 1) / ATC_KT;
+    // The row's 64 heads' queries, rounded to bf16.
+    const float* qr = q + ((long long)t * heads + h0) * d;
+    for (int i = tid; i < ATC_H * d / 4; i += 256) {
+        float4 v = *(const float4*)(qr + 4 * i);
+        int hh = i / (d / 4), c = 4 * (i % (d / 4));
+        *(uint2*)(Qs + hh * ATC_LD + c) = make_uint2(atc_bf2(v.x, v.y), atc_bf2(v.z, v.w));
+    }
+    // Key staging: thread tid takes key tid / 16 of a tile, float4s at 4·(tid % 16) + 64·i.
+    int sk = tid >> 4, sc = 4 * (tid & 15);
+    float4 kr[8];
+    auto load = [&](int tile) {
+        int j = tile * ATC_KT + sk;
+        if (j < nk) {
+            const float* kp = att_key(j, nwin, lo, kv, ring, rcap, entries, cap, sel, has_sel, topk, rows, n, t, d);
+#pragma unroll
+            for (int i = 0; i < 8; i++) kr[i] = *(const float4*)(kp + sc + 64 * i);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) kr[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    };
+    auto store = [&](int buf) {
+        unsigned short* kb = Ks + (buf * ATC_KT + sk) * ATC_LD;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            *(uint2*)(kb + sc + 64 * i) = make_uint2(atc_bf2(kr[i].x, kr[i].y), atc_bf2(kr[i].z, kr[i].w));
+    };
+    float o[32][4];
+#pragma unroll
+    for (int j = 0; j < 32; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) o[j][e] = 0.f;
+    float mx[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows g and g + 8 of the warp's tile
+    const float scale = rsqrtf((float)d);
+    load(0);
+    store(0);
+    __syncthreads();
+#pragma unroll 1
+    for (int tile = 0; tile < ntiles; tile++) {
+        int buf = tile & 1;
+        if (tile + 1 < ntiles) load(tile + 1);
+        const unsigned short* kb = Ks + buf * ATC_KT * ATC_LD;
+        // S (16 heads × 16 keys: two n-tiles of 8) over d in 32 steps of 16.
+        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll 4
+        for (int kk = 0; kk < d; kk += 16) {
+            unsigned a[4], bb[4];
+            atc_ldsm(a, Qs + (16 * mi + (lane & 15)) * ATC_LD + kk + (lane >> 4) * 8);
+            atc_ldsm(bb, kb + ((lane & 7) + ((lane >> 4) << 3)) * ATC_LD + kk + ((lane >> 3) & 1) * 8);
+            atc_mma(s[0], a, bb[0], bb[1]);
+            atc_mma(s[1], a, bb[2], bb[3]);
+        }
+        // Online softmax: this thread's values are rows g (e = 0, 1) and g + 8 (e = 2, 3), keys
+        // 8·j + 2·tq + (e & 1); keys past nk are −∞.
+        float nm[2] = {mx[0], mx[1]};
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int key = tile * ATC_KT + 8 * j + 2 * tq + (e & 1);
+                float v = key < nk ? s[j][e] * scale : -INFINITY;
+                s[j][e] = v;
+                nm[e >> 1] = fmaxf(nm[e >> 1], v);
+            }
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            nm[r] = fmaxf(nm[r], __shfl_xor_sync(0xffffffffu, nm[r], 1));
+            nm[r] = fmaxf(nm[r], __shfl_xor_sync(0xffffffffu, nm[r], 2));
+        }
+        // A tile holds at least one live key, so nm is finite.
+        float corr[2] = {expf(mx[0] - nm[0]), expf(mx[1] - nm[1])};
+        unsigned pa[4];
+        float pv[2][4];
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) pv[j][e] = expf(s[j][e] - nm[e >> 1]);
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            l[r] = l[r] * corr[r] + pv[0][2 * r] + pv[0][2 * r + 1] + pv[1][2 * r] + pv[1][2 * r + 1];
+            mx[r] = nm[r];
+        }
+        // P as the A operand (rows g / g + 8, keys 2tq.. of n-tile 0 and 8 + 2tq.. of n-tile 1).
+        pa[0] = atc_bf2(pv[0][0], pv[0][1]);
+        pa[1] = atc_bf2(pv[0][2], pv[0][3]);
+        pa[2] = atc_bf2(pv[1][0], pv[1][1]);
+        pa[3] = atc_bf2(pv[1][2], pv[1][3]);
+        // Once a row's maximum settles (most tiles of a long row) nothing needs rescaling.
+        if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f))
+#pragma unroll
+            for (int j = 0; j < 32; j++) {
+                o[j][0] *= corr[0];
+                o[j][1] *= corr[0];
+                o[j][2] *= corr[1];
+                o[j][3] *= corr[1];
+            }
+        // O[:, 256·nh + 8j ..] += P · V: V = the keys, B fragments by transposed ldmatrix.
+#pragma unroll
+        for (int j = 0; j < 32; j += 2) {
+            unsigned bb[4];
+            atc_ldsm_t(bb, kb + ((lane & 7) + ((lane >> 3) & 1) * 8) * ATC_LD + 256 * nh + 8 * j + (lane >> 4) * 8);
+            atc_mma(o[j], pa, bb[0], bb[1]);
+            atc_mma(o[j + 1], pa, bb[2], bb[3]);
+        }
+        if (tile + 1 < ntiles) store(buf ^ 1);
+        __syncthreads();
+    }
+    // The sink joins the denominator: o / (l + exp(sink − m)), both scaled by exp(m − M).
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    float w[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int hh = h0 + 16 * mi + g + 8 * r;
+        float sink = sinks[hh], M = fmaxf(mx[r], sink);
+        float f = expf(mx[r] - M);
+        w[r] = f / (l[r] * f + expf(sink - M));
+    }
+#pragma unroll
+    for (int j = 0; j < 32; j++) {
+        int c = 256 * nh + 8 * j + 2 * tq;
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            int hh = h0 + 16 * mi + g + 8 * r;
+            *(float2*)(out + ((long long)t * heads + hh) * d + c) = make_float2(o[j][2 * r] * w[r], o[j][2 * r + 1] * w[r]);
+        }
+    }
+}
+
 // After attention: the last min(len, rcap) rows of each segment enter the window ring.
 extern "C" __global__ void ring_write(float* ring, int rcap, const float* kv, const unsigned* rows, int n, int d) {
     pdl_enter();

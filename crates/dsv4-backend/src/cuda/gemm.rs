@@ -1,0 +1,178 @@
+//! Launchers of `kernels/gemm.cu`: products of many rows (prefill chunks, decode batches above
+//! the int8 path's rows) on tensor cores, the weight dequantised to bf16 inside the tile load.
+//!
+//! They replace, for packed and bf16-beside-packed weights, the path that dequantised every
+//! weight to a bf16 scratch and ran cuBLAS (dense products), or read the expert offsets back and
+//! ran two cuBLAS products per active expert (routed experts): the same bf16 operands and f32
+//! sums, no scratch, no host synchronisation, two launches for all experts. `DSV4_PGEMM=0`
+//! restores the earlier path (A/B). Dense products take the tiles only where
+//! [`CudaBackend::tiles_dense`] is on (off by default: cuBLAS on the scratch wins at 256 rows
+//! and more with today's tiles).
+
+use super::launch::Kernel;
+use super::quant::{ExpertKernels, QuantDev};
+use super::{ck, CudaBackend, CudaTensor};
+use cudarc::driver::{CudaSlice, CudaView, LaunchConfig};
+
+/// Rows of a dense product's tile (gemm.cu's `pgemm_F`).
+pub const PG_BM: usize = 128;
+/// `PG_BN`, `PG_BK` of gemm.cu: weight rows of a block's tile, values a stage.
+pub const PG_BN: usize = 128;
+pub const PG_BK: usize = 32;
+
+/// Whether products of many rows take the tensor-core tiles (default) or, with `DSV4_PGEMM=0`,
+/// the dequantised scratch and cuBLAS.
+pub fn pgemm_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DSV4_PGEMM").map(|v| v != "0").unwrap_or(true))
+}
+
+/// The routed experts' sorted pairs (moe_sort's `order` and `off`) and their shape.
+pub(crate) struct SortedPairs<'a> {
+    pub order: CudaView<'a, u32>,
+    pub off: CudaView<'a, u32>,
+    /// Experts held here, slots a row, model width, expert width.
+    pub nexp: usize,
+    pub k: usize,
+    pub d: usize,
+    pub inter: usize,
+}
+
+/// Whether [`CudaBackend::pgemm_experts`] takes experts of this shape.
+pub(crate) fn experts_fit(d: usize, inter: usize) -> bool {
+    pgemm_on()
+        && d.is_multiple_of(PG_BN)
+        && inter.is_multiple_of(PG_BN / 2)
+        && d.is_multiple_of(PG_BK)
+        && inter.is_multiple_of(PG_BK)
+}
+
+impl CudaBackend {
+    /// `out[n, m] = x · wᵀ` for a packed `w` `[m, k]` (`groups > 1`: the grouped projection) on
+    /// the tensor-core tiles; `None` for shapes they do not take, or with the tiles off.
+    pub(crate) fn pgemm_dense(
+        &self,
+        x: &CudaTensor,
+        q: &QuantDev,
+        m: usize,
+        k: usize,
+        groups: usize,
+    ) -> Option<CudaTensor> {
+        let (n, rpg) = (x.rows, m / groups);
+        let fits = k.is_multiple_of(PG_BK)
+            && m.is_multiple_of(2)
+            && x.cols.is_multiple_of(4)
+            && (groups == 1 || rpg.is_multiple_of(PG_BN));
+        if !pgemm_on() || !self.tiles_dense() || !fits {
+            return None;
+        }
+        let mut out = self.tensor(n, m);
+        if n == 0 || m == 0 {
+            return Some(out);
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(PG_BM) as u32, m.div_ceil(PG_BN) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types and buffer sizes match the kernel; x's rows are 16-byte aligned
+        // (a fresh allocation, cols a multiple of 4).
+        ck(
+            unsafe {
+                self.stream
+                    .kernel(self.qk.of("pgemm", q.format))
+                    .arg(&mut out.data)
+                    .arg(&x.data)
+                    .arg(&q.blocks)
+                    .arg(&q.scales)
+                    .arg(&(n as i32))
+                    .arg(&(k as i32))
+                    .arg(&(m as i32))
+                    .arg(&(x.cols as i32))
+                    .arg(&(rpg as i32))
+                    .launch(cfg)
+            },
+            "pgemm",
+        );
+        Some(out)
+    }
+
+    /// Routed experts on the tensor-core tiles: `y[p, :]` (a row of `d` per pair p of `pairs`)
+    /// = `w2_e · SwiGLU(w1_e · x_t, w3_e · x_t)` for pair p's expert e and token t = p / k, in
+    /// four launches (tile list, gate/up, down; the caller combines) whatever the routing.
+    pub(crate) fn pgemm_experts(
+        &self,
+        ek: &ExpertKernels<'_>,
+        x: &CudaTensor,
+        p: &SortedPairs<'_>,
+        y: &mut CudaSlice<f32>,
+        limit: f32,
+    ) {
+        let nk = x.rows * p.k;
+        // Tiles of 128 of an expert's pairs where experts hold 96 or more on average (prefill
+        // chunks of ~4K tokens and up: half the decode work a product), else of 64.
+        let bm = if nk >= 96 * p.nexp { 128 } else { 64 };
+        let (up, down) = if bm == 128 { (ek.pg_up128, ek.pg_down128) } else { (ek.pg_up, ek.pg_down) };
+        // Every active expert's last tile may be partial: at most ⌈nk / bm⌉ + active tiles.
+        let most = nk.div_ceil(bm) + nk.min(p.nexp);
+        let mut tiles = self.alloc::<u32>(1 + most);
+        let mut h = self.alloc::<u16>(nk * p.inter);
+        let (nei, ki, di, ii) = (p.nexp as i32, p.k as i32, p.d as i32, p.inter as i32);
+        let grid = |cols: usize| LaunchConfig {
+            grid_dim: (most as u32, cols as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY (the three launches): argument types and buffer sizes match the kernels; tiles
+        // holds the count and at most `most` entries, h a bf16 row of `inter` per pair, y a row
+        // of `d` per pair.
+        ck(
+            unsafe {
+                self.stream
+                    .kernel(self.qk.get("moe_tiles"))
+                    .arg(&mut tiles)
+                    .arg(&p.off)
+                    .arg(&nei)
+                    .arg(&(bm as i32))
+                    .launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 })
+            },
+            "moe_tiles",
+        );
+        ck(
+            unsafe {
+                self.stream
+                    .kernel(up)
+                    .arg(&mut h)
+                    .arg(&x.data)
+                    .arg(&p.order)
+                    .arg(&p.off)
+                    .arg(&tiles)
+                    .arg(ek.table.as_ref())
+                    .arg(&nei)
+                    .arg(&ki)
+                    .arg(&di)
+                    .arg(&ii)
+                    .arg(&limit)
+                    .launch(grid(p.inter / (PG_BN / 2)))
+            },
+            "pgemm_up",
+        );
+        ck(
+            unsafe {
+                self.stream
+                    .kernel(down)
+                    .arg(y)
+                    .arg(&h)
+                    .arg(&p.order)
+                    .arg(&p.off)
+                    .arg(&tiles)
+                    .arg(ek.table.as_ref())
+                    .arg(&nei)
+                    .arg(&di)
+                    .arg(&ii)
+                    .launch(grid(p.d / PG_BN))
+            },
+            "pgemm_down",
+        );
+    }
+}

@@ -1,0 +1,291 @@
+// ---- Products of many rows on tensor cores (prefill chunks, large decode batches): compiled
+// after quant.cu in one module (its formats, raw8 / deq8r and f2bf_q). Launchers: cuda/gemm.rs.
+//
+// A block computes a tile of BM rows × PG_BN weight rows. Each stage of PG_BK values: every
+// thread loads its share of the rows' activations (f32 or bf16) and of the weight rows' packed
+// words (raw8) for the next stage, the warps run the current stage's `mma.m16n8k16` (bf16 in,
+// f32 accumulation) from shared memory, then the loaded words are decoded (deq8r), rounded to
+// bf16 (f2bf_q, as deq_bf16) and stored into the other buffer. So the weight is dequantised
+// once per row tile inside the tile load, never to a global scratch, and the numerics are the
+// bf16 path's that these kernels replace (weights and activations rounded to bf16, f32 sums):
+// only the order of the f32 additions differs. CPU twin: the dequantised weight rounded to
+// bf16 against activations rounded to bf16 (tests: cuda_packed::cuda_prefill_products_*).
+//
+// Routed experts: `moe_tiles` lists (expert, row tile) pairs from moe_sort's offsets on the
+// device, and the grids are sized to the most tiles any routing can give, so no size comes back
+// to the host: blocks past the list's count return at once.
+
+// Rows a block: BM = 64 or 128 (a template parameter); each weight value is decoded once for
+// BM rows, so the decode's instructions per mma halve from 64 to 128.
+#define PG_BN 128  // weight rows a block (the up kernel: 64 outputs, gate and up interleaved)
+#define PG_BK 32   // values a stage
+#define PG_LD 40   // bf16 a shared row: 32 + 8, so ldmatrix's 8 row addresses hit 8 bank groups
+
+__device__ __forceinline__ void ldsm_x4(unsigned* r, const u16* p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+__device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// (a, b) rounded to bf16 (nearest even: f2bf_q's bits for every non-NaN value) in one
+// instruction, a in the low half.
+__device__ __forceinline__ unsigned bf2(float a, float b) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+    return r;
+}
+
+// Eight activations of a row as four bf16 pairs: f32 (rounded here, as cast_bf16) or bf16.
+template <bool XB>
+struct XRaw8 {
+    float4 a, b;
+    __device__ __forceinline__ void load(const void* row, int c) {
+        if (!row) {
+            a = b = make_float4(0.f, 0.f, 0.f, 0.f);
+        } else if (XB) {
+            uint4 u = *(const uint4*)((const u16*)row + c);
+            a = make_float4(__uint_as_float(u.x), __uint_as_float(u.y), __uint_as_float(u.z), __uint_as_float(u.w));
+        } else {
+            a = *(const float4*)((const float*)row + c);
+            b = *(const float4*)((const float*)row + c + 4);
+        }
+    }
+    __device__ __forceinline__ uint4 bf16() const {
+        if (XB) return make_uint4(__float_as_uint(a.x), __float_as_uint(a.y), __float_as_uint(a.z), __float_as_uint(a.w));
+        return make_uint4(bf2(a.x, a.y), bf2(a.z, a.w), bf2(b.x, b.y), bf2(b.z, b.w));
+    }
+};
+
+// One BM × PG_BN tile over k values (k a multiple of PG_BK). xrow(r) is row r's first
+// activation (nullptr past the live rows: zeros); wrow(n, w, s) gives weight row n's codes and
+// scale row (rows past the matrix: any valid row, the result unused); epi(r, n, v0, v1) gets
+// columns n and n + 1 (n even) of row r. 256 threads; every thread must call it (barriers).
+template <int F, bool XB, int BM, typename XR, typename WR, typename EPI>
+__device__ __forceinline__ void pg_tile(int k, XR xrow, WR wrow, EPI epi) {
+    constexpr int XS = BM / 64;  // activation rows a thread loads
+    constexpr int MI = BM / 32;  // m16 tiles a warp
+    __shared__ __align__(16) u16 As[2][BM][PG_LD];
+    __shared__ __align__(16) u16 Bs[2][PG_BN][PG_LD];
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    // Load shares: activation rows tid/4 (+ 64), values 8·(tid%4)..; weight rows tid/4, tid/4 + 64.
+    int lr = tid >> 2, lc = (tid & 3) * 8;
+    const void* xr[XS];
+#pragma unroll
+    for (int i = 0; i < XS; i++) xr[i] = xrow(lr + 64 * i);
+    const u8 *w0, *s0, *w1, *s1;
+    wrow(lr, w0, s0);
+    wrow(lr + 64, w1, s1);
+    XRaw8<XB> xa[XS];
+    Raw8 ra, rb;
+    auto load = [&](int k0) {
+#pragma unroll
+        for (int i = 0; i < XS; i++) xa[i].load(xr[i], k0 + lc);
+        ra = raw8<F>(w0, s0, k0 + lc);
+        rb = raw8<F>(w1, s1, k0 + lc);
+    };
+    auto store = [&](int buf, int k0) {
+        float y[8];
+#pragma unroll
+        for (int i = 0; i < XS; i++) *(uint4*)&As[buf][lr + 64 * i][lc] = xa[i].bf16();
+        deq8r<F>(ra, k0 + lc, y);
+        *(uint4*)&Bs[buf][lr][lc] = make_uint4(bf2(y[0], y[1]), bf2(y[2], y[3]), bf2(y[4], y[5]), bf2(y[6], y[7]));
+        deq8r<F>(rb, k0 + lc, y);
+        *(uint4*)&Bs[buf][lr + 64][lc] =
+            make_uint4(bf2(y[0], y[1]), bf2(y[2], y[3]), bf2(y[4], y[5]), bf2(y[6], y[7]));
+    };
+    // Warp tile: rows (BM / 2)·(warp / 4).., columns 32·(warp % 4)..: MI × 4 mma tiles of 16 × 8.
+    int wm = (warp >> 2) * (BM / 2), wn = (warp & 3) * 32;
+    float acc[MI][4][4];
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
+    load(0);
+    store(0, 0);
+    __syncthreads();
+    int nk = k / PG_BK;
+#pragma unroll 1
+    for (int kt = 0; kt < nk; kt++) {
+        int buf = kt & 1;
+        if (kt + 1 < nk) load((kt + 1) * PG_BK);
+#pragma unroll
+        for (int kk = 0; kk < PG_BK; kk += 16) {
+            unsigned a[MI][4], b[2][4];
+#pragma unroll
+            for (int i = 0; i < MI; i++) ldsm_x4(a[i], &As[buf][wm + 16 * i + (lane & 15)][kk + (lane >> 4) * 8]);
+#pragma unroll
+            for (int j = 0; j < 2; j++)
+                ldsm_x4(b[j], &Bs[buf][wn + 16 * j + (lane & 7) + ((lane >> 4) << 3)][kk + ((lane >> 3) & 1) * 8]);
+#pragma unroll
+            for (int i = 0; i < MI; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) mma_bf16_16816(acc[i][j], a[i], b[j >> 1][2 * (j & 1)], b[j >> 1][2 * (j & 1) + 1]);
+        }
+        if (kt + 1 < nk) store(buf ^ 1, (kt + 1) * PG_BK);
+        __syncthreads();
+    }
+    int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int r = wm + 16 * i + g, n = wn + 8 * j + 2 * t;
+            epi(r, n, acc[i][j][0], acc[i][j][1]);
+            epi(r + 8, n, acc[i][j][2], acc[i][j][3]);
+        }
+}
+
+// out[r, o] = x[r, :] · w[o, :] for n rows (x f32, row stride ldx; the grouped projection: the
+// output's group o / rpg reads values (o / rpg)·k..). Grid (row tiles, output tiles); rpg a
+// multiple of PG_BN when rpg < m, m even.
+template <int F, int BM>
+__device__ void pgemm_dense(float* __restrict__ out, const float* __restrict__ x, const u8* __restrict__ w,
+                            const u8* __restrict__ s, int n, int k, int m, int ldx, int rpg) {
+    int r0 = blockIdx.x * BM, o0 = blockIdx.y * PG_BN;
+    long long xoff = (long long)(o0 / rpg) * k;
+    pg_tile<F, false, BM>(
+        k, [&](int r) -> const void* { return r0 + r < n ? x + (long long)(r0 + r) * ldx + xoff : nullptr; },
+        [&](int nn, const u8*& wr, const u8*& sr) {
+            int o = min(o0 + nn, m - 1);
+            wr = w + (long long)o * row_bytes(F, k);
+            sr = scale_row(F, s, o, k);
+        },
+        [&](int r, int nn, float v0, float v1) {
+            if (r0 + r < n && o0 + nn < m) *(float2*)(out + (long long)(r0 + r) * m + o0 + nn) = make_float2(v0, v1);
+        });
+}
+
+// The (expert, row tile) list of a grouped expert launch: tiles[0] the count, tiles[1 + i] =
+// expert << 20 | tile (tiles of bm of the expert's pairs off[e]..off[e + 1]). One block.
+extern "C" __global__ void moe_tiles(unsigned* tiles, const unsigned* off, int nexp, int bm) {
+    __shared__ unsigned cnt[1025];
+    pdl_enter();
+    for (int e = threadIdx.x; e < nexp; e += blockDim.x) cnt[e + 1] = (off[e + 1] - off[e] + bm - 1) / bm;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        cnt[0] = 0;
+        for (int e = 0; e < nexp; e++) cnt[e + 1] += cnt[e];
+        tiles[0] = cnt[nexp];
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < nexp; e += blockDim.x)
+        for (unsigned j = 0; j < cnt[e + 1] - cnt[e]; j++) tiles[1 + cnt[e] + j] = ((unsigned)e << 20) | j;
+}
+
+// This block's expert, its pairs' first index in `order`, and its live rows (0: nothing to do).
+struct PgExpert {
+    int e, b0, rows;
+};
+
+template <int BM>
+__device__ __forceinline__ PgExpert pg_expert(const unsigned* tiles, const unsigned* off, const unsigned* order,
+                                              unsigned* pid) {
+    PgExpert x{0, 0, 0};
+    if (blockIdx.x >= tiles[0]) return x;
+    unsigned tv = tiles[1 + blockIdx.x];
+    x.e = (int)(tv >> 20);
+    int r0 = (int)(tv & 0xfffffu) * BM;
+    x.b0 = (int)off[x.e] + r0;
+    x.rows = min(BM, (int)(off[x.e + 1] - off[x.e]) - r0);
+    for (int r = threadIdx.x; r < x.rows; r += blockDim.x) pid[r] = order[x.b0 + r];
+    __syncthreads();
+    return x;
+}
+
+// Routed experts' gate and up products with the clamped SwiGLU: h[p, o] (bf16) for every pair p
+// (token p / k) of each tile's expert; grid (most tiles, inter / 64). Weight rows of a block
+// interleave w1 and w3 (column 2i: gate of output o0 + i, 2i + 1: its up), so a thread holds
+// both halves of its outputs.
+template <int F, int BM>
+__device__ void pgemm_up(u16* __restrict__ h, const float* __restrict__ x, const unsigned* order, const unsigned* off,
+                         const unsigned* tiles, const unsigned long long* ptrs, int nexp, int k, int d, int inter,
+                         float limit) {
+    __shared__ unsigned pid[BM];
+    PgExpert ex = pg_expert<BM>(tiles, off, order, pid);
+    if (ex.rows == 0) return;  // uniform in the block
+    int o0 = blockIdx.y * (PG_BN / 2);
+    const u8* w[2] = {(const u8*)ptrs[ex.e], (const u8*)ptrs[nexp + ex.e]};
+    const u8* s[2] = {(const u8*)ptrs[3 * nexp + ex.e], (const u8*)ptrs[4 * nexp + ex.e]};
+    pg_tile<F, false, BM>(
+        d, [&](int r) -> const void* { return r < ex.rows ? x + (long long)(pid[r] / k) * d : nullptr; },
+        [&](int nn, const u8*& wr, const u8*& sr) {
+            int o = min(o0 + (nn >> 1), inter - 1);
+            wr = w[nn & 1] + (long long)o * row_bytes(F, d);
+            sr = scale_row(F, s[nn & 1], o, d);
+        },
+        [&](int r, int nn, float gate, float up) {
+            int o = o0 + (nn >> 1);
+            if (r < ex.rows && o < inter) h[(long long)pid[r] * inter + o] = f2bf_q(swiglu_q(gate, up, limit));
+        });
+}
+
+// Routed experts' down products: y[p, o] (f32) from h (bf16); grid (most tiles, d / PG_BN).
+template <int F, int BM>
+__device__ void pgemm_down(float* __restrict__ y, const u16* __restrict__ h, const unsigned* order,
+                           const unsigned* off, const unsigned* tiles, const unsigned long long* ptrs, int nexp, int d,
+                           int inter) {
+    __shared__ unsigned pid[BM];
+    PgExpert ex = pg_expert<BM>(tiles, off, order, pid);
+    if (ex.rows == 0) return;  // uniform in the block
+    int o0 = blockIdx.y * PG_BN;
+    const u8* w = (const u8*)ptrs[2 * nexp + ex.e];
+    const u8* s = (const u8*)ptrs[5 * nexp + ex.e];
+    pg_tile<F, true, BM>(
+        inter, [&](int r) -> const void* { return r < ex.rows ? h + (long long)pid[r] * inter : nullptr; },
+        [&](int nn, const u8*& wr, const u8*& sr) {
+            int o = min(o0 + nn, d - 1);
+            wr = w + (long long)o * row_bytes(F, inter);
+            sr = scale_row(F, s, o, inter);
+        },
+        [&](int r, int nn, float v0, float v1) {
+            if (r < ex.rows && o0 + nn < d) *(float2*)(y + (long long)pid[r] * d + o0 + nn) = make_float2(v0, v1);
+        });
+}
+
+// pgemm_F: dense, 128-row tiles; pgemm_{up,down}{64,128}_F: routed experts in tiles of 64 or 128
+// of an expert's pairs (the launcher picks by the pairs an active expert holds on average).
+#define PGEMM_EXPERTS(F, N, BM)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256)                                                                \
+        pgemm_up##BM##_##N(u16* h, const float* x, const unsigned* order, const unsigned* off,                      \
+                           const unsigned* tiles, const unsigned long long* ptrs, int nexp, int k, int d, int inter, \
+                           float limit) {                                                                            \
+        pdl_enter();                                                                                                 \
+        fill_tabs<F, false>();                                                                                       \
+        pgemm_up<F, BM>(h, x, order, off, tiles, ptrs, nexp, k, d, inter, limit);                                    \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(256)                                                                \
+        pgemm_down##BM##_##N(float* y, const u16* h, const unsigned* order, const unsigned* off,                    \
+                             const unsigned* tiles, const unsigned long long* ptrs, int nexp, int d, int inter) {    \
+        pdl_enter();                                                                                                 \
+        fill_tabs<F, false>();                                                                                       \
+        pgemm_down<F, BM>(y, h, order, off, tiles, ptrs, nexp, d, inter);                                            \
+    }
+
+#define PGEMM_KERNELS(F, N)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256) pgemm_##N(float* out, const float* x, const u8* w,            \
+                                                                const u8* s, int n, int k, int m, int ldx, int rpg) { \
+        pdl_enter();                                                                                                 \
+        fill_tabs<F, false>();                                                                                       \
+        pgemm_dense<F, 128>(out, x, w, s, n, k, m, ldx, rpg);                                                        \
+    }                                                                                                                \
+    PGEMM_EXPERTS(F, N, 64)                                                                                          \
+    PGEMM_EXPERTS(F, N, 128)
+
+PGEMM_KERNELS(F_Q8_0, q8_0)
+PGEMM_KERNELS(F_Q4_K, q4_k)
+PGEMM_KERNELS(F_Q2_K, q2_k)
+PGEMM_KERNELS(F_IQ2_XXS, iq2_xxs)
+PGEMM_KERNELS(F_FP8, fp8)
+PGEMM_KERNELS(F_FP4, fp4)
+PGEMM_KERNELS(F_BF16, bf16w)
