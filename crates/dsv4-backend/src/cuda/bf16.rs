@@ -210,7 +210,7 @@ impl CudaBackend {
         );
     }
 
-    fn cast_bf16(&self, x: &CudaSlice<f32>, len: usize) -> CudaSlice<u16> {
+    pub(crate) fn cast_bf16(&self, x: &CudaSlice<f32>, len: usize) -> CudaSlice<u16> {
         let mut out = self.alloc::<u16>(len);
         // SAFETY: argument types and buffer sizes match the kernel.
         ck(

@@ -18,7 +18,16 @@ use cudarc::driver::{CudaSlice, CudaView, LaunchConfig};
 pub const PG_BM: usize = 128;
 /// `PG_BN`, `PG_BK` of gemm.cu: weight rows of a block's tile, values a stage.
 pub const PG_BN: usize = 128;
-pub const PG_BK: usize = 32;
+pub const PG_BK: usize = 64;
+
+/// Dynamic shared memory of a tile kernel of `bm` rows: two stages of activations and weights,
+/// rows of `PG_BK + 8` bf16 (gemm.cu's `PG_LD`).
+pub(crate) const fn pg_smem(bm: usize) -> usize {
+    2 * (bm + PG_BN) * (PG_BK + 8) * 2
+}
+
+/// The most dynamic shared memory any tile kernel takes (set on each at load).
+pub(crate) const PG_SMEM_MAX: usize = pg_smem(128);
 
 /// Whether products of many rows take the tensor-core tiles (default) or, with `DSV4_PGEMM=0`,
 /// the dequantised scratch and cuBLAS.
@@ -73,7 +82,7 @@ impl CudaBackend {
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(PG_BM) as u32, m.div_ceil(PG_BN) as u32, 1),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: pg_smem(PG_BM) as u32,
         };
         // SAFETY: argument types and buffer sizes match the kernel; x's rows are 16-byte aligned
         // (a fresh allocation, cols a multiple of 4).
@@ -121,8 +130,10 @@ impl CudaBackend {
         let grid = |cols: usize| LaunchConfig {
             grid_dim: (most as u32, cols as u32, 1),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: pg_smem(bm) as u32,
         };
+        // The gate/up tiles read bf16 activations: one cast for all the experts' tiles.
+        let xb = self.cast_bf16(&x.data, x.rows * p.d);
         // SAFETY (the three launches): argument types and buffer sizes match the kernels; tiles
         // holds the count and at most `most` entries, h a bf16 row of `inter` per pair, y a row
         // of `d` per pair.
@@ -143,7 +154,7 @@ impl CudaBackend {
                 self.stream
                     .kernel(up)
                     .arg(&mut h)
-                    .arg(&x.data)
+                    .arg(&xb)
                     .arg(&p.order)
                     .arg(&p.off)
                     .arg(&tiles)

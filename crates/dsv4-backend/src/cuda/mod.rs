@@ -161,6 +161,7 @@ pub(crate) struct Kernels {
     pub rope: CudaFunction,
     pub gemv_f32: CudaFunction,
     pub hc_pre_dot: CudaFunction,
+    pub hc_pre_dot_rows: CudaFunction,
     pub hc_pre_apply: CudaFunction,
     pub hc_pre_apply_norm: CudaFunction,
     pub hc_post: CudaFunction,
@@ -191,6 +192,9 @@ pub(crate) struct Kernels {
 }
 
 const COMMON: &str = include_str!("kernels/common.cuh");
+
+/// Rows from which a fast-mode HC_PRE takes `hc_pre_dot_rows` (prefill chunks).
+const HC_DOT_ROWS_MIN: usize = 256;
 
 /// Compiles every kernel file with NVRTC (no device needed); the PTX is kept for later backends.
 pub fn compile_kernels() -> Result<(), CudaInitError> {
@@ -282,7 +286,11 @@ impl Kernels {
                 "gemv_f32",
             ],
         )?;
-        let h = compile(ctx, 1, &["hc_pre_dot", "hc_pre_apply", "hc_pre_apply_norm", "hc_post", "hc_head"])?;
+        let h = compile(
+            ctx,
+            1,
+            &["hc_pre_dot", "hc_pre_dot_rows", "hc_pre_apply", "hc_pre_apply_norm", "hc_post", "hc_head"],
+        )?;
         let a = compile(
             ctx,
             2,
@@ -324,6 +332,7 @@ impl Kernels {
             rope: n(&mut d),
             gemv_f32: n(&mut d),
             hc_pre_dot: n(&mut h),
+            hc_pre_dot_rows: n(&mut h),
             hc_pre_apply: n(&mut h),
             hc_pre_apply_norm: n(&mut h),
             hc_post: n(&mut h),
@@ -727,7 +736,8 @@ impl CudaBackend {
         twin.then(|| X8Twin { q: self.alloc::<i8>(len), d: self.alloc::<f32>(len / crate::x8::BLOCK) })
     }
 
-    /// HC_PRE's partial sums (hc_pre_dot): `[rows, HC_SPLIT, mix + 1]`.
+    /// HC_PRE's partial sums (hc_pre_dot, or hc_pre_dot_rows for prefill-sized calls in fast
+    /// mode): `[rows, HC_SPLIT, mix + 1]`.
     fn hc_pre_dot(&self, x: &CudaTensor, hc: &Hc<CudaWeight>, cfg: &Config) -> CudaSlice<f32> {
         let n = cfg.hc_mult;
         assert!(n <= 8, "hc_mult {n} > 8");
@@ -739,6 +749,30 @@ impl CudaBackend {
         const HC_SPLIT: usize = 32;
         const HC_ROWS: usize = 4;
         let mut part = self.alloc::<f32>(rows * HC_SPLIT * (mix + 1));
+        if rows >= HC_DOT_ROWS_MIN && n == 4 && !self.exact() {
+            // Prefill-sized calls: 32 rows and every output a block (hc.cu's hc_pre_dot_rows).
+            let lc = LaunchConfig {
+                grid_dim: (HC_SPLIT as u32, rows.div_ceil(32) as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: argument types and buffer sizes match the kernel's signature (part holds
+            // rows · HC_SPLIT · (mix + 1) floats).
+            ck(
+                unsafe {
+                    self.stream
+                        .kernel(&self.k.hc_pre_dot_rows)
+                        .arg(&mut part)
+                        .arg(&x.data)
+                        .arg(&hc.fn_.data)
+                        .arg(&(rows as i32))
+                        .arg(&(width as i32))
+                        .launch(lc)
+                },
+                "hc_pre_dot_rows",
+            );
+            return part;
+        }
         let dot = LaunchConfig {
             grid_dim: (HC_SPLIT as u32, (mix + 1).div_ceil(8) as u32, rows.div_ceil(HC_ROWS) as u32),
             block_dim: (256, 1, 1),
@@ -1328,7 +1362,11 @@ impl Backend for CudaBackend {
                     .arg(&(x.rows as i32))
                     .arg(&(n as i32))
                     .arg(&(d as i32))
-                    .launch(cfg1d(x.rows * n * d, 256))
+                    .launch(LaunchConfig {
+                        grid_dim: (d.div_ceil(128) as u32, x.rows.clamp(1, 65535) as u32, 1),
+                        block_dim: (128, 1, 1),
+                        shared_mem_bytes: 0,
+                    })
             },
             "hc_post",
         );

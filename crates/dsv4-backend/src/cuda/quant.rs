@@ -226,6 +226,13 @@ impl QuantKernels {
         let mut m = HashMap::new();
         for n in names {
             let f = module.load_function(&n)?;
+            if n.starts_with("pgemm") {
+                // The tensor-core tiles' stages take more than the default 48 KB.
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    super::gemm::PG_SMEM_MAX as i32,
+                )?;
+            }
             m.insert(n, f);
         }
         Ok(QuantKernels(m))

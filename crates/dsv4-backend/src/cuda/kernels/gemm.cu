@@ -18,8 +18,13 @@
 // Rows a block: BM = 64 or 128 (a template parameter); each weight value is decoded once for
 // BM rows, so the decode's instructions per mma halve from 64 to 128.
 #define PG_BN 128  // weight rows a block (the up kernel: 64 outputs, gate and up interleaved)
-#define PG_BK 32   // values a stage
-#define PG_LD 40   // bf16 a shared row: 32 + 8, so ldmatrix's 8 row addresses hit 8 bank groups
+#ifndef PG_BK
+#define PG_BK 64   // values a stage (32 or 64)
+#endif
+#define PG_LD (PG_BK + 8)
+#ifndef PG_MINB
+#define PG_MINB 2  // blocks an SM the expert kernels are compiled for (registers ≤ 128)
+#endif  // bf16 a shared row: ldmatrix's 8 row addresses hit 8 bank groups
 
 __device__ __forceinline__ void ldsm_x4(unsigned* r, const u16* p) {
     unsigned a = (unsigned)__cvta_generic_to_shared(p);
@@ -69,38 +74,49 @@ struct XRaw8 {
 // activation (nullptr past the live rows: zeros); wrow(n, w, s) gives weight row n's codes and
 // scale row (rows past the matrix: any valid row, the result unused); epi(r, n, v0, v1) gets
 // columns n and n + 1 (n even) of row r. 256 threads; every thread must call it (barriers).
+// Shared memory: the kernel's dynamic buffer, pg_smem(BM) bytes.
+//
+// Loads: a stage's rows are cut into chunks of 8 values, PG_BK / 8 consecutive threads a row, so
+// a row's stage is one contiguous run (PG_BK = 64: 128 bytes of bf16 activations): ncu on the
+// first version (PG_BK = 32, 4 threads a row, f32 activations) showed L1 at 93 % of its
+// throughput and the tensor pipe mostly idle, each load instruction touching 8 rows' lines for
+// 16–32 bytes each.
 template <int F, bool XB, int BM, typename XR, typename WR, typename EPI>
 __device__ __forceinline__ void pg_tile(int k, XR xrow, WR wrow, EPI epi) {
-    constexpr int XS = BM / 64;  // activation rows a thread loads
-    constexpr int MI = BM / 32;  // m16 tiles a warp
-    __shared__ __align__(16) u16 As[2][BM][PG_LD];
-    __shared__ __align__(16) u16 Bs[2][PG_BN][PG_LD];
+    constexpr int CPR = PG_BK / 8;    // threads (chunks of 8 values) a row's stage
+    constexpr int RP = 256 / CPR;     // rows a pass of the 256 threads covers
+    constexpr int XS = BM / RP;       // activation chunks a thread loads a stage
+    constexpr int WS = PG_BN / RP;    // weight chunks a thread decodes a stage
+    constexpr int MI = BM / 32;       // m16 tiles a warp
+    extern __shared__ __align__(16) u16 pg_sm[];
+    u16(*As)[BM][PG_LD] = (u16(*)[BM][PG_LD])pg_sm;
+    u16(*Bs)[PG_BN][PG_LD] = (u16(*)[PG_BN][PG_LD])(pg_sm + 2 * BM * PG_LD);
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    // Load shares: activation rows tid/4 (+ 64), values 8·(tid%4)..; weight rows tid/4, tid/4 + 64.
-    int lr = tid >> 2, lc = (tid & 3) * 8;
+    int lr = tid / CPR, lc = (tid % CPR) * 8;
     const void* xr[XS];
 #pragma unroll
-    for (int i = 0; i < XS; i++) xr[i] = xrow(lr + 64 * i);
-    const u8 *w0, *s0, *w1, *s1;
-    wrow(lr, w0, s0);
-    wrow(lr + 64, w1, s1);
+    for (int i = 0; i < XS; i++) xr[i] = xrow(lr + RP * i);
+    const u8 *wr[WS], *sr[WS];
+#pragma unroll
+    for (int i = 0; i < WS; i++) wrow(lr + RP * i, wr[i], sr[i]);
     XRaw8<XB> xa[XS];
-    Raw8 ra, rb;
+    Raw8 ra[WS];
     auto load = [&](int k0) {
 #pragma unroll
         for (int i = 0; i < XS; i++) xa[i].load(xr[i], k0 + lc);
-        ra = raw8<F>(w0, s0, k0 + lc);
-        rb = raw8<F>(w1, s1, k0 + lc);
+#pragma unroll
+        for (int i = 0; i < WS; i++) ra[i] = raw8<F>(wr[i], sr[i], k0 + lc);
     };
     auto store = [&](int buf, int k0) {
         float y[8];
 #pragma unroll
-        for (int i = 0; i < XS; i++) *(uint4*)&As[buf][lr + 64 * i][lc] = xa[i].bf16();
-        deq8r<F>(ra, k0 + lc, y);
-        *(uint4*)&Bs[buf][lr][lc] = make_uint4(bf2(y[0], y[1]), bf2(y[2], y[3]), bf2(y[4], y[5]), bf2(y[6], y[7]));
-        deq8r<F>(rb, k0 + lc, y);
-        *(uint4*)&Bs[buf][lr + 64][lc] =
-            make_uint4(bf2(y[0], y[1]), bf2(y[2], y[3]), bf2(y[4], y[5]), bf2(y[6], y[7]));
+        for (int i = 0; i < XS; i++) *(uint4*)&As[buf][lr + RP * i][lc] = xa[i].bf16();
+#pragma unroll
+        for (int i = 0; i < WS; i++) {
+            deq8r<F>(ra[i], k0 + lc, y);
+            *(uint4*)&Bs[buf][lr + RP * i][lc] =
+                make_uint4(bf2(y[0], y[1]), bf2(y[2], y[3]), bf2(y[4], y[5]), bf2(y[6], y[7]));
+        }
     };
     // Warp tile: rows (BM / 2)·(warp / 4).., columns 32·(warp % 4)..: MI × 4 mma tiles of 16 × 8.
     int wm = (warp >> 2) * (BM / 2), wn = (warp & 3) * 32;
@@ -204,11 +220,11 @@ __device__ __forceinline__ PgExpert pg_expert(const unsigned* tiles, const unsig
 }
 
 // Routed experts' gate and up products with the clamped SwiGLU: h[p, o] (bf16) for every pair p
-// (token p / k) of each tile's expert; grid (most tiles, inter / 64). Weight rows of a block
+// (token p / k, its activations x cast to bf16 once by the launcher) of each tile's expert; grid (most tiles, inter / 64). Weight rows of a block
 // interleave w1 and w3 (column 2i: gate of output o0 + i, 2i + 1: its up), so a thread holds
 // both halves of its outputs.
 template <int F, int BM>
-__device__ void pgemm_up(u16* __restrict__ h, const float* __restrict__ x, const unsigned* order, const unsigned* off,
+__device__ void pgemm_up(u16* __restrict__ h, const u16* __restrict__ x, const unsigned* order, const unsigned* off,
                          const unsigned* tiles, const unsigned long long* ptrs, int nexp, int k, int d, int inter,
                          float limit) {
     __shared__ unsigned pid[BM];
@@ -217,7 +233,7 @@ __device__ void pgemm_up(u16* __restrict__ h, const float* __restrict__ x, const
     int o0 = blockIdx.y * (PG_BN / 2);
     const u8* w[2] = {(const u8*)ptrs[ex.e], (const u8*)ptrs[nexp + ex.e]};
     const u8* s[2] = {(const u8*)ptrs[3 * nexp + ex.e], (const u8*)ptrs[4 * nexp + ex.e]};
-    pg_tile<F, false, BM>(
+    pg_tile<F, true, BM>(
         d, [&](int r) -> const void* { return r < ex.rows ? x + (long long)(pid[r] / k) * d : nullptr; },
         [&](int nn, const u8*& wr, const u8*& sr) {
             int o = min(o0 + (nn >> 1), inter - 1);
@@ -256,15 +272,15 @@ __device__ void pgemm_down(float* __restrict__ y, const u16* __restrict__ h, con
 // pgemm_F: dense, 128-row tiles; pgemm_{up,down}{64,128}_F: routed experts in tiles of 64 or 128
 // of an expert's pairs (the launcher picks by the pairs an active expert holds on average).
 #define PGEMM_EXPERTS(F, N, BM)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256)                                                                \
-        pgemm_up##BM##_##N(u16* h, const float* x, const unsigned* order, const unsigned* off,                      \
+    extern "C" __global__ void __launch_bounds__(256, PG_MINB)                                                                \
+        pgemm_up##BM##_##N(u16* h, const u16* x, const unsigned* order, const unsigned* off,                        \
                            const unsigned* tiles, const unsigned long long* ptrs, int nexp, int k, int d, int inter, \
                            float limit) {                                                                            \
         pdl_enter();                                                                                                 \
         fill_tabs<F, false>();                                                                                       \
         pgemm_up<F, BM>(h, x, order, off, tiles, ptrs, nexp, k, d, inter, limit);                                    \
     }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(256)                                                                \
+    extern "C" __global__ void __launch_bounds__(256, PG_MINB)                                                                \
         pgemm_down##BM##_##N(float* y, const u16* h, const unsigned* order, const unsigned* off,                    \
                              const unsigned* tiles, const unsigned long long* ptrs, int nexp, int d, int inter) {    \
         pdl_enter();                                                                                                 \

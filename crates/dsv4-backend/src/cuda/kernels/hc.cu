@@ -211,6 +211,52 @@ extern "C" __global__ void hc_pre_dot(float* part, const float* __restrict__ x, 
     }
 }
 
+// hc_pre_dot's partial sums for prefill-sized calls (fast mode, 256 rows and more; V4's n = 4):
+// block (s, rg) takes 32 rows and column slice s for all mix + 1 outputs, warp w rows 4w..4w+3,
+// lane l the slice's columns l, l + 32, ...: x is read once and the fn slice once a warp (L1),
+// where hc_pre_dot's blocks of 4 rows × 8 outputs re-read each row for every output group and
+// ran ~260K blocks for an 8K-token chunk (3.3 ms a call on the H200). The same layout
+// [rows, HC_SPLIT, mix + 1]; the sums' order differs from hc_pre_dot's (batch invariance holds
+// only up to 16 rows in fast mode).
+template <int N>
+__device__ __forceinline__ void hc_pre_dot_rows_t(float* part, const float* __restrict__ x,
+                                                  const float* __restrict__ fn, int rows, int width) {
+    constexpr int MIX = (2 + N) * N, MO = MIX + 1, R = 4;
+    int s = blockIdx.x, r0 = blockIdx.y * 32 + (threadIdx.x >> 5) * R, lane = threadIdx.x & 31;
+    int per = (width + HC_SPLIT - 1) / HC_SPLIT, c0 = s * per, c1 = min(width, c0 + per);
+    float acc[R][MO];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int o = 0; o < MO; o++) acc[r][o] = 0.f;
+    for (int c = c0 + lane; c < c1; c += 32) {
+        float xv[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) xv[r] = r0 + r < rows ? x[(long long)(r0 + r) * width + c] : 0.f;
+#pragma unroll
+        for (int o = 0; o < MIX; o++) {
+            float w = fn[(long long)o * width + c];
+#pragma unroll
+            for (int r = 0; r < R; r++) acc[r][o] = fmaf(w, xv[r], acc[r][o]);
+        }
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[r][MIX] = fmaf(xv[r], xv[r], acc[r][MIX]);
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int o = 0; o < MO; o++) {
+            float v = warp_sum(acc[r][o]);
+            if (lane == 0 && r0 + r < rows) part[((long long)(r0 + r) * HC_SPLIT + s) * MO + o] = v;
+        }
+}
+
+extern "C" __global__ void __launch_bounds__(256) hc_pre_dot_rows(float* part, const float* __restrict__ x,
+                                                                const float* __restrict__ fn, int rows, int width) {
+    pdl_enter();
+    hc_pre_dot_rows_t<4>(part, x, fn, rows, width);
+}
+
 // Row i's HC_PRE head (the blocks of hc_pre_apply and hc_pre_apply_norm): adds the row's
 // HC_SPLIT partials in slice order, applies ρ and forms pre in shared memory; block `sink` forms
 // post and the Sinkhorn comb instead and returns true (it has no columns to mix). base and scale
@@ -454,17 +500,31 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre_apply_norm(float* y, f
     rms_norm_slice(a, xq, xd, y, nw, 1, d, rms_eps, twin, i * d, 0, nullptr, 0, sh);
 }
 
-// X'[j] = post[j]·f + Σ_s comb[s][j]·X[s].
+// X'[j] = post[j]·f + Σ_s comb[s][j]·X[s]. Thread (row i, column c) forms all n streams' values
+// of its column from one load of f and of each X[s] (a thread an output element read each X
+// value n times: ~4× the bytes, 1.5 ms a call for an 8K-token chunk on the H200); each value's
+// operations and their order are unchanged. Grid (column blocks, rows, striding past 65535).
 extern "C" __global__ void hc_post(float* out, const float* f, const float* x, const float* post, const float* comb,
                                    int rows, int n, int d) {
     pdl_enter();
-    GRID_STRIDE(e, (long long)rows * n * d) {
-        long long i = e / ((long long)n * d);
-        int j = (int)(e / d % n), c = (int)(e % d);
+    for (long long i = blockIdx.y; i < rows; i += gridDim.y) {
         const float* cr = comb + i * n * n;
-        float v = post[i * n + j] * f[i * d + c];
-        for (int s = 0; s < n; s++) v += cr[s * n + j] * x[i * n * d + (long long)s * d + c];
-        out[e] = v;
+        const float* xr = x + i * n * d;
+        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < d; c += gridDim.x * blockDim.x) {
+            float xv[MAX_HC];
+#pragma unroll
+            for (int s = 0; s < MAX_HC; s++) xv[s] = s < n ? xr[(long long)s * d + c] : 0.f;
+            float fv = f[i * d + c];
+#pragma unroll
+            for (int j = 0; j < MAX_HC; j++) {
+                if (j >= n) break;
+                float v = post[i * n + j] * fv;
+#pragma unroll
+                for (int s = 0; s < MAX_HC; s++)
+                    if (s < n) v += cr[s * n + j] * xv[s];
+                out[(i * n + j) * d + c] = v;
+            }
+        }
     }
 }
 
