@@ -537,3 +537,103 @@ fn cuda_prefill_attention_tc_matches_f32_kernel() {
     assert!(worst(&vs_f32) <= 1e-2, "attention_tc vs the f32 kernel: {:.2e}", worst(&vs_f32));
     assert!(worst(&vs_cpu) <= FAST_TOL, "attention_tc vs the CPU oracle: {:.2e}", worst(&vs_cpu));
 }
+
+/// Prefill chunks' indexer scores on tensor cores (`index_score_tc`: Flash's indexer of 64
+/// heads × 128, calls of 256 rows and more in fast mode) against the f32 `index_score` on the
+/// same GPU, and against the CPU oracle. Two 722-token prompts, every layer hash-routed (no
+/// router can flip), the CSA layer last (a row's selection then changes only that row's logits:
+/// no later layer's compressed state reads it) and a window of 8, so that its 32 selected entries
+/// of up to 180 carry most of the attention. The first batch holds both prompts' first chunks
+/// (300 + 260 rows: a block of 8 rows straddles the two sequences and takes two passes), then
+/// chunks of 420 and 460 rows (partial last blocks), then decode rows (the f32 kernel, reading
+/// the state the chunks left).
+///
+/// Tolerance (not yet measured on a device). The runs differ only in the scores: bf16 queries
+/// and entries (2^-9 relative each, f32 sums) move a score by about 2e-3 of the scores' spread,
+/// and where a row's 32nd and 33rd scores are closer than that, the row attends to one different
+/// entry of 32. With ~150 candidates (gaps of ~2e-2 of the spread between neighbours around the
+/// 32nd) that happens in roughly one row in ten of those with more than 32 visible entries, each
+/// swap moving one row by O(1e-3 .. 1e-2). Held to: every row with at most 32 visible entries
+/// (the same set either way: only the selection's order, hence f32 summation order, differs)
+/// ≤ 1e-3; at most a quarter of all rows above 1e-3; every row ≤ 0.1. A layout or indexing bug
+/// changes most selections, moving most of the ~80% of rows that have a choice far past 1e-3.
+/// Against the CPU: the fast path's bounds (median, 95th percentile, worst), the fast path's
+/// own bf16 activations already moving the indexer's queries by the same 2^-9.
+#[test]
+fn cuda_prefill_index_tc_matches_f32_kernel() {
+    let Some(b) = gpu() else { return };
+    b.set_exact(false);
+    let mut cfg = tiny_config(512);
+    cfg.index_n_heads = 64;
+    cfg.index_head_dim = 128;
+    cfg.index_topk = 32;
+    cfg.layers = vec![
+        LayerSpec { attn: AttnKind::Swa, ratio: 0, hash_moe: true },
+        LayerSpec { attn: AttnKind::Hca, ratio: 8, hash_moe: true },
+        LayerSpec { attn: AttnKind::Csa, ratio: 4, hash_moe: true },
+    ];
+    let (topk, ratio) = (cfg.index_topk, 4);
+    let dir = tempfile::tempdir().unwrap();
+    write_random(dir.path(), &cfg, 9);
+    let mut gpu = Model::load(b, dir.path(), 4, false).unwrap();
+    let mut cpu = cpu_bf16(dir.path(), 2);
+    let v = cpu.cfg.vocab_size;
+    let len = 722;
+    let prompts = [tokens(len, v, 4300), tokens(len, v, 4301)];
+    // Sequences: [A, B] on the CPU, on the GPU with index_score_tc, on the GPU with index_score.
+    let cpu_s = [cpu.alloc_seq().unwrap(), cpu.alloc_seq().unwrap()];
+    let tc_s = [gpu.alloc_seq().unwrap(), gpu.alloc_seq().unwrap()];
+    let f32_s = [gpu.alloc_seq().unwrap(), gpu.alloc_seq().unwrap()];
+    // Batches as (prompt, first position, rows) segments.
+    let plan: Vec<Vec<(usize, usize, usize)>> = vec![
+        vec![(0, 0, 300), (1, 0, 260)],
+        vec![(0, 300, 420)],
+        vec![(1, 260, 460)],
+        vec![(0, 720, 1)],
+        vec![(1, 720, 1)],
+        vec![(0, 721, 1)],
+        vec![(1, 721, 1)],
+    ];
+    let pr = &prompts;
+    let batch = |seqs: &[usize; 2], segs: &[(usize, usize, usize)]| {
+        let rows = segs
+            .iter()
+            .flat_map(|&(p, pos0, n)| (pos0..pos0 + n).map(move |pos| Row { seq: seqs[p], pos, token: pr[p][pos] }))
+            .collect();
+        Batch::new(rows).unwrap()
+    };
+    let (mut vs_f32, mut vs_cpu, mut vis) = (Vec::new(), Vec::new(), Vec::new());
+    for segs in &plan {
+        let n: usize = segs.iter().map(|s| s.2).sum();
+        let all: Vec<usize> = (0..n).collect();
+        gpu.backend.set_index_tc(true);
+        let a = gpu.forward(&batch(&tc_s, segs), &all).unwrap();
+        gpu.backend.set_index_tc(false);
+        let f = gpu.forward(&batch(&f32_s, segs), &all).unwrap();
+        let c = cpu.forward(&batch(&cpu_s, segs), &all).unwrap();
+        vs_f32.extend(row_errs(&a, &f, v));
+        vs_cpu.extend(row_errs(&a, &c, v));
+        vis.extend(segs.iter().flat_map(|&(_, pos0, n)| (pos0..pos0 + n).map(|p| (p + 1) / ratio)));
+    }
+    gpu.backend.set_index_tc(true);
+    let worst = |e: &[f64]| e.iter().fold(0f64, |m, &x| m.max(x));
+    let no_choice = vs_f32.iter().zip(&vis).filter(|&(_, &n)| n <= topk).map(|(&e, _)| e).collect::<Vec<_>>();
+    let over = vs_f32.iter().filter(|&&e| e > 1e-3).count();
+    let mut srt = vs_cpu.clone();
+    srt.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let (p50, p95) = (srt[srt.len() / 2], srt[srt.len() * 95 / 100]);
+    println!(
+        "index_score_tc over {} rows: from the f32 kernel worst {:.2e}, {over} rows above 1e-3, worst {:.2e} of the \
+         {} rows without a choice; from the CPU median {p50:.2e}, p95 {p95:.2e}, worst {:.2e}",
+        vs_f32.len(),
+        worst(&vs_f32),
+        worst(&no_choice),
+        no_choice.len(),
+        worst(&vs_cpu)
+    );
+    assert!(worst(&no_choice) <= 1e-3, "rows with every entry selected: {:.2e}", worst(&no_choice));
+    assert!(over <= vs_f32.len() / 4, "{over} of {} rows above 1e-3 from the f32 kernel", vs_f32.len());
+    assert!(worst(&vs_f32) <= 0.1, "index_score_tc vs the f32 kernel: {:.2e}", worst(&vs_f32));
+    assert!(p50 <= FAST_MEDIAN && p95 <= FAST_TOL, "vs the CPU: median {p50:.2e}, p95 {p95:.2e}");
+    assert!(worst(&vs_cpu) <= FAST_TOL_ALL, "index_score_tc vs the CPU oracle: {:.2e}", worst(&vs_cpu));
+}

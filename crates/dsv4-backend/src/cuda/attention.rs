@@ -119,8 +119,22 @@ fn index_score_blocks(maxvis: usize, n: usize) -> usize {
 /// Blocks of `index_score` a small batch is spread over (about one an SM).
 const INDEX_SCORE_SPREAD: usize = 128;
 
-/// Lightning-indexer top-k: scores of every visible entry (`index_score`), then a threshold
-/// select and a sort of the k chosen per row (`index_topk`, O(visible) per row).
+/// Rows from which a fast-mode indexer call takes the tensor-core kernel (`index_score_tc`:
+/// prefill chunks); decode batches keep the f32 kernel, which spreads a few rows over many
+/// blocks (`index_score_tc` runs one block per `ITC_ROWS` rows).
+const ITC_MIN_ROWS: usize = 256;
+/// `ITC_R` of attention.cu: rows an `index_score_tc` block takes (one warp each). A block
+/// streams its sequence's entries once for all of them; rows of different sequences in one
+/// block take a pass over the entries each, so a batch whose segments average fewer rows than
+/// this (many decode rows) keeps the f32 kernel.
+const ITC_ROWS: usize = 8;
+/// `ITC_SMEM` of attention.cu: `index_score_tc`'s dynamic shared memory (the block's queries and
+/// two entry tiles of 64, rows of 136 bf16).
+pub(crate) const ITC_SMEM: usize = (ITC_ROWS * 64 + 2 * 64) * 136 * 2;
+
+/// Lightning-indexer top-k: scores of every visible entry (`index_score`, or `index_score_tc`
+/// for prefill chunks in fast mode), then a threshold select and a sort of the k chosen per row
+/// (`index_topk`, O(visible) per row).
 pub fn index_select(
     b: &CudaBackend,
     cache: &CudaCache,
@@ -146,36 +160,75 @@ pub fn index_select(
     let mut scores = b.alloc::<f32>(n * maxvis);
     let (qs, ws) = ((hd as f32).powf(-0.5), (nh as f32).powf(-0.5));
     let (ni, mi, mv) = (n as i32, m as i32, maxvis as i32);
-    let smem = (hd * (nh + 1) + 8 * INDEX_SCORE_EW * hd + nh) * 4;
-    assert!(nh <= 128 && smem <= INDEX_SCORE_SMEM, "indexer of {nh} heads × {hd}: over index_score's shared memory");
-    let lc = LaunchConfig {
-        grid_dim: (n as u32, index_score_blocks(maxvis, n) as u32, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: smem as u32,
-    };
-    // SAFETY (both launches): argument types and buffer sizes match the kernels.
-    ck(
-        unsafe {
-            b.stream
-                .kernel(&b.k.index_score)
-                .arg(&mut scores)
-                .arg(&mv)
-                .arg(&qi.data)
-                .arg(&wts.data)
-                .arg(&st.entries)
-                .arg(&(st.cap as i32))
-                .arg(rows.dev.as_ref())
-                .arg(&ni)
-                .arg(&mi)
-                .arg(&(nh as i32))
-                .arg(&(hd as i32))
-                .arg(&qs)
-                .arg(&ws)
-                .launch(lc)
-        },
-        "index_score",
-    );
+    let tc = n >= ITC_MIN_ROWS
+        && nh == 64
+        && hd == 128
+        && rows.batch.segments.len() * ITC_ROWS <= n
+        && !b.exact()
+        && b.index_tc();
+    if tc {
+        let lc = LaunchConfig {
+            grid_dim: (n.div_ceil(ITC_ROWS) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: ITC_SMEM as u32,
+        };
+        // SAFETY: argument types and buffer sizes match the kernel (qi [n, 64·128], wts [n, 64],
+        // the state's entries [slots, cap, 128], scores [n, maxvis] written at j < vis(t) <= maxvis).
+        ck(
+            unsafe {
+                b.stream
+                    .kernel(&b.k.index_score_tc)
+                    .arg(&mut scores)
+                    .arg(&mv)
+                    .arg(&qi.data)
+                    .arg(&wts.data)
+                    .arg(&st.entries)
+                    .arg(&(st.cap as i32))
+                    .arg(rows.dev.as_ref())
+                    .arg(&ni)
+                    .arg(&mi)
+                    .arg(&qs)
+                    .arg(&ws)
+                    .launch(lc)
+            },
+            "index_score_tc",
+        );
+    } else {
+        let smem = (hd * (nh + 1) + 8 * INDEX_SCORE_EW * hd + nh) * 4;
+        assert!(
+            nh <= 128 && smem <= INDEX_SCORE_SMEM,
+            "indexer of {nh} heads × {hd}: over index_score's shared memory"
+        );
+        let lc = LaunchConfig {
+            grid_dim: (n as u32, index_score_blocks(maxvis, n) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        // SAFETY: argument types and buffer sizes match the kernel.
+        ck(
+            unsafe {
+                b.stream
+                    .kernel(&b.k.index_score)
+                    .arg(&mut scores)
+                    .arg(&mv)
+                    .arg(&qi.data)
+                    .arg(&wts.data)
+                    .arg(&st.entries)
+                    .arg(&(st.cap as i32))
+                    .arg(rows.dev.as_ref())
+                    .arg(&ni)
+                    .arg(&mi)
+                    .arg(&(nh as i32))
+                    .arg(&(hd as i32))
+                    .arg(&qs)
+                    .arg(&ws)
+                    .launch(lc)
+            },
+            "index_score",
+        );
+    }
     let lc = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: argument types and buffer sizes match the kernel.
     ck(
         unsafe {
             b.stream

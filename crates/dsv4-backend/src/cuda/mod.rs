@@ -169,6 +169,7 @@ pub(crate) struct Kernels {
     pub comp_pool: CudaFunction,
     pub comp_store: CudaFunction,
     pub index_score: CudaFunction,
+    pub index_score_tc: CudaFunction,
     pub index_topk: CudaFunction,
     pub attention: CudaFunction,
     pub attention_tc: CudaFunction,
@@ -294,7 +295,16 @@ impl Kernels {
         let a = compile(
             ctx,
             2,
-            &["comp_pool", "comp_store", "index_score", "index_topk", "attention", "attention_tc", "ring_write"],
+            &[
+                "comp_pool",
+                "comp_store",
+                "index_score",
+                "index_score_tc",
+                "index_topk",
+                "attention",
+                "attention_tc",
+                "ring_write",
+            ],
         )?;
         let m = compile(ctx, 3, &["route", "moe_up", "moe_down", "moe_combine"])?;
         let mut bf = compile(
@@ -340,6 +350,7 @@ impl Kernels {
             comp_pool: n(&mut a),
             comp_store: n(&mut a),
             index_score: n(&mut a),
+            index_score_tc: n(&mut a),
             index_topk: n(&mut a),
             attention: n(&mut a),
             attention_tc: n(&mut a),
@@ -393,6 +404,8 @@ pub struct CudaBackend {
     tiles_dense: std::sync::atomic::AtomicBool,
     /// Prefill chunks' attention on tensor cores ([`Self::set_attention_tc`]).
     attention_tc: std::sync::atomic::AtomicBool,
+    /// Prefill chunks' indexer scores on tensor cores ([`Self::set_index_tc`]).
+    index_tc: std::sync::atomic::AtomicBool,
     /// Recorded steps' persistent inputs and outputs, and the step being recorded.
     pub(crate) steps: Mutex<graph::Steps>,
     /// Device copies of hash layers' `tid2eid` tables, by host address and length.
@@ -539,6 +552,17 @@ impl CudaBackend {
         self.attention_tc.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Whether fast-mode indexer scores of prefill-sized calls (256 rows and more, V4-Flash's
+    /// 64 heads of 128) take `index_score_tc` (bf16 queries and entries on tensor cores, f32
+    /// sums) or the f32 kernel. Starts on unless `DSV4_INDEX_TC=0`.
+    pub fn set_index_tc(&self, on: bool) {
+        self.index_tc.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn index_tc(&self) -> bool {
+        self.index_tc.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Opens device `ordinal`, compiles the kernels and creates the stream and cuBLAS handle.
     pub fn with_weights(ordinal: usize, bf16: bool) -> Result<Self, CudaInitError> {
         // SAFETY: these only try to dlopen the libraries.
@@ -582,6 +606,10 @@ impl CudaBackend {
             cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             attention::ATC_SMEM as i32,
         )?;
+        k.index_score_tc.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            attention::ITC_SMEM as i32,
+        )?;
         let qk = quant::QuantKernels::load(&ctx)?;
         let dummy_f32 = stream.alloc_zeros::<f32>(1)?;
         let dummy_u32 = stream.alloc_zeros::<u32>(1)?;
@@ -608,6 +636,9 @@ impl CudaBackend {
             x8_tiles: std::sync::atomic::AtomicU8::new(quant::X8Tiles::from_env() as u8),
             attention_tc: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_ATT_TC").map_or(true, |v| v.trim() != "0"),
+            ),
+            index_tc: std::sync::atomic::AtomicBool::new(
+                std::env::var("DSV4_INDEX_TC").map_or(true, |v| v.trim() != "0"),
             ),
             tiles_dense: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_PGEMM_DENSE").is_ok_and(|v| v.trim() == "1"),

@@ -951,6 +951,173 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     }
 }
 
+// ---- Indexer scores of many rows on tensor cores (prefill chunks; V4-Flash's indexer of 64
+// heads × 128). Per row t the dot products are Q_t (64 heads × 128) · Eᵀ (128 × entries): the
+// heads are the mma's M. A sequence's entries are shared by all its rows, so a block takes
+// ITC_R consecutive rows and streams ITC_NT entries at a time through shared memory (rounded to
+// bf16, double-buffered: the next tile's f32 rows are loaded into registers while the current
+// one's products run), each tile read once a block rather than once a row (8 rows: 16 bytes of
+// L2 traffic an entry and row instead of 512). Warp w owns row w: its 64 heads (four m-tiles)
+// against the tile's 64 entries (eight n-tiles), so a row's head sum stays in the warp: each
+// thread sums its 8 heads (m-tiles × rows g / g + 8), then a 3-level reduce-scatter over g (lane
+// bits 2..4) leaves lane (g, tq) the sums of entries 8·g + 2·tq and 8·g + 2·tq + 1. Q and E are
+// rounded to bf16 (2^-9 relative each), the sums are f32; score = Σ_h (w_h·ws·qs)·max(q_h·e, 0)
+// (qs > 0 moves into the weight). Rows of different sequences in one block (segment edges,
+// decode rows) are taken in passes, one sequence each; entries past a row's visible count are
+// not written. Blocks run in reverse row order: a sequence's later rows see more entries, so the
+// longest blocks start first and the short ones fill the tail. Dynamic shared memory: ITC_SMEM
+// bytes.
+#define ITC_R 8        // rows a block (a warp each)
+#define ITC_NH 64      // heads
+#define ITC_HD 128     // channels a head
+#define ITC_NT 64      // entries a tile
+#define ITC_LD 136     // bf16 a shared row: 128 + 8 (ldmatrix rows on 8 distinct bank groups)
+#define ITC_SMEM ((ITC_R * ITC_NH + 2 * ITC_NT) * ITC_LD * 2)
+
+// One level of index_score_tc's reduce-scatter: of v[0 .. 2W) the lane keeps the upper half
+// (hi) or the lower, adds the partner lane's (lane ^ x) copy of the same half, and leaves the
+// sums in v[0 .. W).
+template <int W>
+__device__ __forceinline__ void itc_keep_half(float* v, bool hi, int x) {
+#pragma unroll
+    for (int i = 0; i < W; i++) {
+        float send = hi ? v[i] : v[i + W], keep = hi ? v[i + W] : v[i];
+        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, x);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+    index_score_tc(float* scores, int maxvis, const float* q, const float* wts, const float* entries, int cap,
+                   const unsigned* rows, int n, int m, float qs, float ws) {
+    pdl_enter();
+    extern __shared__ __align__(16) unsigned short itc_sm[];
+    unsigned short* Qs = itc_sm;                            // [ITC_R · ITC_NH][ITC_LD]
+    unsigned short* Es = itc_sm + ITC_R * ITC_NH * ITC_LD;  // [2][ITC_NT][ITC_LD]
+    int t0 = (gridDim.x - 1 - blockIdx.x) * ITC_R, nrow = min(ITC_R, n - t0);
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+    int t = t0 + warp;
+    bool has = warp < nrow;
+    int vis = has ? (int)(ROW_POS(t) + 1) / m : 0;
+    // The block's rows' queries, rounded to bf16 (rows past n: zeros, never scored); 8 float4s
+    // of a thread in flight at a time (one block an SM: nothing else hides this load).
+    const float4* qr = (const float4*)(q + (long long)t0 * ITC_NH * ITC_HD);
+#pragma unroll 1
+    for (int i0 = tid; i0 < ITC_R * ITC_NH * ITC_HD / 4; i0 += 8 * 256) {
+        float4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            int i = i0 + 256 * u;
+            v[u] = i / (ITC_NH * ITC_HD / 4) < nrow ? qr[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            int i = i0 + 256 * u, hh = i / (ITC_HD / 4), c = 4 * (i % (ITC_HD / 4));
+            *(uint2*)(Qs + hh * ITC_LD + c) = make_uint2(atc_bf2(v[u].x, v[u].y), atc_bf2(v[u].z, v[u].w));
+        }
+    }
+    // This thread's heads 16·mt + g + 8·rr, their weights with both scales.
+    float wq[4][2];
+#pragma unroll
+    for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+        for (int rr = 0; rr < 2; rr++)
+            wq[mt][rr] = has ? wts[(long long)t * ITC_NH + 16 * mt + g + 8 * rr] * ws * qs : 0.f;
+    // Entry staging: warp w takes entries 8·w .. 8·w + 7 of a tile, lane the float4 at 4·lane
+    // (a warp's load is one entry's 512 contiguous bytes).
+    float4 er[8];
+    unsigned todo = (1u << nrow) - 1;
+    while (todo) {
+        // One pass: the rows of the first pending row's sequence, over the tiles up to their
+        // largest visible count (rows of a segment are contiguous: mostly one pass a block).
+        unsigned seq = ROW_SEQ(t0 + __ffs(todo) - 1), act = 0;
+        int bvis = 0;
+        for (int i = 0; i < nrow; i++)
+            if (((todo >> i) & 1) && ROW_SEQ(t0 + i) == seq) {
+                act |= 1u << i;
+                bvis = max(bvis, (int)(ROW_POS(t0 + i) + 1) / m);
+            }
+        todo &= ~act;
+        bool live = has && ((act >> warp) & 1);
+        int ntiles = (bvis + ITC_NT - 1) / ITC_NT;
+        if (ntiles == 0) continue;
+        const float* ebase = entries + ((long long)seq * cap + 8 * warp) * ITC_HD + 4 * lane;
+        auto load = [&](int tile) {
+            int j0 = tile * ITC_NT + 8 * warp;
+            const float* src = ebase + (long long)tile * ITC_NT * ITC_HD;
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                er[i] = j0 + i < bvis ? *(const float4*)(src + i * ITC_HD) : make_float4(0.f, 0.f, 0.f, 0.f);
+        };
+        auto store = [&](int buf) {
+            unsigned short* dst = Es + (buf * ITC_NT + 8 * warp) * ITC_LD + 4 * lane;
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                *(uint2*)(dst + i * ITC_LD) = make_uint2(atc_bf2(er[i].x, er[i].y), atc_bf2(er[i].z, er[i].w));
+        };
+        load(0);
+        store(0);
+        __syncthreads();  // the queries (first pass) and tile 0 are staged
+#pragma unroll 1
+        for (int tile = 0; tile < ntiles; tile++) {
+            int buf = tile & 1, e0 = tile * ITC_NT;
+            if (tile + 1 < ntiles) load(tile + 1);
+            if (live && e0 < vis) {
+                const unsigned short* qb = Qs + (warp * ITC_NH + (lane & 15)) * ITC_LD + (lane >> 4) * 8;
+                const unsigned short* eb =
+                    Es + (buf * ITC_NT + (lane & 7) + ((lane >> 4) << 3)) * ITC_LD + ((lane >> 3) & 1) * 8;
+                float s[4][8][4];
+#pragma unroll
+                for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+                    for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++) s[mt][nt][e] = 0.f;
+#pragma unroll
+                for (int kk = 0; kk < ITC_HD; kk += 16) {
+                    unsigned b[4][4];  // b[p]: n-tiles 2p (regs 0, 1) and 2p + 1 (regs 2, 3)
+#pragma unroll
+                    for (int p = 0; p < 4; p++) atc_ldsm(b[p], eb + 16 * p * ITC_LD + kk);
+#pragma unroll
+                    for (int mt = 0; mt < 4; mt++) {
+                        unsigned a[4];
+                        atc_ldsm(a, qb + 16 * mt * ITC_LD + kk);
+#pragma unroll
+                        for (int nt = 0; nt < 8; nt++)
+                            atc_mma(s[mt][nt], a, b[nt >> 1][2 * (nt & 1)], b[nt >> 1][2 * (nt & 1) + 1]);
+                    }
+                }
+                // v[2·nt + c]: entry 8·nt + 2·tq + c, summed over this thread's 8 heads
+                // (accumulator e = 2·rr + c).
+                float v[16];
+#pragma unroll
+                for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                    for (int c = 0; c < 2; c++) {
+                        float acc = 0.f;
+#pragma unroll
+                        for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+                            for (int rr = 0; rr < 2; rr++)
+                                acc = fmaf(wq[mt][rr], fmaxf(s[mt][nt][2 * rr + c], 0.f), acc);
+                        v[2 * nt + c] = acc;
+                    }
+                // Reduce-scatter over g: at each level a lane keeps the half of its values its g
+                // bit selects and adds its partner's copy of that half; lane (g, tq) ends with
+                // v[2·g], v[2·g + 1] summed over all 64 heads.
+                itc_keep_half<8>(v, (g >> 2) & 1, 16);
+                itc_keep_half<4>(v, (g >> 1) & 1, 8);
+                itc_keep_half<2>(v, g & 1, 4);
+                int j = e0 + 8 * g + 2 * tq;
+                float* out = scores + (long long)t * maxvis + j;
+                if (j < vis) out[0] = v[0];
+                if (j + 1 < vis) out[1] = v[1];
+            }
+            if (tile + 1 < ntiles) store(buf ^ 1);
+            __syncthreads();
+        }
+    }
+}
+
 // After attention: the last min(len, rcap) rows of each segment enter the window ring.
 extern "C" __global__ void ring_write(float* ring, int rcap, const float* kv, const unsigned* rows, int n, int d) {
     pdl_enter();
