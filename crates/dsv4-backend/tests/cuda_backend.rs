@@ -548,17 +548,22 @@ fn cuda_prefill_attention_tc_matches_f32_kernel() {
 /// chunks of 420 and 460 rows (partial last blocks), then decode rows (the f32 kernel, reading
 /// the state the chunks left).
 ///
-/// Tolerance (not yet measured on a device). The runs differ only in the scores: bf16 queries
+/// Measured on the H200 (355a9db's first run): 52 of 1,444 rows above 1e-3 from the f32 kernel
+/// (3.6 %), worst 8.6e-2; the 262 rows without a choice bitwise equal; against the CPU median
+/// 3.1e-3, p95 2.04e-2, worst 9.5e-2.
+///
+/// Tolerance. The runs differ only in the scores: bf16 queries
 /// and entries (2^-9 relative each, f32 sums) move a score by about 2e-3 of the scores' spread,
 /// and where a row's 32nd and 33rd scores are closer than that, the row attends to one different
 /// entry of 32. With ~150 candidates (gaps of ~2e-2 of the spread between neighbours around the
 /// 32nd) that happens in roughly one row in ten of those with more than 32 visible entries, each
 /// swap moving one row by O(1e-3 .. 1e-2). Held to: every row with at most 32 visible entries
 /// (the same set either way: only the selection's order, hence f32 summation order, differs)
-/// ≤ 1e-3; at most a quarter of all rows above 1e-3; every row ≤ 0.1. A layout or indexing bug
+/// ≤ 1e-3; at most a tenth of all rows above 1e-3; every row ≤ 0.1. A layout or indexing bug
 /// changes most selections, moving most of the ~80% of rows that have a choice far past 1e-3.
-/// Against the CPU: the fast path's bounds (median, 95th percentile, worst), the fast path's
-/// own bf16 activations already moving the indexer's queries by the same 2^-9.
+/// Against the CPU: the fast path's median and worst bounds, and 5e-2 at the 95th percentile,
+/// which the swapped rows reach (the fast path's own bf16 activations already move the
+/// indexer's queries by the same 2^-9).
 #[test]
 fn cuda_prefill_index_tc_matches_f32_kernel() {
     let Some(b) = gpu() else { return };
@@ -632,8 +637,9 @@ fn cuda_prefill_index_tc_matches_f32_kernel() {
         worst(&vs_cpu)
     );
     assert!(worst(&no_choice) <= 1e-3, "rows with every entry selected: {:.2e}", worst(&no_choice));
-    assert!(over <= vs_f32.len() / 4, "{over} of {} rows above 1e-3 from the f32 kernel", vs_f32.len());
+    assert!(over <= vs_f32.len() / 10, "{over} of {} rows above 1e-3 from the f32 kernel", vs_f32.len());
     assert!(worst(&vs_f32) <= 0.1, "index_score_tc vs the f32 kernel: {:.2e}", worst(&vs_f32));
-    assert!(p50 <= FAST_MEDIAN && p95 <= FAST_TOL, "vs the CPU: median {p50:.2e}, p95 {p95:.2e}");
+    // The swapped rows (3.6 % measured) reach the 95th percentile: 5e-2 there, not FAST_TOL.
+    assert!(p50 <= FAST_MEDIAN && p95 <= 5e-2, "vs the CPU: median {p50:.2e}, p95 {p95:.2e}");
     assert!(worst(&vs_cpu) <= FAST_TOL_ALL, "index_score_tc vs the CPU oracle: {:.2e}", worst(&vs_cpu));
 }
