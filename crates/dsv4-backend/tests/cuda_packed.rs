@@ -523,7 +523,7 @@ fn cuda_prefill_tiles_match_the_bf16_twin() {
     use dsv4_backend::bf16::round_bf16;
     let Some(b) = gpu() else { return };
     b.set_exact(false);
-    b.set_tiles_dense(true);
+    b.set_tiles_dense_rows(usize::MAX);
     let rb = |v: &[f32]| v.iter().map(|&x| round_bf16(x)).collect::<Vec<f32>>();
     for (fi, format) in PackedFormat::ALL.into_iter().enumerate() {
         // 300 rows: two full row tiles of 128 and a partial one; m = 384: three output tiles.
@@ -573,7 +573,7 @@ fn cuda_prefill_tiles_match_the_bf16_twin() {
             assert!(e <= 1e-3, "tiles {}/{} experts, {n} rows: {e:.2e} from the bf16 twin", f13.name(), f2.name());
         }
     }
-    b.set_tiles_dense(false);
+    b.set_tiles_dense_rows(dsv4_backend::cuda::gemm::TILES_DENSE_ROWS);
 }
 
 /// Routed experts as the tensor-core tiles compute them, in f64: x and the weights rounded to

@@ -163,7 +163,7 @@ pub fn run() -> Result<()> {
     // (`DSV4_PGEMM=0`: the bf16 scratch and cuBLAS they replace). Checked at 20 rows against
     // the CPU decoder (bf16 operands: the 1e-2 bound), timed as FLOP/s.
     let mut pg_table = Vec::new();
-    b.set_tiles_dense(true);
+    b.set_tiles_dense_rows(usize::MAX);
     for f in formats.into_iter().flatten() {
         for (si, &(m, k)) in shapes.iter().enumerate() {
             let w = b.upload_random_packed(f, m, k, 0.02, 11 + si as u64);
@@ -183,7 +183,7 @@ pub fn run() -> Result<()> {
                 "tflop_per_s": tfs}));
         }
     }
-    b.set_tiles_dense(false);
+    b.set_tiles_dense_rows(dsv4_backend::cuda::gemm::TILES_DENSE_ROWS);
     println!(
         "{}",
         serde_json::json!({"device": b.device_name(), "kernels": table, "int8": x8_table, "tiles": pg_table})

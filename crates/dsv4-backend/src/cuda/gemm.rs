@@ -5,14 +5,18 @@
 //! weight to a bf16 scratch and ran cuBLAS (dense products), or read the expert offsets back and
 //! ran two cuBLAS products per active expert (routed experts): the same bf16 operands and f32
 //! sums, no scratch, no host synchronisation, two launches for all experts. `DSV4_PGEMM=0`
-//! restores the earlier path (A/B). Dense products take the tiles only where
-//! [`CudaBackend::tiles_dense`] is on (off by default: cuBLAS on the scratch wins at 256 rows
-//! and more with today's tiles).
+//! restores the earlier path (A/B). Dense products take the tiles up to
+//! [`CudaBackend::tiles_dense_rows`] rows (128 by default: cuBLAS on the scratch wins at 256
+//! rows and more with today's tiles).
 
 use super::launch::Kernel;
 use super::quant::{ExpertKernels, QuantDev};
 use super::{ck, CudaBackend, CudaTensor};
 use cudarc::driver::{CudaSlice, CudaView, LaunchConfig};
+
+/// Default of [`CudaBackend::tiles_dense_rows`]: dense packed products of up to this many rows
+/// (above the int8 path's) take the tiles.
+pub const TILES_DENSE_ROWS: usize = 128;
 
 /// Rows of a dense product's tile (gemm.cu's `pgemm_F`).
 pub const PG_BM: usize = 128;
@@ -58,7 +62,7 @@ pub(crate) fn experts_fit(d: usize, inter: usize) -> bool {
 
 impl CudaBackend {
     /// `out[n, m] = x · wᵀ` for a packed `w` `[m, k]` (`groups > 1`: the grouped projection) on
-    /// the tensor-core tiles; `None` for shapes they do not take, or with the tiles off.
+    /// the tensor-core tiles; `None` for shapes they do not take, or above the tiles' rows.
     pub(crate) fn pgemm_dense(
         &self,
         x: &CudaTensor,
@@ -72,7 +76,7 @@ impl CudaBackend {
             && m.is_multiple_of(2)
             && x.cols.is_multiple_of(4)
             && (groups == 1 || rpg.is_multiple_of(PG_BN));
-        if !pgemm_on() || !self.tiles_dense() || !fits {
+        if !pgemm_on() || n > self.tiles_dense_rows() || !fits {
             return None;
         }
         let mut out = self.tensor(n, m);

@@ -400,8 +400,8 @@ pub struct CudaBackend {
     x8_rows: std::sync::atomic::AtomicUsize,
     /// Which int8 products take the tensor-core tiles ([`quant::X8Tiles`] as u8).
     x8_tiles: std::sync::atomic::AtomicU8,
-    /// Dense packed products of many rows on gemm.cu's tiles ([`Self::set_tiles_dense`]).
-    tiles_dense: std::sync::atomic::AtomicBool,
+    /// Most rows a dense packed product runs on gemm.cu's tiles ([`Self::set_tiles_dense_rows`]).
+    tiles_dense: std::sync::atomic::AtomicUsize,
     /// Prefill chunks' attention on tensor cores ([`Self::set_attention_tc`]).
     attention_tc: std::sync::atomic::AtomicBool,
     /// Prefill chunks' indexer scores on tensor cores ([`Self::set_index_tc`]).
@@ -529,15 +529,16 @@ impl CudaBackend {
         quant::X8Tiles::from_u8(self.x8_tiles.load(std::sync::atomic::Ordering::Relaxed))
     }
 
-    /// Whether dense packed products above the int8 path's rows take gemm.cu's tensor-core
-    /// tiles (the weight decoded in the tile load) or the bf16 scratch and cuBLAS. Starts off
-    /// (`DSV4_PGEMM_DENSE=1` turns it on): at 256 rows and more cuBLAS on the scratch is
-    /// faster than today's tiles (PERF.md v18); routed experts take the tiles either way.
-    pub fn set_tiles_dense(&self, on: bool) {
-        self.tiles_dense.store(on, std::sync::atomic::Ordering::Relaxed);
+    /// Most rows a dense packed product above the int8 path's rows runs on gemm.cu's
+    /// tensor-core tiles (the weight decoded in the tile load); more rows take the bf16 scratch
+    /// and cuBLAS. Starts at [`gemm::TILES_DENSE_ROWS`] (`DSV4_PGEMM_DENSE_ROWS`): the tiles
+    /// save the scratch at decode batches (batch 64, 4 q2 layers: 15.2 against 20.2 ms a step),
+    /// cuBLAS is faster from 256 rows (PERF.md v18). Routed experts take the tiles either way.
+    pub fn set_tiles_dense_rows(&self, rows: usize) {
+        self.tiles_dense.store(rows, std::sync::atomic::Ordering::Relaxed);
     }
 
-    pub fn tiles_dense(&self) -> bool {
+    pub fn tiles_dense_rows(&self) -> usize {
         self.tiles_dense.load(std::sync::atomic::Ordering::Relaxed)
     }
 
@@ -640,8 +641,11 @@ impl CudaBackend {
             index_tc: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_INDEX_TC").map_or(true, |v| v.trim() != "0"),
             ),
-            tiles_dense: std::sync::atomic::AtomicBool::new(
-                std::env::var("DSV4_PGEMM_DENSE").is_ok_and(|v| v.trim() == "1"),
+            tiles_dense: std::sync::atomic::AtomicUsize::new(
+                std::env::var("DSV4_PGEMM_DENSE_ROWS")
+                    .ok()
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(gemm::TILES_DENSE_ROWS),
             ),
             steps: Mutex::new(graph::Steps::default()),
             hash_tables: Mutex::new(HashMap::new()),

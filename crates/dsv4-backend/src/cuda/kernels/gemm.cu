@@ -220,9 +220,10 @@ __device__ __forceinline__ PgExpert pg_expert(const unsigned* tiles, const unsig
 }
 
 // Routed experts' gate and up products with the clamped SwiGLU: h[p, o] (bf16) for every pair p
-// (token p / k, its activations x cast to bf16 once by the launcher) of each tile's expert; grid (most tiles, inter / 64). Weight rows of a block
-// interleave w1 and w3 (column 2i: gate of output o0 + i, 2i + 1: its up), so a thread holds
-// both halves of its outputs.
+// (token p / k, its activations x cast to bf16 once by the launcher) of each tile's expert; grid
+// (most tiles, inter / 64), inter a multiple of 64 (a quad's 4 outputs are stored together).
+// Weight rows of a block interleave w1 and w3 (column 2i: gate of output o0 + i, 2i + 1: its
+// up), so a thread holds both halves of its outputs.
 template <int F, int BM>
 __device__ void pgemm_up(u16* __restrict__ h, const u16* __restrict__ x, const unsigned* order, const unsigned* off,
                          const unsigned* tiles, const unsigned long long* ptrs, int nexp, int k, int d, int inter,
@@ -231,18 +232,26 @@ __device__ void pgemm_up(u16* __restrict__ h, const u16* __restrict__ x, const u
     PgExpert ex = pg_expert<BM>(tiles, off, order, pid);
     if (ex.rows == 0) return;  // uniform in the block
     int o0 = blockIdx.y * (PG_BN / 2);
-    const u8* w[2] = {(const u8*)ptrs[ex.e], (const u8*)ptrs[nexp + ex.e]};
-    const u8* s[2] = {(const u8*)ptrs[3 * nexp + ex.e], (const u8*)ptrs[4 * nexp + ex.e]};
+    const u8 *w1 = (const u8*)ptrs[ex.e], *w3 = (const u8*)ptrs[nexp + ex.e];
+    const u8 *s1 = (const u8*)ptrs[3 * nexp + ex.e], *s3 = (const u8*)ptrs[4 * nexp + ex.e];
     pg_tile<F, true, BM>(
         d, [&](int r) -> const void* { return r < ex.rows ? x + (long long)(pid[r] / k) * d : nullptr; },
         [&](int nn, const u8*& wr, const u8*& sr) {
+            // Selects, not an array indexed by nn & 1 (that put the pointers in local memory).
             int o = min(o0 + (nn >> 1), inter - 1);
-            wr = w[nn & 1] + (long long)o * row_bytes(F, d);
-            sr = scale_row(F, s[nn & 1], o, d);
+            wr = ((nn & 1) ? w3 : w1) + (long long)o * row_bytes(F, d);
+            sr = scale_row(F, (nn & 1) ? s3 : s1, o, d);
         },
         [&](int r, int nn, float gate, float up) {
+            // The quad's 4 lanes hold 4 consecutive outputs of row r (nn = 8j + 2·lane % 4): lane
+            // 0 of the quad stores all 4 (8 bytes) where each lane stored 2 bytes (ncu: 8 of 32
+            // bytes a sector used). Every lane of the warp takes part in the shuffles.
+            unsigned v = f2bf_q(swiglu_q(gate, up, limit));
+            v |= __shfl_down_sync(0xffffffffu, v, 1) << 16;
+            unsigned v2 = __shfl_down_sync(0xffffffffu, v, 2);
             int o = o0 + (nn >> 1);
-            if (r < ex.rows && o < inter) h[(long long)pid[r] * inter + o] = f2bf_q(swiglu_q(gate, up, limit));
+            if ((threadIdx.x & 3) == 0 && r < ex.rows && o < inter)
+                *(uint2*)(h + (long long)pid[r] * inter + o) = make_uint2(v, v2);
         });
 }
 
