@@ -4,7 +4,8 @@
 # PARTs, in the order given (default: tests kernels flash-exact flash-int8): tests, kernels,
 # flash-exact, flash-int8 (the 43-layer q2 bench on the exact and the int8-activation products),
 # flash-b64 (batches 1 / 16 / 64 on contexts cloned from one prefilled sequence),
-# flash-served (43 q2 layers in serve's exact mode), flash-bf16 (4 bf16 layers), serve
+# flash-served (43 q2 layers in serve's exact mode), flash-bf16 (4 bf16 layers), prefill (issue
+# 12's prefill figures and a stage profile), serve
 # (bench_serve at 1 / 16 / 64). Writes each part's output
 # and a summary to $OUT (or /tmp/dsv4-out); the device tool brings back at most 8 files.
 set -uo pipefail
@@ -69,6 +70,23 @@ for part in $PARTS; do
             --decode-batches 1,16 --decode-context 4096 --decode-tokens 16 > "$OUT/flash-bf16.txt" 2>&1
         echo "flash bf16 4 layers: exit $?" >> "$S"
         grep -E '^decode' "$OUT/flash-bf16.txt" | cut -c1-220 >> "$S"
+        ;;
+    prefill)
+        # Issue 12's figures: 43 q2 layers at 2K / 8K / 32K (chunks of 8192; 32K is the
+        # time to first token of a ~30K prompt), bf16 4 layers at 1K / 4K (HF's comparison
+        # shape), official FP8 + FP4 on 16 layers (extrapolated), and a 4-layer stage profile of
+        # one 8K chunk (DSV4_PROFILE_PREFILL).
+        P="bench --backend cuda --synthetic flash --prefill-chunk 8192 --decode-batches 1 --decode-context 16 --decode-tokens 1"
+        timeout 200 $B $P --layers 43 --weights q2 --contexts 2048,8192,32768 > "$OUT/prefill-q2.txt" 2>&1
+        echo "prefill q2 43 layers: exit $?" >> "$S"
+        timeout 90 $B $P --layers 4 --weights bf16 --contexts 1024,4096,8192 > "$OUT/prefill-bf16.txt" 2>&1
+        echo "prefill bf16 4 layers: exit $?" >> "$S"
+        timeout 120 $B $P --layers 16 --weights official --contexts 8192 > "$OUT/prefill-official.txt" 2>&1
+        echo "prefill official 16 layers: exit $?" >> "$S"
+        grep -hE '^prefill' "$OUT"/prefill-q2.txt "$OUT"/prefill-bf16.txt "$OUT"/prefill-official.txt | cut -c1-200 >> "$S"
+        DSV4_PROFILE_PREFILL=8192 timeout 90 $B $P --layers 4 --weights q2 --contexts '' > "$OUT/prefill-profile.txt" 2>&1
+        echo "prefill stage profile (4 q2 layers, one 8K chunk): exit $?" >> "$S"
+        sed -n '/^profile: one prefill/,/^{/p' "$OUT/prefill-profile.txt" | head -16 >> "$S"
         ;;
     serve)
         # bench_serve on the 43-layer q2 model at 1 / 16 / 64 (serve's default, exact mode: compare
