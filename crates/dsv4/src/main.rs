@@ -120,9 +120,10 @@ struct GenerateArgs {
     /// Keep generating past end-of-sequence tokens.
     #[arg(long)]
     ignore_eos: bool,
-    /// Longest prefill chunk.
-    #[arg(long, default_value_t = 512)]
-    prefill_chunk: usize,
+    /// Longest prefill chunk (default: what `serve` takes as its token budget, from free
+    /// device memory: 512 to 8192 tokens; 512 on the CPU).
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendKind,
     /// Ranks to split the model over (tensor + expert parallel, a thread each): in-process
@@ -734,7 +735,8 @@ where
     let (temperature, top_p, top_k, min_p, seed) = (a.temperature, a.top_p, a.top_k, a.min_p, a.seed);
     let mut sampler = Sampler::new(SamplingParams { temperature, top_p, top_k, min_p, seed })?;
     let stop: Vec<u32> = if a.ignore_eos { Vec::new() } else { m.cfg.eos_token_ids.clone() };
-    let opts = GenerateOptions { max_new_tokens: a.max_new_tokens, stop_ids: &stop, prefill_chunk: a.prefill_chunk };
+    let chunk = a.prefill_chunk.unwrap_or_else(|| default_token_budget(&m.cfg, m.backend.memory_free()));
+    let opts = GenerateOptions { max_new_tokens: a.max_new_tokens, stop_ids: &stop, prefill_chunk: chunk };
     let spec = a.dspark.config(&dir, &mut m, true)?;
     let (g, stats) = match &spec {
         Some(sc) => {
