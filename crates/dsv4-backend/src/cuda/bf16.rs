@@ -615,20 +615,7 @@ pub(crate) fn moe(
                 "moe_down grouped",
             );
         }
-        ck(
-            unsafe {
-                b.stream
-                    .kernel(&b.k.moe_combine)
-                    .arg(&mut out.data)
-                    .arg(&y)
-                    .arg(&route.weights)
-                    .arg(&(n as i32))
-                    .arg(&ki)
-                    .arg(&di)
-                    .launch(cfg1d(n * d, 256))
-            },
-            "moe_combine",
-        );
+        super::moe::combine(b, &mut out, &y, &route.weights, k);
         return out;
     }
     // Many rows: the tensor-core tiles, every expert in one launch a projection.
@@ -641,20 +628,7 @@ pub(crate) fn moe(
         }
         let pairs = super::gemm::SortedPairs { order: order.as_view(), off: off.as_view(), nexp: ne, k, d, inter };
         b.pgemm_experts(&ek, x, &pairs, &mut y, limit);
-        ck(
-            unsafe {
-                b.stream
-                    .kernel(&b.k.moe_combine)
-                    .arg(&mut out.data)
-                    .arg(&y)
-                    .arg(&route.weights)
-                    .arg(&(n as i32))
-                    .arg(&ki)
-                    .arg(&di)
-                    .launch(cfg1d(n * d, 256))
-            },
-            "moe_combine",
-        );
+        super::moe::combine(b, &mut out, &y, &route.weights, k);
         return out;
     }
     // Otherwise: per-expert cuBLAS over the gathered rows (offsets read back once).

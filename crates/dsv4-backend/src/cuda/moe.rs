@@ -106,7 +106,7 @@ pub fn moe(
     let down =
         LaunchConfig { grid_dim: (slots as u32, d.div_ceil(8) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     let (ki, di, ii) = (k as i32, d as i32, inter as i32);
-    // SAFETY (all three launches): argument types and buffer sizes match the kernels.
+    // SAFETY (both launches): argument types and buffer sizes match the kernels.
     ck(
         unsafe {
             b.stream
@@ -139,19 +139,27 @@ pub fn moe(
         },
         "moe_down",
     );
+    combine(b, &mut out, &y, &route.weights, k);
+    out
+}
+
+/// `out[r] = Σ_j w[r, j] · y[r·k + j]` in routing order (`moe_combine`): the routed experts'
+/// slot outputs weighted and added, for `out.rows` rows of `out.cols`.
+pub(crate) fn combine(b: &CudaBackend, out: &mut CudaTensor, y: &CudaSlice<f32>, weights: &CudaSlice<f32>, k: usize) {
+    let (n, d) = (out.rows, out.cols);
+    // SAFETY: argument types and buffer sizes match the kernel (y holds n·k rows of d, weights n·k).
     ck(
         unsafe {
             b.stream
                 .kernel(&b.k.moe_combine)
                 .arg(&mut out.data)
-                .arg(&y)
-                .arg(&route.weights)
+                .arg(y)
+                .arg(weights)
                 .arg(&(n as i32))
-                .arg(&ki)
-                .arg(&di)
+                .arg(&(k as i32))
+                .arg(&(d as i32))
                 .launch(cfg1d(n * d, 256))
         },
         "moe_combine",
     );
-    out
 }

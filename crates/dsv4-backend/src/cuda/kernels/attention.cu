@@ -774,31 +774,6 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_HG, ATT_MINB) attention(fl
 #define ATC_LD 520     // bf16 a shared row: 512 + 8 (ldmatrix rows on 8 distinct bank groups)
 #define ATC_SMEM ((ATC_H + 2 * ATC_KT) * ATC_LD * 2)
 
-__device__ __forceinline__ void atc_ldsm(unsigned* r, const unsigned short* p) {
-    unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-__device__ __forceinline__ void atc_ldsm_t(unsigned* r, const unsigned short* p) {
-    unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-__device__ __forceinline__ void atc_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ unsigned atc_bf2(float a, float b) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
-    return r;
-}
-
 extern "C" __global__ void __launch_bounds__(256, 1)
     attention_tc(float* out, const float* q, const float* kv, const float* ring, int win, int rcap,
                  const float* entries, int cap, int m, const unsigned* sel, int has_sel, int topk,
@@ -824,7 +799,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     for (int i = tid; i < ATC_H * d / 4; i += 256) {
         float4 v = *(const float4*)(qr + 4 * i);
         int hh = i / (d / 4), c = 4 * (i % (d / 4));
-        *(uint2*)(Qs + hh * ATC_LD + c) = make_uint2(atc_bf2(v.x, v.y), atc_bf2(v.z, v.w));
+        *(uint2*)(Qs + hh * ATC_LD + c) = make_uint2(bf2(v.x, v.y), bf2(v.z, v.w));
     }
     // Key staging: thread tid takes key tid / 16 of a tile, float4s at 4·(tid % 16) + 64·i.
     int sk = tid >> 4, sc = 4 * (tid & 15);
@@ -844,7 +819,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         unsigned short* kb = Ks + (buf * ATC_KT + sk) * ATC_LD;
 #pragma unroll
         for (int i = 0; i < 8; i++)
-            *(uint2*)(kb + sc + 64 * i) = make_uint2(atc_bf2(kr[i].x, kr[i].y), atc_bf2(kr[i].z, kr[i].w));
+            *(uint2*)(kb + sc + 64 * i) = make_uint2(bf2(kr[i].x, kr[i].y), bf2(kr[i].z, kr[i].w));
     };
     float o[32][4];
 #pragma unroll
@@ -866,10 +841,10 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 #pragma unroll 4
         for (int kk = 0; kk < d; kk += 16) {
             unsigned a[4], bb[4];
-            atc_ldsm(a, Qs + (16 * mi + (lane & 15)) * ATC_LD + kk + (lane >> 4) * 8);
-            atc_ldsm(bb, kb + ((lane & 7) + ((lane >> 4) << 3)) * ATC_LD + kk + ((lane >> 3) & 1) * 8);
-            atc_mma(s[0], a, bb[0], bb[1]);
-            atc_mma(s[1], a, bb[2], bb[3]);
+            ldsm_x4(a, Qs + (16 * mi + (lane & 15)) * ATC_LD + kk + (lane >> 4) * 8);
+            ldsm_x4(bb, kb + ((lane & 7) + ((lane >> 4) << 3)) * ATC_LD + kk + ((lane >> 3) & 1) * 8);
+            mma_bf16_16816(s[0], a, bb[0], bb[1]);
+            mma_bf16_16816(s[1], a, bb[2], bb[3]);
         }
         // Online softmax: this thread's values are rows g (e = 0, 1) and g + 8 (e = 2, 3), keys
         // 8·j + 2·tq + (e & 1); keys past nk are −∞.
@@ -902,10 +877,10 @@ extern "C" __global__ void __launch_bounds__(256, 1)
             mx[r] = nm[r];
         }
         // P as the A operand (rows g / g + 8, keys 2tq.. of n-tile 0 and 8 + 2tq.. of n-tile 1).
-        pa[0] = atc_bf2(pv[0][0], pv[0][1]);
-        pa[1] = atc_bf2(pv[0][2], pv[0][3]);
-        pa[2] = atc_bf2(pv[1][0], pv[1][1]);
-        pa[3] = atc_bf2(pv[1][2], pv[1][3]);
+        pa[0] = bf2(pv[0][0], pv[0][1]);
+        pa[1] = bf2(pv[0][2], pv[0][3]);
+        pa[2] = bf2(pv[1][0], pv[1][1]);
+        pa[3] = bf2(pv[1][2], pv[1][3]);
         // Once a row's maximum settles (most tiles of a long row) nothing needs rescaling.
         if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f))
 #pragma unroll
@@ -919,9 +894,9 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 #pragma unroll
         for (int j = 0; j < 32; j += 2) {
             unsigned bb[4];
-            atc_ldsm_t(bb, kb + ((lane & 7) + ((lane >> 3) & 1) * 8) * ATC_LD + 256 * nh + 8 * j + (lane >> 4) * 8);
-            atc_mma(o[j], pa, bb[0], bb[1]);
-            atc_mma(o[j + 1], pa, bb[2], bb[3]);
+            ldsm_x4_t(bb, kb + ((lane & 7) + ((lane >> 3) & 1) * 8) * ATC_LD + 256 * nh + 8 * j + (lane >> 4) * 8);
+            mma_bf16_16816(o[j], pa, bb[0], bb[1]);
+            mma_bf16_16816(o[j + 1], pa, bb[2], bb[3]);
         }
         if (tile + 1 < ntiles) store(buf ^ 1);
         __syncthreads();
@@ -1012,7 +987,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 #pragma unroll
         for (int u = 0; u < 8; u++) {
             int i = i0 + 256 * u, hh = i / (ITC_HD / 4), c = 4 * (i % (ITC_HD / 4));
-            *(uint2*)(Qs + hh * ITC_LD + c) = make_uint2(atc_bf2(v[u].x, v[u].y), atc_bf2(v[u].z, v[u].w));
+            *(uint2*)(Qs + hh * ITC_LD + c) = make_uint2(bf2(v[u].x, v[u].y), bf2(v[u].z, v[u].w));
         }
     }
     // This thread's heads 16·mt + g + 8·rr, their weights with both scales.
@@ -1052,7 +1027,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
             unsigned short* dst = Es + (buf * ITC_NT + 8 * warp) * ITC_LD + 4 * lane;
 #pragma unroll
             for (int i = 0; i < 8; i++)
-                *(uint2*)(dst + i * ITC_LD) = make_uint2(atc_bf2(er[i].x, er[i].y), atc_bf2(er[i].z, er[i].w));
+                *(uint2*)(dst + i * ITC_LD) = make_uint2(bf2(er[i].x, er[i].y), bf2(er[i].z, er[i].w));
         };
         load(0);
         store(0);
@@ -1076,14 +1051,14 @@ extern "C" __global__ void __launch_bounds__(256, 1)
                 for (int kk = 0; kk < ITC_HD; kk += 16) {
                     unsigned b[4][4];  // b[p]: n-tiles 2p (regs 0, 1) and 2p + 1 (regs 2, 3)
 #pragma unroll
-                    for (int p = 0; p < 4; p++) atc_ldsm(b[p], eb + 16 * p * ITC_LD + kk);
+                    for (int p = 0; p < 4; p++) ldsm_x4(b[p], eb + 16 * p * ITC_LD + kk);
 #pragma unroll
                     for (int mt = 0; mt < 4; mt++) {
                         unsigned a[4];
-                        atc_ldsm(a, qb + 16 * mt * ITC_LD + kk);
+                        ldsm_x4(a, qb + 16 * mt * ITC_LD + kk);
 #pragma unroll
                         for (int nt = 0; nt < 8; nt++)
-                            atc_mma(s[mt][nt], a, b[nt >> 1][2 * (nt & 1)], b[nt >> 1][2 * (nt & 1) + 1]);
+                            mma_bf16_16816(s[mt][nt], a, b[nt >> 1][2 * (nt & 1)], b[nt >> 1][2 * (nt & 1) + 1]);
                     }
                 }
                 // v[2·nt + c]: entry 8·nt + 2·tq + c, summed over this thread's 8 heads

@@ -26,28 +26,7 @@
 #define PG_MINB 2  // blocks an SM the expert kernels are compiled for (registers ≤ 128)
 #endif  // bf16 a shared row: ldmatrix's 8 row addresses hit 8 bank groups
 
-__device__ __forceinline__ void ldsm_x4(unsigned* r, const u16* p) {
-    unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-
-__device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// (a, b) rounded to bf16 (nearest even: f2bf_q's bits for every non-NaN value) in one
-// instruction, a in the low half.
-__device__ __forceinline__ unsigned bf2(float a, float b) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
-    return r;
-}
+// ldsm_x4, mma_bf16_16816 and bf2 (cvt.rn.bf16x2: f2bf_q's bits for every non-NaN value): common.cuh.
 
 // Eight activations of a row as four bf16 pairs: f32 (rounded here, as cast_bf16) or bf16.
 template <bool XB>
