@@ -22,5 +22,7 @@ for line in sys.stdin:
         print("test binary:", name)
 '
 strip .devbin/dsv4 .devbin/tests/*
+# The pinned transformers wheel for run.sh's `hf` part (the device has no network).
+python3 -m pip download -q --no-deps -d .devbin/wheels transformers==5.23.0 || echo "no transformers wheel: run.sh hf will use the device's own"
 # (the DSpark fixtures travel with the tree: crates/dsv4-dspark/tests/fixtures)
 du -sh .devbin

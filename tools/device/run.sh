@@ -5,7 +5,7 @@
 # flash-exact, flash-int8 (the 43-layer q2 bench on the exact and the int8-activation products),
 # flash-b64 (batches 1 / 16 / 64 on contexts cloned from one prefilled sequence),
 # flash-served (43 q2 layers in serve's exact mode), flash-bf16 (4 bf16 layers), prefill (issue
-# 12's prefill figures and a stage profile), serve
+# 12's prefill figures and a stage profile), hf (HF transformers' prefill beside dsv4's), serve
 # (bench_serve at 1 / 16 / 64). Writes each part's output
 # and a summary to $OUT (or /tmp/dsv4-out); the device tool brings back at most 8 files.
 set -uo pipefail
@@ -87,6 +87,20 @@ for part in $PARTS; do
         DSV4_PROFILE_PREFILL=8192 timeout 90 $B $P --layers 4 --weights q2 --contexts '' > "$OUT/prefill-profile.txt" 2>&1
         echo "prefill stage profile (4 q2 layers, one 8K chunk): exit $?" >> "$S"
         sed -n '/^profile: one prefill/,/^{/p' "$OUT/prefill-profile.txt" | head -16 >> "$S"
+        ;;
+    hf)
+        # Issue 12's side by side in one call: HF transformers 5.23's own prefill (the wheel
+        # build.sh put in .devbin/wheels; the device image has 5.17) and dsv4's, 4 bf16 Flash
+        # layers at 1K and 4K.
+        W=$(ls .devbin/wheels/transformers-5.23.0-*.whl 2>/dev/null | head -1)
+        [ -n "$W" ] && python3 -m pip install -q --no-deps --target /tmp/hf523 "$W" > /dev/null 2>&1
+        PYTHONPATH=/tmp/hf523 timeout 400 python3 tools/hf_prefill_bench.py --lengths 1024,4096 > "$OUT/hf.txt" 2>&1
+        echo "hf prefill: exit $?" >> "$S"
+        grep -E '^(hf|warning)' "$OUT/hf.txt" >> "$S"
+        timeout 90 $B bench --backend cuda --synthetic flash --layers 4 --weights bf16 --contexts 1024,4096 \
+            --prefill-chunk 8192 --decode-batches 1 --decode-context 16 --decode-tokens 1 > "$OUT/dsv4-bf16.txt" 2>&1
+        echo "dsv4 prefill bf16 4 layers: exit $?" >> "$S"
+        grep -E '^prefill' "$OUT/dsv4-bf16.txt" | cut -c1-200 >> "$S"
         ;;
     serve)
         # bench_serve on the 43-layer q2 model at 1 / 16 / 64 (serve's default, exact mode: compare
