@@ -5,11 +5,12 @@
 // thread loads its share of the rows' activations (f32 or bf16) and of the weight rows' packed
 // words (raw8) for the next stage, the warps run the current stage's `mma.m16n8k16` (bf16 in,
 // f32 accumulation) from shared memory, then the loaded words are decoded (deq8r), rounded to
-// bf16 (f2bf_q, as deq_bf16) and stored into the other buffer. So the weight is dequantised
-// once per row tile inside the tile load, never to a global scratch, and the numerics are the
-// bf16 path's that these kernels replace (weights and activations rounded to bf16, f32 sums):
-// only the order of the f32 additions differs. CPU twin: the dequantised weight rounded to
-// bf16 against activations rounded to bf16 (tests: cuda_packed::cuda_prefill_products_*).
+// bf16 (nearest even, deq_bf16's bits) and stored into the other buffer. So the weight is
+// dequantised once per row tile inside the tile load, never to a global scratch, and the
+// numerics are the bf16 path's that these kernels replace (weights and activations rounded to
+// bf16, f32 sums): only the order of the f32 additions differs. CPU twin: the dequantised
+// weight rounded to bf16 against activations rounded to bf16
+// (cuda_packed::cuda_prefill_tiles_match_the_bf16_twin).
 //
 // Routed experts: `moe_tiles` lists (expert, row tile) pairs from moe_sort's offsets on the
 // device, and the grids are sized to the most tiles any routing can give, so no size comes back
@@ -21,10 +22,12 @@
 #ifndef PG_BK
 #define PG_BK 64   // values a stage (32 or 64)
 #endif
-#define PG_LD (PG_BK + 8)
+#define PG_LD (PG_BK + 8)  // bf16 a shared row: ldmatrix's 8 row addresses hit 8 bank groups
+// Blocks an SM the expert kernels are compiled for: 2 caps registers at 128 (a few bytes of
+// spills at BM = 128), measured 3–5 % faster than 1 on 4 q2 layers (PERF.md v18).
 #ifndef PG_MINB
-#define PG_MINB 2  // blocks an SM the expert kernels are compiled for (registers ≤ 128)
-#endif  // bf16 a shared row: ldmatrix's 8 row addresses hit 8 bank groups
+#define PG_MINB 2
+#endif
 
 // ldsm_x4, mma_bf16_16816 and bf2 (cvt.rn.bf16x2: f2bf_q's bits for every non-NaN value): common.cuh.
 
