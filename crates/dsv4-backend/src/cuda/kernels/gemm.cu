@@ -182,7 +182,7 @@ __device__ __forceinline__ void pg_tile(int k, XR xrow, WR wrow, EPI epi) {
 // chunk c ^ r (address bits 4–6 ^= bits 7–9). A thread's 16-byte store of chunk c of row r goes
 // to 128·r + 16·(c ^ (r & 7)): the 8 threads of a row cover the 8 chunk slots, conflict-free.
 // tools/sass/wgmma_swizzle.py checks this against the descriptor's address function.
-#define PGW_STAGE (2 * 128 * 128)  // bytes a stage of A or B (128 rows × 128 bytes)
+#define PGW_STAGE (128 * 128)  // bytes a stage of A or B: 128 rows × 128 bytes
 
 // Matrix descriptor of a K-major operand at shared address `a` (1024-aligned atoms, 128-byte
 // swizzle): start >> 4 in bits 0–13; leading byte offset (unused by swizzled K-major: 1) in
