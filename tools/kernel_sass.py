@@ -119,6 +119,8 @@ def report(tools, nvrtc, name, kernels, rev, usage=False):
                     cur = m.group(1)
                 elif cur in kernels and ("registers" in ln or "spill" in ln):
                     print(f"{rev or 'worktree':>10} {cur}: {ln.split(':', 1)[-1].strip()}")
+                elif cur in kernels and "warning" in ln:  # e.g. wgmma serialized
+                    print(f"{rev or 'worktree':>10} {cur}: {ln.strip()}")
         env = dict(os.environ, PATH=os.path.join(tools, "bin") + os.pathsep + os.environ.get("PATH", ""))
         for k in kernels:
             sass = subprocess.run([os.path.join(tools, "bin", "cuobjdump"), "-sass", "-fun", k, cubin], env=env,

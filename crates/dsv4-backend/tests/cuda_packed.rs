@@ -562,17 +562,20 @@ fn cuda_prefill_tiles_match_the_bf16_twin() {
         let bias_g = b.upload(HostTensor::new("bias", vec![ne], vec![0.0; ne])).unwrap();
         let bias_c = Tensor::new(1, ne, vec![0.0; ne]);
         // 100 rows: 400 pairs, ~50 an expert (tiles of 64 pairs); 200 rows: ~100 an expert
-        // (tiles of 128).
-        for n in [100, 200] {
+        // (tiles of 128: on mma.sync, then on wgmma).
+        for (n, wgmma) in [(100, false), (200, false), (200, true)] {
+            b.set_pgemm_wgmma(wgmma);
             let (xg, xc) = activations(&b, n, d, 40 + n as u64);
             let (lg, lc) = activations(&b, n, ne, 50 + n as u64);
             let got = b.to_host(&b.moe(&xg, &b.route(&lg, Some(&bias_g), None, &c), &gpu_e, 0, 10.0));
             let want = experts_twin(&xc, &cpu.route(&lc, Some(&bias_c), None, &c), &cpu_e, 10.0);
             let e = rel_err(&got, &want);
-            println!("tiles {}/{} experts, {n} rows: {e:.2e} from the bf16 twin", f13.name(), f2.name());
-            assert!(e <= 1e-3, "tiles {}/{} experts, {n} rows: {e:.2e} from the bf16 twin", f13.name(), f2.name());
+            let (f1, f2) = (f13.name(), f2.name());
+            println!("tiles {f1}/{f2} experts, {n} rows (wgmma {wgmma}): {e:.2e} from the bf16 twin");
+            assert!(e <= 1e-3, "tiles {f1}/{f2} experts, {n} rows (wgmma {wgmma}): {e:.2e} from the bf16 twin");
         }
     }
+    b.set_pgemm_wgmma(false);
     b.set_tiles_dense_rows(dsv4_backend::cuda::gemm::TILES_DENSE_ROWS);
 }
 

@@ -7,7 +7,9 @@
 //! sums, no scratch, no host synchronisation, two launches for all experts. `DSV4_PGEMM=0`
 //! restores the earlier path (A/B). Dense products take the tiles up to
 //! [`CudaBackend::tiles_dense_rows`] rows (128 by default: cuBLAS on the scratch wins at 256
-//! rows and more with today's tiles).
+//! rows and more with today's tiles). `DSV4_PGEMM_WGMMA=1` ([`CudaBackend::set_pgemm_wgmma`])
+//! runs the routed experts' 128-row tiles on Hopper's wgmma instead of mma.sync (off by default
+//! until measured).
 
 use super::launch::Kernel;
 use super::quant::{ExpertKernels, QuantDev};
@@ -30,8 +32,13 @@ pub(crate) const fn pg_smem(bm: usize) -> usize {
     2 * (bm + PG_BN) * (PG_BK + 8) * 2
 }
 
+/// Dynamic shared memory of the wgmma tiles (`pgemm_{up,down}128w`): two stages of 128 rows and
+/// PG_BN weight rows of `PG_BK` bf16 (128-byte swizzled rows, no padding), and 1024 bytes to
+/// align the swizzle atoms.
+pub(crate) const PGW_SMEM: usize = 2 * (128 + PG_BN) * PG_BK * 2 + 1024;
+
 /// The most dynamic shared memory any tile kernel takes (set on each at load).
-pub(crate) const PG_SMEM_MAX: usize = pg_smem(128);
+pub(crate) const PG_SMEM_MAX: usize = if PGW_SMEM > pg_smem(128) { PGW_SMEM } else { pg_smem(128) };
 
 /// Whether products of many rows take the tensor-core tiles (default) or, with `DSV4_PGEMM=0`,
 /// the dequantised scratch and cuBLAS.
@@ -125,7 +132,12 @@ impl CudaBackend {
         // Tiles of 128 of an expert's pairs where experts hold 96 or more on average (prefill
         // chunks of ~4K tokens and up: half the decode work a product), else of 64.
         let bm = if nk >= 96 * p.nexp { 128 } else { 64 };
-        let (up, down) = if bm == 128 { (ek.pg_up128, ek.pg_down128) } else { (ek.pg_up, ek.pg_down) };
+        let wgmma = bm == 128 && self.pgemm_wgmma();
+        let (up, down, smem) = match (bm, wgmma) {
+            (128, true) => (ek.pg_up128w, ek.pg_down128w, PGW_SMEM),
+            (128, false) => (ek.pg_up128, ek.pg_down128, pg_smem(128)),
+            _ => (ek.pg_up, ek.pg_down, pg_smem(bm)),
+        };
         // Every active expert's last tile may be partial: at most ⌈nk / bm⌉ + active tiles.
         let most = nk.div_ceil(bm) + nk.min(p.nexp);
         let mut tiles = self.alloc::<u32>(1 + most);
@@ -134,7 +146,7 @@ impl CudaBackend {
         let grid = |cols: usize| LaunchConfig {
             grid_dim: (most as u32, cols as u32, 1),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: pg_smem(bm) as u32,
+            shared_mem_bytes: smem as u32,
         };
         // The gate/up tiles read bf16 activations: one cast for all the experts' tiles.
         let xb = self.cast_bf16(&x.data, x.rows * p.d);

@@ -402,6 +402,8 @@ pub struct CudaBackend {
     x8_tiles: std::sync::atomic::AtomicU8,
     /// Most rows a dense packed product runs on gemm.cu's tiles ([`Self::set_tiles_dense_rows`]).
     tiles_dense: std::sync::atomic::AtomicUsize,
+    /// The routed experts' 128-row tiles on wgmma ([`Self::set_pgemm_wgmma`]).
+    pgemm_wgmma: std::sync::atomic::AtomicBool,
     /// Prefill chunks' attention on tensor cores ([`Self::set_attention_tc`]).
     attention_tc: std::sync::atomic::AtomicBool,
     /// Prefill chunks' indexer scores on tensor cores ([`Self::set_index_tc`]).
@@ -542,6 +544,17 @@ impl CudaBackend {
         self.tiles_dense.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Whether the routed experts' 128-row tiles run on wgmma (gemm.cu's `pgemm_{up,down}128w`:
+    /// operands read from swizzled shared memory, no ldmatrix) instead of mma.sync. Starts off
+    /// unless `DSV4_PGEMM_WGMMA=1`: not yet measured against the mma.sync tiles.
+    pub fn set_pgemm_wgmma(&self, on: bool) {
+        self.pgemm_wgmma.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn pgemm_wgmma(&self) -> bool {
+        self.pgemm_wgmma.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Whether fast-mode attention of prefill-sized calls (256 rows and more) takes
     /// `attention_tc` (bf16 queries, keys and weights on tensor cores, f32 sums) or the f32
     /// kernel. Starts on unless `DSV4_ATT_TC=0`.
@@ -646,6 +659,9 @@ impl CudaBackend {
                     .ok()
                     .and_then(|v| v.trim().parse().ok())
                     .unwrap_or(gemm::TILES_DENSE_ROWS),
+            ),
+            pgemm_wgmma: std::sync::atomic::AtomicBool::new(
+                std::env::var("DSV4_PGEMM_WGMMA").is_ok_and(|v| v.trim() == "1"),
             ),
             steps: Mutex::new(graph::Steps::default()),
             hash_tables: Mutex::new(HashMap::new()),

@@ -103,6 +103,9 @@ pub(crate) struct ExpertKernels<'a> {
     pub pg_down: &'a CudaFunction,
     pub pg_up128: &'a CudaFunction,
     pub pg_down128: &'a CudaFunction,
+    /// The 128-row tiles on wgmma (`pgemm_up128w`, `pgemm_down128w`; [`CudaBackend::pgemm_wgmma`]).
+    pub pg_up128w: &'a CudaFunction,
+    pub pg_down128w: &'a CudaFunction,
 }
 
 /// A weight in a packed format on the device.
@@ -211,6 +214,8 @@ impl QuantKernels {
                 "pgemm_down64",
                 "pgemm_up128",
                 "pgemm_down128",
+                "pgemm_up128w",
+                "pgemm_down128w",
             ] {
                 names.push(format!("{k}_{f}"));
             }
@@ -624,6 +629,8 @@ impl CudaBackend {
             pg_down: self.qk.get(&format!("pgemm_down64_{f2}")),
             pg_up128: self.qk.get(&format!("pgemm_up128_{f13}")),
             pg_down128: self.qk.get(&format!("pgemm_down128_{f2}")),
+            pg_up128w: self.qk.get(&format!("pgemm_up128w_{f13}")),
+            pg_down128w: self.qk.get(&format!("pgemm_down128w_{f2}")),
         }
     }
 

@@ -144,6 +144,182 @@ __device__ __forceinline__ void pg_tile(int k, XR xrow, WR wrow, EPI epi) {
         }
 }
 
+// ---- Hopper wgmma version of the 128-row tile (the routed experts' `pgemm_{up,down}128w_F`;
+// opt in, `DSV4_PGEMM_WGMMA=1`). Same loads, decode and numerics as pg_tile (bf16 operands,
+// f32 sums; only the order of the additions inside the tensor core may differ), but the mma
+// reads both operands from shared memory through matrix descriptors: ncu on pg_tile showed the
+// ldmatrix traffic (24 ldmatrix.x4 a warp a stage for 64 mma) and its bank conflicts, not the
+// tensor pipe, bounding it. The mma is asynchronous, so the tile's decode into the other buffer
+// runs while the tensor cores work on this one.
+//
+// Block: 256 threads = 2 warpgroups; warpgroup g owns rows 64g..64g+63 × all 128 weight rows
+// (4 m64n128k16 a stage of 64 values, 64 f32 accumulators a thread). Every thread loads and
+// decodes (the decode's ALU work is the other bound: no idle producer warps), as pg_tile. The
+// bf16 activations go to shared memory by cp.async (no registers held across the stage: with
+// the 64 accumulators, pg_tile's staging registers spilled in the loop).
+//
+// Shared memory: two stages of A (128 rows) and B (128 weight rows), each row 64 bf16 = 128
+// bytes, in wgmma's K-major 128-byte-swizzle layout: 8-row atoms of 1024 bytes (1024-aligned,
+// so the descriptors' base offset is 0), row r of an atom at 128·r, its 16-byte chunk c at
+// chunk c ^ r (address bits 4–6 ^= bits 7–9). A thread's 16-byte store of chunk c of row r goes
+// to 128·r + 16·(c ^ (r & 7)): the 8 threads of a row cover the 8 chunk slots, conflict-free.
+// tools/sass/wgmma_swizzle.py checks this against the descriptor's address function.
+#define PGW_STAGE (128 * 128)  // bytes a stage of A or B: 128 rows × 128 bytes
+
+// Matrix descriptor of a K-major operand at shared address `a` (1024-aligned atoms, 128-byte
+// swizzle): start >> 4 in bits 0–13; leading byte offset (unused by swizzled K-major: 1) in
+// 16–29; stride byte offset 1024 (the next 8 rows) >> 4 in 32–45; base offset 0 (49–51);
+// swizzle mode 1 = 128B in 62–63. A k16 step advances the start by 32 bytes inside the atom:
+// the hardware swizzles the computed address, as it does the threads' stores.
+__device__ __forceinline__ unsigned long long wg_desc(unsigned a) {
+    return (unsigned long long)((a & 0x3FFFFu) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+
+// Keeps the compiler from moving accumulator registers across the asynchronous mma (a copy
+// between wgmma and its wait would read registers the tensor core is still writing).
+__device__ __forceinline__ void wg_fence_acc(float* d) {
+#pragma unroll
+    for (int i = 0; i < 64; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d += A · Bᵀ for one k16 step: A 64 × 16 (descriptor da), B 128 × 16 (db), both K-major.
+__device__ __forceinline__ void wgmma_m64n128k16(float* d, unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
+        "%64, %65, p, 1, 1, 0, 0;\n}"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(1));
+}
+
+// One 128 × PG_BN tile over k values on wgmma: pg_tile's contract (xrow, wrow, epi; 256
+// threads, all calling it), shared memory PGW_SMEM bytes (two stages and 1024 of alignment).
+template <int F, bool XB, typename XR, typename WR, typename EPI>
+__device__ __forceinline__ void pg_tile_w(int k, XR xrow, WR wrow, EPI epi) {
+    static_assert(PG_BK == 64 && PG_BN == 128, "a stage's row is one 128-byte swizzle row");
+    static_assert(XB, "bf16 activations (copied as they are)");
+    constexpr int BM = 128;
+    constexpr int CPR = PG_BK / 8, RP = 256 / CPR, XS = BM / RP, WS = PG_BN / RP;
+    extern __shared__ __align__(16) u16 pg_sm[];
+    unsigned raw = (unsigned)__cvta_generic_to_shared(pg_sm);
+    unsigned base = (raw + 1023u) & ~1023u;  // As[2] then Bs[2], PGW_STAGE bytes each
+    char* smb = (char*)pg_sm + (base - raw);
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+    int lr = tid / CPR, lc = (tid % CPR) * 8;
+    // This thread's swizzled byte offset in a stage (rows lr + RP·i share it: RP is a multiple of 8).
+    unsigned so = lr * 128 + (((tid % CPR) ^ (lr & 7)) << 4);
+    // The rows' activation addresses in a shared table (read each stage: 8 registers fewer than
+    // holding them, which removed the loop's spills); rows past the live ones: a zero fill
+    // (source size 0) from row 0's address (always live).
+    __shared__ const u16* xp[BM];
+    unsigned xn = 0;  // bit i: row lr + RP·i live
+#pragma unroll
+    for (int i = 0; i < XS; i++) xn |= (xrow(lr + RP * i) ? 1u : 0u) << i;
+    if (tid < BM) {
+        const u16* p = (const u16*)xrow(tid);
+        xp[tid] = p ? p : (const u16*)xrow(0);
+    }
+    __syncthreads();
+    const u8 *wr[WS], *sr[WS];
+#pragma unroll
+    for (int i = 0; i < WS; i++) wrow(lr + RP * i, wr[i], sr[i]);
+    Raw8 ra[WS];
+    // The activations of values k0.. straight into stage buf (cp.async, 16 bytes a row chunk), and
+    // the weight words into registers.
+    auto load = [&](int buf, int k0) {
+        unsigned a = base + buf * PGW_STAGE + so;
+#pragma unroll
+        for (int i = 0; i < XS; i++)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(a + RP * 128 * i),
+                         "l"(xp[lr + RP * i] + k0 + lc), "r"((xn >> i & 1u) * 16u)
+                         : "memory");
+        asm volatile("cp.async.commit_group;" ::: "memory");
+#pragma unroll
+        for (int i = 0; i < WS; i++) ra[i] = raw8<F>(wr[i], sr[i], k0 + lc);
+    };
+    // The weight of values k0.. decoded into stage buf; then the stage's activations waited for.
+    auto store = [&](int buf, int k0) {
+        float y[8];
+        char* b = smb + (2 + buf) * PGW_STAGE + so;
+#pragma unroll
+        for (int i = 0; i < WS; i++) {
+            deq8r<F>(ra[i], k0 + lc, y);
+            *(uint4*)(b + RP * 128 * i) =
+                make_uint4(bf2(y[0], y[1]), bf2(y[2], y[3]), bf2(y[4], y[5]), bf2(y[6], y[7]));
+        }
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        // This thread's generic-proxy writes (the stores above and its cp.async copies, complete
+        // now), visible to wgmma's async-proxy reads after the barrier that follows.
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    };
+    // Descriptors of stage 0, k 0: this warpgroup's 64 rows of A (8 atoms from row 64·wg), all
+    // of B. Stage s and step kk add (s·PGW_STAGE + 32·kk) >> 4 to the start field (no carry out
+    // of its 14 bits: shared addresses stay below 2^18).
+    unsigned long long da = wg_desc(base + wg * 64 * 128), db = wg_desc(base + 2 * PGW_STAGE);
+    float acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++) acc[i] = 0.f;
+    load(0, 0);
+    store(0, 0);
+    __syncthreads();
+    int nk = k / PG_BK;
+#pragma unroll 1
+    for (int kt = 0; kt < nk; kt++) {
+        int buf = kt & 1;
+        if (kt + 1 < nk) load(buf ^ 1, (kt + 1) * PG_BK);
+        wg_fence_acc(acc);
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+        for (int kk = 0; kk < PG_BK / 16; kk++) {
+            unsigned long long o = (unsigned long long)((buf * PGW_STAGE + 32 * kk) >> 4);
+            wgmma_m64n128k16(acc, da + o, db + o);
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        // The next stage's copies, decode and stores (the other buffer: its last readers, the
+        // previous stage's wgmma, were waited for before the last barrier) overlap this mma.
+        if (kt + 1 < nk) store(buf ^ 1, (kt + 1) * PG_BK);
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        wg_fence_acc(acc);
+        __syncthreads();
+    }
+    // Accumulator layout (PTX ISA, wgmma .m64nNk16 D fragment, f32; CUTLASS CLayout_64xN):
+    // warp w = warp % 4 of the warpgroup holds rows 16w..16w+15; lane = 4g + t; register
+    // 4j + 2h + e (j < N/8, h, e < 2) is row 16w + g + 8h, column 8j + 2t + e. So registers
+    // 4j, 4j+1 are columns n, n+1 (n = 8j + 2t) of row r and 4j+2, 4j+3 the same columns of
+    // row r + 8: the quads hold 4 consecutive column pairs of a row, as mma.sync's fragments do
+    // (pgemm_up's quad shuffles rely on it).
+    int r = 64 * wg + 16 * (warp & 3) + (lane >> 2), t = lane & 3;
+#pragma unroll
+    for (int j = 0; j < PG_BN / 8; j++) {
+        int n = 8 * j + 2 * t;
+        epi(r, n, acc[4 * j], acc[4 * j + 1]);
+        epi(r + 8, n, acc[4 * j + 2], acc[4 * j + 3]);
+    }
+}
+
+// pg_tile or, for W (BM = 128 only), pg_tile_w.
+template <int F, bool XB, int BM, bool W, typename XR, typename WR, typename EPI>
+__device__ __forceinline__ void pg_tiles(int k, XR xrow, WR wrow, EPI epi) {
+    if constexpr (W) {
+        static_assert(BM == 128, "the wgmma tile is 128 rows");
+        pg_tile_w<F, XB>(k, xrow, wrow, epi);
+    } else {
+        pg_tile<F, XB, BM>(k, xrow, wrow, epi);
+    }
+}
+
 // out[r, o] = x[r, :] · w[o, :] for n rows (x f32, row stride ldx; the grouped projection: the
 // output's group o / rpg reads values (o / rpg)·k..). Grid (row tiles, output tiles); rpg a
 // multiple of PG_BN when rpg < m, m even.
@@ -206,7 +382,7 @@ __device__ __forceinline__ PgExpert pg_expert(const unsigned* tiles, const unsig
 // (most tiles, inter / 64), inter a multiple of 64 (a quad's 4 outputs are stored together).
 // Weight rows of a block interleave w1 and w3 (column 2i: gate of output o0 + i, 2i + 1: its
 // up), so a thread holds both halves of its outputs.
-template <int F, int BM>
+template <int F, int BM, bool W = false>
 __device__ void pgemm_up(u16* __restrict__ h, const u16* __restrict__ x, const unsigned* order, const unsigned* off,
                          const unsigned* tiles, const unsigned long long* ptrs, int nexp, int k, int d, int inter,
                          float limit) {
@@ -216,7 +392,7 @@ __device__ void pgemm_up(u16* __restrict__ h, const u16* __restrict__ x, const u
     int o0 = blockIdx.y * (PG_BN / 2);
     const u8 *w1 = (const u8*)ptrs[ex.e], *w3 = (const u8*)ptrs[nexp + ex.e];
     const u8 *s1 = (const u8*)ptrs[3 * nexp + ex.e], *s3 = (const u8*)ptrs[4 * nexp + ex.e];
-    pg_tile<F, true, BM>(
+    pg_tiles<F, true, BM, W>(
         d, [&](int r) -> const void* { return r < ex.rows ? x + (long long)(pid[r] / k) * d : nullptr; },
         [&](int nn, const u8*& wr, const u8*& sr) {
             // Selects, not an array indexed by nn & 1 (that put the pointers in local memory).
@@ -238,7 +414,7 @@ __device__ void pgemm_up(u16* __restrict__ h, const u16* __restrict__ x, const u
 }
 
 // Routed experts' down products: y[p, o] (f32) from h (bf16); grid (most tiles, d / PG_BN).
-template <int F, int BM>
+template <int F, int BM, bool W = false>
 __device__ void pgemm_down(float* __restrict__ y, const u16* __restrict__ h, const unsigned* order,
                            const unsigned* off, const unsigned* tiles, const unsigned long long* ptrs, int nexp, int d,
                            int inter) {
@@ -248,7 +424,7 @@ __device__ void pgemm_down(float* __restrict__ y, const u16* __restrict__ h, con
     int o0 = blockIdx.y * PG_BN;
     const u8* w = (const u8*)ptrs[2 * nexp + ex.e];
     const u8* s = (const u8*)ptrs[5 * nexp + ex.e];
-    pg_tile<F, true, BM>(
+    pg_tiles<F, true, BM, W>(
         inter, [&](int r) -> const void* { return r < ex.rows ? h + (long long)pid[r] * inter : nullptr; },
         [&](int nn, const u8*& wr, const u8*& sr) {
             int o = min(o0 + nn, d - 1);
@@ -261,33 +437,37 @@ __device__ void pgemm_down(float* __restrict__ y, const u16* __restrict__ h, con
 }
 
 // pgemm_F: dense, 128-row tiles; pgemm_{up,down}{64,128}_F: routed experts in tiles of 64 or 128
-// of an expert's pairs (the launcher picks by the pairs an active expert holds on average).
-#define PGEMM_EXPERTS(F, N, BM)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256, PG_MINB)                                                                \
-        pgemm_up##BM##_##N(u16* h, const u16* x, const unsigned* order, const unsigned* off,                        \
-                           const unsigned* tiles, const unsigned long long* ptrs, int nexp, int k, int d, int inter, \
-                           float limit) {                                                                            \
-        pdl_enter();                                                                                                 \
-        fill_tabs<F, false>();                                                                                       \
-        pgemm_up<F, BM>(h, x, order, off, tiles, ptrs, nexp, k, d, inter, limit);                                    \
-    }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(256, PG_MINB)                                                                \
-        pgemm_down##BM##_##N(float* y, const u16* h, const unsigned* order, const unsigned* off,                    \
-                             const unsigned* tiles, const unsigned long long* ptrs, int nexp, int d, int inter) {    \
-        pdl_enter();                                                                                                 \
-        fill_tabs<F, false>();                                                                                       \
-        pgemm_down<F, BM>(y, h, order, off, tiles, ptrs, nexp, d, inter);                                            \
+// of an expert's pairs (the launcher picks by the pairs an active expert holds on average);
+// pgemm_{up,down}128w_F: the 128-row ones on wgmma (W).
+#define PGEMM_EXPERTS(F, N, BM, SUF, W)                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, PG_MINB)                                                   \
+        pgemm_up##BM##SUF##_##N(u16* h, const u16* x, const unsigned* order, const unsigned* off,              \
+                                const unsigned* tiles, const unsigned long long* ptrs, int nexp, int k, int d,  \
+                                int inter, float limit) {                                                       \
+        pdl_enter();                                                                                            \
+        fill_tabs<F, false>();                                                                                  \
+        pgemm_up<F, BM, W>(h, x, order, off, tiles, ptrs, nexp, k, d, inter, limit);                            \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(256, PG_MINB)                                                   \
+        pgemm_down##BM##SUF##_##N(float* y, const u16* h, const unsigned* order, const unsigned* off,          \
+                                  const unsigned* tiles, const unsigned long long* ptrs, int nexp, int d,        \
+                                  int inter) {                                                                  \
+        pdl_enter();                                                                                            \
+        fill_tabs<F, false>();                                                                                  \
+        pgemm_down<F, BM, W>(y, h, order, off, tiles, ptrs, nexp, d, inter);                                    \
     }
 
-#define PGEMM_KERNELS(F, N)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(256) pgemm_##N(float* out, const float* x, const u8* w,            \
-                                                                const u8* s, int n, int k, int m, int ldx, int rpg) { \
-        pdl_enter();                                                                                                 \
-        fill_tabs<F, false>();                                                                                       \
-        pgemm_dense<F, 128>(out, x, w, s, n, k, m, ldx, rpg);                                                        \
-    }                                                                                                                \
-    PGEMM_EXPERTS(F, N, 64)                                                                                          \
-    PGEMM_EXPERTS(F, N, 128)
+#define PGEMM_KERNELS(F, N)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256) pgemm_##N(float* out, const float* x, const u8* w,       \
+                                                                const u8* s, int n, int k, int m, int ldx,     \
+                                                                int rpg) {                                     \
+        pdl_enter();                                                                                            \
+        fill_tabs<F, false>();                                                                                  \
+        pgemm_dense<F, 128>(out, x, w, s, n, k, m, ldx, rpg);                                                   \
+    }                                                                                                           \
+    PGEMM_EXPERTS(F, N, 64, , false)                                                                            \
+    PGEMM_EXPERTS(F, N, 128, , false)                                                                           \
+    PGEMM_EXPERTS(F, N, 128, w, true)
 
 PGEMM_KERNELS(F_Q8_0, q8_0)
 PGEMM_KERNELS(F_Q4_K, q4_k)
