@@ -488,7 +488,8 @@ fn cuda_bf16_fast_path_close_to_cpu() {
 /// runs: the kernels differ only by attention_tc's bf16 queries, keys and softmax weights
 /// (2^-9 relative each, f32 sums), about 1e-3 of a row's logits through 3 layers; held to 1e-2
 /// a row against the f32 kernel and to the fast path's bound ([`FAST_TOL`]) against the CPU.
-/// The decode rows after the chunks (the f32 kernel) check the state the chunks left.
+/// The decode rows after the chunks check the state the chunks left, and attention_tc at one
+/// row (its row threshold lowered to 1, as decode batches past `attention_tc_rows` take it).
 #[test]
 fn cuda_prefill_attention_tc_matches_f32_kernel() {
     let Some(b) = gpu() else { return };
@@ -513,10 +514,12 @@ fn cuda_prefill_attention_tc_matches_f32_kernel() {
     let (s_tc, s_f32) = (gpu.alloc_seq().unwrap(), gpu.alloc_seq().unwrap());
     let (mut vs_f32, mut vs_cpu) = (Vec::new(), Vec::new());
     let mut off = 0;
-    // Chunks of 300 and 400 rows (attention_tc), then four decode rows.
+    // Chunks of 300 and 400 rows (attention_tc), then four decode rows (attention_tc too: its
+    // row threshold lowered to 1, as a decode batch past `attention_tc_rows` takes it).
     for n in [300, 400, 1, 1, 1, 1] {
         let all: Vec<usize> = (0..n).collect();
         let chunk = &toks[off..off + n];
+        gpu.backend.set_attention_tc_rows(if n == 1 { 1 } else { 256 });
         gpu.backend.set_attention_tc(true);
         let a = gpu.forward(&Batch::chunk(s_tc, off, chunk).unwrap(), &all).unwrap();
         gpu.backend.set_attention_tc(false);
@@ -527,6 +530,7 @@ fn cuda_prefill_attention_tc_matches_f32_kernel() {
         off += n;
     }
     gpu.backend.set_attention_tc(true);
+    gpu.backend.set_attention_tc_rows(256);
     let worst = |e: &[f64]| e.iter().fold(0f64, |m, &x| m.max(x));
     println!(
         "attention_tc over {} rows: worst {:.2e} from the f32 kernel, {:.2e} from the CPU",

@@ -537,6 +537,13 @@ fn cuda_prefill_tiles_match_the_bf16_twin() {
         let e = rel_err(&got, &reference(&Tensor::new(n, k, rb(&xc.data)), &wf, m, k, 1));
         println!("tiles {} {n} rows: {e:.2e} from the bf16 twin", format.name());
         assert!(e <= 1e-5, "tiles {} product, {n} rows: {e:.2e} from the bf16 twin", format.name());
+        // The same product's first 40 rows alone (tiles of 64 rows; k split in 4 either way, by
+        // the shape): bitwise the 300-row result's rows, as a decode batch needs.
+        let (x40, _) = activations(&b, 40, k, 310 + fi as u64);
+        let few = b.to_host(&b.matmul(&x40, &w));
+        for (i, (p, q)) in few.iter().zip(&got[..40 * m]).enumerate() {
+            assert_eq!(p.to_bits(), q.to_bits(), "tiles {} 40 rows vs 300, value {i}: {p} vs {q}", format.name());
+        }
         // The grouped projection (wo_a): two groups of 256 outputs, each over its own k inputs.
         let pg = random_packed(format, 512, k, 320 + fi as u64);
         let wg = b.upload(host("layers.0.attn.wo_a.weight", 512, k, &pg)).unwrap();

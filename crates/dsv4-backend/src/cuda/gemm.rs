@@ -7,9 +7,8 @@
 //! sums, no scratch, no host synchronisation, two launches for all experts. `DSV4_PGEMM=0`
 //! restores the earlier path (A/B). Dense products take the tiles up to
 //! [`CudaBackend::tiles_dense_rows`] rows (128 by default: cuBLAS on the scratch wins at 256
-//! rows and more with today's tiles). `DSV4_PGEMM_WGMMA=1` ([`CudaBackend::set_pgemm_wgmma`])
-//! runs the routed experts' 128-row tiles on Hopper's wgmma instead of mma.sync (off by default
-//! until measured).
+//! rows and more with today's tiles). The routed experts' 128-row tiles run on Hopper's wgmma
+//! (`DSV4_PGEMM_WGMMA=0`, [`CudaBackend::set_pgemm_wgmma`]: on mma.sync instead).
 
 use super::launch::Kernel;
 use super::quant::{ExpertKernels, QuantDev};
@@ -67,6 +66,24 @@ pub(crate) fn experts_fit(d: usize, inter: usize) -> bool {
         && inter.is_multiple_of(PG_BK)
 }
 
+/// Splits of k for a dense product of `m` outputs over `k` values on the tiles, and the values
+/// a split takes (a multiple of `PG_BK`): enough blocks for two waves of a row tile over `sms`
+/// multiprocessors, each split at least 4 stages. From the shape alone, so a row's sums are the
+/// same in every batch. A 1,024 × 4,096 product (V4-Flash's wq_a) ran as 8 blocks walking 64
+/// stages (80 µs at batch 64 on the H200, PERF.md v19); in 16 splits it runs 128 blocks of 4.
+/// `DSV4_PGEMM_SPLIT=0` turns the split off (A/B).
+pub(crate) fn dense_splits(m: usize, k: usize, sms: usize) -> (usize, usize) {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if !*ON.get_or_init(|| std::env::var("DSV4_PGEMM_SPLIT").map_or(true, |v| v.trim() != "0")) {
+        return (1, k);
+    }
+    let tiles = m.div_ceil(PG_BN).max(1);
+    let stages = (k / PG_BK).max(1);
+    let want = (2 * sms).div_ceil(tiles).clamp(1, (stages / 4).max(1));
+    let per = stages.div_ceil(want);
+    (stages.div_ceil(per), per * PG_BK)
+}
+
 impl CudaBackend {
     /// `out[n, m] = x · wᵀ` for a packed `w` `[m, k]` (`groups > 1`: the grouped projection) on
     /// the tensor-core tiles; `None` for shapes they do not take, or above the tiles' rows.
@@ -90,19 +107,28 @@ impl CudaBackend {
         if n == 0 || m == 0 {
             return Some(out);
         }
+        // Tiles of 64 rows for up to 64 (half the mma work of 128; each output's sum is the
+        // same either way), and the split of k from the shape alone (see `dense_splits`).
+        let (bm, kern) = if n <= 64 { (64, "pgemm64") } else { (PG_BM, "pgemm") };
+        let (splits, ks) = dense_splits(m, k, self.sm_count());
+        let mut part = if splits > 1 { Some(self.alloc::<f32>(splits * n * m)) } else { None };
         let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(PG_BM) as u32, m.div_ceil(PG_BN) as u32, 1),
+            grid_dim: (n.div_ceil(bm) as u32, m.div_ceil(PG_BN) as u32, splits as u32),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: pg_smem(PG_BM) as u32,
+            shared_mem_bytes: pg_smem(bm) as u32,
         };
         // SAFETY: argument types and buffer sizes match the kernel; x's rows are 16-byte aligned
-        // (a fresh allocation, cols a multiple of 4).
+        // (a fresh allocation, cols a multiple of 4); `part` holds splits × n × m values when
+        // splits > 1 (the kernel writes `out` directly otherwise and never reads `part`).
         ck(
             unsafe {
-                self.stream
-                    .kernel(self.qk.of("pgemm", q.format))
-                    .arg(&mut out.data)
-                    .arg(&x.data)
+                let mut l = self.stream.kernel(self.qk.of(kern, q.format));
+                l.arg(&mut out.data);
+                match part.as_mut() {
+                    Some(p) => l.arg(p),
+                    None => l.arg(&mut out.data),
+                };
+                l.arg(&x.data)
                     .arg(&q.blocks)
                     .arg(&q.scales)
                     .arg(&(n as i32))
@@ -110,10 +136,27 @@ impl CudaBackend {
                     .arg(&(m as i32))
                     .arg(&(x.cols as i32))
                     .arg(&(rpg as i32))
+                    .arg(&(ks as i32))
                     .launch(cfg)
             },
             "pgemm",
         );
+        if let Some(p) = part.as_ref() {
+            let count = n * m;
+            // SAFETY: `p` holds splits × count values, `out` count.
+            ck(
+                unsafe {
+                    self.stream
+                        .kernel(self.qk.get("pg_sum_splits"))
+                        .arg(&mut out.data)
+                        .arg(p)
+                        .arg(&(splits as i32))
+                        .arg(&(count as i64))
+                        .launch(super::cfg1d(count, 256))
+                },
+                "pg_sum_splits",
+            );
+        }
         Some(out)
     }
 

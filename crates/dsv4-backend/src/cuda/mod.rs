@@ -406,6 +406,10 @@ pub struct CudaBackend {
     pgemm_wgmma: std::sync::atomic::AtomicBool,
     /// Prefill chunks' attention on tensor cores ([`Self::set_attention_tc`]).
     attention_tc: std::sync::atomic::AtomicBool,
+    /// Multiprocessors of the device ([`Self::sm_count`]).
+    sms: usize,
+    /// Rows from which attention takes `attention_tc` ([`Self::set_attention_tc_rows`]).
+    attention_tc_rows: std::sync::atomic::AtomicUsize,
     /// Prefill chunks' indexer scores on tensor cores ([`Self::set_index_tc`]).
     index_tc: std::sync::atomic::AtomicBool,
     /// Recorded steps' persistent inputs and outputs, and the step being recorded.
@@ -545,8 +549,9 @@ impl CudaBackend {
     }
 
     /// Whether the routed experts' 128-row tiles run on wgmma (gemm.cu's `pgemm_{up,down}128w`:
-    /// operands read from swizzled shared memory, no ldmatrix) instead of mma.sync. Starts off
-    /// unless `DSV4_PGEMM_WGMMA=1`: not yet measured against the mma.sync tiles.
+    /// operands read from swizzled shared memory, no ldmatrix) instead of mma.sync. Starts on
+    /// unless `DSV4_PGEMM_WGMMA=0`: an 8K chunk's routed experts on 4 q2 layers took 44.9 ms
+    /// against 64.5 on mma.sync (H200, PERF.md v19).
     pub fn set_pgemm_wgmma(&self, on: bool) {
         self.pgemm_wgmma.store(on, std::sync::atomic::Ordering::Relaxed);
     }
@@ -555,15 +560,31 @@ impl CudaBackend {
         self.pgemm_wgmma.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Whether fast-mode attention of prefill-sized calls (256 rows and more) takes
+    /// Whether fast-mode attention of calls of [`Self::attention_tc_rows`] rows and more takes
     /// `attention_tc` (bf16 queries, keys and weights on tensor cores, f32 sums) or the f32
     /// kernel. Starts on unless `DSV4_ATT_TC=0`.
     pub fn set_attention_tc(&self, on: bool) {
         self.attention_tc.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// The device's multiprocessors (the dense tiles' split of k: [`gemm::dense_splits`]).
+    pub fn sm_count(&self) -> usize {
+        self.sms
+    }
+
     pub fn attention_tc(&self) -> bool {
         self.attention_tc.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Rows from which a fast-mode attention call takes `attention_tc` (one block a row, its 64
+    /// heads sharing every key) rather than the f32 kernel (key slices that spread a few rows
+    /// over the GPU). Start value `DSV4_ATT_TC_ROWS`, else [`attention::ATC_MIN_ROWS`].
+    pub fn set_attention_tc_rows(&self, rows: usize) {
+        self.attention_tc_rows.store(rows.max(1), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn attention_tc_rows(&self) -> usize {
+        self.attention_tc_rows.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether fast-mode indexer scores of prefill-sized calls (256 rows and more, V4-Flash's
@@ -595,6 +616,9 @@ impl CudaBackend {
             return Err(CudaInitError::NoDevice);
         }
         let ctx = CudaContext::new(ordinal)?;
+        let sms = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_or(132, |v| v.max(1) as usize);
         // One stream: ordering is the stream's, so cudarc's per-buffer event tracking is not needed.
         // SAFETY: every buffer of this backend is used on `stream` only.
         unsafe { ctx.disable_event_tracking() };
@@ -651,6 +675,14 @@ impl CudaBackend {
             attention_tc: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_ATT_TC").map_or(true, |v| v.trim() != "0"),
             ),
+            sms,
+            attention_tc_rows: std::sync::atomic::AtomicUsize::new(
+                std::env::var("DSV4_ATT_TC_ROWS")
+                    .ok()
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(attention::ATC_MIN_ROWS)
+                    .max(1),
+            ),
             index_tc: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_INDEX_TC").map_or(true, |v| v.trim() != "0"),
             ),
@@ -661,7 +693,7 @@ impl CudaBackend {
                     .unwrap_or(gemm::TILES_DENSE_ROWS),
             ),
             pgemm_wgmma: std::sync::atomic::AtomicBool::new(
-                std::env::var("DSV4_PGEMM_WGMMA").is_ok_and(|v| v.trim() == "1"),
+                std::env::var("DSV4_PGEMM_WGMMA").map_or(true, |v| v.trim() != "0"),
             ),
             steps: Mutex::new(graph::Steps::default()),
             hash_tables: Mutex::new(HashMap::new()),

@@ -199,6 +199,7 @@ impl QuantKernels {
             "fill_u8".into(),
             "quant_x8".into(),
             "moe_tiles".into(),
+            "pg_sum_splits".into(),
         ];
         for f in PackedFormat::ALL.into_iter().map(suffix).chain(["bf16w"]) {
             for k in [
@@ -210,6 +211,7 @@ impl QuantKernels {
                 "moe_up1",
                 "moe_down1",
                 "pgemm",
+                "pgemm64",
                 "pgemm_up64",
                 "pgemm_down64",
                 "pgemm_up128",

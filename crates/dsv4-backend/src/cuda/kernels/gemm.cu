@@ -63,8 +63,10 @@ struct XRaw8 {
 // first version (PG_BK = 32, 4 threads a row, f32 activations) showed L1 at 93 % of its
 // throughput and the tensor pipe mostly idle, each load instruction touching 8 rows' lines for
 // 16–32 bytes each.
+//
+// Values kb..ke only (both multiples of PG_BK): a split of k (the dense products' split-K).
 template <int F, bool XB, int BM, typename XR, typename WR, typename EPI>
-__device__ __forceinline__ void pg_tile(int k, XR xrow, WR wrow, EPI epi) {
+__device__ __forceinline__ void pg_tile_range(int kb, int ke, XR xrow, WR wrow, EPI epi) {
     constexpr int CPR = PG_BK / 8;    // threads (chunks of 8 values) a row's stage
     constexpr int RP = 256 / CPR;     // rows a pass of the 256 threads covers
     constexpr int XS = BM / RP;       // activation chunks a thread loads a stage
@@ -109,14 +111,14 @@ __device__ __forceinline__ void pg_tile(int k, XR xrow, WR wrow, EPI epi) {
         for (int j = 0; j < 4; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
-    load(0);
-    store(0, 0);
+    load(kb);
+    store(0, kb);
     __syncthreads();
-    int nk = k / PG_BK;
+    int nk = (ke - kb) / PG_BK;
 #pragma unroll 1
     for (int kt = 0; kt < nk; kt++) {
         int buf = kt & 1;
-        if (kt + 1 < nk) load((kt + 1) * PG_BK);
+        if (kt + 1 < nk) load(kb + (kt + 1) * PG_BK);
 #pragma unroll
         for (int kk = 0; kk < PG_BK; kk += 16) {
             unsigned a[MI][4], b[2][4];
@@ -130,7 +132,7 @@ __device__ __forceinline__ void pg_tile(int k, XR xrow, WR wrow, EPI epi) {
 #pragma unroll
                 for (int j = 0; j < 4; j++) mma_bf16_16816(acc[i][j], a[i], b[j >> 1][2 * (j & 1)], b[j >> 1][2 * (j & 1) + 1]);
         }
-        if (kt + 1 < nk) store(buf ^ 1, (kt + 1) * PG_BK);
+        if (kt + 1 < nk) store(buf ^ 1, kb + (kt + 1) * PG_BK);
         __syncthreads();
     }
     int g = lane >> 2, t = lane & 3;
@@ -142,6 +144,12 @@ __device__ __forceinline__ void pg_tile(int k, XR xrow, WR wrow, EPI epi) {
             epi(r, n, acc[i][j][0], acc[i][j][1]);
             epi(r + 8, n, acc[i][j][2], acc[i][j][3]);
         }
+}
+
+// All k values (k a multiple of PG_BK).
+template <int F, bool XB, int BM, typename XR, typename WR, typename EPI>
+__device__ __forceinline__ void pg_tile(int k, XR xrow, WR wrow, EPI epi) {
+    pg_tile_range<F, XB, BM>(0, k, xrow, wrow, epi);
 }
 
 // ---- Hopper wgmma version of the 128-row tile (the routed experts' `pgemm_{up,down}128w_F`;
@@ -321,23 +329,41 @@ __device__ __forceinline__ void pg_tiles(int k, XR xrow, WR wrow, EPI epi) {
 }
 
 // out[r, o] = x[r, :] · w[o, :] for n rows (x f32, row stride ldx; the grouped projection: the
-// output's group o / rpg reads values (o / rpg)·k..). Grid (row tiles, output tiles); rpg a
-// multiple of PG_BN when rpg < m, m even.
+// output's group o / rpg reads values (o / rpg)·k..). Grid (row tiles, output tiles, splits);
+// rpg a multiple of PG_BN when rpg < m, m even. Split z (of gridDim.z > 1) sums values
+// z·ks..(z + 1)·ks (ks a multiple of PG_BK) into part[z, n, m], which pg_sum_splits adds in
+// split order: a small decode batch's product of few outputs (8 tiles of a 1,024-output
+// product) then fills the GPU, and each output's sum is the same whatever the rows (the split
+// depends on the shape only).
 template <int F, int BM>
-__device__ void pgemm_dense(float* __restrict__ out, const float* __restrict__ x, const u8* __restrict__ w,
-                            const u8* __restrict__ s, int n, int k, int m, int ldx, int rpg) {
+__device__ void pgemm_dense(float* __restrict__ out, float* __restrict__ part, const float* __restrict__ x,
+                            const u8* __restrict__ w, const u8* __restrict__ s, int n, int k, int m, int ldx,
+                            int rpg, int ks) {
     int r0 = blockIdx.x * BM, o0 = blockIdx.y * PG_BN;
     long long xoff = (long long)(o0 / rpg) * k;
-    pg_tile<F, false, BM>(
-        k, [&](int r) -> const void* { return r0 + r < n ? x + (long long)(r0 + r) * ldx + xoff : nullptr; },
+    float* dst = gridDim.z == 1 ? out : part + (long long)blockIdx.z * n * m;
+    int kb = blockIdx.z * ks, ke = min(k, kb + ks);
+    pg_tile_range<F, false, BM>(
+        kb, ke, [&](int r) -> const void* { return r0 + r < n ? x + (long long)(r0 + r) * ldx + xoff : nullptr; },
         [&](int nn, const u8*& wr, const u8*& sr) {
             int o = min(o0 + nn, m - 1);
             wr = w + (long long)o * row_bytes(F, k);
             sr = scale_row(F, s, o, k);
         },
         [&](int r, int nn, float v0, float v1) {
-            if (r0 + r < n && o0 + nn < m) *(float2*)(out + (long long)(r0 + r) * m + o0 + nn) = make_float2(v0, v1);
+            if (r0 + r < n && o0 + nn < m) *(float2*)(dst + (long long)(r0 + r) * m + o0 + nn) = make_float2(v0, v1);
         });
+}
+
+// out[i] = part[0, i] + part[1, i] + … (splits of pgemm_dense, added in split order).
+extern "C" __global__ void pg_sum_splits(float* __restrict__ out, const float* __restrict__ part, int splits,
+                                         long long count) {
+    pdl_enter();
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count) return;
+    float a = part[i];
+    for (int z = 1; z < splits; z++) a += part[(long long)z * count + i];
+    out[i] = a;
 }
 
 // The (expert, row tile) list of a grouped expert launch: tiles[0] the count, tiles[1 + i] =
@@ -457,14 +483,19 @@ __device__ void pgemm_down(float* __restrict__ y, const u16* __restrict__ h, con
         pgemm_down<F, BM, W>(y, h, order, off, tiles, ptrs, nexp, d, inter);                                    \
     }
 
-#define PGEMM_KERNELS(F, N)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256) pgemm_##N(float* out, const float* x, const u8* w,       \
-                                                                const u8* s, int n, int k, int m, int ldx,     \
-                                                                int rpg) {                                     \
+#define PGEMM_DENSE(F, N, BM, SUF)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) pgemm##SUF##_##N(float* out, float* part, const float* x,  \
+                                                                       const u8* w, const u8* s, int n, int k, \
+                                                                       int m, int ldx, int rpg, int ks) {      \
         pdl_enter();                                                                                            \
         fill_tabs<F, false>();                                                                                  \
-        pgemm_dense<F, 128>(out, x, w, s, n, k, m, ldx, rpg);                                                   \
-    }                                                                                                           \
+        pgemm_dense<F, BM>(out, part, x, w, s, n, k, m, ldx, rpg, ks);                                          \
+    }
+
+// pgemm_F / pgemm64_F: dense products in tiles of 128 / 64 rows.
+#define PGEMM_KERNELS(F, N)                                                                                     \
+    PGEMM_DENSE(F, N, 128, )                                                                                    \
+    PGEMM_DENSE(F, N, 64, 64)                                                                                   \
     PGEMM_EXPERTS(F, N, 64, , false)                                                                            \
     PGEMM_EXPERTS(F, N, 128, , false)                                                                           \
     PGEMM_EXPERTS(F, N, 128, w, true)
