@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One decode step's kernels under ncu (see tools/ncu_step.py), graph nodes profiled one by one:
 #   run(command: "bash tools/device/profile.sh [LAYERS] [WEIGHTS] [BATCH]", carry: [".devbin"])
-# Extra environment (DSV4_INT8=1, say) passes through to the bench.
+# Extra environment (DSV4_INT8=1, say) passes through to the bench. PREFILL=N profiles one
+# N-token prefill chunk instead (its plain forward is captured after the decode step, so the
+# report's last forward is the chunk).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/dsv4-out}
@@ -11,7 +13,9 @@ L=${1:-4} W=${2:-q2} BS=${3:-1} TAG=${TAG:-}
 # (DSV4_PROFILE_CAPTURE), so the weight draw and the prefill to CTX run at full speed.
 CTX=${CTX:-16}
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
-DSV4_PROFILE_CAPTURE=1 timeout 250 "$NCU" --profile-from-start off --graph-profiling node --clock-control none --cache-control none \
+PF=()
+[ -n "${PREFILL:-}" ] && PF=(env DSV4_PROFILE_PREFILL="$PREFILL")
+"${PF[@]}" env DSV4_PROFILE_CAPTURE=1 timeout 250 "$NCU" --profile-from-start off --graph-profiling node --clock-control none --cache-control none \
     --metrics gpu__time_duration.sum --csv --print-units base \
     .devbin/dsv4 bench --backend cuda --synthetic flash --layers "$L" --weights "$W" --contexts '' \
     --decode-batches "$BS" --decode-context "$CTX" --decode-tokens 1 > /tmp/ncu.csv 2> /tmp/ncu.err

@@ -53,6 +53,11 @@ pub struct BenchArgs {
     /// Longest prefill chunk.
     #[arg(long, default_value_t = 512)]
     pub prefill_chunk: usize,
+    /// `--synthetic flash`: no warm-up before the first prefill context, so that its figure is
+    /// the cold time to first token of a server that just loaded its weights (the kernels'
+    /// first launches, cuBLAS's first algorithm choices, the memory pool's first growth).
+    #[arg(long)]
+    pub cold: bool,
     #[arg(long, value_enum, default_value = "cpu")]
     pub backend: crate::BackendKind,
     /// Ranks to split a checkpoint or `--synthetic tiny|mid` over (tensor + expert parallel, a

@@ -160,8 +160,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let nl = cfg.n_layers() as f64;
     let mut results = Vec::new();
 
-    // Warm-up: kernels load, cuBLAS picks algorithms.
-    {
+    // Warm-up: kernels load, cuBLAS picks algorithms (skipped with --cold: the first context's
+    // prefill is then a cold time to first token).
+    if !a.cold {
         let s = m.alloc_seq()?;
         let t = toks(chunk.min(2048), 99, vocab);
         m.forward(&Batch::chunk(s, 0, &t)?, &[t.len() - 1])?;
@@ -169,14 +170,24 @@ pub fn run(a: BenchArgs) -> Result<()> {
         m.free_seq(s);
     }
 
-    for &ctx in &contexts {
+    for (ci, &ctx) in contexts.iter().enumerate() {
         let s = m.alloc_seq()?;
         let t = toks(ctx, ctx as u64, vocab);
         let t0 = Instant::now();
+        let mut last = Vec::new();
         for (i, c) in t.chunks(chunk).enumerate() {
-            m.forward(&Batch::chunk(s, i * chunk, c)?, &[c.len() - 1])?;
+            last = m.forward(&Batch::chunk(s, i * chunk, c)?, &[c.len() - 1])?;
         }
+        // The first token: the last row's greedy choice on the host (the logits came back).
+        let first = last.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b });
         let secs = t0.elapsed().as_secs_f64();
+        if a.cold && ci == 0 {
+            println!(
+                "cold time to first token: {ctx} tokens in {secs:.3} s (token {}, no warm-up, {} layers)",
+                first.0,
+                cfg.n_layers()
+            );
+        }
         m.free_seq(s);
         let tps = ctx as f64 / secs;
         let tps43 = tps * nl / FLASH_LAYERS as f64;
@@ -291,6 +302,19 @@ pub fn run(a: BenchArgs) -> Result<()> {
     for n in chunks.context("DSV4_PROFILE_PREFILL")? {
         let s = m.alloc_seq()?;
         let t = toks(n.max(1), 4242, vocab);
+        if std::env::var_os("DSV4_PROFILE_CAPTURE").is_some() {
+            // The chunk's plain forward inside the profiler's capture (ncu per kernel,
+            // tools/device/profile.sh with PREFILL=N), before the probed stage timing.
+            m.backend.profiler_capture(true);
+            m.forward(&Batch::chunk(s, 0, &t)?, &[t.len() - 1])?;
+            m.backend.profiler_capture(false);
+            m.free_seq(s);
+            let s = m.alloc_seq()?;
+            let rows: Vec<Row> = t.iter().enumerate().map(|(p, &token)| Row { seq: s, pos: p, token }).collect();
+            profile_rows(&mut m, rows, &format!("one prefill chunk of {} tokens", t.len()))?;
+            m.free_seq(s);
+            continue;
+        }
         let rows: Vec<Row> = t.iter().enumerate().map(|(p, &token)| Row { seq: s, pos: p, token }).collect();
         profile_rows(&mut m, rows, &format!("one prefill chunk of {} tokens", t.len()))?;
         m.free_seq(s);
