@@ -19,5 +19,5 @@ pub mod x8;
 pub use backend::{Backend, CompSlot, StepResult};
 pub use batch::{Batch, BatchError, Row, Segment};
 pub use cpu::state::{SeqState, StateFormatError, TruncateError, MAX_ROLLBACK};
-pub use forward::{Capture, Forwarded, Outputs, Stage};
+pub use forward::{Capture, Forwarded, Outputs, Probe, Stage};
 pub use model::{Model, ModelError, Snapshot, StepOut, StepPlan};

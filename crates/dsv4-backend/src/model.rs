@@ -7,7 +7,7 @@ use crate::batch::{Batch, BatchError};
 use crate::comm::LocalComm;
 use crate::comm::{Comm, Single};
 use crate::cpu::state::SeqState;
-use crate::forward::{forward_outputs, Capture, Forwarded, Outputs, RopeTables, Stage};
+use crate::forward::{forward_outputs, Capture, Forwarded, Outputs, Probe, RopeTables, Stage};
 use dsv4_model::{
     load_weights_with, Checkpoint, Component, Config, HostTensor, LoadError, LoadOptions, MemoryStats, Shard, Weights,
 };
@@ -17,6 +17,9 @@ use std::sync::{mpsc, Arc};
 
 /// Recorded step shapes kept at once (decode and verify steps of a deployment use a handful).
 const MAX_GRAPHS: usize = 64;
+/// Default of [`Model::set_stage_probe_rows`]: decode and verify steps probe every stage,
+/// prefill chunks the sub-blocks' streams.
+pub const STAGE_PROBE_ROWS: usize = 256;
 
 /// A recorded step's shape: rows, output rows, tapped hidden columns.
 type StepShape = (usize, usize, usize);
@@ -166,6 +169,9 @@ pub struct Model<B: Backend> {
     seen: HashSet<StepShape>,
     /// Whether steps the backend can record are recorded and replayed (`DSV4_GRAPHS=0`: never).
     graphs_on: bool,
+    /// Eager steps of more rows than this probe only the sub-blocks' streams
+    /// ([`Probe::Layers`]); see [`Self::set_stage_probe_rows`].
+    stage_probe_rows: usize,
     /// Ranks 1.. of an in-process group that this model (rank 0) drives, one worker thread
     /// each: every state change and forward is run on them too, so callers (the engine) see
     /// one model. Empty on a single rank and on the ranks themselves.
@@ -269,6 +275,7 @@ impl<B: Backend> Model<B> {
             graphs: HashMap::new(),
             seen: HashSet::new(),
             graphs_on,
+            stage_probe_rows: STAGE_PROBE_ROWS,
             peers: Vec::new(),
         })
     }
@@ -360,6 +367,16 @@ impl<B: Backend> Model<B> {
     }
 
     /// Turns recorded steps (CUDA graphs) on or off; on by default where the backend records.
+    /// Eager steps of up to `rows` rows probe every named stage for nonfinite values; longer
+    /// ones (prefill chunks) probe the embedding, each sub-block's residual streams and the
+    /// logits, and when one of those trips, the step is cut back and run again with every stage
+    /// probed (where the state can be cut back that far; else the error names the sub-block).
+    pub fn set_stage_probe_rows(&mut self, rows: usize) {
+        let peers = self.on_peers(move |m| m.set_stage_probe_rows(rows));
+        self.stage_probe_rows = rows;
+        Self::from_peers(peers);
+    }
+
     pub fn set_graphs(&mut self, on: bool) {
         let peers = self.on_peers(move |m| m.set_graphs(on));
         self.graphs_on = on && self.comm.recordable();
@@ -567,7 +584,7 @@ impl<B: Backend> Model<B> {
             if !self.backend.begin_record(key.0, key.1, key.2) {
                 return self.forward_eager(plan, None);
             }
-            let f = self.run(plan, None, false);
+            let f = self.run(plan, None, Probe::Off);
             match self.backend.end_record(f.logits, f.hidden) {
                 Ok(g) => {
                     self.graphs.insert(key, (generation, g));
@@ -612,24 +629,35 @@ impl<B: Backend> Model<B> {
         }
     }
 
-    /// The forward of `plan` on this rank's weights and states (`probe`: every stage probed).
-    fn run(&mut self, plan: &StepPlan<'_>, cap: Option<&mut dyn Capture<B>>, probe: bool) -> Forwarded<B::T> {
+    /// The forward of `plan` on this rank's weights and states, `probe` choosing the probed stages.
+    fn run(&mut self, plan: &StepPlan<'_>, cap: Option<&mut dyn Capture<B>>, probe: Probe) -> Forwarded<B::T> {
         let (b, cfg, w, comm) = (&self.backend, &self.local_cfg, &self.weights, self.comm.as_ref());
         forward_outputs(b, cfg, w, &self.rope, &mut self.cache, plan.batch, plan.outputs, cap, comm, probe)
     }
 
     fn forward_eager(&mut self, plan: &StepPlan<'_>, cap: Option<&mut dyn Capture<B>>) -> Result<StepOut, ModelError> {
         let (batch, out_rows) = (plan.batch, plan.outputs.out_rows);
-        let f = self.run(plan, cap, true);
+        let probe = if cap.is_none() && batch.len() > self.stage_probe_rows { Probe::Layers } else { Probe::Stages };
+        let f = self.run(plan, cap, probe);
         for s in &batch.segments {
             self.seqs[s.seq] = Some(s.pos0 + s.len);
         }
-        let probes = self.backend.read_probes(&self.cache, f.stages.len());
-        if let Some((i, row)) = probes.iter().enumerate().find_map(|(i, p)| p.map(|r| (i, r))) {
-            let st = f.stages[i];
-            let head = st.layer.is_none() && st.name != "embed";
-            let row = if head { out_rows.get(row).copied().unwrap_or(row) } else { row };
-            return Err(ModelError::NonFinite { layer: st.layer, stage: st.name, row });
+        if let Some(coarse) = self.first_nonfinite(&f, out_rows) {
+            // Cut back and run again with every stage probed, for the first stage's name (on
+            // one rank: the others would not join the rerun's collectives).
+            if probe == Probe::Layers
+                && self.comm.world() == 1
+                && batch.segments.iter().all(|s| self.truncate(s.seq, s.pos0).is_ok())
+            {
+                let f = self.run(plan, None, Probe::Stages);
+                for s in &batch.segments {
+                    self.seqs[s.seq] = Some(s.pos0 + s.len);
+                }
+                if let Some(e) = self.first_nonfinite(&f, out_rows) {
+                    return Err(e);
+                }
+            }
+            return Err(coarse);
         }
         let (logits, ids) = if plan.logits {
             (self.backend.to_host(&f.logits), Vec::new())
@@ -638,6 +666,16 @@ impl<B: Backend> Model<B> {
         };
         let hidden = f.hidden.map(|h| self.backend.to_host(&h)).unwrap_or_default();
         Ok(StepOut { logits, ids, hidden })
+    }
+
+    /// The first probed stage of `f` that held a nonfinite value, as the error that names it.
+    fn first_nonfinite(&self, f: &Forwarded<B::T>, out_rows: &[usize]) -> Option<ModelError> {
+        let probes = self.backend.read_probes(&self.cache, f.stages.len());
+        let (i, row) = probes.iter().enumerate().find_map(|(i, p)| p.map(|r| (i, r)))?;
+        let st = f.stages[i];
+        let head = st.layer.is_none() && st.name != "embed";
+        let row = if head { out_rows.get(row).copied().unwrap_or(row) } else { row };
+        Some(ModelError::NonFinite { layer: st.layer, stage: st.name, row })
     }
 
     /// Feeds `tokens` to `seq` in the given chunks and returns the logits at every position

@@ -51,6 +51,19 @@ pub fn check_guard<B: Backend>(mk: impl Fn() -> B, dir: &Path) {
         assert!(msg.contains("layers.3.attn.kv"), "{msg}");
         assert!(matches!(e, ModelError::NonFinite { row: 0, .. }), "{e:?}");
     }
+    // The same with only the sub-blocks' streams probed (as prefill chunks past
+    // `STAGE_PROBE_ROWS` are): layer 3's attention streams trip, the step is cut back and run
+    // again with every stage probed, and the error still names `attn.kv`.
+    for v in [f32::NAN, f32::INFINITY] {
+        let mut m = load_planted(mk(), dir, Some((PLANT, v)));
+        m.set_stage_probe_rows(0);
+        let e = drive(&mut m, 9).unwrap_err();
+        assert_eq!(e.stage(), Some(Stage { layer: Some(3), name: "attn.kv" }), "{e}");
+        assert!(matches!(e, ModelError::NonFinite { row: 0, .. }), "{e:?}");
+    }
+    let mut m = load_planted(mk(), dir, None);
+    m.set_stage_probe_rows(0);
+    drive(&mut m, 40).unwrap();
     // A NaN in the head: only the logits stage trips.
     let mut m = load_planted(mk(), dir, Some(("head.weight", f32::NAN)));
     let e = drive(&mut m, 5).unwrap_err();
