@@ -17,7 +17,7 @@ for line in sys.stdin:
     m = json.loads(line)
     exe = m.get("executable")
     name = m.get("target", {}).get("name", "")
-    if exe and m.get("profile", {}).get("test") and name.startswith("cuda"):
+    if exe and m.get("profile", {}).get("test") and (name.startswith("cuda") or name == "nonfinite"):
         shutil.copy(exe, os.path.join(".devbin/tests", name))
         print("test binary:", name)
 '

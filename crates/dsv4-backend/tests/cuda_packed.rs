@@ -410,6 +410,82 @@ fn cuda_hc_pre_norm_is_hc_pre_then_norm() {
     }
 }
 
+/// Prefill-sized HC_PRE in fast mode (300 rows: `hc_pre_dot_rows`'s 16-byte slices, and the
+/// fused launch with post and comb from `hc_pre_sink_rows`, a warp a row): the fused launch is
+/// bitwise HC_PRE then the norm, and HC_PRE is the exact path's within f32 reordering (the
+/// partial sums of 16,384 products each: 1e-5 of the values' scale, where a wrong slice or row
+/// would be off by the values themselves).
+#[test]
+fn cuda_hc_pre_of_prefill_rows() {
+    let Some(b) = gpu() else { return };
+    let (cfg, hc, norm) = hc_sub_block(&b, 4096);
+    let (n, d, rows) = (cfg.hc_mult, cfg.hidden, 300);
+    let (x, _) = activations(&b, rows, n * d, 9);
+    let host = |t: &CudaTensor| b.to_host(t);
+    b.set_exact(false);
+    let (y, a, post, comb) = b.hc_pre_norm(&x, &hc, &norm, &cfg);
+    let (y2, post2, comb2) = b.hc_pre(&x, &hc, &cfg);
+    let a2 = b.rms_norm(&y2, Some(&norm), d, cfg.rms_eps);
+    for (p, q, what) in [(&y, &y2, "y"), (&a, &a2, "norm"), (&post, &post2, "post"), (&comb, &comb2, "comb")] {
+        let (p, q) = (host(p), host(q));
+        assert_eq!(p.len(), q.len(), "{what}: lengths");
+        for (i, (u, v)) in p.iter().zip(&q).enumerate() {
+            assert_eq!(u.to_bits(), v.to_bits(), "{what}: value {i}: {u} vs {v}");
+        }
+    }
+    b.set_exact(true);
+    let (y3, post3, comb3) = b.hc_pre(&x, &hc, &cfg);
+    for (p, q, what) in [(&y, &y3, "y"), (&post, &post3, "post"), (&comb, &comb3, "comb")] {
+        let (p, q) = (host(p), host(q));
+        let scale = q.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert!(scale > 0.0 && p.iter().all(|v| v.is_finite()), "{what}: values");
+        for (i, (u, v)) in p.iter().zip(&q).enumerate() {
+            assert!((u - v).abs() <= 1e-5 * scale, "{what}: value {i}: fast {u} vs exact {v} (scale {scale})");
+        }
+    }
+}
+
+/// The prefill-sized launches that promise bitwise the small ones' values: the q norm with RoPE
+/// over 80 rows × 64 heads of 512 (`rms_norm_warp`, a warp a head) against the same rows in
+/// chunks of 16 (`rms_norm`, a block a head), and HC_POST over 300 rows (`hc_post4`, 16-byte
+/// accesses) against single rows (`hc_post`).
+#[test]
+fn cuda_prefill_sized_norm_and_hc_post_are_bitwise() {
+    let Some(b) = gpu() else { return };
+    let bitwise = |a: &[f32], c: &[f32], what: &str| {
+        assert_eq!(a.len(), c.len(), "{what}: lengths");
+        for (i, (p, q)) in a.iter().zip(c).enumerate() {
+            assert_eq!(p.to_bits(), q.to_bits(), "{what}: value {i}: {p} vs {q}");
+        }
+    };
+    let (head, heads, rows) = (512, 64, 80);
+    let freqs: Vec<f64> = (0..32).map(|i| 10000f64.powf(-(i as f64) / 32.0)).collect();
+    let toks: Vec<u32> = (0..rows as u32).collect();
+    let (x, xc) = activations(&b, rows, heads * head, 11);
+    let all = b.rows(&dsv4_backend::Batch::chunk(0, 4000, &toks).unwrap());
+    let many = b.to_host(&b.rms_norm_rope(&x, None, head, 1e-6, &all, &freqs));
+    assert!(many.iter().all(|v| v.is_finite()), "norm values");
+    for r0 in (0..rows).step_by(16) {
+        let part = b.rows(&dsv4_backend::Batch::chunk(0, 4000 + r0, &toks[r0..r0 + 16]).unwrap());
+        let h =
+            HostTensor::new("x", vec![16, heads * head], xc.data[r0 * heads * head..(r0 + 16) * heads * head].to_vec());
+        let xs = CudaTensor::new(16, heads * head, b.upload(h).unwrap().data);
+        let few = b.to_host(&b.rms_norm_rope(&xs, None, head, 1e-6, &part, &freqs));
+        bitwise(&many[r0 * heads * head..(r0 + 16) * heads * head], &few, "q norm with RoPE, rows in chunks of 16");
+    }
+    let (n, d, rows) = (4, 4096, 300);
+    let (f, fc) = activations(&b, rows, d, 12);
+    let (xs, xsc) = activations(&b, rows, n * d, 13);
+    let (post, pc) = activations(&b, rows, n, 14);
+    let (comb, cc) = activations(&b, rows, n * n, 15);
+    let got = b.to_host(&b.hc_post(&f, &xs, &post, &comb));
+    for r in [0, 131, 299] {
+        let one =
+            b.to_host(&b.hc_post(&row_of(&b, &fc, r), &row_of(&b, &xsc, r), &row_of(&b, &pc, r), &row_of(&b, &cc, r)));
+        bitwise(&got[r * n * d..(r + 1) * n * d], &one, "hc_post, a row alone");
+    }
+}
+
 /// In int8 mode the fused HC_PRE + norm writes the norm's int8 twin (`quant4_block32` in hc.cu):
 /// a product on its output is bitwise the product on a copy of the values (quantised by the
 /// product itself, `quant_block32`), and the values are bitwise HC_PRE then `rms_norm`. At
@@ -581,6 +657,26 @@ fn cuda_prefill_tiles_match_the_bf16_twin() {
             println!("tiles {f1}/{f2} experts, {n} rows (wgmma {wgmma}): {e:.2e} from the bf16 twin");
             assert!(e <= 1e-3, "tiles {f1}/{f2} experts, {n} rows (wgmma {wgmma}): {e:.2e} from the bf16 twin");
         }
+    }
+    // The wgmma tiles' double-buffered stages at odd and tiny stage counts: Q8_0 experts with
+    // d = 384 and 128 (gate/up: 6 and 2 stages) and inter = 320 and 64 (down: 5 and 1).
+    b.set_pgemm_wgmma(true);
+    for (d, inter) in [(384, 320), (128, 64)] {
+        let f = PackedFormat::Q8_0;
+        let (gpu_e, cpu_e) = random_experts(&b, (f, f), (d, inter, ne), 9900 + d as u64);
+        let mut c = dsv4_model::synth::tiny_config(64);
+        c.n_routed_experts = ne;
+        c.n_experts_per_tok = 4;
+        let bias_g = b.upload(HostTensor::new("bias", vec![ne], vec![0.0; ne])).unwrap();
+        let bias_c = Tensor::new(1, ne, vec![0.0; ne]);
+        let n = 200;
+        let (xg, xc) = activations(&b, n, d, 60 + d as u64);
+        let (lg, lc) = activations(&b, n, ne, 70 + d as u64);
+        let got = b.to_host(&b.moe(&xg, &b.route(&lg, Some(&bias_g), None, &c), &gpu_e, 0, 10.0));
+        let want = experts_twin(&xc, &cpu.route(&lc, Some(&bias_c), None, &c), &cpu_e, 10.0);
+        let e = rel_err(&got, &want);
+        println!("wgmma tiles, d {d}, inter {inter}: {e:.2e} from the bf16 twin");
+        assert!(e <= 1e-3, "wgmma tiles, d {d}, inter {inter}: {e:.2e} from the bf16 twin");
     }
     b.set_pgemm_wgmma(false);
     b.set_tiles_dense_rows(dsv4_backend::cuda::gemm::TILES_DENSE_ROWS);

@@ -47,6 +47,29 @@ pub(crate) fn group_products() -> bool {
     *ON.get_or_init(|| std::env::var("DSV4_BF16_GROUP").map(|v| v != "0").unwrap_or(true))
 }
 
+/// Whether an activation's bf16 cast is kept on its tensor for the next product
+/// (`DSV4_BF16_CACHE`, default on).
+fn keep_bf16() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DSV4_BF16_CACHE").map(|v| v != "0").unwrap_or(true))
+}
+
+/// A product's bf16 activations: the tensor's kept cast, or one made for this product.
+pub(crate) enum BfInput<'a> {
+    Kept(&'a CudaSlice<u16>),
+    Fresh(CudaSlice<u16>),
+}
+
+impl std::ops::Deref for BfInput<'_> {
+    type Target = CudaSlice<u16>;
+    fn deref(&self) -> &CudaSlice<u16> {
+        match self {
+            BfInput::Kept(s) => s,
+            BfInput::Fresh(s) => s,
+        }
+    }
+}
+
 /// `BFG_MAX` of bf16.cu: products one bf16 launch takes at most.
 pub(crate) const BFG_MAX: usize = 8;
 
@@ -99,13 +122,13 @@ impl CudaBackend {
             self.gemv(&x.data, n, k, x.cols, &mut [BfEntry { out: &mut out.data, w, m, rpg: m / groups }]);
             return out;
         }
-        let xb = self.cast_bf16(&x.data, n * x.cols);
+        let xb = self.bf16_of(x);
         let r = m / groups;
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: column-major outᵀ[m', n] = w_gᵀ · xb_gᵀ per group; the shapes, leading
         // dimensions and strides match the buffers' lengths.
         unsafe {
-            let (wp, xp, op) = (self.dev_ptr(w), self.dev_ptr(&xb), self.dev_ptr(&out.data));
+            let (wp, xp, op) = (self.dev_ptr(w), self.dev_ptr(&*xb), self.dev_ptr(&out.data));
             let r = cudarc::cublas::result::gemm_strided_batched_ex(
                 *self.blas.handle(),
                 cublasOperation_t::CUBLAS_OP_T,
@@ -208,6 +231,16 @@ impl CudaBackend {
             },
             "gemv_bf16",
         );
+    }
+
+    /// `x`'s values rounded to bf16, cast once and kept on the tensor ([`CudaTensor::bf`]);
+    /// cast for this product alone with `DSV4_BF16_CACHE=0` (the A/B switch).
+    pub(crate) fn bf16_of<'a>(&self, x: &'a CudaTensor) -> BfInput<'a> {
+        if keep_bf16() {
+            BfInput::Kept(x.bf.get_or_init(|| self.cast_bf16(&x.data, x.rows * x.cols)))
+        } else {
+            BfInput::Fresh(self.cast_bf16(&x.data, x.rows * x.cols))
+        }
     }
 
     pub(crate) fn cast_bf16(&self, x: &CudaSlice<f32>, len: usize) -> CudaSlice<u16> {

@@ -192,7 +192,8 @@ impl CudaBackend {
             shared_mem_bytes: smem as u32,
         };
         // The gate/up tiles read bf16 activations: one cast for all the experts' tiles.
-        let xb = self.cast_bf16(&x.data, x.rows * p.d);
+        assert_eq!(x.cols, p.d, "routed experts: input width {} vs d {}", x.cols, p.d);
+        let xb = self.bf16_of(x);
         // SAFETY (the three launches): argument types and buffer sizes match the kernels; tiles
         // holds the count and at most `most` entries, h a bf16 row of `inter` per pair, y a row
         // of `d` per pair.
@@ -213,7 +214,7 @@ impl CudaBackend {
                 self.stream
                     .kernel(up)
                     .arg(&mut h)
-                    .arg(&xb)
+                    .arg(&*xb)
                     .arg(&p.order)
                     .arg(&p.off)
                     .arg(&tiles)

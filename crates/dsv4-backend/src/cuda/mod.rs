@@ -49,6 +49,10 @@ pub struct CudaTensor {
     /// their `quant_x8`. Every in-place writer goes through [`CudaTensor::data_mut`], which
     /// drops them.
     pub(crate) x8: std::sync::OnceLock<X8Twin>,
+    /// The values rounded to bf16 (`cast_bf16`), made by the first tensor-core product that
+    /// needs them: the attention input feeds up to seven products, each of which cast it
+    /// again. Dropped by [`CudaTensor::data_mut`] as `x8` is.
+    pub(crate) bf: std::sync::OnceLock<CudaSlice<u16>>,
 }
 
 /// `quant_x8` of a tensor's values (see [`CudaTensor::x8`]).
@@ -59,12 +63,13 @@ pub(crate) struct X8Twin {
 
 impl CudaTensor {
     pub fn new(rows: usize, cols: usize, data: CudaSlice<f32>) -> Self {
-        CudaTensor { rows, cols, data, x8: std::sync::OnceLock::new() }
+        CudaTensor { rows, cols, data, x8: std::sync::OnceLock::new(), bf: std::sync::OnceLock::new() }
     }
 
-    /// The values, to be written in place: drops the int8 twin.
+    /// The values, to be written in place: drops the int8 twin and the bf16 copy.
     pub(crate) fn data_mut(&mut self) -> &mut CudaSlice<f32> {
         self.x8 = std::sync::OnceLock::new();
+        self.bf = std::sync::OnceLock::new();
         &mut self.data
     }
 }
@@ -158,12 +163,15 @@ pub(crate) struct Kernels {
     pub stream_mean: CudaFunction,
     pub swiglu_act: CudaFunction,
     pub rms_norm: CudaFunction,
+    pub rms_norm_warp: CudaFunction,
     pub rope: CudaFunction,
     pub gemv_f32: CudaFunction,
     pub hc_pre_dot: CudaFunction,
     pub hc_pre_dot_rows: CudaFunction,
     pub hc_pre_apply: CudaFunction,
     pub hc_pre_apply_norm: CudaFunction,
+    pub hc_pre_sink_rows: CudaFunction,
+    pub hc_post4: CudaFunction,
     pub hc_post: CudaFunction,
     pub hc_head: CudaFunction,
     pub comp_pool: CudaFunction,
@@ -196,6 +204,39 @@ const COMMON: &str = include_str!("kernels/common.cuh");
 
 /// Rows from which a fast-mode HC_PRE takes `hc_pre_dot_rows` (prefill chunks).
 const HC_DOT_ROWS_MIN: usize = 256;
+
+/// Groups from which an RMSNorm of 512-value groups takes `rms_norm_warp` (bitwise `rms_norm`'s
+/// values; a prefill chunk's q heads).
+const NORM_WARP_GROUPS: usize = 4096;
+
+/// Keeps freed device memory in the device's stream-ordered pool (where `alloc` takes it) across
+/// synchronisations: at the default release threshold of 0 the driver hands it back to the OS
+/// at every sync, so each prefill chunk mapped its gigabytes of temporaries again, on the host,
+/// inside the forward (`DSV4_PROFILE_PREFILL`: ~1 ms of host time a layer in the q stage of an
+/// 8K-token chunk). `DSV4_POOL_KEEP=0` leaves the driver's default (the A/B switch).
+fn keep_pool_memory(ordinal: usize) {
+    use cudarc::driver::sys;
+    if std::env::var("DSV4_POOL_KEEP").is_ok_and(|v| v == "0") {
+        return;
+    }
+    let ok = sys::CUresult::CUDA_SUCCESS;
+    // SAFETY: plain driver queries and one pool attribute on a device the caller's context was
+    // just created on; the out-pointers are valid locals and the value a u64, as the attribute
+    // takes.
+    unsafe {
+        let mut dev: sys::CUdevice = 0;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        if sys::cuDeviceGet(&mut dev, ordinal as i32) != ok || sys::cuDeviceGetDefaultMemPool(&mut pool, dev) != ok {
+            tracing::warn!("no default memory pool: freed memory returns to the OS at each sync");
+            return;
+        }
+        let mut keep = u64::MAX;
+        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+        if sys::cuMemPoolSetAttribute(pool, attr, &mut keep as *mut u64 as *mut std::ffi::c_void) != ok {
+            tracing::warn!("could not set the memory pool's release threshold");
+        }
+    }
+}
 
 /// Compiles every kernel file with NVRTC (no device needed); the PTX is kept for later backends.
 pub fn compile_kernels() -> Result<(), CudaInitError> {
@@ -283,6 +324,7 @@ impl Kernels {
                 "stream_mean",
                 "swiglu_act",
                 "rms_norm",
+                "rms_norm_warp",
                 "rope",
                 "gemv_f32",
             ],
@@ -290,7 +332,16 @@ impl Kernels {
         let h = compile(
             ctx,
             1,
-            &["hc_pre_dot", "hc_pre_dot_rows", "hc_pre_apply", "hc_pre_apply_norm", "hc_post", "hc_head"],
+            &[
+                "hc_pre_dot",
+                "hc_pre_dot_rows",
+                "hc_pre_apply",
+                "hc_pre_apply_norm",
+                "hc_pre_sink_rows",
+                "hc_post",
+                "hc_post4",
+                "hc_head",
+            ],
         )?;
         let a = compile(
             ctx,
@@ -339,13 +390,16 @@ impl Kernels {
             stream_mean: n(&mut d),
             swiglu_act: n(&mut d),
             rms_norm: n(&mut d),
+            rms_norm_warp: n(&mut d),
             rope: n(&mut d),
             gemv_f32: n(&mut d),
             hc_pre_dot: n(&mut h),
             hc_pre_dot_rows: n(&mut h),
             hc_pre_apply: n(&mut h),
             hc_pre_apply_norm: n(&mut h),
+            hc_pre_sink_rows: n(&mut h),
             hc_post: n(&mut h),
+            hc_post4: n(&mut h),
             hc_head: n(&mut h),
             comp_pool: n(&mut a),
             comp_store: n(&mut a),
@@ -616,6 +670,7 @@ impl CudaBackend {
             return Err(CudaInitError::NoDevice);
         }
         let ctx = CudaContext::new(ordinal)?;
+        keep_pool_memory(ordinal);
         let sms = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_or(132, |v| v.max(1) as usize);
@@ -767,6 +822,37 @@ impl CudaBackend {
         let freqs = rope.map(|(_, f)| self.freqs(f));
         let npairs = rope.map_or(0, |(_, f)| f.len()) as i32;
         let fd = freqs.as_deref().unwrap_or(&self.dummy_f64);
+        if group == 512 && threads == 128 && !twin && groups >= NORM_WARP_GROUPS {
+            // Many groups of 512 (a prefill chunk's q heads): a warp a group, bitwise rms_norm's
+            // values (dense.cu's rms_norm_warp).
+            let lc = LaunchConfig {
+                grid_dim: (groups.div_ceil(8) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: argument types and sizes match the kernel's signature (out and x hold
+            // groups · 512 floats; the row table and freqs as for rms_norm).
+            ck(
+                unsafe {
+                    self.stream
+                        .kernel(&self.k.rms_norm_warp)
+                        .arg(&mut out.data)
+                        .arg(&x.data)
+                        .arg(wd)
+                        .arg(&has_w)
+                        .arg(&eps)
+                        .arg(table)
+                        .arg(&(x.rows as i32))
+                        .arg(&((x.cols / group) as i32))
+                        .arg(&(groups as i64))
+                        .arg(fd)
+                        .arg(&npairs)
+                        .launch(lc)
+                },
+                "rms_norm_warp",
+            );
+            return out;
+        }
         // SAFETY: argument types and sizes match the kernel's signature (xq/xd hold the whole
         // output's codes and scales when `twin`).
         ck(
@@ -832,10 +918,11 @@ impl CudaBackend {
         const HC_SPLIT: usize = 32;
         const HC_ROWS: usize = 4;
         let mut part = self.alloc::<f32>(rows * HC_SPLIT * (mix + 1));
-        if rows >= HC_DOT_ROWS_MIN && n == 4 && !self.exact() {
-            // Prefill-sized calls: 32 rows and every output a block (hc.cu's hc_pre_dot_rows).
+        if rows >= HC_DOT_ROWS_MIN && n == 4 && width % (128 * HC_SPLIT) == 0 && !self.exact() {
+            // Prefill-sized calls: 16 rows and every output a block, a slice's columns in 16-byte
+            // loads (hc.cu's hc_pre_dot_rows, HC_DOT_R = 2 rows a warp).
             let lc = LaunchConfig {
-                grid_dim: (HC_SPLIT as u32, rows.div_ceil(32) as u32, 1),
+                grid_dim: (HC_SPLIT as u32, rows.div_ceil(16) as u32, 1),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
@@ -1395,7 +1482,11 @@ impl Backend for CudaBackend {
         let tw = self.twin_buffers(twin, rows * d);
         let (xq, xd) = tw.as_ref().map_or((&self.dummy_i8, &self.dummy_f32), |t| (&t.q, &t.d));
         // Block 0 of a row: the mix and the norm (rms_norm's block size); block 1: post, comb.
-        let lc = LaunchConfig { grid_dim: (2, rows as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        // Prefill-sized calls with V4's shapes form post and comb in a launch of their own, a
+        // warp a row (hc_pre_sink_rows): a sink block held a whole SM for one warp's work.
+        let sink_apart = rows >= HC_DOT_ROWS_MIN && n == 4 && d <= 4 * threads as usize;
+        let blocks = if sink_apart { 1 } else { 2 };
+        let lc = LaunchConfig { grid_dim: (blocks, rows as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types and sizes match the kernel's signature (xq/xd hold the whole
         // norm's codes and scales when `twin`).
         ck(
@@ -1423,6 +1514,30 @@ impl Backend for CudaBackend {
             },
             "hc_pre_apply_norm",
         );
+        if sink_apart {
+            let lc =
+                LaunchConfig { grid_dim: (rows.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: argument types and sizes match the kernel's signature (post: rows · 4,
+            // comb: rows · 16 floats; part: hc_pre_dot's [rows, HC_SPLIT, 25]).
+            ck(
+                unsafe {
+                    self.stream
+                        .kernel(&self.k.hc_pre_sink_rows)
+                        .arg(&mut post.data)
+                        .arg(&mut comb.data)
+                        .arg(&part)
+                        .arg(&hc.base.data)
+                        .arg(&hc.scale.data)
+                        .arg(&(rows as i32))
+                        .arg(&(d as i32))
+                        .arg(&(cfg.hc_sinkhorn_iters as i32))
+                        .arg(&cfg.rms_eps)
+                        .arg(&cfg.hc_eps)
+                        .launch(lc)
+                },
+                "hc_pre_sink_rows",
+            );
+        }
         if let Some(t) = tw {
             let _ = a.x8.set(t);
         }
@@ -1432,11 +1547,15 @@ impl Backend for CudaBackend {
     fn hc_post(&self, f: &CudaTensor, x: &CudaTensor, post: &CudaTensor, comb: &CudaTensor) -> CudaTensor {
         let (n, d) = (post.cols, f.cols);
         let mut out = self.tensor(x.rows, n * d);
+        // Prefill-sized calls: 4 columns a thread in 16-byte accesses (hc.cu's hc_post4, bitwise
+        // hc_post's values).
+        let wide = x.rows >= HC_DOT_ROWS_MIN && d.is_multiple_of(4);
+        let (kernel, cols) = if wide { (&self.k.hc_post4, d / 4) } else { (&self.k.hc_post, d) };
         // SAFETY: argument types and sizes match the kernel's signature.
         ck(
             unsafe {
                 self.stream
-                    .kernel(&self.k.hc_post)
+                    .kernel(kernel)
                     .arg(&mut out.data)
                     .arg(&f.data)
                     .arg(&x.data)
@@ -1446,7 +1565,7 @@ impl Backend for CudaBackend {
                     .arg(&(n as i32))
                     .arg(&(d as i32))
                     .launch(LaunchConfig {
-                        grid_dim: (d.div_ceil(128) as u32, x.rows.clamp(1, 65535) as u32, 1),
+                        grid_dim: (cols.div_ceil(128) as u32, x.rows.clamp(1, 65535) as u32, 1),
                         block_dim: (128, 1, 1),
                         shared_mem_bytes: 0,
                     })

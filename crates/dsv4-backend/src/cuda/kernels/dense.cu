@@ -81,6 +81,66 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm(float* out, signed c
     rms_norm_slice(out, xq, xd, x, w, has_w, group, eps, twin, base, pos, freqs, npairs, sh);
 }
 
+// rms_norm for many groups of 32·NW·J values (the q norm of a prefill chunk: 8K rows × 64
+// heads of 512), a warp a group, 8 groups a block: lane l plays threads l + 32w (w < NW) of
+// rms_norm's NW-warp block, holding their J values each (value c = t + 32·NW·j) in registers.
+// The sum is rms_norm's to the bit: each virtual thread's squares in j order, each virtual
+// warp's butterfly (warp_sum on the same lanes), then the warp totals from 0 in w order
+// (block_sum); the outputs are rms_norm_slice's operations (RoPE's pair partner is lane l ^ 1,
+// as thread t ^ 1 there). rms_norm's blocks read each group twice around two barriers (1.2 ms
+// a call for 524K groups of 512, ~1.7 TB/s). No int8 twin (the launcher keeps those on
+// rms_norm).
+template <int NW, int J>
+__device__ __forceinline__ void rms_norm_warp_t(float* out, const float* x, const float* w, int has_w, float eps,
+                                                const unsigned* rows, int n, int heads, long long groups,
+                                                const double* freqs, int npairs) {
+    constexpr int T = 32 * NW, G = T * J;
+    long long gi = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (gi >= groups) return;
+    int lane = threadIdx.x & 31, r0 = G - 2 * npairs;
+    const float* g = x + gi * G;
+    float* o = out + gi * G;
+    float v[NW][J];
+#pragma unroll
+    for (int q = 0; q < NW; q++)
+#pragma unroll
+        for (int j = 0; j < J; j++) v[q][j] = g[lane + 32 * q + T * j];
+    float tot = 0.f;
+#pragma unroll
+    for (int q = 0; q < NW; q++) {
+        float s = 0.f;
+#pragma unroll
+        for (int j = 0; j < J; j++) s += v[q][j] * v[q][j];
+        tot += warp_sum(s);
+    }
+    float r = 1.0f / sqrtf(tot / (float)G + eps);
+    long long pos = npairs > 0 ? (long long)ROW_POS(gi / heads) : 0;
+#pragma unroll
+    for (int j = 0; j < J; j++)
+#pragma unroll
+        for (int q = 0; q < NW; q++) {
+            int c = lane + 32 * q + T * j;
+            float y = has_w ? v[q][j] * r * w[c] : v[q][j] * r;
+            if (npairs > 0) {
+                float p = __shfl_xor_sync(0xffffffffu, y, 1);
+                if (c >= r0) {
+                    double th = (double)pos * freqs[(c - r0) >> 1];
+                    float sn = (float)sin(th), cs = (float)cos(th);
+                    y = ((c - r0) & 1) == 0 ? y * cs - p * sn : p * sn + y * cs;
+                }
+            }
+            o[c] = y;
+        }
+}
+
+// Groups of 512 on rms_norm's 128 threads (norm_values 4): V4's q and kv heads.
+extern "C" __global__ void __launch_bounds__(256) rms_norm_warp(float* out, const float* x, const float* w, int has_w,
+                                                              float eps, const unsigned* rows, int n, int heads,
+                                                              long long groups, const double* freqs, int npairs) {
+    pdl_enter();
+    rms_norm_warp_t<4, 4>(out, x, w, has_w, eps, rows, n, heads, groups, freqs, npairs);
+}
+
 // Interleaved RoPE on the last 2·npairs channels of every `head`-wide slice of each row; the
 // angle pos·freq is formed and its sine/cosine taken in double, as the CPU oracle does.
 extern "C" __global__ void rope(float* x, const unsigned* rows, int n, const double* freqs, int npairs, int cols,

@@ -211,36 +211,52 @@ extern "C" __global__ void hc_pre_dot(float* part, const float* __restrict__ x, 
     }
 }
 
-// hc_pre_dot's partial sums for prefill-sized calls (fast mode, 256 rows and more; V4's n = 4):
-// block (s, rg) takes 32 rows and column slice s for all mix + 1 outputs, warp w rows 4w..4w+3,
-// lane l the slice's columns l, l + 32, ...: x is read once and the fn slice once a warp (L1),
-// where hc_pre_dot's blocks of 4 rows × 8 outputs re-read each row for every output group and
-// ran ~260K blocks for an 8K-token chunk (3.3 ms a call on the H200). The same layout
+// hc_pre_dot's partial sums for prefill-sized calls (fast mode, 256 rows and more; V4's n = 4,
+// width a multiple of 4·32·HC_SPLIT): block (s, rg) takes 8·R rows and column slice s for all
+// mix + 1 outputs, warp w rows R·w.., lane l the slice's columns 4l..4l+3, 4l+128.. (16-byte
+// loads): x is read once and the fn slice (48 KB) once a warp (L1). Slices run fastest in the
+// grid, so the blocks in flight read whole rows (row groups fastest, so that an SM's blocks
+// would share a slice in L1, measured slower: 635 against 511 µs a call on an 8K-token chunk). hc_pre_dot's blocks of 4 rows × 8
+// outputs re-read each row for every output group (~260K blocks for an 8K-token chunk, 3.3 ms a
+// call on the H200); the first version of this kernel (4-byte loads, 4 rows a warp) kept 512
+// bytes a warp in flight and ran at 0.88 TB/s (609 µs a call). The same layout
 // [rows, HC_SPLIT, mix + 1]; the sums' order differs from hc_pre_dot's (batch invariance holds
 // only up to 16 rows in fast mode).
-template <int N>
+template <int N, int R>
 __device__ __forceinline__ void hc_pre_dot_rows_t(float* part, const float* __restrict__ x,
                                                   const float* __restrict__ fn, int rows, int width) {
-    constexpr int MIX = (2 + N) * N, MO = MIX + 1, R = 4;
-    int s = blockIdx.x, r0 = blockIdx.y * 32 + (threadIdx.x >> 5) * R, lane = threadIdx.x & 31;
-    int per = (width + HC_SPLIT - 1) / HC_SPLIT, c0 = s * per, c1 = min(width, c0 + per);
+    constexpr int MIX = (2 + N) * N, MO = MIX + 1;
+    int s = blockIdx.x, r0 = blockIdx.y * 8 * R + (threadIdx.x >> 5) * R, lane = threadIdx.x & 31;
+    int per = width / HC_SPLIT, c0 = s * per, c1 = c0 + per;
     float acc[R][MO];
 #pragma unroll
     for (int r = 0; r < R; r++)
 #pragma unroll
         for (int o = 0; o < MO; o++) acc[r][o] = 0.f;
-    for (int c = c0 + lane; c < c1; c += 32) {
-        float xv[R];
+#pragma unroll 1
+    for (int c = c0 + 4 * lane; c < c1; c += 128) {
+        float4 xv[R];
 #pragma unroll
-        for (int r = 0; r < R; r++) xv[r] = r0 + r < rows ? x[(long long)(r0 + r) * width + c] : 0.f;
+        for (int r = 0; r < R; r++)
+            xv[r] = r0 + r < rows ? *(const float4*)(x + (long long)(r0 + r) * width + c) : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
         for (int o = 0; o < MIX; o++) {
-            float w = fn[(long long)o * width + c];
+            float4 w = *(const float4*)(fn + (long long)o * width + c);
 #pragma unroll
-            for (int r = 0; r < R; r++) acc[r][o] = fmaf(w, xv[r], acc[r][o]);
+            for (int r = 0; r < R; r++) {
+                acc[r][o] = fmaf(w.x, xv[r].x, acc[r][o]);
+                acc[r][o] = fmaf(w.y, xv[r].y, acc[r][o]);
+                acc[r][o] = fmaf(w.z, xv[r].z, acc[r][o]);
+                acc[r][o] = fmaf(w.w, xv[r].w, acc[r][o]);
+            }
         }
 #pragma unroll
-        for (int r = 0; r < R; r++) acc[r][MIX] = fmaf(xv[r], xv[r], acc[r][MIX]);
+        for (int r = 0; r < R; r++) {
+            acc[r][MIX] = fmaf(xv[r].x, xv[r].x, acc[r][MIX]);
+            acc[r][MIX] = fmaf(xv[r].y, xv[r].y, acc[r][MIX]);
+            acc[r][MIX] = fmaf(xv[r].z, xv[r].z, acc[r][MIX]);
+            acc[r][MIX] = fmaf(xv[r].w, xv[r].w, acc[r][MIX]);
+        }
     }
 #pragma unroll
     for (int r = 0; r < R; r++)
@@ -251,10 +267,15 @@ __device__ __forceinline__ void hc_pre_dot_rows_t(float* part, const float* __re
         }
 }
 
-extern "C" __global__ void __launch_bounds__(256) hc_pre_dot_rows(float* part, const float* __restrict__ x,
+// Rows a warp of hc_pre_dot_rows (a block: 8 warps).
+#ifndef HC_DOT_R
+#define HC_DOT_R 2
+#endif
+
+extern "C" __global__ void __launch_bounds__(256, 3) hc_pre_dot_rows(float* part, const float* __restrict__ x,
                                                                 const float* __restrict__ fn, int rows, int width) {
     pdl_enter();
-    hc_pre_dot_rows_t<4>(part, x, fn, rows, width);
+    hc_pre_dot_rows_t<4, HC_DOT_R>(part, x, fn, rows, width);
 }
 
 // Row i's HC_PRE head (the blocks of hc_pre_apply and hc_pre_apply_norm): adds the row's
@@ -444,20 +465,18 @@ __device__ __forceinline__ void hc_pre_norm_row(float* y, float* a, signed char*
     }
 }
 
-// Block 1 of hc_pre_apply_norm (and of nothing else) for n = N ≤ 4, warp 0 alone: the row's
+// Row i's post and comb for n = N ≤ 4, one warp (warp 0 of hc_pre_apply_norm's block 1, or a
+// warp of hc_pre_sink_rows; am: N·N floats of the warp's shared memory): the row's
 // partial sums in lane o's registers (all HC_SPLIT loads issued together, with base and scale),
 // ρ by a shuffle, post, then the Sinkhorn comb written from the lanes' registers: hc_pre_head's
 // operations without its three block barriers and shared-memory hops.
 template <int N>
 __device__ __forceinline__ void hc_sink_row(float* post, float* comb, const float* __restrict__ part,
                                             const float* base, const float* scale, int d, int iters, float rms_eps,
-                                            float hc_eps) {
+                                            float hc_eps, long long i, float* am) {
     constexpr int MIX = (2 + N) * N;
     static_assert(MIX < 32 && N * N <= 32, "one warp");
-    __shared__ float am[N * N];
-    int t = threadIdx.x;
-    if (t >= 32) return;
-    long long i = blockIdx.y;
+    int t = threadIdx.x & 31;
     bool on = t <= MIX;
     float bt = t < MIX ? base[t] : 0.f, sc1 = scale[1], sc2 = scale[2];
     const float* p = part + i * HC_SPLIT * (MIX + 1) + (on ? t : 0);
@@ -475,6 +494,23 @@ __device__ __forceinline__ void hc_sink_row(float* post, float* comb, const floa
     sinkhorn_regn<N>(comb + i * N * N, am, iters, hc_eps);
 }
 
+// hc_pre_apply_norm's block 1 for many rows (prefill chunks), a warp a row, 8 rows a block: the
+// same per-row code, so post and comb are bitwise block 1's. hc_pre_apply_norm then runs one
+// block a row (grid (1, rows)): its 1024-thread blocks hold a whole SM each (64 registers a
+// thread), and a sink block in that slot left the SM to one warp's latency-bound Sinkhorn for
+// every row (747 µs a call for an 8K-token chunk, ~1 TB/s).
+extern "C" __global__ void __launch_bounds__(256) hc_pre_sink_rows(float* post, float* comb,
+                                                                  const float* __restrict__ part, const float* base,
+                                                                  const float* scale, int rows, int d, int iters,
+                                                                  float rms_eps, float hc_eps) {
+    pdl_enter();
+    __shared__ float am[8][16];
+    int w = threadIdx.x >> 5;
+    long long i = (long long)blockIdx.x * 8 + w;
+    if (i >= rows) return;
+    hc_sink_row<4>(post, comb, part, base, scale, d, iters, rms_eps, hc_eps, i, am[w]);
+}
+
 // HC_PRE apply and the RMSNorm after it in one launch, grid (2, rows): block 1 forms post and
 // comb; block 0 mixes the whole row into y, then normalises it (rms_norm_slice: the same
 // operations, in the same order, as the `rms_norm` launch of this block size) into `a`, with the
@@ -487,7 +523,10 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre_apply_norm(float* y, f
     __shared__ float pre[MAX_HC];
     __shared__ float sh[32];
     if (n == 4 && d <= 4 * (int)blockDim.x) {
-        if (blockIdx.x == 1) hc_sink_row<4>(post, comb, part, base, scale, d, iters, rms_eps, hc_eps);
+        if (blockIdx.x == 1) {
+            __shared__ float am[16];
+            if (threadIdx.x < 32) hc_sink_row<4>(post, comb, part, base, scale, d, iters, rms_eps, hc_eps, blockIdx.y, am);
+        }
         else if (d == 4 * (int)blockDim.x)
             hc_pre_norm_row<4, true>(y, a, xq, xd, x, part, base, scale, nw, d, rms_eps, hc_eps, twin, pre, sh);
         else hc_pre_norm_row<4, false>(y, a, xq, xd, x, part, base, scale, nw, d, rms_eps, hc_eps, twin, pre, sh);
@@ -523,6 +562,42 @@ extern "C" __global__ void hc_post(float* out, const float* f, const float* x, c
                 for (int s = 0; s < MAX_HC; s++)
                     if (s < n) v += cr[s * n + j] * xv[s];
                 out[(i * n + j) * d + c] = v;
+            }
+        }
+    }
+}
+
+// hc_post for prefill-sized calls with d a multiple of 4: thread (row i, columns 4c..4c+3) in
+// 16-byte loads and stores (hc_post's 4-byte ones ran at ~2.5 TB/s on an 8K-token chunk). Each
+// value's operations and their order are hc_post's. Grid (column blocks, rows, striding past
+// 65535).
+extern "C" __global__ void hc_post4(float* out, const float* f, const float* x, const float* post, const float* comb,
+                                    int rows, int n, int d) {
+    pdl_enter();
+    for (long long i = blockIdx.y; i < rows; i += gridDim.y) {
+        const float* cr = comb + i * n * n;
+        const float* xr = x + i * n * d;
+        for (int c = 4 * (blockIdx.x * blockDim.x + threadIdx.x); c < d; c += 4 * gridDim.x * blockDim.x) {
+            float4 xv[MAX_HC];
+#pragma unroll
+            for (int s = 0; s < MAX_HC; s++)
+                xv[s] = s < n ? *(const float4*)(xr + (long long)s * d + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+            float4 fv = *(const float4*)(f + i * d + c);
+#pragma unroll
+            for (int j = 0; j < MAX_HC; j++) {
+                if (j >= n) break;
+                float pj = post[i * n + j];
+                float4 v = make_float4(pj * fv.x, pj * fv.y, pj * fv.z, pj * fv.w);
+#pragma unroll
+                for (int s = 0; s < MAX_HC; s++)
+                    if (s < n) {
+                        float cs = cr[s * n + j];
+                        v.x += cs * xv[s].x;
+                        v.y += cs * xv[s].y;
+                        v.z += cs * xv[s].z;
+                        v.w += cs * xv[s].w;
+                    }
+                *(float4*)(out + (i * n + j) * d + c) = v;
             }
         }
     }

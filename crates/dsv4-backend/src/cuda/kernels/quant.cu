@@ -608,7 +608,9 @@ __device__ __forceinline__ u16 f2bf_q(float f) {
     return (u16)(b >> 16);
 }
 
-// out[o, :] = bf16(w[o, :]) for o < rows: the large-batch path hands this to cuBLAS.
+// out[o, :] = bf16(w[o, :]) for o < rows: the large-batch path hands this to cuBLAS. A
+// thread's 8 values in one 16-byte store (8 two-byte stores a thread spread each warp store
+// over 512 bytes: ~0.8 TB/s on an 8K-token chunk's Q8_0 projections).
 template <int F>
 __device__ void deq_bf16(u16* out, const u8* w, const u8* s, long long rows, int k) {
     long long chunks = rows * (k / 8);
@@ -617,8 +619,10 @@ __device__ void deq_bf16(u16* out, const u8* w, const u8* s, long long rows, int
         int c = (int)(i % (k / 8)) * 8;
         float y[8];
         deq8<F>(w + o * row_bytes(F, k), scale_row(F, s, o, k), c, y);
+        unsigned p[4];
 #pragma unroll
-        for (int j = 0; j < 8; j++) out[o * k + c + j] = f2bf_q(y[j]);
+        for (int j = 0; j < 4; j++) p[j] = (unsigned)f2bf_q(y[2 * j]) | ((unsigned)f2bf_q(y[2 * j + 1]) << 16);
+        *(uint4*)(out + o * k + c) = make_uint4(p[0], p[1], p[2], p[3]);
     }
 }
 
