@@ -168,6 +168,7 @@ pub(crate) struct Kernels {
     pub gemv_f32: CudaFunction,
     pub hc_pre_dot: CudaFunction,
     pub hc_pre_dot_rows: CudaFunction,
+    pub hc_pre_dot_tc: CudaFunction,
     pub hc_pre_apply: CudaFunction,
     pub hc_pre_apply_norm: CudaFunction,
     pub hc_pre_sink_rows: CudaFunction,
@@ -204,6 +205,13 @@ const COMMON: &str = include_str!("kernels/common.cuh");
 
 /// Rows from which a fast-mode HC_PRE takes `hc_pre_dot_rows` (prefill chunks).
 const HC_DOT_ROWS_MIN: usize = 256;
+
+/// Whether prefill-sized HC_PRE sums run on tensor cores (`hc_pre_dot_tc`; `DSV4_HC_DOT_TC=0`:
+/// `hc_pre_dot_rows`, the A/B switch).
+fn hc_dot_tc() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DSV4_HC_DOT_TC").map(|v| v != "0").unwrap_or(true))
+}
 
 /// Groups from which an RMSNorm of 512-value groups takes `rms_norm_warp` (bitwise `rms_norm`'s
 /// values; a prefill chunk's q heads).
@@ -335,6 +343,7 @@ impl Kernels {
             &[
                 "hc_pre_dot",
                 "hc_pre_dot_rows",
+                "hc_pre_dot_tc",
                 "hc_pre_apply",
                 "hc_pre_apply_norm",
                 "hc_pre_sink_rows",
@@ -395,6 +404,7 @@ impl Kernels {
             gemv_f32: n(&mut d),
             hc_pre_dot: n(&mut h),
             hc_pre_dot_rows: n(&mut h),
+            hc_pre_dot_tc: n(&mut h),
             hc_pre_apply: n(&mut h),
             hc_pre_apply_norm: n(&mut h),
             hc_pre_sink_rows: n(&mut h),
@@ -919,19 +929,26 @@ impl CudaBackend {
         const HC_ROWS: usize = 4;
         let mut part = self.alloc::<f32>(rows * HC_SPLIT * (mix + 1));
         if rows >= HC_DOT_ROWS_MIN && n == 4 && width % (128 * HC_SPLIT) == 0 && !self.exact() {
-            // Prefill-sized calls: 16 rows and every output a block, a slice's columns in 16-byte
-            // loads (hc.cu's hc_pre_dot_rows, HC_DOT_R = 2 rows a warp).
+            // Prefill-sized calls: 16 rows a warp on tensor cores in 3xTF32, 8 slices a block
+            // (hc.cu's hc_pre_dot_tc); with DSV4_HC_DOT_TC=0 16 rows and every output a block in
+            // f32 FMAs (hc_pre_dot_rows, HC_DOT_R = 2 rows a warp).
+            let tc = hc_dot_tc();
             let lc = LaunchConfig {
-                grid_dim: (HC_SPLIT as u32, rows.div_ceil(16) as u32, 1),
+                grid_dim: if tc {
+                    ((HC_SPLIT / 8) as u32, rows.div_ceil(16) as u32, 1)
+                } else {
+                    (HC_SPLIT as u32, rows.div_ceil(16) as u32, 1)
+                },
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
+            let kernel = if tc { &self.k.hc_pre_dot_tc } else { &self.k.hc_pre_dot_rows };
             // SAFETY: argument types and buffer sizes match the kernel's signature (part holds
             // rows · HC_SPLIT · (mix + 1) floats).
             ck(
                 unsafe {
                     self.stream
-                        .kernel(&self.k.hc_pre_dot_rows)
+                        .kernel(kernel)
                         .arg(&mut part)
                         .arg(&x.data)
                         .arg(&hc.fn_.data)
@@ -939,7 +956,7 @@ impl CudaBackend {
                         .arg(&(width as i32))
                         .launch(lc)
                 },
-                "hc_pre_dot_rows",
+                if tc { "hc_pre_dot_tc" } else { "hc_pre_dot_rows" },
             );
             return part;
         }

@@ -278,6 +278,113 @@ extern "C" __global__ void __launch_bounds__(256, 3) hc_pre_dot_rows(float* part
     hc_pre_dot_rows_t<4, HC_DOT_R>(part, x, fn, rows, width);
 }
 
+// d += a · b for one m16n8k8 step on TF32 operands (f32 registers whose low 13 mantissa bits
+// the tensor core ignores), f32 accumulation. Fragments (PTX ISA, mma.m16n8k8 .tf32): a0..a3 =
+// A[g][t], A[g + 8][t], A[g][t + 4], A[g + 8][t + 4]; b0, b1 = B[t][g], B[t + 4][g]; d0..d3 =
+// D[g][2t], D[g][2t + 1], D[g + 8][2t], D[g + 8][2t + 1] (lane = 4g + t).
+__device__ __forceinline__ void mma_tf32_1688(float* d, const float* a, float b0, float b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(__float_as_uint(a[0])), "r"(__float_as_uint(a[1])), "r"(__float_as_uint(a[2])),
+          "r"(__float_as_uint(a[3])), "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
+}
+
+// v as a TF32 pair: hi = v with its low 13 mantissa bits cleared (a TF32 value), lo = v − hi
+// (exact in f32; the tensor core reads its top 11 significant bits). hi + lo carries all but
+// ~2^-21 of v, and the three products hi·hi + hi·lo + lo·hi of two such pairs are an f32-grade
+// product (the 3xTF32 of CUTLASS; lo·lo, ~2^-22 of it, is dropped). A NaN or ±∞ gives lo NaN,
+// so it reaches the sum.
+__device__ __forceinline__ void tf32_split(float v, float& hi, float& lo) {
+    hi = __uint_as_float(__float_as_uint(v) & 0xffffe000u);
+    lo = v - hi;
+}
+
+// hc_pre_dot_rows on tensor cores (fast mode, prefill-sized calls, n = 4: 24 outputs): warp w
+// of block (sg, rg) takes rows 16·rg.. and column slice 8·sg + w, the [16 rows × 24 outputs]
+// tile as three m16n8k8 products in 3xTF32 over the slice's columns, and the rows' sums of
+// squares (output 24) in f32 FMAs beside them. The f32 kernel ran at ~1 TB/s, bound by L1
+// (ncu: L1/TEX 74 % of its throughput, the 24 fn rows re-read for every 2 rows); here 16 rows
+// share each fn load. Columns map to k freely (the sum's order is the tensor core's either
+// way): lane (g, t) loads columns c + 4t..c + 4t + 3 of rows g and g + 8 and of fn rows 8j + g
+// (16-byte loads), the first two as one k8 step's k = t, t + 4, the last two as the next's.
+// The same [rows, HC_SPLIT, 25] layout as hc_pre_dot.
+extern "C" __global__ void __launch_bounds__(256) hc_pre_dot_tc(float* part, const float* __restrict__ x,
+                                                              const float* __restrict__ fn, int rows, int width) {
+    pdl_enter();
+    constexpr int MIX = 24, MO = MIX + 1;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int s = blockIdx.x * 8 + warp, r0 = blockIdx.y * 16;
+    int per = width / HC_SPLIT, c0 = s * per;
+    bool in0 = r0 + g < rows, in1 = r0 + g + 8 < rows;
+    const float* x0 = x + (long long)(in0 ? r0 + g : 0) * width + c0 + 4 * t;
+    const float* x1 = x + (long long)(in1 ? r0 + g + 8 : 0) * width + c0 + 4 * t;
+    const float* f0 = fn + (long long)g * width + c0 + 4 * t;
+    float acc[3][4], sq[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < 3; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[j][e] = 0.f;
+    const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int c = 0; c < per; c += 16) {
+        float4 a0 = in0 ? *(const float4*)(x0 + c) : z, a1 = in1 ? *(const float4*)(x1 + c) : z;
+        float4 w[3];
+#pragma unroll
+        for (int j = 0; j < 3; j++) w[j] = *(const float4*)(f0 + (long long)8 * j * width + c);
+        sq[0] = fmaf(a0.x, a0.x, sq[0]);
+        sq[0] = fmaf(a0.y, a0.y, sq[0]);
+        sq[0] = fmaf(a0.z, a0.z, sq[0]);
+        sq[0] = fmaf(a0.w, a0.w, sq[0]);
+        sq[1] = fmaf(a1.x, a1.x, sq[1]);
+        sq[1] = fmaf(a1.y, a1.y, sq[1]);
+        sq[1] = fmaf(a1.z, a1.z, sq[1]);
+        sq[1] = fmaf(a1.w, a1.w, sq[1]);
+        // Two k8 steps: (x, y) then (z, w) of each 4 columns.
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float ah[4], al[4];
+            tf32_split(h ? a0.z : a0.x, ah[0], al[0]);
+            tf32_split(h ? a1.z : a1.x, ah[1], al[1]);
+            tf32_split(h ? a0.w : a0.y, ah[2], al[2]);
+            tf32_split(h ? a1.w : a1.y, ah[3], al[3]);
+#pragma unroll
+            for (int j = 0; j < 3; j++) {
+                float bh0, bl0, bh1, bl1;
+                tf32_split(h ? w[j].z : w[j].x, bh0, bl0);
+                tf32_split(h ? w[j].w : w[j].y, bh1, bl1);
+                mma_tf32_1688(acc[j], al, bh0, bh1);
+                mma_tf32_1688(acc[j], ah, bl0, bl1);
+                mma_tf32_1688(acc[j], ah, bh0, bh1);
+            }
+        }
+    }
+    // The rows' squares over the quad's columns.
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        sq[r] += __shfl_xor_sync(0xffffffffu, sq[r], 1);
+        sq[r] += __shfl_xor_sync(0xffffffffu, sq[r], 2);
+    }
+    float* p0 = part + ((long long)(r0 + g) * HC_SPLIT + s) * MO;
+    float* p1 = part + ((long long)(r0 + g + 8) * HC_SPLIT + s) * MO;
+#pragma unroll
+    for (int j = 0; j < 3; j++) {
+        int o = 8 * j + 2 * t;
+        if (in0) {
+            p0[o] = acc[j][0];
+            p0[o + 1] = acc[j][1];
+        }
+        if (in1) {
+            p1[o] = acc[j][2];
+            p1[o + 1] = acc[j][3];
+        }
+    }
+    if (t == 0) {
+        if (in0) p0[MIX] = sq[0];
+        if (in1) p1[MIX] = sq[1];
+    }
+}
+
 // Row i's HC_PRE head (the blocks of hc_pre_apply and hc_pre_apply_norm): adds the row's
 // HC_SPLIT partials in slice order, applies ρ and forms pre in shared memory; block `sink` forms
 // post and the Sinkhorn comb instead and returns true (it has no columns to mix). base and scale
