@@ -646,68 +646,81 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre_apply_norm(float* y, f
     rms_norm_slice(a, xq, xd, y, nw, 1, d, rms_eps, twin, i * d, 0, nullptr, 0, sh);
 }
 
-// X'[j] = post[j]·f + Σ_s comb[s][j]·X[s]. Thread (row i, column c) forms all n streams' values
-// of its column from one load of f and of each X[s] (a thread an output element read each X
-// value n times: ~4× the bytes, 1.5 ms a call for an 8K-token chunk on the H200); each value's
-// operations and their order are unchanged. Grid (column blocks, rows, striding past 65535).
-extern "C" __global__ void hc_post(float* out, const float* f, const float* x, const float* post, const float* comb,
-                                   int rows, int n, int d) {
-    pdl_enter();
+// V consecutive floats at p (16-byte accesses for V = 4: p 16-byte aligned).
+template <int V>
+__device__ __forceinline__ void ld_v(float* v, const float* p) {
+    if constexpr (V == 4) {
+        float4 q = *(const float4*)p;
+        v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+    } else {
+#pragma unroll
+        for (int e = 0; e < V; e++) v[e] = p[e];
+    }
+}
+
+template <int V>
+__device__ __forceinline__ void st_v(float* p, const float* v) {
+    if constexpr (V == 4) {
+        *(float4*)p = make_float4(v[0], v[1], v[2], v[3]);
+    } else {
+#pragma unroll
+        for (int e = 0; e < V; e++) p[e] = v[e];
+    }
+}
+
+// X'[j] = post[j]·f + Σ_s comb[s][j]·X[s]. Thread (row i, columns c..c+V−1) forms all n
+// streams' values of its columns from one load of f and of each X[s] (a thread an output
+// element read each X value n times: ~4× the bytes, 1.5 ms a call for an 8K-token chunk on the
+// H200). Each value's operations and their order are the same for every V, so hc_post4's
+// values are hc_post's. Grid (column blocks, rows, striding past 65535).
+template <int V>
+__device__ __forceinline__ void hc_post_t(float* out, const float* f, const float* x, const float* post,
+                                          const float* comb, int rows, int n, int d) {
     for (long long i = blockIdx.y; i < rows; i += gridDim.y) {
         const float* cr = comb + i * n * n;
         const float* xr = x + i * n * d;
-        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < d; c += gridDim.x * blockDim.x) {
-            float xv[MAX_HC];
+        for (int c = V * (blockIdx.x * blockDim.x + threadIdx.x); c < d; c += V * gridDim.x * blockDim.x) {
+            float xv[MAX_HC][V], fv[V];
 #pragma unroll
-            for (int s = 0; s < MAX_HC; s++) xv[s] = s < n ? xr[(long long)s * d + c] : 0.f;
-            float fv = f[i * d + c];
+            for (int s = 0; s < MAX_HC; s++) {
+                if (s < n) ld_v<V>(xv[s], xr + (long long)s * d + c);
+                else
+#pragma unroll
+                    for (int e = 0; e < V; e++) xv[s][e] = 0.f;
+            }
+            ld_v<V>(fv, f + i * d + c);
 #pragma unroll
             for (int j = 0; j < MAX_HC; j++) {
                 if (j >= n) break;
-                float v = post[i * n + j] * fv;
+                float pj = post[i * n + j], v[V];
+#pragma unroll
+                for (int e = 0; e < V; e++) v[e] = pj * fv[e];
 #pragma unroll
                 for (int s = 0; s < MAX_HC; s++)
-                    if (s < n) v += cr[s * n + j] * xv[s];
-                out[(i * n + j) * d + c] = v;
+                    if (s < n) {
+                        float cs = cr[s * n + j];
+#pragma unroll
+                        for (int e = 0; e < V; e++) v[e] += cs * xv[s][e];
+                    }
+                st_v<V>(out + (i * n + j) * d + c, v);
             }
         }
     }
 }
 
-// hc_post for prefill-sized calls with d a multiple of 4: thread (row i, columns 4c..4c+3) in
-// 16-byte loads and stores (hc_post's 4-byte ones ran at ~2.5 TB/s on an 8K-token chunk). Each
-// value's operations and their order are hc_post's. Grid (column blocks, rows, striding past
-// 65535).
+// A column a thread (decode rows, any d).
+extern "C" __global__ void hc_post(float* out, const float* f, const float* x, const float* post, const float* comb,
+                                   int rows, int n, int d) {
+    pdl_enter();
+    hc_post_t<1>(out, f, x, post, comb, rows, n, d);
+}
+
+// Four columns a thread in 16-byte accesses, for prefill-sized calls with d a multiple of 4
+// (hc_post's 4-byte ones ran at ~2.5 TB/s on an 8K-token chunk: 467 µs a call, this 284).
 extern "C" __global__ void hc_post4(float* out, const float* f, const float* x, const float* post, const float* comb,
                                     int rows, int n, int d) {
     pdl_enter();
-    for (long long i = blockIdx.y; i < rows; i += gridDim.y) {
-        const float* cr = comb + i * n * n;
-        const float* xr = x + i * n * d;
-        for (int c = 4 * (blockIdx.x * blockDim.x + threadIdx.x); c < d; c += 4 * gridDim.x * blockDim.x) {
-            float4 xv[MAX_HC];
-#pragma unroll
-            for (int s = 0; s < MAX_HC; s++)
-                xv[s] = s < n ? *(const float4*)(xr + (long long)s * d + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-            float4 fv = *(const float4*)(f + i * d + c);
-#pragma unroll
-            for (int j = 0; j < MAX_HC; j++) {
-                if (j >= n) break;
-                float pj = post[i * n + j];
-                float4 v = make_float4(pj * fv.x, pj * fv.y, pj * fv.z, pj * fv.w);
-#pragma unroll
-                for (int s = 0; s < MAX_HC; s++)
-                    if (s < n) {
-                        float cs = cr[s * n + j];
-                        v.x += cs * xv[s].x;
-                        v.y += cs * xv[s].y;
-                        v.z += cs * xv[s].z;
-                        v.w += cs * xv[s].w;
-                    }
-                *(float4*)(out + (i * n + j) * d + c) = v;
-            }
-        }
-    }
+    hc_post_t<4>(out, f, x, post, comb, rows, n, d);
 }
 
 // HC_HEAD: y = Σ_s (σ(ρ·m_s·scale + base_s) + eps)·X_s, one block per row.
