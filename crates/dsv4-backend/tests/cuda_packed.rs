@@ -486,6 +486,46 @@ fn cuda_prefill_sized_norm_and_hc_post_are_bitwise() {
     }
 }
 
+/// The inverse RoPE of a prefill chunk's attention output with its bf16 copy in one pass
+/// (`rope_cast`, 300 rows × 64 heads of 512) is bitwise `rope` over the same rows in chunks of
+/// 100 (below its row threshold), and the wo_a-style product that reads the kept copy is bitwise
+/// the product of the rotated values uploaded again (cast afresh by `cast_bf16`).
+#[test]
+fn cuda_prefill_rope_with_its_bf16_copy_is_bitwise() {
+    let Some(b) = gpu() else { return };
+    b.set_exact(false);
+    let (head, heads, rows) = (512, 64, 300);
+    let cols = head * heads;
+    let freqs: Vec<f64> = (0..32).map(|i| 10000f64.powf(-(i as f64) / 32.0)).collect();
+    let toks: Vec<u32> = (0..rows as u32).collect();
+    let (mut x, xc) = activations(&b, rows, cols, 21);
+    let all = b.rows(&dsv4_backend::Batch::chunk(0, 7000, &toks).unwrap());
+    b.rope(&mut x, &all, &freqs, head, true);
+    let got = b.to_host(&x);
+    for r0 in (0..rows).step_by(100) {
+        let part = b.rows(&dsv4_backend::Batch::chunk(0, 7000 + r0, &toks[r0..r0 + 100]).unwrap());
+        let h = HostTensor::new("x", vec![100, cols], xc.data[r0 * cols..(r0 + 100) * cols].to_vec());
+        let mut xs = CudaTensor::new(100, cols, b.upload(h).unwrap().data);
+        b.rope(&mut xs, &part, &freqs, head, true);
+        let want = b.to_host(&xs);
+        for (i, (p, q)) in got[r0 * cols..(r0 + 100) * cols].iter().zip(&want).enumerate() {
+            assert_eq!(p.to_bits(), q.to_bits(), "inverse RoPE, rows {r0}..: value {i}: {p} vs {q}");
+        }
+    }
+    // Two groups of 16 outputs, each over half the row (wo_a's grouped shape).
+    let (m, groups) = (32, 2);
+    let mut r = ChaCha8Rng::seed_from_u64(22);
+    let w: Vec<f32> =
+        (0..m * cols / groups).map(|_| dsv4_backend::bf16::round_bf16(r.gen_range(-0.1f32..0.1))).collect();
+    let wt = b.upload(HostTensor::new("layers.0.attn.wo_a.weight", vec![m, cols / groups], w)).unwrap();
+    let kept = b.to_host(&b.grouped_matmul(&x, &wt, groups));
+    let again = CudaTensor::new(rows, cols, b.upload(HostTensor::new("x", vec![rows, cols], got)).unwrap().data);
+    let fresh = b.to_host(&b.grouped_matmul(&again, &wt, groups));
+    for (i, (p, q)) in kept.iter().zip(&fresh).enumerate() {
+        assert_eq!(p.to_bits(), q.to_bits(), "product of the kept bf16 copy: output {i}: {p} vs {q}");
+    }
+}
+
 /// In int8 mode the fused HC_PRE + norm writes the norm's int8 twin (`quant4_block32` in hc.cu):
 /// a product on its output is bitwise the product on a copy of the values (quantised by the
 /// product itself, `quant_block32`), and the values are bitwise HC_PRE then `rms_norm`. At

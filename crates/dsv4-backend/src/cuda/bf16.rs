@@ -49,7 +49,7 @@ pub(crate) fn group_products() -> bool {
 
 /// Whether an activation's bf16 cast is kept on its tensor for the next product
 /// (`DSV4_BF16_CACHE`, default on).
-fn keep_bf16() -> bool {
+pub(crate) fn keep_bf16() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("DSV4_BF16_CACHE").map(|v| v != "0").unwrap_or(true))
 }

@@ -165,6 +165,7 @@ pub(crate) struct Kernels {
     pub rms_norm: CudaFunction,
     pub rms_norm_warp: CudaFunction,
     pub rope: CudaFunction,
+    pub rope_cast: CudaFunction,
     pub gemv_f32: CudaFunction,
     pub hc_pre_dot: CudaFunction,
     pub hc_pre_dot_rows: CudaFunction,
@@ -334,6 +335,7 @@ impl Kernels {
                 "rms_norm",
                 "rms_norm_warp",
                 "rope",
+                "rope_cast",
                 "gemv_f32",
             ],
         )?;
@@ -401,6 +403,7 @@ impl Kernels {
             rms_norm: n(&mut d),
             rms_norm_warp: n(&mut d),
             rope: n(&mut d),
+            rope_cast: n(&mut d),
             gemv_f32: n(&mut d),
             hc_pre_dot: n(&mut h),
             hc_pre_dot_rows: n(&mut h),
@@ -524,6 +527,11 @@ impl Fusion {
 /// Device `tid2eid` tables by the host table's address and length, with the host contents
 /// they were made from.
 type HashTables = HashMap<(usize, usize), (Vec<u32>, Arc<CudaSlice<u32>>)>;
+
+/// Rows from which an inverse RoPE also writes the tensor's bf16 copy (`rope_cast`): prefill
+/// chunks, where the attention output (n × 64 heads × 512) is read once for both instead of
+/// once by `rope` (1.0 TB/s on its strided pairs) and again by `cast_bf16`.
+const ROPE_CAST_ROWS: usize = 256;
 
 /// Bytes of cuBLAS workspace (what cuBLAS takes by default on Hopper).
 const BLAS_WORKSPACE: usize = 32 << 20;
@@ -1029,6 +1037,23 @@ impl CudaBackend {
     }
 
     /// The RoPE frequency table on the device (uploaded once per distinct table).
+    /// Whether an inverse RoPE takes `rope_cast` (the rotation and the bf16 copy of the whole
+    /// tensor in one pass): fast-mode calls of [`ROPE_CAST_ROWS`] rows and more (prefill chunks,
+    /// whose wo_a product reads that copy), with the bf16 copies kept (`DSV4_BF16_CACHE`) and
+    /// `DSV4_ROPE_CAST` not 0.
+    fn rope_cast_fits(&self, x: &CudaTensor, head: usize, np: usize) -> bool {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let on = *ON.get_or_init(|| std::env::var("DSV4_ROPE_CAST").map_or(true, |v| v.trim() != "0"));
+        on && x.rows >= ROPE_CAST_ROWS
+            && !self.exact()
+            && bf16::keep_bf16()
+            && head.is_multiple_of(8)
+            && (2 * np).is_multiple_of(8)
+            && 2 * np <= head
+            && np <= 256
+            && x.cols.is_multiple_of(head)
+    }
+
     pub(crate) fn freqs(&self, freqs: &[f64]) -> Arc<CudaSlice<f64>> {
         let key: Vec<u64> = freqs.iter().map(|f| f.to_bits()).collect();
         let mut m = self.freqs.lock().unwrap();
@@ -1331,6 +1356,32 @@ impl Backend for CudaBackend {
         }
         let f = self.freqs(freqs);
         let (n, cols) = (x.rows as i32, x.cols as i32);
+        if inverse && self.rope_cast_fits(x, head, np) {
+            // The attention output's inverse RoPE with the bf16 copy wo_a reads, in one pass.
+            let mut xb = self.alloc::<u16>(x.rows * x.cols);
+            let lc = LaunchConfig { grid_dim: (x.rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: argument types and sizes match the kernel's signature; xb holds x's
+            // rows × cols, both fresh allocations (16-byte aligned), cols a multiple of 8.
+            ck(
+                unsafe {
+                    self.stream
+                        .kernel(&self.k.rope_cast)
+                        .arg(x.data_mut())
+                        .arg(&mut xb)
+                        .arg(rows.dev.as_ref())
+                        .arg(&n)
+                        .arg(f.as_ref())
+                        .arg(&(np as i32))
+                        .arg(&cols)
+                        .arg(&(head as i32))
+                        .arg(&(inverse as i32))
+                        .launch(lc)
+                },
+                "rope_cast",
+            );
+            let _ = x.bf.set(xb);
+            return;
+        }
         let lc = cfg1d(x.rows * (x.cols / head) * np, 256);
         // SAFETY: argument types and sizes match the kernel's signature.
         ck(

@@ -160,6 +160,47 @@ extern "C" __global__ void rope(float* x, const unsigned* rows, int n, const dou
     }
 }
 
+// rope over a prefill chunk's attention output, with the bf16 copy its wo_a product reads: one
+// block a row. The row's npairs angles (shared by every head) are taken once into shared memory,
+// then each thread moves 8 values at a time: the rotated pairs go back to x (the same arithmetic
+// as `rope`, this file is compiled without contraction) and all 8 into xb rounded to bf16
+// (nearest even, cast_bf16's rounding). Needs head and 2·npairs multiples of 8, npairs <= 256,
+// cols a multiple of head, x and xb 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(256) rope_cast(float* x, unsigned short* xb, const unsigned* rows, int n,
+                                                            const double* freqs, int npairs, int cols, int head,
+                                                            int inverse) {
+    pdl_enter();
+    __shared__ float cs[256], sn[256];
+    int i = blockIdx.x;
+    for (int j = threadIdx.x; j < npairs; j += blockDim.x) {
+        double th = (double)ROW_POS(i) * freqs[j];
+        if (inverse) th = -th;
+        sn[j] = (float)sin(th);
+        cs[j] = (float)cos(th);
+    }
+    __syncthreads();
+    float* xr = x + (long long)i * cols;
+    uint4* br = (uint4*)(xb + (long long)i * cols);
+    int r0 = head - 2 * npairs;
+    for (int c = 8 * threadIdx.x; c < cols; c += 8 * blockDim.x) {
+        float4 a = *(const float4*)(xr + c), b = *(const float4*)(xr + c + 4);
+        float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        int hc = c % head;
+        if (hc >= r0) {
+            int j0 = (hc - r0) / 2;
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                float s = sn[j0 + u], co = cs[j0 + u], p = v[2 * u], q = v[2 * u + 1];
+                v[2 * u] = p * co - q * s;
+                v[2 * u + 1] = p * s + q * co;
+            }
+            *(float4*)(xr + c) = make_float4(v[0], v[1], v[2], v[3]);
+            *(float4*)(xr + c + 4) = make_float4(v[4], v[5], v[6], v[7]);
+        }
+        br[c / 8] = make_uint4(bf2(v[0], v[1]), bf2(v[2], v[3]), bf2(v[4], v[5]), bf2(v[6], v[7]));
+    }
+}
+
 // out[r, o] = x[r, :] · w[o, :] for r < n (groups of 8 rows), f32 weights (mHC, router): one block of 256
 // threads per output column, each thread a strided slice of k, then a fixed-order block sum —
 // a decode row's product of a short, very wide matrix (mHC: 24 × 16384) gets the whole block.
