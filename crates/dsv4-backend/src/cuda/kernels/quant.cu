@@ -23,10 +23,6 @@
 typedef unsigned char u8;
 typedef unsigned short u16;
 
-// Tables live in global memory, not __constant__: lanes of a warp index them at different
-// places, which the constant cache would serialise.
-__device__ const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
-
 // IQ2_XXS's grid as the decode reads it: a copy in shared memory in the kernels (fill_tabs at
 // each kernel's start), where a warp's 32 lanes index it at scattered places (from global
 // memory through L1 such a load costs up to one wavefront per 128-byte line it touches, ~14 for
@@ -118,11 +114,12 @@ __device__ __forceinline__ float bytef(unsigned w, int j, float bias) {
     return __fsub_rn(__uint_as_float(__byte_perm(w, 0x4B000000u, 0x7540u | j)), bias);
 }
 
+// The exponent and mantissa bits placed at f32 bits 20–26 read value · 2^-120 (e = 0: the
+// subnormal m/8 · 2^-126), so · 2^120 is the value exactly; the sign is or-ed in. 0x7f / 0xff: NaN.
 __device__ __forceinline__ float e4m3(u8 b) {
-    unsigned s = ((unsigned)b & 0x80u) << 24, e = (b >> 3) & 15, m = b & 7;
-    float sub = __uint_as_float(__float_as_uint(__uint2float_rn(m) * 0.001953125f) | s);  // m/8 · 2^-6
-    float v = e == 0 ? sub : __uint_as_float(s | ((e + 120) << 23) | (m << 20));
-    return (e == 15 && m == 7) ? __uint_as_float(0x7fc00000u) : v;
+    float v = __fmul_rn(__uint_as_float(((unsigned)b & 0x7fu) << 20), 0x1p120f);
+    v = __uint_as_float(__float_as_uint(v) | (((unsigned)b & 0x80u) << 24));
+    return ((unsigned)b & 0x7fu) == 0x7fu ? __uint_as_float(0x7fc00000u) : v;
 }
 
 __device__ __forceinline__ float e8m0(u8 b) {
@@ -280,9 +277,18 @@ __device__ __forceinline__ void deq8r(const Raw8& r, int c, float* y) {
             y[2 * j + 1] = __uint_as_float(r.u[j] & 0xffff0000u);
         }
     } else {
+        // E2M1 code j's exponent and mantissa bits placed at f32 bits 22–24 read value · 2^-126
+        // (e = 0: the subnormal 0.5 · 2^-126), so · 2^126 gives the value exactly, and · sc (a
+        // power of two) rounds as the table's product did; the sign is a flip. ALU work in place
+        // of a constant-memory lookup a value (the expert tiles issue-bound, ncu).
         float sc = e8m0((u8)r.u[0]);
+        unsigned u = r.u[1];
 #pragma unroll
-        for (int j = 0; j < 8; j++) y[j] = __fmul_rn(E2M1[(r.u[1] >> (4 * j)) & 15], sc);
+        for (int j = 0; j < 8; j++) {
+            unsigned mag = (j < 6 ? u << (22 - 4 * j) : u >> (4 * j - 22)) & 0x01C00000u;
+            float v = __fmul_rn(__fmul_rn(__uint_as_float(mag), 0x1p126f), sc);
+            y[j] = __uint_as_float(__float_as_uint(v) ^ ((u << (28 - 4 * j)) & 0x80000000u));
+        }
     }
 }
 
