@@ -775,6 +775,7 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_HG, ATT_MINB) attention(fl
 #define ATC_KT 16      // keys a tile
 #define ATC_LD 520     // bf16 a shared row: 512 + 8 (ldmatrix rows on 8 distinct bank groups)
 #define ATC_SMEM ((ATC_H + 2 * ATC_KT) * ATC_LD * 2)
+#define ATC_SELMAX 2048  // selected entries a row kept in shared memory (more: read from global)
 
 extern "C" __global__ void __launch_bounds__(256, 1)
     attention_tc(float* out, const float* q, const float* kv, const float* ring, int win, int rcap,
@@ -804,13 +805,37 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         int hh = i / (d / 4), c = 4 * (i % (d / 4));
         *(uint2*)(Qs + hh * ATC_LD + c) = make_uint2(bf2(v.x, v.y), bf2(v.z, v.w));
     }
+    // Key addresses without a dependent load in the tile loop: the row's table entries in
+    // registers, its window's first ring slot, and its selected entries' indices in shared memory
+    // (one coalesced read here, where att_key read the index and then the key every tile).
+    long long seq = ROW_SEQ(t), pos0 = ROW_POS0(t), start = ROW_START(t);
+    int lo_slot = rcap > 0 ? (int)(lo % rcap) : 0;
+    __shared__ unsigned atc_sel[ATC_SELMAX];
+    bool sel_sm = has_sel && ncomp <= ATC_SELMAX;
+    if (sel_sm)
+        for (int i = tid; i < ncomp; i += 256) atc_sel[i] = sel[(long long)t * topk + i];
+    auto key = [&](int j) -> const float* {
+        if (j < nwin) {
+            long long pp = lo + j;
+            if (pp < pos0) {
+                int slot = lo_slot + j;  // j < nwin <= win <= rcap
+                if (slot >= rcap) slot -= rcap;
+                return ring + (seq * rcap + slot) * d;
+            }
+            return kv + (start + (pp - pos0)) * d;
+        }
+        long long e = !has_sel ? (long long)(j - nwin) : sel_sm ? (long long)atc_sel[j - nwin]
+                                                                : (long long)sel[(long long)t * topk + (j - nwin)];
+        return entries + (seq * cap + e) * d;
+    };
+    __syncthreads();
     // Key staging: thread tid takes key tid / 16 of a tile, float4s at 4·(tid % 16) + 64·i.
     int sk = tid >> 4, sc = 4 * (tid & 15);
     float4 kr[8];
     auto load = [&](int tile) {
         int j = tile * ATC_KT + sk;
         if (j < nk) {
-            const float* kp = att_key(j, nwin, lo, kv, ring, rcap, entries, cap, sel, has_sel, topk, rows, n, t, d);
+            const float* kp = key(j);
 #pragma unroll
             for (int i = 0; i < 8; i++) kr[i] = *(const float4*)(kp + sc + 64 * i);
         } else {
