@@ -213,6 +213,24 @@ pub trait Backend: Send + Sync {
     }
     /// One clamped-SwiGLU expert applied to every row (the shared expert).
     fn swiglu(&self, x: &Self::T, e: &Expert<Self::W>, limit: f32) -> Self::T;
+    /// The MoE block's experts: the routed sum ([`Backend::moe`]), the shared expert
+    /// ([`Backend::swiglu`]) and their sum, each named by the forward (`ffn.routed`,
+    /// `ffn.shared`, then the block's output). A backend may form all three in fewer launches,
+    /// with the same values.
+    fn moe_shared(
+        &self,
+        x: &Self::T,
+        route: &Self::Route,
+        experts: &[Expert<Self::W>],
+        first: usize,
+        shared: &Expert<Self::W>,
+        limit: f32,
+    ) -> (Self::T, Self::T, Self::T) {
+        let routed = self.moe(x, route, experts, first, limit);
+        let shared = self.swiglu(x, shared, limit);
+        let out = self.add(&routed, &shared);
+        (routed, shared, out)
+    }
 
     /// Clears the cache's nonfinite probes (start of a checked forward).
     fn reset_probes(&self, cache: &mut Self::Cache);

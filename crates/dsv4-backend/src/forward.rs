@@ -303,11 +303,9 @@ fn moe<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, f: &B::T
     let route = b.route(&logits, m.bias.as_ref(), hash, cfg);
     // On a rank of a group, `routed` sums only its own experts and `shared` only its share of
     // the shared expert's rows: one all-reduce of their sum completes both.
-    let routed = b.moe(f, &route, &m.experts, m.expert0, cfg.swiglu_limit);
+    let (routed, shared, mut out) = b.moe_shared(f, &route, &m.experts, m.expert0, &m.shared, cfg.swiglu_limit);
     cx.cap(li, "ffn.routed", &routed);
-    let shared = b.swiglu(f, &m.shared, cfg.swiglu_limit);
     cx.cap(li, "ffn.shared", &shared);
-    let mut out = b.add(&routed, &shared);
     cx.comm.all_reduce(b, &mut out);
     cx.cap(li, "ffn.out", &out);
     out

@@ -305,6 +305,75 @@ fn cuda_int8_products_match_the_twin() {
     b.set_int8(false);
 }
 
+/// One token row's experts in two launches (`moe_up1s` / `moe_down1s`, `set_ffn1`) are bitwise
+/// the separate launches (moe_sort, up, quant_x8, down, moe_combine; the shared expert's up,
+/// quant_x8, down; the add) for the routed, shared and summed outputs: ds4's q2 layout (IQ2_XXS
+/// gate/up, Q2_K down, Q8_0 shared expert, 6 slots), Q8_0 throughout with 7 slots (8 pairs, a
+/// warp each in the down kernel) and Q2_K throughout. inter = 512 or 256: h's 32-value groups
+/// are each finished by the last of 4 up blocks, whose counters every launch must leave zero,
+/// so each case runs three times. The sum is also held to the CPU oracle (2e-2, the int8
+/// activations' rounding as in `cuda_int8_products_match_the_twin`).
+#[test]
+fn cuda_one_row_experts_in_two_launches_are_bitwise() {
+    let Some(b) = gpu() else { return };
+    let cpu = CpuBackend;
+    b.set_exact(false);
+    b.set_int8(true);
+    use PackedFormat::{IQ2_XXS, Q2_K, Q8_0};
+    let cases = [
+        ((IQ2_XXS, Q2_K), (Q8_0, Q8_0), 6, (256, 512, 8)),
+        ((Q8_0, Q8_0), (Q8_0, Q8_0), 7, (512, 256, 9)),
+        ((Q2_K, Q2_K), (Q2_K, Q2_K), 2, (256, 512, 4)),
+    ];
+    for (ci, (routed, shared, k, (d, inter, ne))) in cases.into_iter().enumerate() {
+        let seed = 9000 + 100 * ci as u64;
+        let (gpu_e, cpu_e) = random_experts(&b, routed, (d, inter, ne), seed);
+        let (sg, sc) = random_experts(&b, shared, (d, inter, 1), seed + 50);
+        let mut c = dsv4_model::synth::tiny_config(64);
+        c.n_routed_experts = ne;
+        c.n_experts_per_tok = k;
+        let bias_g = b.upload(HostTensor::new("bias", vec![ne], vec![0.0; ne])).unwrap();
+        let bias_c = Tensor::new(1, ne, vec![0.0; ne]);
+        let (xg, xc) = activations(&b, 1, d, seed + 1);
+        let (lg, lc) = activations(&b, 1, ne, seed + 2);
+        let name = format!(
+            "{}/{} + shared {}/{}, k = {k}",
+            routed.0.name(),
+            routed.1.name(),
+            shared.0.name(),
+            shared.1.name()
+        );
+        // The int8 codes of x, as the sub-block's norm leaves them beside its output.
+        let x = b.rms_norm(&xg, None, d, 1e-6);
+        let xh = cpu.rms_norm(&xc, None, d, 1e-6);
+        let rg = b.route(&lg, Some(&bias_g), None, &c);
+        b.set_ffn1(false);
+        let apart = b.moe_shared(&x, &rg, &gpu_e, 0, &sg[0], 10.0);
+        let apart = [&apart.0, &apart.1, &apart.2].map(|t| b.to_host(t));
+        for run in 0..3 {
+            let fused = b.moe_shared_one_row(&x, &rg, &gpu_e, &sg[0], 10.0);
+            let fused = fused.unwrap_or_else(|| panic!("{name}: the two-launch path does not apply"));
+            for (what, (f, a)) in
+                ["routed", "shared", "sum"].iter().zip([&fused.0, &fused.1, &fused.2].into_iter().zip(&apart))
+            {
+                for (i, (f, a)) in b.to_host(f).iter().zip(a).enumerate() {
+                    assert_eq!(
+                        f.to_bits(),
+                        a.to_bits(),
+                        "{name}, run {run}: {what}[{i}] two launches {f} vs apart {a}"
+                    );
+                }
+            }
+        }
+        let rc = cpu.route(&lc, Some(&bias_c), None, &c);
+        let want = cpu.add(&cpu.moe(&xh, &rc, &cpu_e, 0, 10.0), &cpu.swiglu(&xh, &sc[0], 10.0));
+        let e = rel_err(&apart[2], &want.data);
+        println!("{name}: two launches bitwise the separate ones; {e:.2e} from the CPU oracle");
+        assert!(e <= 2e-2, "{name} vs the CPU oracle: {e:.2e}");
+    }
+    b.set_int8(false);
+}
+
 /// Row `r` of `t` as a one-row device tensor.
 fn row_of(b: &CudaBackend, t: &Tensor, r: usize) -> CudaTensor {
     let h = HostTensor::new("row", vec![1, t.cols], t.data[r * t.cols..(r + 1) * t.cols].to_vec());

@@ -378,9 +378,7 @@ impl<B: Backend> Drafter<B> {
             let f = b.rms_norm(&y, Some(&st.ffn_norm), d, cfg.rms_eps);
             let logits = b.matmul(&f, &st.ffn.gate);
             let route = b.route(&logits, Some(&st.ffn.bias), None, cfg);
-            let routed = b.moe(&f, &route, &st.ffn.experts, 0, cfg.swiglu_limit);
-            let shared = b.swiglu(&f, &st.ffn.shared, cfg.swiglu_limit);
-            let o = b.add(&routed, &shared);
+            let (_, _, o) = b.moe_shared(&f, &route, &st.ffn.experts, 0, &st.ffn.shared, cfg.swiglu_limit);
             x = b.hc_post(&o, &x, &post, &comb);
             if let Some(tr) = trace.as_deref_mut() {
                 tr.stage_out.push(b.to_host(&x));

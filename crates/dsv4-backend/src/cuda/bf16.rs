@@ -14,6 +14,7 @@
 //! two cuBLAS bf16 products over its gathered rows.
 
 use super::launch::{Kernel, KernelStruct};
+use super::quant::Q_WARPS;
 use super::{cfg1d, ck, CudaBackend, CudaCache, CudaRoute, CudaTensor, CudaWeight};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaView, DevicePtrMut, LaunchConfig};
@@ -510,6 +511,115 @@ fn x8_pairs(
         },
         "moe_down int8",
     );
+}
+
+/// Counters `moe_up1s` keeps for its 32-value groups: (k + 1)·inter / 32 of them at most
+/// (k + 1 ≤ 8 pairs of up to 8,192 values).
+pub(crate) const FFN1_COUNTERS: usize = 8 * 256;
+
+/// One token row's routed experts, shared expert and their sum (see
+/// [`CudaBackend::set_ffn1`]): `(routed, shared, routed + shared)`, bitwise what
+/// [`Backend::moe`](crate::Backend::moe), the shared expert's [`shared_expert_x8`] and the add
+/// give. `None` where the separate launches must run: several rows, a share of the experts, more
+/// than 7 routed slots, formats without int8 kernels (or a pair quant.cu does not instantiate),
+/// or the int8 path off.
+pub(crate) fn ffn_one_row(
+    b: &CudaBackend,
+    x: &CudaTensor,
+    route: &CudaRoute,
+    experts: &[Expert<CudaWeight>],
+    first: usize,
+    shared: &Expert<CudaWeight>,
+    limit: f32,
+) -> Option<(CudaTensor, CudaTensor, CudaTensor)> {
+    let (d, k, e0) = (x.cols, route.k, &experts[0]);
+    let inter = e0.w1.rows;
+    let pairs = k + 1;
+    let blk = crate::x8::BLOCK;
+    let fmt = |w: &CudaWeight| w.q.as_ref().map(|q| q.format).filter(|&f| crate::x8::supports(f));
+    let (r13, r2, s13, s2) = (fmt(&e0.w1)?, fmt(&e0.w2)?, fmt(&shared.w1)?, fmt(&shared.w2)?);
+    let fits = x.rows == 1
+        && b.int8()
+        && first == 0
+        && experts.len() == route.experts
+        && pairs <= Q_WARPS
+        && fmt(&e0.w3) == Some(r13)
+        && fmt(&shared.w3) == Some(s13)
+        && (shared.w1.rows, shared.w2.cols, e0.w2.cols) == (inter, inter, inter)
+        && d.is_multiple_of(blk)
+        && inter.is_multiple_of(blk)
+        && pairs * inter / blk <= FFN1_COUNTERS;
+    if !fits {
+        return None;
+    }
+    let (up, down) = b.qk.ffn1((r13, r2), (s13, s2))?;
+    let table = b.packed_expert_kernels(experts, true).table;
+    let stable = b.packed_expert_kernels(std::slice::from_ref(shared), true).table;
+    let o = super::quant::x8_opw();
+    let super::X8Twin { q: xq, d: xd } = b.x8_of(x);
+    let mut h = b.alloc::<f32>(pairs * inter);
+    let mut hq = b.alloc::<i8>(pairs * inter);
+    let mut hd = b.alloc::<f32>(pairs * inter / blk);
+    let (mut routed, mut sh, mut out) = (b.tensor(1, d), b.tensor(1, d), b.tensor(1, d));
+    let (nei, ki, di, ii) = (experts.len() as i32, k as i32, d as i32, inter as i32);
+    let up_cfg = LaunchConfig {
+        grid_dim: (pairs as u32, inter.div_ceil(Q_WARPS * o.up) as u32, 1),
+        block_dim: (32 * Q_WARPS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let down_cfg = LaunchConfig {
+        grid_dim: (d.div_ceil(o.down) as u32, 1, 1),
+        block_dim: (32 * Q_WARPS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY (both launches): argument types and buffer sizes match the kernels: h, hq hold
+    // k + 1 rows of `inter`, hd their scales, the counters (zero between launches) cover
+    // (k + 1)·inter / 32 groups (checked above), route.ids / weights hold k slots of the one
+    // row, the tables address every routed expert (nexp) and the shared one.
+    ck(
+        unsafe {
+            b.stream
+                .kernel(up)
+                .arg(&mut h)
+                .arg(&mut hq)
+                .arg(&mut hd)
+                .arg(&b.ffn1_cnt)
+                .arg(xq)
+                .arg(xd)
+                .arg(&route.ids)
+                .arg(table.as_ref())
+                .arg(stable.as_ref())
+                .arg(&nei)
+                .arg(&ki)
+                .arg(&di)
+                .arg(&ii)
+                .arg(&limit)
+                .launch(up_cfg)
+        },
+        "moe_up1s",
+    );
+    ck(
+        unsafe {
+            b.stream
+                .kernel(down)
+                .arg(&mut routed.data)
+                .arg(&mut sh.data)
+                .arg(&mut out.data)
+                .arg(&hq)
+                .arg(&hd)
+                .arg(&route.ids)
+                .arg(&route.weights)
+                .arg(table.as_ref())
+                .arg(stable.as_ref())
+                .arg(&nei)
+                .arg(&ki)
+                .arg(&di)
+                .arg(&ii)
+                .launch(down_cfg)
+        },
+        "moe_down1s",
+    );
+    Some((routed, sh, out))
 }
 
 /// The shared expert of one row on int8 activations, as a routed expert with one pair: gate/up

@@ -490,6 +490,11 @@ pub struct CudaBackend {
     /// The pair tables of one row through one expert (order [0], off [0, 1], active [0, 1]):
     /// the shared expert run by the routed-expert kernels.
     pub(crate) one_pair: CudaSlice<u32>,
+    /// Zeroed counters of `moe_up1s`'s 32-value groups (each launch leaves them zero):
+    /// [`bf16::FFN1_COUNTERS`] of them.
+    pub(crate) ffn1_cnt: CudaSlice<u32>,
+    /// One row's routed and shared experts in two launches (see [`CudaBackend::set_ffn1`]).
+    ffn1: std::sync::atomic::AtomicBool,
     pub(crate) fusion: Fusion,
 }
 
@@ -578,6 +583,34 @@ impl CudaBackend {
     /// over 1-byte activations: 1.3 instructions a weight where the f32 path spends ~8, PERF.md
     /// v8); `DSV4_INT8=0` turns it off at start, and [`Self::exact_or_skip`] (tests) too. Each
     /// row is quantised on its own, so a row's result still does not depend on its batch.
+    /// One token row's MoE experts in two launches (`moe_up1s`: every routed slot's and the
+    /// shared expert's gate/up with the SwiGLU, h's int8 codes by the last block of each
+    /// 32-value group; `moe_down1s`: every pair's down rows, the routing-weighted sum and the add
+    /// of the shared expert), instead of moe_sort, up, quant_x8, down, moe_combine and the shared
+    /// expert's up, quant_x8, down, then add: 9 launches. The same values bit for bit. Start
+    /// value `DSV4_FFN1=1`; off by default until it has run on a GPU.
+    pub fn set_ffn1(&self, on: bool) {
+        self.ffn1.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn ffn1(&self) -> bool {
+        self.ffn1.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The two-launch path of [`CudaBackend::set_ffn1`] alone, whatever the setting: `(routed,
+    /// shared, routed + shared)` of one row, `None` where it does not apply (tests compare it
+    /// with the separate launches).
+    pub fn moe_shared_one_row(
+        &self,
+        x: &CudaTensor,
+        route: &CudaRoute,
+        experts: &[Expert<CudaWeight>],
+        shared: &Expert<CudaWeight>,
+        limit: f32,
+    ) -> Option<(CudaTensor, CudaTensor, CudaTensor)> {
+        bf16::ffn_one_row(self, x, route, experts, 0, shared, limit)
+    }
+
     pub fn set_int8(&self, on: bool) {
         self.int8.store(on, std::sync::atomic::Ordering::Relaxed);
     }
@@ -727,6 +760,7 @@ impl CudaBackend {
         let dummy_f64 = stream.alloc_zeros::<f64>(1)?;
         let dummy_i8 = stream.alloc_zeros::<i8>(1)?;
         let one_pair = stream.clone_htod(&[0u32, 0, 1, 0, 1])?;
+        let ffn1_cnt = stream.alloc_zeros::<u32>(bf16::FFN1_COUNTERS)?;
         Ok(CudaBackend {
             ctx,
             stream,
@@ -773,6 +807,8 @@ impl CudaBackend {
             _blas_workspace: ws,
             x8_weights: std::sync::atomic::AtomicBool::new(false),
             one_pair,
+            ffn1_cnt,
+            ffn1: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_FFN1").is_ok_and(|v| v.trim() == "1")),
             fusion: Fusion::from_env(),
         })
     }
@@ -1759,6 +1795,25 @@ impl Backend for CudaBackend {
             "swiglu_act",
         );
         self.matmul(&h, &e.w2)
+    }
+
+    fn moe_shared(
+        &self,
+        x: &CudaTensor,
+        route: &CudaRoute,
+        experts: &[Expert<CudaWeight>],
+        first: usize,
+        shared: &Expert<CudaWeight>,
+        limit: f32,
+    ) -> (CudaTensor, CudaTensor, CudaTensor) {
+        if let Some(r) = self.ffn1().then(|| bf16::ffn_one_row(self, x, route, experts, first, shared, limit)).flatten()
+        {
+            return r;
+        }
+        let routed = self.moe(x, route, experts, first, limit);
+        let shared = self.swiglu(x, shared, limit);
+        let out = self.add(&routed, &shared);
+        (routed, shared, out)
     }
 
     fn reset_probes(&self, cache: &mut CudaCache) {

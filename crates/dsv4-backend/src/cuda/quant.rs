@@ -33,7 +33,7 @@ pub(crate) fn qgemv_rows_env() -> usize {
 }
 
 /// Warps per block of `quant.cu`'s product and expert kernels (its `Q_WARPS`).
-const Q_WARPS: usize = 8;
+pub(crate) const Q_WARPS: usize = 8;
 
 /// Which products of several rows on int8 activations run on the tensor-core tiles (`gemvt`,
 /// `moe_upt`, `moe_downt`: bitwise the one-row sums, PERF.md v14) rather than the dp4a row
@@ -123,6 +123,16 @@ impl QuantDev {
         self.blocks.len() + self.scales.len()
     }
 }
+
+/// (routed, shared) format pairs of quant.cu's `X8_FFN1_KERNELS`: the shared expert in Q8_0 (as
+/// ds4's q2 and q4 files store it) or in the routed experts' own format.
+const FFN1_PAIRS: [(PackedFormat, PackedFormat); 5] = [
+    (PackedFormat::Q8_0, PackedFormat::Q8_0),
+    (PackedFormat::Q2_K, PackedFormat::Q8_0),
+    (PackedFormat::IQ2_XXS, PackedFormat::Q8_0),
+    (PackedFormat::Q2_K, PackedFormat::Q2_K),
+    (PackedFormat::IQ2_XXS, PackedFormat::IQ2_XXS),
+];
 
 /// Kernel-name suffix of a format.
 fn suffix(f: PackedFormat) -> &'static str {
@@ -230,6 +240,11 @@ impl QuantKernels {
                 names.push(format!("gemvt{nt}{w}_{f}"));
             }
         }
+        for (r, s) in FFN1_PAIRS {
+            for k in ["moe_up1s", "moe_down1s"] {
+                names.push(format!("{k}_{}_{}", suffix(r), suffix(s)));
+            }
+        }
         let mut m = HashMap::new();
         for n in names {
             let f = module.load_function(&n)?;
@@ -247,6 +262,18 @@ impl QuantKernels {
 
     pub(crate) fn get(&self, name: &str) -> &CudaFunction {
         &self.0[name]
+    }
+
+    /// One row's expert kernels (`moe_up1s`, `moe_down1s`) for routed experts in `r13` (w1/w3)
+    /// and `r2` (w2) with a shared expert in `s13` / `s2`, where quant.cu instantiates them
+    /// (`X8_FFN1_KERNELS`).
+    pub(crate) fn ffn1(
+        &self,
+        (r13, r2): (PackedFormat, PackedFormat),
+        (s13, s2): (PackedFormat, PackedFormat),
+    ) -> Option<(&CudaFunction, &CudaFunction)> {
+        let name = |k: &str, r, s| format!("{k}_{}_{}", suffix(r), suffix(s));
+        Some((self.0.get(&name("moe_up1s", r13, s13))?, self.0.get(&name("moe_down1s", r2, s2))?))
     }
 
     pub(crate) fn of(&self, kind: &str, f: PackedFormat) -> &CudaFunction {

@@ -710,7 +710,9 @@ extern "C" __global__ void quant_x8(signed char* __restrict__ xq, float* __restr
 // loads, no result; the caller returns after). EARLY: the caller has not waited for the previous
 // kernel (PDL) and the weight rows are fixed (a dense product's, not a routed expert's): the
 // first weight loads are issued before the wait, so they fly while the previous kernel ends.
-template <int F, int NR, int U, bool EARLY = false>
+// TABS false: the caller has filled the block's tables (fill_tabs) itself, so warps of one block
+// may decode different formats (moe_down1s).
+template <int F, int NR, int U, bool EARLY = false, bool TABS = true>
 __device__ __forceinline__ void xrows_dot(float* out, const u8* const* wr, const u8* const* sr,
                                           const signed char* __restrict__ xq, const float* __restrict__ xd, int k,
                                           int lane, bool live) {
@@ -748,7 +750,7 @@ __device__ __forceinline__ void xrows_dot(float* out, const u8* const* wr, const
                 if (live && c0 + 1024 * u < k) dep ^= xraw_dep<F>(raw[j][u]);
         pdl_enter_after(dep);
     }
-    fill_tabs<F, true>();
+    if (TABS) fill_tabs<F, true>();
     if (!live) return;
     apply(c0);
     for (c0 += 1024 * U; c0 < k; c0 += 1024 * U) {
@@ -787,19 +789,16 @@ __device__ void gemv_x8(float* __restrict__ out, const signed char* __restrict__
         if (lane == 0 && o + j < m) out[o + j] = v[j];
 }
 
-// The one-row routed experts on int8 activations (see moe_up_q): each active expert has one
-// pair; X8_OPW_UP outputs a warp, each a gate and an up row.
-template <int F>
-__device__ void moe_up_x8(float* __restrict__ h, const signed char* __restrict__ xq, const float* __restrict__ xd,
-                          const unsigned* order, const unsigned* off, const unsigned* active,
-                          const unsigned long long* ptrs, int nexp, int d, int inter, float limit) {
+// Gate/up rows o..o+X8_OPW_UP−1 of expert e (address table ptrs of nexp experts) on one row of
+// int8 activations, SwiGLU'd into hrow[o..]: the one-row pair of moe_up_x8 and moe_up1s. Every
+// thread of the block calls it (`live` false: no loads, no store). U: chunks a lane loads ahead
+// (xrows_dot's; the sums do not depend on it).
+template <int F, int U = 4>
+__device__ __forceinline__ void up1_pair(float* __restrict__ hrow, const signed char* __restrict__ xq,
+                                         const float* __restrict__ xd, const unsigned long long* ptrs, int nexp,
+                                         unsigned e, int o, int d, int inter, float limit, bool live) {
     constexpr int P = X8_OPW_UP;
-    if (blockIdx.x >= active[nexp]) return;  // uniform in the block
-    unsigned e = active[blockIdx.x];
-    int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int o = (blockIdx.y * Q_WARPS + wp) * P;
-    unsigned b0 = off[e];
-    bool live = o < inter && off[e + 1] != b0;
+    int lane = threadIdx.x & 31;
     long long rb = row_bytes(F, d);
     const u8* wr[2 * P];
     const u8* sr[2 * P];
@@ -812,12 +811,27 @@ __device__ void moe_up_x8(float* __restrict__ h, const signed char* __restrict__
         sr[2 * j + 1] = scale_row(F, (const u8*)ptrs[4 * nexp + e], oj, d);
     }
     float v[2 * P];
-    xrows_dot<F, 2 * P, 4>(v, wr, sr, xq, xd, d, lane, live);
+    xrows_dot<F, 2 * P, U>(v, wr, sr, xq, xd, d, lane, live);
     if (!live) return;
-    long long r = order[b0];
 #pragma unroll
     for (int j = 0; j < P; j++)
-        if (lane == 0 && o + j < inter) h[r * inter + o + j] = swiglu_q(v[2 * j], v[2 * j + 1], limit);
+        if (lane == 0 && o + j < inter) hrow[o + j] = swiglu_q(v[2 * j], v[2 * j + 1], limit);
+}
+
+// The one-row routed experts on int8 activations (see moe_up_q): each active expert has one
+// pair; X8_OPW_UP outputs a warp, each a gate and an up row.
+template <int F>
+__device__ void moe_up_x8(float* __restrict__ h, const signed char* __restrict__ xq, const float* __restrict__ xd,
+                          const unsigned* order, const unsigned* off, const unsigned* active,
+                          const unsigned long long* ptrs, int nexp, int d, int inter, float limit) {
+    if (blockIdx.x >= active[nexp]) return;  // uniform in the block
+    unsigned e = active[blockIdx.x];
+    int wp = threadIdx.x >> 5;
+    int o = (blockIdx.y * Q_WARPS + wp) * X8_OPW_UP;
+    unsigned b0 = off[e];
+    bool live = o < inter && off[e + 1] != b0;
+    long long r = live ? order[b0] : 0;
+    up1_pair<F>(h + r * inter, xq, xd, ptrs, nexp, e, o, d, inter, limit, live);
 }
 
 // Expert e's down-projection rows c..c+P (codes wr, heads sr) in the address table `ptrs`;
@@ -831,6 +845,19 @@ __device__ __forceinline__ void down_rows(const u8** wr, const u8** sr, const un
         wr[j] = (const u8*)ptrs[2 * nexp + e] + cj * row_bytes(F, inter);
         sr[j] = scale_row(F, (const u8*)ptrs[5 * nexp + e], cj, inter);
     }
+}
+
+// v[j] = expert e's down row c + j · one pair's int8 activations (hq, hd: its row of `inter`),
+// for j < X8_OPW_DOWN: the one-row pair of moe_down_x8 and moe_down1s. TABS as xrows_dot's.
+template <int F, bool TABS = true>
+__device__ __forceinline__ void down1_pair(float* v, const signed char* __restrict__ hq, const float* __restrict__ hd,
+                                           const unsigned long long* ptrs, int nexp, unsigned e, int c, int d,
+                                           int inter, bool live) {
+    constexpr int P = X8_OPW_DOWN;
+    const u8* wr[P];
+    const u8* sr[P];
+    down_rows<F, P>(wr, sr, ptrs, nexp, e, c, d, inter);
+    xrows_dot<F, P, 2, false, TABS>(v, wr, sr, hq, hd, inter, threadIdx.x & 31, live);
 }
 
 // hq/hd: quant_x8 of the up kernel's output rows (one per pair, `inter` wide); X8_OPW_DOWN
@@ -847,15 +874,104 @@ __device__ void moe_down_x8(float* __restrict__ y, const signed char* __restrict
     unsigned b0 = off[e];
     bool live = c < d && off[e + 1] != b0;
     long long r = live ? order[b0] : 0;
-    const u8* wr[P];
-    const u8* sr[P];
-    down_rows<F, P>(wr, sr, ptrs, nexp, e, c, d, inter);
     float v[P];
-    xrows_dot<F, P, 2>(v, wr, sr, hq + r * inter, hd + r * inter / 32, inter, lane, live);
+    down1_pair<F>(v, hq + r * inter, hd + r * inter / 32, ptrs, nexp, e, c, d, inter, live);
     if (!live) return;
 #pragma unroll
     for (int j = 0; j < P; j++)
         if (lane == 0 && c + j < d) y[r * d + c + j] = v[j];
+}
+
+// ---- One token row's routed experts and shared expert in two launches (moe_up1s, moe_down1s):
+// the one-row kernels' pairs above, with neither moe_sort, quant_x8 of h, moe_combine nor the
+// add of the two outputs. Pair j < k is slot j of the route (expert ids[j]); pair k is the
+// shared expert (its own table sptrs, format S). Results bitwise those of the separate launches.
+
+// After the block wrote its outputs o0.. of pair row hrow: the int8 codes and scale of each
+// 32-value group it completes (quant_block32 over the group, as quant_x8 forms them). A block of
+// fewer than 32 outputs counts itself in cnt[group] (zero between launches); the group's last
+// block quantises it, with the pattern of the attention kernel's slice merge (one thread fences
+// for the block after the barrier).
+__device__ __forceinline__ void up1_quant(const float* hrow, signed char* hqrow, float* hdrow, unsigned* cnt,
+                                          int o0, int inter) {
+    constexpr int OB = Q_WARPS * X8_OPW_UP;  // outputs a block
+    __shared__ unsigned last;
+    int lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
+    __syncthreads();  // every warp's outputs stored
+    int g;
+    if (OB >= 32) {
+        g = o0 / 32 + wp;  // warp w quantises the block's group w
+        if (wp >= OB / 32 || 32 * g >= inter) return;
+    } else {
+        g = o0 / 32;
+        if (threadIdx.x == 0) {
+            __threadfence();
+            unsigned prev = atomicAdd(&cnt[g], 1u);
+            last = prev == 32 / OB - 1;
+            if (last) {
+                cnt[g] = 0;  // every block of the group has counted: ready for the next launch
+                __threadfence();
+            }
+        }
+        __syncthreads();
+        if (!last || wp != 0) return;
+    }
+    float dd;
+    signed char q = quant_block32(__ldcg(hrow + 32 * g + lane), &dd);
+    hqrow[32 * g + lane] = q;
+    if (lane == 0) hdrow[g] = dd;
+}
+
+// Grid (k + 1, ⌈inter / (8·X8_OPW_UP)⌉): block (j, y) forms pair j's outputs y·8·X8_OPW_UP..;
+// h, hq, hd hold k + 1 rows of `inter` (hd: inter / 32 scales a row), cnt (k + 1)·inter / 32
+// counters.
+template <int R, int S>
+__device__ void moe_up1s(float* __restrict__ h, signed char* __restrict__ hq, float* __restrict__ hd, unsigned* cnt,
+                         const signed char* __restrict__ xq, const float* __restrict__ xd, const unsigned* ids,
+                         const unsigned long long* ptrs, const unsigned long long* sptrs, int nexp, int k, int d,
+                         int inter, float limit) {
+    int j = blockIdx.x, wp = threadIdx.x >> 5;
+    int o0 = blockIdx.y * Q_WARPS * X8_OPW_UP, o = o0 + wp * X8_OPW_UP;
+    bool live = o < inter;
+    long long row = (long long)j * inter;
+    if (j < k) up1_pair<R>(h + row, xq, xd, ptrs, nexp, ids[j], o, d, inter, limit, live);
+    // Q8_0's 9 words a chunk: 2 chunks ahead, so its registers do not set the routed blocks'
+    // occupancy (the separate kernels: 79 registers for IQ2_XXS, 111 for Q8_0 with 4 ahead).
+    else up1_pair<S, S == F_Q8_0 && R != F_Q8_0 ? 2 : 4>(h + row, xq, xd, sptrs, 1, 0, o, d, inter, limit, live);
+    up1_quant(h + row, hq + row, hd + row / 32, cnt + row / 32, o0, inter);
+}
+
+// Grid ⌈d / X8_OPW_DOWN⌉, k + 1 ≤ Q_WARPS: warp j of block x forms pair j's down outputs
+// c = x·X8_OPW_DOWN..; then routed[c] = Σ_j wts[j]·y_j (moe_combine's order and roundings),
+// shared[c] = the shared expert's y, out[c] = routed[c] + shared[c] (the add kernel's).
+template <int R, int S>
+__device__ void moe_down1s(float* __restrict__ routed, float* __restrict__ shared, float* __restrict__ out,
+                           const signed char* __restrict__ hq, const float* __restrict__ hd, const unsigned* ids,
+                           const float* wts, const unsigned long long* ptrs, const unsigned long long* sptrs, int nexp,
+                           int k, int d, int inter) {
+    constexpr int P = X8_OPW_DOWN;
+    __shared__ float ys[Q_WARPS][P];
+    int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int c = blockIdx.x * P;
+    // Both formats' tables before the warps part ways (the barriers are the block's).
+    fill_tabs<R, true>();
+    if (S != R) fill_tabs<S, true>();
+    float v[P];
+    long long row = (long long)wp * inter;
+    if (wp < k) down1_pair<R, false>(v, hq + row, hd + row / 32, ptrs, nexp, ids[wp], c, d, inter, c < d);
+    else if (wp == k) down1_pair<S, false>(v, hq + row, hd + row / 32, sptrs, 1, 0, c, d, inter, c < d);
+    if (wp <= k && lane == 0 && c < d)
+#pragma unroll
+        for (int p = 0; p < P; p++) ys[wp][p] = v[p];
+    __syncthreads();
+    int p = threadIdx.x;
+    if (p >= P || c + p >= d) return;
+    float acc = 0.f;
+    for (int i = 0; i < k; i++) acc = __fadd_rn(acc, __fmul_rn(wts[i], ys[i][p]));
+    float s = ys[k][p];
+    routed[c + p] = acc;
+    shared[c + p] = s;
+    out[c + p] = __fadd_rn(acc, s);
 }
 
 // Several rows on int8 activations: each chunk's weight codes decoded once, then per row its
@@ -1056,6 +1172,32 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
 X8_KERNELS(F_Q8_0, q8_0, 1, 2)
 X8_KERNELS(F_Q2_K, q2_k, 1, 3)
 X8_KERNELS(F_IQ2_XXS, iq2_xxs, 3, 3)
+
+// One row's routed experts (format R: w1/w3 for up, w2 for down) with the shared expert (format
+// S) in two launches; the shared expert's formats of ds4's files (Q8_0) and each format with
+// itself (cuda/quant.rs `ffn1_kernels` falls back to the separate launches for any other pair).
+#define X8_FFN1_KERNELS(R, NR, S, NS)                                                                                \
+    extern "C" __global__ void moe_up1s_##NR##_##NS(float* h, signed char* hq, float* hd, unsigned* cnt,            \
+                                                     const signed char* xq, const float* xd, const unsigned* ids,    \
+                                                     const unsigned long long* ptrs,                                 \
+                                                     const unsigned long long* sptrs, int nexp, int k, int d,        \
+                                                     int inter, float limit) {                                       \
+        pdl_enter();                                                                                                 \
+        moe_up1s<R, S>(h, hq, hd, cnt, xq, xd, ids, ptrs, sptrs, nexp, k, d, inter, limit);                          \
+    }                                                                                                                \
+    extern "C" __global__ void moe_down1s_##NR##_##NS(float* routed, float* shared, float* out,                     \
+                                                       const signed char* hq, const float* hd, const unsigned* ids,  \
+                                                       const float* wts, const unsigned long long* ptrs,             \
+                                                       const unsigned long long* sptrs, int nexp, int k, int d,      \
+                                                       int inter) {                                                  \
+        pdl_enter();                                                                                                 \
+        moe_down1s<R, S>(routed, shared, out, hq, hd, ids, wts, ptrs, sptrs, nexp, k, d, inter);                     \
+    }
+X8_FFN1_KERNELS(F_Q8_0, q8_0, F_Q8_0, q8_0)
+X8_FFN1_KERNELS(F_Q2_K, q2_k, F_Q8_0, q8_0)
+X8_FFN1_KERNELS(F_IQ2_XXS, iq2_xxs, F_Q8_0, q8_0)
+X8_FFN1_KERNELS(F_Q2_K, q2_k, F_Q2_K, q2_k)
+X8_FFN1_KERNELS(F_IQ2_XXS, iq2_xxs, F_IQ2_XXS, iq2_xxs)
 
 // ---- int8 tensor-core tiles: several rows on `mma` (m16n8k32 / m16n8k16 on s8), bitwise the
 // one-row sums.
