@@ -253,7 +253,13 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
 
     let qr = b.rms_norm(&q_a, Some(&aw.q_norm), cfg.q_lora_rank, eps);
     cx.cap(li, "attn.q_a", &qr);
-    let q = b.rms_norm_rope(&b.matmul(&qr, &aw.wq_b), None, d, eps, cx.rows, freqs);
+    // The query projections of qr at once: the heads' and, where the layer has one, the indexer's.
+    let mut pq = match &aw.indexer {
+        Some(ix) => b.matmul_many(&qr, &[&aw.wq_b, &ix.wq_b]),
+        None => vec![b.matmul(&qr, &aw.wq_b)],
+    }
+    .into_iter();
+    let q = b.rms_norm_rope(&pq.next().expect("the heads' query projection"), None, d, eps, cx.rows, freqs);
     cx.cap(li, "attn.q", &q);
     let kv = b.rms_norm_rope(&kv_a, Some(&aw.kv_norm), d, eps, cx.rows, freqs);
     cx.cap(li, "attn.kv", &kv);
@@ -270,7 +276,7 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
             cx.cap(li, "attn.indexer.compressor.kv", &u);
             cx.cap(li, "attn.indexer.compressor.gate", &z);
             b.compress(cx.cache, l, CompSlot::Index, &u, &z, c, cx.rows, freqs, cfg);
-            let mut qi = b.matmul(&qr, &ix.wq_b);
+            let mut qi = pq.next().expect("the indexer's query projection");
             b.rope(&mut qi, cx.rows, freqs, cfg.index_head_dim, false);
             cx.cap(li, "attn.indexer.q", &qi);
             let sel = b.index_select(cx.cache, l, &qi, &wts, cx.rows, cfg);

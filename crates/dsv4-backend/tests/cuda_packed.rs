@@ -374,6 +374,51 @@ fn cuda_one_row_experts_in_two_launches_are_bitwise() {
     b.set_int8(false);
 }
 
+/// One row's products of one input with several packed weights of one int8 format in one
+/// launch (`gemv1xg`, `set_x8_group`) are bitwise each product alone (`gemv1x`): 2 to 4 weights
+/// of 40, 64, 24 and 8 outputs (blocks of 8 outputs; a last entry of one block), each format;
+/// and `matmul_many` takes that path for them when the switch is on.
+#[test]
+fn cuda_one_row_int8_products_in_one_launch_are_each_alone() {
+    let Some(b) = gpu() else { return };
+    b.set_exact(false);
+    b.set_int8(true);
+    let k = 512;
+    for (fi, format) in [PackedFormat::Q8_0, PackedFormat::Q2_K, PackedFormat::IQ2_XXS].into_iter().enumerate() {
+        let ws: Vec<CudaWeight> = [40, 64, 24, 8]
+            .iter()
+            .enumerate()
+            .map(|(i, &m)| {
+                let p = random_packed(format, m, k, 300 + 10 * fi as u64 + i as u64);
+                b.upload(host(&format!("layers.0.attn.w{i}.weight"), m, k, &p)).unwrap()
+            })
+            .collect();
+        let (x, _) = activations(&b, 1, k, 310 + fi as u64);
+        let alone: Vec<Vec<f32>> = ws.iter().map(|w| b.to_host(&b.matmul(&x, w))).collect();
+        for n in 2..=4 {
+            let refs: Vec<&CudaWeight> = ws[..n].iter().collect();
+            let grouped = b.matmul_one_row_grouped(&x, &refs).expect("one format, one row: the grouped path applies");
+            b.set_x8_group(true);
+            let many = b.matmul_many(&x, &refs);
+            b.set_x8_group(false);
+            for (i, (g, m)) in grouped.iter().zip(&many).enumerate() {
+                for (what, t) in [("grouped", g), ("matmul_many", m)] {
+                    for (o, (v, a)) in b.to_host(t).iter().zip(&alone[i]).enumerate() {
+                        assert_eq!(
+                            v.to_bits(),
+                            a.to_bits(),
+                            "{} {what} of {n}: product {i} output {o}: {v} vs alone {a}",
+                            format.name()
+                        );
+                    }
+                }
+            }
+        }
+        println!("int8 {}: 2 to 4 one-row products in one launch, bitwise each alone", format.name());
+    }
+    b.set_int8(false);
+}
+
 /// Row `r` of `t` as a one-row device tensor.
 fn row_of(b: &CudaBackend, t: &Tensor, r: usize) -> CudaTensor {
     let h = HostTensor::new("row", vec![1, t.cols], t.data[r * t.cols..(r + 1) * t.cols].to_vec());

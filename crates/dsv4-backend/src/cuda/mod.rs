@@ -495,6 +495,8 @@ pub struct CudaBackend {
     pub(crate) ffn1_cnt: CudaSlice<u32>,
     /// One row's routed and shared experts in two launches (see [`CudaBackend::set_ffn1`]).
     ffn1: std::sync::atomic::AtomicBool,
+    /// One row's int8 products of one input in one launch (see [`CudaBackend::set_x8_group`]).
+    x8_group: std::sync::atomic::AtomicBool,
     pub(crate) fusion: Fusion,
 }
 
@@ -595,6 +597,18 @@ impl CudaBackend {
 
     pub fn ffn1(&self) -> bool {
         self.ffn1.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// One row's products of packed int8-format weights of one input ([`crate::Backend::matmul_many`]:
+    /// the attention input's wq_a and wkv, qr's wq_b and the indexer's wq_b) in one launch a
+    /// format (`gemv1xg`), bitwise the launches one by one. Start value `DSV4_X8_GROUP=1`; off by
+    /// default until it has run on a GPU.
+    pub fn set_x8_group(&self, on: bool) {
+        self.x8_group.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn x8_group(&self) -> bool {
+        self.x8_group.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The two-launch path of [`CudaBackend::set_ffn1`] alone, whatever the setting: `(routed,
@@ -809,6 +823,7 @@ impl CudaBackend {
             one_pair,
             ffn1_cnt,
             ffn1: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_FFN1").is_ok_and(|v| v.trim() == "1")),
+            x8_group: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_X8_GROUP").is_ok_and(|v| v.trim() == "1")),
             fusion: Fusion::from_env(),
         })
     }
@@ -1324,6 +1339,30 @@ impl Backend for CudaBackend {
             if let Some(r) = self.matmul_bf16_many(x, &group) {
                 for (&i, t) in part.iter().zip(r) {
                     outs[i] = Some(t);
+                }
+            }
+        }
+        // One-row products of packed weights on int8 activations, one launch a format
+        // (`set_x8_group`).
+        if x.rows == 1 && self.x8_group() {
+            let fmt =
+                |w: &CudaWeight| w.q.as_ref().filter(|q| self.x8_groupable(x, q, w.rows, w.cols)).map(|q| q.format);
+            let mut formats = Vec::new();
+            for f in ws.iter().filter_map(|w| fmt(w)) {
+                if !formats.contains(&f) {
+                    formats.push(f);
+                }
+            }
+            for f in formats {
+                let idx: Vec<usize> = (0..ws.len()).filter(|&i| outs[i].is_none() && fmt(ws[i]) == Some(f)).collect();
+                for part in idx.chunks(quant::XG_MAX).filter(|p| p.len() > 1) {
+                    let group: Vec<_> = part
+                        .iter()
+                        .map(|&i| (ws[i].q.as_ref().expect("filtered to packed weights"), ws[i].rows))
+                        .collect();
+                    for (&i, t) in part.iter().zip(self.matmul_x8_many(x, &group)) {
+                        outs[i] = Some(t);
+                    }
                 }
             }
         }

@@ -9,7 +9,7 @@
 //! sums either way ([`X8Tiles`]). Larger products dequantise the weight to a bf16 scratch and
 //! use cuBLAS, like bf16 weights.
 
-use super::launch::Kernel;
+use super::launch::{Kernel, KernelStruct};
 use super::{cfg1d, ck, CudaBackend, CudaTensor, CudaWeight, X8Twin};
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 use dsv4_model::packed::{Packed, PackedFormat};
@@ -233,7 +233,9 @@ impl QuantKernels {
             }
         }
         for f in PackedFormat::ALL.into_iter().filter(|&f| crate::x8::supports(f)).map(suffix) {
-            for k in ["gemv1x", "moe_up1x", "moe_down1x", "gemvx", "moe_upx", "moe_downx", "moe_upt", "moe_downt"] {
+            for k in
+                ["gemv1x", "gemv1xg", "moe_up1x", "moe_down1x", "gemvx", "moe_upx", "moe_downx", "moe_upt", "moe_downt"]
+            {
                 names.push(format!("{k}_{f}"));
             }
             for (nt, w) in [(1, 8), (2, 8), (1, 16), (2, 16)] {
@@ -280,6 +282,26 @@ impl QuantKernels {
         self.get(&format!("{kind}_{}", suffix(f)))
     }
 }
+
+/// `XG_MAX` of quant.cu: one-row int8 products one `gemv1xg` launch takes at most.
+pub(crate) const XG_MAX: usize = 4;
+
+/// `X8Group` of quant.cu: the products of one `gemv1xg` launch and the first block of each,
+/// passed by value.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct X8Group {
+    w: [u64; XG_MAX],
+    s: [u64; XG_MAX],
+    out: [u64; XG_MAX],
+    m: [i32; XG_MAX],
+    b0: [i32; XG_MAX + 1],
+    count: i32,
+}
+
+// SAFETY: #[repr(C)] integers in quant.cu's field order (8-byte pointers first, then 4-byte
+// ints: 3·4·8 + 4·(4 + 5 + 1) = 136 bytes, no padding), as the kernel declares it.
+unsafe impl KernelStruct for X8Group {}
 
 /// UE8M0 bytes of FP4 scales, if every scale is a power of two in range.
 fn e8m0_bytes(scales: &[f32]) -> Option<Vec<u8>> {
@@ -583,6 +605,77 @@ impl CudaBackend {
             );
         }
         (xq, xd)
+    }
+
+    /// The one-row products of `ws` in one `gemv1xg` launch where every weight is
+    /// [`CudaBackend::x8_groupable`] and all share a format (2 to [`XG_MAX`] of them), else
+    /// `None`. [`crate::Backend::matmul_many`] takes this path when [`CudaBackend::set_x8_group`]
+    /// is on; tests call it directly.
+    pub fn matmul_one_row_grouped(&self, x: &CudaTensor, ws: &[&CudaWeight]) -> Option<Vec<CudaTensor>> {
+        let group: Vec<_> = ws
+            .iter()
+            .map(|w| w.q.as_ref().filter(|q| self.x8_groupable(x, q, w.rows, w.cols)).map(|q| (q, w.rows)))
+            .collect::<Option<_>>()?;
+        let same = group.iter().all(|(q, _)| q.format == group[0].0.format);
+        (same && (2..=XG_MAX).contains(&group.len())).then(|| self.matmul_x8_many(x, &group))
+    }
+
+    /// Whether [`CudaBackend::matmul_x8_many`] takes `w` (`[m, k]` packed) for the one-row `x`.
+    pub(crate) fn x8_groupable(&self, x: &CudaTensor, q: &QuantDev, m: usize, k: usize) -> bool {
+        let blk = crate::x8::BLOCK;
+        x.rows == 1
+            && x.cols == k
+            && self.int8()
+            && crate::x8::supports(q.format)
+            && k.is_multiple_of(blk)
+            && m > 0
+            && m.is_multiple_of(x8_opw().gemv)
+    }
+
+    /// The one-row products `x · w_iᵀ` of packed weights of one int8 format (each
+    /// [`CudaBackend::x8_groupable`]) in one launch (`gemv1xg`): each result bitwise
+    /// [`crate::Backend::matmul`]'s. The attention input's wq_a and wkv, and qr's wq_b and the
+    /// indexer's wq_b, ran a launch each (1,024 / 512 outputs: ~5 µs latency chains).
+    pub(crate) fn matmul_x8_many(&self, x: &CudaTensor, ws: &[(&QuantDev, usize)]) -> Vec<CudaTensor> {
+        assert!((2..=XG_MAX).contains(&ws.len()), "{} int8 products in one launch", ws.len());
+        let format = ws[0].0.format;
+        assert!(ws.iter().all(|(q, _)| q.format == format), "one format a grouped launch");
+        let per = Q_WARPS * x8_opw().gemv;
+        let outs: Vec<CudaTensor> = ws.iter().map(|&(_, m)| self.tensor(1, m)).collect();
+        let mut g = X8Group::default();
+        let mut blocks = 0usize;
+        for (i, (&(q, m), o)) in ws.iter().zip(&outs).enumerate() {
+            g.w[i] = self.dev_ptr(&q.blocks);
+            g.s[i] = self.dev_ptr(&q.scales);
+            g.out[i] = self.dev_ptr(&o.data);
+            g.m[i] = m as i32;
+            g.b0[i] = blocks as i32;
+            blocks += m.div_ceil(per);
+        }
+        g.b0[ws.len()] = blocks as i32;
+        g.count = ws.len() as i32;
+        let X8Twin { q: xq, d: xd } = self.x8_of(x);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (32 * Q_WARPS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types match the kernel (X8Group is quant.cu's struct); entry i's
+        // codes and heads hold m_i rows of k inputs, its output m_i floats, and xq / xd the
+        // row's k codes and k / 32 scales (16-byte aligned: a fresh allocation).
+        ck(
+            unsafe {
+                self.stream
+                    .kernel(self.qk.of("gemv1xg", format))
+                    .arg_struct(&g)
+                    .arg(xq)
+                    .arg(xd)
+                    .arg(&(x.cols as i32))
+                    .launch(cfg)
+            },
+            "gemv1xg",
+        );
+        outs
     }
 
     /// The bf16 values of a packed `[rows, cols]` weight (the large-batch path).

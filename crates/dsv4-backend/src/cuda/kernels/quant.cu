@@ -765,12 +765,13 @@ __device__ __forceinline__ void xrows_dot(float* out, const u8* const* wr, const
 // as quant_x8 wrote them over the whole row of width ldx); X8_OPW_GEMV outputs a warp (the
 // launcher keeps rpg a multiple of it, so a warp's outputs share their activations). Waits for
 // the previous kernel inside xrows_dot, after its first weight loads.
+// bx: the block's index within this product (blockIdx.x, or relative to its entry of an X8Group).
 template <int F>
 __device__ void gemv_x8(float* __restrict__ out, const signed char* __restrict__ xq, const float* __restrict__ xd,
-                        const u8* __restrict__ w, const u8* __restrict__ s, int k, int m, int rpg) {
+                        const u8* __restrict__ w, const u8* __restrict__ s, int k, int m, int rpg, int bx) {
     constexpr int P = X8_OPW_GEMV;
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int o = (blockIdx.x * Q_WARPS + wp) * P;
+    int o = (bx * Q_WARPS + wp) * P;
     bool live = o < m;
     long long xoff = live ? (long long)(o / rpg) * k : 0;
     const u8* wr[P];
@@ -787,6 +788,31 @@ __device__ void gemv_x8(float* __restrict__ out, const signed char* __restrict__
 #pragma unroll
     for (int j = 0; j < P; j++)
         if (lane == 0 && o + j < m) out[o + j] = v[j];
+}
+
+// The one-row products of one input with up to XG_MAX weights of one int8 format and the same
+// k, in one launch (gemv1xg): entry e (codes w[e], heads s[e], output out[e] of m[e] values)
+// takes blocks b0[e]..b0[e + 1] of the grid, each the sums gemv1x forms. The attention input's
+// wq_a and wkv (1,024 and 512 outputs) and q's wq_b and the indexer's wq_b each ran a launch
+// and its latency chain alone.
+#define XG_MAX 4
+struct X8Group {
+    const u8* w[XG_MAX];
+    const u8* s[XG_MAX];
+    float* out[XG_MAX];
+    int m[XG_MAX];
+    int b0[XG_MAX + 1];
+    int count;
+};
+
+// The entry holding block bx, and bx made relative to the entry's first block.
+__device__ __forceinline__ int x8g_entry(const X8Group& g, int* bx) {
+    int e = 0;
+#pragma unroll
+    for (int i = 1; i < XG_MAX; i++)
+        if (i < g.count && *bx >= g.b0[i]) e = i;
+    *bx -= g.b0[e];
+    return e;
 }
 
 // Gate/up rows o..o+X8_OPW_UP−1 of expert e (address table ptrs of nexp experts) on one row of
@@ -1126,7 +1152,11 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
 #define X8_KERNELS(F, N, UPB, DNB)                                                                                           \
     extern "C" __global__ void gemv1x_##N(float* out, const signed char* xq, const float* xd, const u8* w,          \
                                           const u8* s, int n, int k, int m, int ldx, int rpg) {                      \
-        gemv_x8<F>(out, xq, xd, w, s, k, m, rpg); /* waits for the previous kernel inside */                         \
+        gemv_x8<F>(out, xq, xd, w, s, k, m, rpg, blockIdx.x); /* waits for the previous kernel inside */             \
+    }                                                                                                                \
+    extern "C" __global__ void gemv1xg_##N(X8Group g, const signed char* xq, const float* xd, int k) {               \
+        int bx = blockIdx.x, e = x8g_entry(g, &bx);                                                                  \
+        gemv_x8<F>(g.out[e], xq, xd, g.w[e], g.s[e], k, g.m[e], g.m[e], bx);                                         \
     }                                                                                                                \
     extern "C" __global__ void moe_up1x_##N(float* h, const signed char* xq, const float* xd, const unsigned* order, \
                                             const unsigned* off, const unsigned* active,                            \
