@@ -151,3 +151,31 @@ fn cuda_invariance_of_large_chunks_exact() {
     let f = failures(48, &[3, 45, 1, 48, 7, 20, 30, 48, 38], true);
     assert!(f.is_empty(), "batch invariance of 48-row chunks (exact mode) broken on the GPU: {f:?}");
 }
+
+/// A compressor's pooling and raw-ring store in one launch (`set_comp_fused`: steps whose
+/// segments hold at most 17 rows) give bitwise the logits of the two launches. 136 prompt tokens,
+/// so the HCA layers (ratio 128) pool a window too: in chunks of 1, and in mixed chunks of up to
+/// 16 beside another sequence (chunks past 17 rows would take the two launches either way).
+#[test]
+fn cuda_compressor_in_one_launch_is_bitwise() {
+    let Some(b) = gpu() else { return };
+    b.set_exact(true);
+    let dir = fixtures_dir().join(FIXTURE);
+    let mut m = Model::load(b, &dir, 3, false).unwrap();
+    let prompt = tokens(136, m.cfg.vocab_size, 7);
+    let other = tokens(30, m.cfg.vocab_size, 8);
+    let mixed = [3, 13, 1, 16, 7, 2, 6, 16, 9, 7, 16, 12, 15, 13];
+    assert_eq!(mixed.iter().sum::<usize>(), prompt.len());
+    for (name, chunks, o) in
+        [("chunks of 1", vec![1; prompt.len()], None), ("mixed chunks", mixed.to_vec(), Some(&other[..]))]
+    {
+        m.backend.set_comp_fused(false);
+        let apart = run(&mut m, &prompt, &chunks, o, false, 17);
+        m.backend.set_comp_fused(true);
+        let fused = run(&mut m, &prompt, &chunks, o, false, 17);
+        m.backend.set_comp_fused(false);
+        let d = first_difference(&apart, &fused);
+        assert!(d.is_none(), "{name}: logits row {d:?} differs with the compressor in one launch");
+        println!("{name}: the compressor in one launch is bitwise its two launches");
+    }
+}

@@ -48,6 +48,43 @@ pub fn compress(
         block_dim: (block_for(hd), 1, 1),
         shared_mem_bytes: (hd * 4) as u32,
     };
+    // One launch where the positions a pooling reads (from 2m or m before a segment) and those
+    // the store writes (the segment's) are distinct ring slots: segment length + span − 1 ≤ K.
+    let span = if st.overlap { 2 * m } else { m };
+    if b.comp_fused() && rows.batch.segments.iter().all(|s| s.len + span - 1 <= st.rows) {
+        let store_blocks = (rows.len() * w).div_ceil(block_for(hd) as usize);
+        let fused = LaunchConfig { grid_dim: ((rows.len() + store_blocks) as u32, 1, 1), ..pool_cfg };
+        // SAFETY: argument types and buffer sizes match the kernel; blocks below n pool (reading
+        // raw-ring slots of positions before their segments), the rest store (writing the
+        // segments' own slots), which the check above keeps apart.
+        ck(
+            unsafe {
+                b.stream
+                    .kernel(&b.k.comp_pool_store)
+                    .arg(&mut st.entries)
+                    .arg(&cap)
+                    .arg(&mut st.raw_u)
+                    .arg(&mut st.raw_z)
+                    .arg(&ki)
+                    .arg(&u.data)
+                    .arg(&z.data)
+                    .arg(&comp.ape.data)
+                    .arg(&comp.norm.data)
+                    .arg(f.as_ref())
+                    .arg(&(freqs.len() as i32))
+                    .arg(rows.dev.as_ref())
+                    .arg(&n)
+                    .arg(&mi)
+                    .arg(&hdi)
+                    .arg(&wi)
+                    .arg(&ov)
+                    .arg(&cfg.rms_eps)
+                    .launch(fused)
+            },
+            "comp_pool_store",
+        );
+        return;
+    }
     // SAFETY (both launches): argument types and buffer sizes match the kernels.
     ck(
         unsafe {

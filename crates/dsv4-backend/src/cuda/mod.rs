@@ -178,6 +178,7 @@ pub(crate) struct Kernels {
     pub hc_head: CudaFunction,
     pub comp_pool: CudaFunction,
     pub comp_store: CudaFunction,
+    pub comp_pool_store: CudaFunction,
     pub index_score: CudaFunction,
     pub index_score_tc: CudaFunction,
     pub index_topk: CudaFunction,
@@ -360,6 +361,7 @@ impl Kernels {
             &[
                 "comp_pool",
                 "comp_store",
+                "comp_pool_store",
                 "index_score",
                 "index_score_tc",
                 "index_topk",
@@ -416,6 +418,7 @@ impl Kernels {
             hc_head: n(&mut h),
             comp_pool: n(&mut a),
             comp_store: n(&mut a),
+            comp_pool_store: n(&mut a),
             index_score: n(&mut a),
             index_score_tc: n(&mut a),
             index_topk: n(&mut a),
@@ -497,6 +500,8 @@ pub struct CudaBackend {
     ffn1: std::sync::atomic::AtomicBool,
     /// One row's int8 products of one input in one launch (see [`CudaBackend::set_x8_group`]).
     x8_group: std::sync::atomic::AtomicBool,
+    /// A compressor's pooling and raw-ring store in one launch (see [`CudaBackend::set_comp_fused`]).
+    comp_fused: std::sync::atomic::AtomicBool,
     pub(crate) fusion: Fusion,
 }
 
@@ -609,6 +614,19 @@ impl CudaBackend {
 
     pub fn x8_group(&self) -> bool {
         self.x8_group.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// A compressor's pooling (`comp_pool`) and raw-ring store (`comp_store`) in one launch
+    /// (`comp_pool_store`) where the batch's segments are short enough (decode and verify rows:
+    /// at most 17 rows with V4's ratios and MAX_ROLLBACK) that the two touch distinct ring
+    /// slots; the same values. Start value `DSV4_COMP_FUSED=1`; off by default until it has run
+    /// on a GPU.
+    pub fn set_comp_fused(&self, on: bool) {
+        self.comp_fused.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn comp_fused(&self) -> bool {
+        self.comp_fused.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The two-launch path of [`CudaBackend::set_ffn1`] alone, whatever the setting: `(routed,
@@ -824,6 +842,9 @@ impl CudaBackend {
             ffn1_cnt,
             ffn1: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_FFN1").is_ok_and(|v| v.trim() == "1")),
             x8_group: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_X8_GROUP").is_ok_and(|v| v.trim() == "1")),
+            comp_fused: std::sync::atomic::AtomicBool::new(
+                std::env::var("DSV4_COMP_FUSED").is_ok_and(|v| v.trim() == "1"),
+            ),
             fusion: Fusion::from_env(),
         })
     }

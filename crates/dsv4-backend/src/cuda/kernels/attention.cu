@@ -35,14 +35,14 @@ __device__ __forceinline__ void comp_row(const CompSrc& s, const unsigned* rows,
 // RMSNorm it, rotate it at position win·m and store entry `win`. With overlap (CSA) the previous
 // window's A-halves join the softmax; window 0 has none (u = 0, z = −∞: they add exactly
 // nothing). Dynamic shared memory: hd floats.
-extern "C" __global__ void comp_pool(float* entries, int cap, const float* u, const float* z, const float* raw_u,
-                                     const float* raw_z, int k, const float* ape, const float* norm,
-                                     const double* freqs, int npairs, const unsigned* rows, int n, int m, int hd,
-                                     int overlap, float eps) {
-    pdl_enter();
+// (comp_pool's body for row t, also run by comp_pool_store.)
+__device__ __forceinline__ void comp_pool_row(float* entries, int cap, const float* u, const float* z,
+                                              const float* raw_u, const float* raw_z, int k, const float* ape,
+                                              const float* norm, const double* freqs, int npairs,
+                                              const unsigned* rows, int n, int m, int hd, int overlap, float eps,
+                                              int t) {
     extern __shared__ float buf[];
     __shared__ float sh[32];
-    int t = blockIdx.x;
     long long p = ROW_POS(t);
     if ((p + 1) % m != 0) return;
     long long win = (p + 1) / m - 1, seq = ROW_SEQ(t);
@@ -91,11 +91,20 @@ extern "C" __global__ void comp_pool(float* entries, int cap, const float* u, co
     }
 }
 
-// After comp_pool: the last min(len, K) rows of each segment enter the raw ring (z + ape).
-extern "C" __global__ void comp_store(float* raw_u, float* raw_z, int k, const float* u, const float* z,
-                                      const float* ape, const unsigned* rows, int n, int m, int w) {
+extern "C" __global__ void comp_pool(float* entries, int cap, const float* u, const float* z, const float* raw_u,
+                                     const float* raw_z, int k, const float* ape, const float* norm,
+                                     const double* freqs, int npairs, const unsigned* rows, int n, int m, int hd,
+                                     int overlap, float eps) {
     pdl_enter();
-    GRID_STRIDE(e, (long long)n * w) {
+    comp_pool_row(entries, cap, u, z, raw_u, raw_z, k, ape, norm, freqs, npairs, rows, n, m, hd, overlap, eps,
+                  blockIdx.x);
+}
+
+// comp_store's body as blocks bx of nb (of any size).
+__device__ __forceinline__ void comp_store_blocks(float* raw_u, float* raw_z, int k, const float* u, const float* z,
+                                                  const float* ape, const unsigned* rows, int n, int m, int w, int bx,
+                                                  int nb) {
+    for (long long e = bx * (long long)blockDim.x + threadIdx.x; e < (long long)n * w; e += (long long)nb * blockDim.x) {
         int t = (int)(e / w), c = (int)(e % w);
         long long p = ROW_POS(t), end = (long long)ROW_POS0(t) + ROW_LEN(t);
         if (p + k < end) continue;
@@ -103,6 +112,28 @@ extern "C" __global__ void comp_store(float* raw_u, float* raw_z, int k, const f
         raw_u[o] = u[(long long)t * w + c];
         raw_z[o] = z[(long long)t * w + c] + ape[(p % m) * w + c];
     }
+}
+
+// After comp_pool: the last min(len, K) rows of each segment enter the raw ring (z + ape).
+extern "C" __global__ void comp_store(float* raw_u, float* raw_z, int k, const float* u, const float* z,
+                                      const float* ape, const unsigned* rows, int n, int m, int w) {
+    pdl_enter();
+    comp_store_blocks(raw_u, raw_z, k, u, z, ape, rows, n, m, w, blockIdx.x, gridDim.x);
+}
+
+// comp_pool (blocks 0..n) and comp_store (the rest) in one launch, for batches whose segments are
+// short enough that no raw-ring row a pooling reads is one the store overwrites (the launcher
+// checks: decode and verify rows). Each block runs the code of the kernel it stands for.
+extern "C" __global__ void comp_pool_store(float* entries, int cap, float* raw_u, float* raw_z, int k, const float* u,
+                                           const float* z, const float* ape, const float* norm, const double* freqs,
+                                           int npairs, const unsigned* rows, int n, int m, int hd, int w, int overlap,
+                                           float eps) {
+    pdl_enter();
+    if ((int)blockIdx.x < n)
+        comp_pool_row(entries, cap, u, z, raw_u, raw_z, k, ape, norm, freqs, npairs, rows, n, m, hd, overlap, eps,
+                      blockIdx.x);
+    else
+        comp_store_blocks(raw_u, raw_z, k, u, z, ape, rows, n, m, w, blockIdx.x - n, gridDim.x - n);
 }
 
 // Indexer scores: score = Σ_h w_h·ws·max(q_h·k, 0)·qs. Block (row, y); warp w takes IDX_EW
