@@ -149,6 +149,21 @@ pub trait Backend: Send + Sync {
     }
     /// HC_POST (spec §4.5): `X'[j] = post[j]·f + Σ_i comb[i][j]·X[i]`.
     fn hc_post(&self, f: &Self::T, x: &Self::T, post: &Self::T, comb: &Self::T) -> Self::T;
+    /// [`Backend::hc_post`] whose result feeds the HC_PRE of `next` (the next sub-block's): a
+    /// backend may form part of that HC_PRE beside it (its sums over the new streams) and keep
+    /// it on the result; the values are [`Backend::hc_post`]'s either way.
+    fn hc_post_next(
+        &self,
+        f: &Self::T,
+        x: &Self::T,
+        post: &Self::T,
+        comb: &Self::T,
+        next: &Hc<Self::W>,
+        cfg: &Config,
+    ) -> Self::T {
+        let _ = (next, cfg);
+        self.hc_post(f, x, post, comb)
+    }
     /// HC_HEAD (spec §4.6).
     fn hc_head(&self, x: &Self::T, hc: &Hc<Self::W>, cfg: &Config) -> Self::T;
 

@@ -189,9 +189,11 @@ fn run<B: Backend>(
     let mut hidden = (!outs.taps.is_empty()).then(|| b.empty(batch.len(), outs.taps.len() * cfg.hidden));
     for (l, lw) in w.layers.iter().enumerate() {
         let names = ["attn.hc_pre", "attn.norm", "attn.residual"];
-        x = sub_block(&mut cx, l, &x, &lw.hc_attn, &lw.attn_norm, names, |cx, a| attention(cx, l, lw, a));
+        let next = Some(&lw.hc_ffn);
+        x = sub_block(&mut cx, l, &x, (&lw.hc_attn, next), &lw.attn_norm, names, |cx, a| attention(cx, l, lw, a));
         let names = ["ffn.hc_pre", "ffn.norm", "ffn.residual"];
-        x = sub_block(&mut cx, l, &x, &lw.hc_ffn, &lw.ffn_norm, names, |cx, f| moe(cx, l, lw, f));
+        let next = w.layers.get(l + 1).map(|n| &n.hc_attn);
+        x = sub_block(&mut cx, l, &x, (&lw.hc_ffn, next), &lw.ffn_norm, names, |cx, f| moe(cx, l, lw, f));
         if let (Some(h), Some(j)) = (hidden.as_mut(), outs.taps.iter().position(|&t| t == l)) {
             b.stream_mean_into(h, j * cfg.hidden, &x, cfg.hc_mult);
         }
@@ -208,12 +210,13 @@ fn run<B: Backend>(
 }
 
 /// One pre-norm sub-block through mHC: collapse the streams (HC_PRE), normalise, run `body`,
-/// and mix its output back into the streams (HC_POST). `names` label those three stages.
+/// and mix its output back into the streams (HC_POST). `names` label those three stages;
+/// `next` is the HC_PRE the result feeds (none after the last layer).
 fn sub_block<'a, 'c, B: Backend>(
     cx: &mut Ctx<'a, 'c, B>,
     l: usize,
     x: &B::T,
-    hc: &Hc<B::W>,
+    (hc, next): (&Hc<B::W>, Option<&Hc<B::W>>),
     norm: &B::W,
     names: [&'static str; 3],
     body: impl FnOnce(&mut Ctx<'a, 'c, B>, &B::T) -> B::T,
@@ -223,7 +226,10 @@ fn sub_block<'a, 'c, B: Backend>(
     cx.cap(Some(l), names[0], &y);
     cx.cap(Some(l), names[1], &a);
     let o = body(cx, &a);
-    let x = b.hc_post(&o, x, &post, &comb);
+    let x = match next {
+        Some(next) => b.hc_post_next(&o, x, &post, &comb, next, cfg),
+        None => b.hc_post(&o, x, &post, &comb),
+    };
     cx.cap(Some(l), names[2], &x);
     x
 }

@@ -524,6 +524,47 @@ fn cuda_hc_pre_norm_is_hc_pre_then_norm() {
     }
 }
 
+/// HC_POST that forms the next HC_PRE's sums beside the streams (`set_hc_post_dot`) gives
+/// bitwise HC_POST's streams, and the HC_PRE on them bitwise the one that forms its own sums:
+/// 1 and 5 rows (row groups of 4: a full and a partial one) in fast mode, 300 rows in exact
+/// mode (fast mode's prefill kernels there: the streams then carry no sums).
+#[test]
+fn cuda_hc_post_with_the_next_sums_is_bitwise() {
+    let Some(b) = gpu() else { return };
+    let (cfg, hc, norm) = hc_sub_block(&b, 4096);
+    let (n, d) = (cfg.hc_mult, cfg.hidden);
+    let host = |t: &CudaTensor| b.to_host(t);
+    for (rows, exact) in [(1, false), (5, false), (300, true), (300, false)] {
+        b.set_exact(exact);
+        let (x, _) = activations(&b, rows, n * d, 20 + rows as u64);
+        let (f, _) = activations(&b, rows, d, 21 + rows as u64);
+        let (_, _, post, comb) = b.hc_pre_norm(&x, &hc, &norm, &cfg);
+        b.set_hc_post_dot(false);
+        let plain = b.hc_post(&f, &x, &post, &comb);
+        let want = b.hc_pre_norm(&plain, &hc, &norm, &cfg);
+        b.set_hc_post_dot(true);
+        let fused = b.hc_post_next(&f, &x, &post, &comb, &hc, &cfg);
+        b.set_hc_post_dot(false);
+        let carries = rows < 256 || exact;
+        assert_eq!(fused.carries_hc_sums(), carries, "{rows} rows (exact {exact}): sums kept beside the streams");
+        let got = b.hc_pre_norm(&fused, &hc, &norm, &cfg);
+        let pairs = [
+            (&fused, &plain, "streams"),
+            (&got.0, &want.0, "y"),
+            (&got.1, &want.1, "norm"),
+            (&got.2, &want.2, "post"),
+            (&got.3, &want.3, "comb"),
+        ];
+        for (p, q, what) in pairs {
+            for (i, (u, v)) in host(p).iter().zip(&host(q)).enumerate() {
+                assert_eq!(u.to_bits(), v.to_bits(), "{rows} rows (exact {exact}), {what}: value {i}: {u} vs {v}");
+            }
+        }
+        println!("{rows} rows (exact {exact}): HC_POST with the next sums bitwise HC_POST, then HC_PRE (sums kept: {carries})");
+    }
+    b.set_exact(false);
+}
+
 /// Prefill-sized HC_PRE in fast mode (300 rows: `hc_pre_dot_rows`'s 16-byte slices, and the
 /// fused launch with post and comb from `hc_pre_sink_rows`, a warp a row): the fused launch is
 /// bitwise HC_PRE then the norm, and HC_PRE is the exact path's within f32 reordering (the

@@ -53,6 +53,10 @@ pub struct CudaTensor {
     /// needs them: the attention input feeds up to seven products, each of which cast it
     /// again. Dropped by [`CudaTensor::data_mut`] as `x8` is.
     pub(crate) bf: std::sync::OnceLock<CudaSlice<u16>>,
+    /// The next HC_PRE's partial sums over these streams (`hc_pre_dot`'s layout), formed beside
+    /// them by `hc_post_dot`, with the address of the `fn` weight they were formed with. Dropped
+    /// by [`CudaTensor::data_mut`] as `x8` is.
+    pub(crate) hc_part: std::sync::OnceLock<(u64, CudaSlice<f32>)>,
 }
 
 /// `quant_x8` of a tensor's values (see [`CudaTensor::x8`]).
@@ -63,14 +67,29 @@ pub(crate) struct X8Twin {
 
 impl CudaTensor {
     pub fn new(rows: usize, cols: usize, data: CudaSlice<f32>) -> Self {
-        CudaTensor { rows, cols, data, x8: std::sync::OnceLock::new(), bf: std::sync::OnceLock::new() }
+        CudaTensor {
+            rows,
+            cols,
+            data,
+            x8: std::sync::OnceLock::new(),
+            bf: std::sync::OnceLock::new(),
+            hc_part: std::sync::OnceLock::new(),
+        }
     }
 
-    /// The values, to be written in place: drops the int8 twin and the bf16 copy.
+    /// The values, to be written in place: drops the int8 twin, the bf16 copy and the kept
+    /// HC_PRE sums.
     pub(crate) fn data_mut(&mut self) -> &mut CudaSlice<f32> {
         self.x8 = std::sync::OnceLock::new();
         self.bf = std::sync::OnceLock::new();
+        self.hc_part = std::sync::OnceLock::new();
         &mut self.data
+    }
+
+    /// Whether the next HC_PRE's sums were formed beside these streams
+    /// ([`CudaBackend::set_hc_post_dot`]).
+    pub fn carries_hc_sums(&self) -> bool {
+        self.hc_part.get().is_some()
     }
 }
 
@@ -175,6 +194,7 @@ pub(crate) struct Kernels {
     pub hc_pre_sink_rows: CudaFunction,
     pub hc_post4: CudaFunction,
     pub hc_post: CudaFunction,
+    pub hc_post_dot: CudaFunction,
     pub hc_head: CudaFunction,
     pub comp_pool: CudaFunction,
     pub comp_store: CudaFunction,
@@ -207,6 +227,28 @@ const COMMON: &str = include_str!("kernels/common.cuh");
 
 /// Rows from which a fast-mode HC_PRE takes `hc_pre_dot_rows` (prefill chunks).
 const HC_DOT_ROWS_MIN: usize = 256;
+
+/// `HC_SPLIT` and `HC_ROWS` of hc.cu: column slices of HC_PRE's partial sums, and rows a
+/// `hc_pre_dot` block takes.
+const HC_SPLIT: usize = 32;
+const HC_ROWS: usize = 4;
+
+/// HC_PRE's partial sums `[rows, HC_SPLIT, mix + 1]`: formed by this call, or kept on the
+/// streams by the HC_POST that wrote them.
+enum HcPart<'a> {
+    Formed(CudaSlice<f32>),
+    Kept(&'a CudaSlice<f32>),
+}
+
+impl std::ops::Deref for HcPart<'_> {
+    type Target = CudaSlice<f32>;
+    fn deref(&self) -> &CudaSlice<f32> {
+        match self {
+            HcPart::Formed(p) => p,
+            HcPart::Kept(p) => p,
+        }
+    }
+}
 
 /// Whether prefill-sized HC_PRE sums run on tensor cores (`hc_pre_dot_tc`; `DSV4_HC_DOT_TC=0`:
 /// `hc_pre_dot_rows`, the A/B switch).
@@ -352,6 +394,7 @@ impl Kernels {
                 "hc_pre_sink_rows",
                 "hc_post",
                 "hc_post4",
+                "hc_post_dot",
                 "hc_head",
             ],
         )?;
@@ -415,6 +458,7 @@ impl Kernels {
             hc_pre_sink_rows: n(&mut h),
             hc_post: n(&mut h),
             hc_post4: n(&mut h),
+            hc_post_dot: n(&mut h),
             hc_head: n(&mut h),
             comp_pool: n(&mut a),
             comp_store: n(&mut a),
@@ -502,6 +546,8 @@ pub struct CudaBackend {
     x8_group: std::sync::atomic::AtomicBool,
     /// A compressor's pooling and raw-ring store in one launch (see [`CudaBackend::set_comp_fused`]).
     comp_fused: std::sync::atomic::AtomicBool,
+    /// HC_POST with the next HC_PRE's sums (see [`CudaBackend::set_hc_post_dot`]).
+    hc_post_dot: std::sync::atomic::AtomicBool,
     pub(crate) fusion: Fusion,
 }
 
@@ -627,6 +673,18 @@ impl CudaBackend {
 
     pub fn comp_fused(&self) -> bool {
         self.comp_fused.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// HC_POST forms the next HC_PRE's partial sums over the streams it writes (`hc_post_dot`,
+    /// kept on the result) where that HC_PRE takes `hc_pre_dot` (decode batches; every call in
+    /// exact mode): one launch fewer an HC_PRE, the same values. Start value
+    /// `DSV4_HC_POST_DOT=1`; off by default until it has run on a GPU.
+    pub fn set_hc_post_dot(&self, on: bool) {
+        self.hc_post_dot.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn hc_post_dot(&self) -> bool {
+        self.hc_post_dot.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The two-launch path of [`CudaBackend::set_ffn1`] alone, whatever the setting: `(routed,
@@ -845,6 +903,9 @@ impl CudaBackend {
             comp_fused: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_COMP_FUSED").is_ok_and(|v| v.trim() == "1"),
             ),
+            hc_post_dot: std::sync::atomic::AtomicBool::new(
+                std::env::var("DSV4_HC_POST_DOT").is_ok_and(|v| v.trim() == "1"),
+            ),
             fusion: Fusion::from_env(),
         })
     }
@@ -997,7 +1058,13 @@ impl CudaBackend {
 
     /// HC_PRE's partial sums (hc_pre_dot, or hc_pre_dot_rows for prefill-sized calls in fast
     /// mode): `[rows, HC_SPLIT, mix + 1]`.
-    fn hc_pre_dot(&self, x: &CudaTensor, hc: &Hc<CudaWeight>, cfg: &Config) -> CudaSlice<f32> {
+    /// Whether HC_PRE's sums over `rows` rows take `hc_pre_dot` (decode batches, and every call
+    /// in exact mode) rather than the prefill kernels.
+    fn hc_dot_plain(&self, rows: usize, n: usize, width: usize) -> bool {
+        !(rows >= HC_DOT_ROWS_MIN && n == 4 && width.is_multiple_of(128 * HC_SPLIT) && !self.exact())
+    }
+
+    fn hc_pre_dot<'a>(&self, x: &'a CudaTensor, hc: &Hc<CudaWeight>, cfg: &Config) -> HcPart<'a> {
         let n = cfg.hc_mult;
         assert!(n <= 8, "hc_mult {n} > 8");
         let (mix, width, rows) = ((2 + n) * n, n * cfg.hidden, x.rows);
@@ -1005,10 +1072,14 @@ impl CudaBackend {
             hc.fn_.bf.is_none() && hc.fn_.q.is_none() && (hc.fn_.rows, hc.fn_.cols) == (mix, width),
             "hc fn: an f32 [{mix}, {width}] weight (the loader keeps hc_* tensors in f32)"
         );
-        const HC_SPLIT: usize = 32;
-        const HC_ROWS: usize = 4;
+        // Formed beside the streams by the HC_POST that wrote them (hc_post_dot).
+        if let Some((_, part)) = x.hc_part.get().filter(|(f, _)| *f == self.dev_ptr(&hc.fn_.data)) {
+            if self.hc_dot_plain(rows, n, width) {
+                return HcPart::Kept(part);
+            }
+        }
         let mut part = self.alloc::<f32>(rows * HC_SPLIT * (mix + 1));
-        if rows >= HC_DOT_ROWS_MIN && n == 4 && width % (128 * HC_SPLIT) == 0 && !self.exact() {
+        if !self.hc_dot_plain(rows, n, width) {
             // Prefill-sized calls: 16 rows a warp on tensor cores in 3xTF32, 8 slices a block
             // (hc.cu's hc_pre_dot_tc); with DSV4_HC_DOT_TC=0 16 rows and every output a block in
             // f32 FMAs (hc_pre_dot_rows, HC_DOT_R = 2 rows a warp).
@@ -1038,7 +1109,7 @@ impl CudaBackend {
                 },
                 if tc { "hc_pre_dot_tc" } else { "hc_pre_dot_rows" },
             );
-            return part;
+            return HcPart::Formed(part);
         }
         let dot = LaunchConfig {
             grid_dim: (HC_SPLIT as u32, (mix + 1).div_ceil(8) as u32, rows.div_ceil(HC_ROWS) as u32),
@@ -1061,7 +1132,7 @@ impl CudaBackend {
             },
             "hc_pre_dot",
         );
-        part
+        HcPart::Formed(part)
     }
 
     pub(crate) fn tensor(&self, rows: usize, cols: usize) -> CudaTensor {
@@ -1609,7 +1680,7 @@ impl Backend for CudaBackend {
                     .arg(&mut post.data)
                     .arg(&mut comb.data)
                     .arg(&x.data)
-                    .arg(&part)
+                    .arg(&*part)
                     .arg(&hc.base.data)
                     .arg(&hc.scale.data)
                     .arg(&(n as i32))
@@ -1664,7 +1735,7 @@ impl Backend for CudaBackend {
                     .arg(&mut post.data)
                     .arg(&mut comb.data)
                     .arg(&x.data)
-                    .arg(&part)
+                    .arg(&*part)
                     .arg(&hc.base.data)
                     .arg(&hc.scale.data)
                     .arg(&norm.data)
@@ -1689,7 +1760,7 @@ impl Backend for CudaBackend {
                         .kernel(&self.k.hc_pre_sink_rows)
                         .arg(&mut post.data)
                         .arg(&mut comb.data)
-                        .arg(&part)
+                        .arg(&*part)
                         .arg(&hc.base.data)
                         .arg(&hc.scale.data)
                         .arg(&(rows as i32))
@@ -1736,6 +1807,60 @@ impl Backend for CudaBackend {
             },
             "hc_post",
         );
+        out
+    }
+
+    fn hc_post_next(
+        &self,
+        f: &CudaTensor,
+        x: &CudaTensor,
+        post: &CudaTensor,
+        comb: &CudaTensor,
+        next: &Hc<CudaWeight>,
+        cfg: &Config,
+    ) -> CudaTensor {
+        let (n, d, rows) = (post.cols, f.cols, x.rows);
+        let (mix, width) = ((2 + n) * n, n * d);
+        let plain_f32 = next.fn_.bf.is_none() && next.fn_.q.is_none() && (next.fn_.rows, next.fn_.cols) == (mix, width);
+        if !self.hc_post_dot()
+            || rows == 0
+            || n > 8
+            || n != cfg.hc_mult
+            || !plain_f32
+            || !self.hc_dot_plain(rows, n, width)
+        {
+            return self.hc_post(f, x, post, comb);
+        }
+        let mut out = self.tensor(rows, width);
+        let mut part = self.alloc::<f32>(rows * HC_SPLIT * (mix + 1));
+        let lc = LaunchConfig {
+            grid_dim: (HC_SPLIT as u32, (mix + 1).div_ceil(8) as u32, rows.div_ceil(HC_ROWS) as u32),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types and buffer sizes match the kernel's signature: out holds rows ·
+        // n · d floats, part rows · HC_SPLIT · (mix + 1), f rows · d, post rows · n, comb rows ·
+        // n · n, fn [mix, n · d] (checked above).
+        ck(
+            unsafe {
+                self.stream
+                    .kernel(&self.k.hc_post_dot)
+                    .arg(&mut out.data)
+                    .arg(&mut part)
+                    .arg(&f.data)
+                    .arg(&x.data)
+                    .arg(&post.data)
+                    .arg(&comb.data)
+                    .arg(&next.fn_.data)
+                    .arg(&(rows as i32))
+                    .arg(&(n as i32))
+                    .arg(&(d as i32))
+                    .arg(&(mix as i32))
+                    .launch(lc)
+            },
+            "hc_post_dot",
+        );
+        let _ = out.hc_part.set((self.dev_ptr(&next.fn_.data), part));
         out
     }
 
