@@ -537,8 +537,8 @@ pub struct CudaBackend {
     /// The pair tables of one row through one expert (order [0], off [0, 1], active [0, 1]):
     /// the shared expert run by the routed-expert kernels.
     pub(crate) one_pair: CudaSlice<u32>,
-    /// Zeroed counters of `moe_up1s`'s 32-value groups (each launch leaves them zero):
-    /// [`bf16::FFN1_COUNTERS`] of them.
+    /// Zeroed counters of 32-value groups (`moe_up1s`, `gemv1xq`: each launch leaves them zero,
+    /// and launches on the stream never overlap): [`bf16::FFN1_COUNTERS`] of them.
     pub(crate) ffn1_cnt: CudaSlice<u32>,
     /// One row's routed and shared experts in two launches (see [`CudaBackend::set_ffn1`]).
     ffn1: std::sync::atomic::AtomicBool,
@@ -548,6 +548,8 @@ pub struct CudaBackend {
     comp_fused: std::sync::atomic::AtomicBool,
     /// HC_POST with the next HC_PRE's sums (see [`CudaBackend::set_hc_post_dot`]).
     hc_post_dot: std::sync::atomic::AtomicBool,
+    /// wo_a's one-row product with its output's int8 codes (see [`CudaBackend::set_gemv_twin`]).
+    gemv_twin: std::sync::atomic::AtomicBool,
     pub(crate) fusion: Fusion,
 }
 
@@ -685,6 +687,22 @@ impl CudaBackend {
 
     pub fn hc_post_dot(&self) -> bool {
         self.hc_post_dot.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The one-row wo_a product also writes its output's int8 codes (`gemv1xq`: the last of the
+    /// blocks of each 32-value group quantises it), so wo_b skips its `quant_x8` launch; the
+    /// same values. Start value `DSV4_GEMV_TWIN=1`; off by default until it has run on a GPU.
+    pub fn set_gemv_twin(&self, on: bool) {
+        self.gemv_twin.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn gemv_twin(&self) -> bool {
+        self.gemv_twin.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether `t` carries int8 codes (an RMSNorm or a product wrote them beside it).
+    pub fn has_x8_twin(&self, t: &CudaTensor) -> bool {
+        t.x8.get().is_some()
     }
 
     /// The two-launch path of [`CudaBackend::set_ffn1`] alone, whatever the setting: `(routed,
@@ -905,6 +923,9 @@ impl CudaBackend {
             ),
             hc_post_dot: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_HC_POST_DOT").is_ok_and(|v| v.trim() == "1"),
+            ),
+            gemv_twin: std::sync::atomic::AtomicBool::new(
+                std::env::var("DSV4_GEMV_TWIN").is_ok_and(|v| v.trim() == "1"),
             ),
             fusion: Fusion::from_env(),
         })
@@ -1466,7 +1487,8 @@ impl Backend for CudaBackend {
         let r = w.rows / groups;
         assert_eq!(w.cols, inw);
         if let Some(q) = &w.q {
-            return self.matmul_packed(x, q, w.rows, w.cols, groups);
+            // wo_a: its output is wo_b's input.
+            return self.matmul_packed_twin(x, q, w.rows, w.cols, groups, true);
         }
         if let Some(bf) = &w.bf {
             return self.matmul_bf16(x, bf, w.rows, w.cols, groups);

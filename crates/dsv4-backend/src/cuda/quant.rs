@@ -9,6 +9,7 @@
 //! sums either way ([`X8Tiles`]). Larger products dequantise the weight to a bf16 scratch and
 //! use cuBLAS, like bf16 weights.
 
+use super::bf16::FFN1_COUNTERS;
 use super::launch::{Kernel, KernelStruct};
 use super::{cfg1d, ck, CudaBackend, CudaTensor, CudaWeight, X8Twin};
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
@@ -495,6 +496,22 @@ impl CudaBackend {
 
     /// `out[n, m] = x · wᵀ` for a packed `w` `[m, k]` (`groups > 1`: the grouped projection).
     pub(crate) fn matmul_packed(&self, x: &CudaTensor, q: &QuantDev, m: usize, k: usize, groups: usize) -> CudaTensor {
+        self.matmul_packed_twin(x, q, m, k, groups, false)
+    }
+
+    /// [`CudaBackend::matmul_packed`]; with `twin`, a one-row product on int8 activations also
+    /// writes its output's int8 codes (`gemv1xq`, kept on the result as [`CudaTensor::x8`]) where
+    /// [`CudaBackend::set_gemv_twin`] is on: the next int8 product of it (wo_b of wo_a's) then
+    /// needs no `quant_x8` launch.
+    pub(crate) fn matmul_packed_twin(
+        &self,
+        x: &CudaTensor,
+        q: &QuantDev,
+        m: usize,
+        k: usize,
+        groups: usize,
+        twin: bool,
+    ) -> CudaTensor {
         let n = x.rows;
         assert_eq!(x.cols, groups * k, "packed product: input width {} vs {groups} × {k}", x.cols);
         if n > self.x8_rows() && !self.exact() {
@@ -531,6 +548,34 @@ impl CudaBackend {
                 (self.qk.of(if n == 1 { "gemv1x" } else { "gemvx" }, q.format), cfg)
             };
             let X8Twin { q: xq, d: xd } = self.x8_of(x);
+            let blk = crate::x8::BLOCK;
+            if twin && n == 1 && !tiles && self.gemv_twin() && m.is_multiple_of(blk) && m / blk <= FFN1_COUNTERS {
+                let (mut oq, mut od) = (self.alloc::<i8>(m), self.alloc::<f32>(m / blk));
+                // SAFETY: argument types and buffer sizes match the kernel: out holds m values,
+                // oq / od their m codes and m / 32 scales, the counters (zero between launches)
+                // cover the m / 32 groups; xq as below.
+                ck(
+                    unsafe {
+                        self.stream
+                            .kernel(self.qk.of("gemv1xq", q.format))
+                            .arg(&mut out.data)
+                            .arg(&mut oq)
+                            .arg(&mut od)
+                            .arg(&self.ffn1_cnt)
+                            .arg(xq)
+                            .arg(xd)
+                            .arg(&q.blocks)
+                            .arg(&q.scales)
+                            .arg(&(k as i32))
+                            .arg(&(m as i32))
+                            .arg(&((m / groups) as i32))
+                            .launch(cfg)
+                    },
+                    "gemv packed int8 with its output's codes",
+                );
+                let _ = out.x8.set(X8Twin { q: oq, d: od });
+                return out;
+            }
             // SAFETY: argument types and buffer sizes match the kernel; xq holds the rows'
             // codes (16-byte aligned: a fresh allocation, rows and chunks of multiples of 32).
             ck(

@@ -761,14 +761,52 @@ __device__ __forceinline__ void xrows_dot(float* out, const u8* const* wr, const
     for (int j = 0; j < NR; j++) out[j] = warp_sum(acc[j]);
 }
 
+// After the block wrote its OB outputs o0.. of the row `row` (width values): the int8 codes and
+// scale of each 32-value group it completes (quant_block32 over the group, as quant_x8 forms
+// them). A block of fewer than 32 outputs counts itself in cnt[group] (zero between launches);
+// the group's last block quantises it, with the pattern of the attention kernel's slice merge
+// (one thread fences for the block after the barrier). Every thread of the block calls it.
+template <int OB>
+__device__ __forceinline__ void quant_groups(const float* row, signed char* qrow, float* drow, unsigned* cnt, int o0,
+                                             int width) {
+    __shared__ unsigned last;
+    int lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
+    __syncthreads();  // every warp's outputs stored
+    int g;
+    if (OB >= 32) {
+        g = o0 / 32 + wp;  // warp w quantises the block's group w
+        if (wp >= OB / 32 || 32 * g >= width) return;
+    } else {
+        g = o0 / 32;
+        if (threadIdx.x == 0) {
+            __threadfence();
+            unsigned prev = atomicAdd(&cnt[g], 1u);
+            last = prev == 32 / OB - 1;
+            if (last) {
+                cnt[g] = 0;  // every block of the group has counted: ready for the next launch
+                __threadfence();
+            }
+        }
+        __syncthreads();
+        if (!last || wp != 0) return;
+    }
+    float dd;
+    signed char q = quant_block32(__ldcg(row + 32 * g + lane), &dd);
+    qrow[32 * g + lane] = q;
+    if (lane == 0) drow[g] = dd;
+}
+
 // out[0, o] = x[(o / rpg)·k .. +k] · w[o, :] for one row, from its int8 activations (xq, xd
 // as quant_x8 wrote them over the whole row of width ldx); X8_OPW_GEMV outputs a warp (the
 // launcher keeps rpg a multiple of it, so a warp's outputs share their activations). Waits for
 // the previous kernel inside xrows_dot, after its first weight loads.
 // bx: the block's index within this product (blockIdx.x, or relative to its entry of an X8Group).
-template <int F>
+// TWIN: the output's int8 codes and scales too (oq, od; cnt: zeroed counters of its 32-value
+// groups), for a product whose output feeds another int8 product (wo_a's, read by wo_b).
+template <int F, bool TWIN = false>
 __device__ void gemv_x8(float* __restrict__ out, const signed char* __restrict__ xq, const float* __restrict__ xd,
-                        const u8* __restrict__ w, const u8* __restrict__ s, int k, int m, int rpg, int bx) {
+                        const u8* __restrict__ w, const u8* __restrict__ s, int k, int m, int rpg, int bx,
+                        signed char* oq = nullptr, float* od = nullptr, unsigned* cnt = nullptr) {
     constexpr int P = X8_OPW_GEMV;
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int o = (bx * Q_WARPS + wp) * P;
@@ -784,10 +822,11 @@ __device__ void gemv_x8(float* __restrict__ out, const signed char* __restrict__
     }
     float v[P];
     xrows_dot<F, P, 4, true>(v, wr, sr, xq + xoff, xd + xoff / 32, k, lane, live);
-    if (!live) return;
+    if (live)
 #pragma unroll
-    for (int j = 0; j < P; j++)
-        if (lane == 0 && o + j < m) out[o + j] = v[j];
+        for (int j = 0; j < P; j++)
+            if (lane == 0 && o + j < m) out[o + j] = v[j];
+    if (TWIN) quant_groups<Q_WARPS * P>(out, oq, od, cnt, bx * Q_WARPS * P, m);
 }
 
 // The one-row products of one input with up to XG_MAX weights of one int8 format and the same
@@ -913,41 +952,6 @@ __device__ void moe_down_x8(float* __restrict__ y, const signed char* __restrict
 // add of the two outputs. Pair j < k is slot j of the route (expert ids[j]); pair k is the
 // shared expert (its own table sptrs, format S). Results bitwise those of the separate launches.
 
-// After the block wrote its outputs o0.. of pair row hrow: the int8 codes and scale of each
-// 32-value group it completes (quant_block32 over the group, as quant_x8 forms them). A block of
-// fewer than 32 outputs counts itself in cnt[group] (zero between launches); the group's last
-// block quantises it, with the pattern of the attention kernel's slice merge (one thread fences
-// for the block after the barrier).
-__device__ __forceinline__ void up1_quant(const float* hrow, signed char* hqrow, float* hdrow, unsigned* cnt,
-                                          int o0, int inter) {
-    constexpr int OB = Q_WARPS * X8_OPW_UP;  // outputs a block
-    __shared__ unsigned last;
-    int lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
-    __syncthreads();  // every warp's outputs stored
-    int g;
-    if (OB >= 32) {
-        g = o0 / 32 + wp;  // warp w quantises the block's group w
-        if (wp >= OB / 32 || 32 * g >= inter) return;
-    } else {
-        g = o0 / 32;
-        if (threadIdx.x == 0) {
-            __threadfence();
-            unsigned prev = atomicAdd(&cnt[g], 1u);
-            last = prev == 32 / OB - 1;
-            if (last) {
-                cnt[g] = 0;  // every block of the group has counted: ready for the next launch
-                __threadfence();
-            }
-        }
-        __syncthreads();
-        if (!last || wp != 0) return;
-    }
-    float dd;
-    signed char q = quant_block32(__ldcg(hrow + 32 * g + lane), &dd);
-    hqrow[32 * g + lane] = q;
-    if (lane == 0) hdrow[g] = dd;
-}
-
 // Grid (k + 1, ⌈inter / (8·X8_OPW_UP)⌉): block (j, y) forms pair j's outputs y·8·X8_OPW_UP..;
 // h, hq, hd hold k + 1 rows of `inter` (hd: inter / 32 scales a row), cnt (k + 1)·inter / 32
 // counters.
@@ -964,7 +968,7 @@ __device__ void moe_up1s(float* __restrict__ h, signed char* __restrict__ hq, fl
     // Q8_0's 9 words a chunk: 2 chunks ahead, so its registers do not set the routed blocks'
     // occupancy (the separate kernels: 79 registers for IQ2_XXS, 111 for Q8_0 with 4 ahead).
     else up1_pair<S, S == F_Q8_0 && R != F_Q8_0 ? 2 : 4>(h + row, xq, xd, sptrs, 1, 0, o, d, inter, limit, live);
-    up1_quant(h + row, hq + row, hd + row / 32, cnt + row / 32, o0, inter);
+    quant_groups<Q_WARPS * X8_OPW_UP>(h + row, hq + row, hd + row / 32, cnt + row / 32, o0, inter);
 }
 
 // Grid ⌈d / X8_OPW_DOWN⌉, k + 1 ≤ Q_WARPS: warp j of block x forms pair j's down outputs
@@ -1153,6 +1157,11 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
     extern "C" __global__ void gemv1x_##N(float* out, const signed char* xq, const float* xd, const u8* w,          \
                                           const u8* s, int n, int k, int m, int ldx, int rpg) {                      \
         gemv_x8<F>(out, xq, xd, w, s, k, m, rpg, blockIdx.x); /* waits for the previous kernel inside */             \
+    }                                                                                                                \
+    extern "C" __global__ void gemv1xq_##N(float* out, signed char* oq, float* od, unsigned* cnt,                   \
+                                           const signed char* xq, const float* xd, const u8* w, const u8* s, int k,  \
+                                           int m, int rpg) {                                                         \
+        gemv_x8<F, true>(out, xq, xd, w, s, k, m, rpg, blockIdx.x, oq, od, cnt);                                     \
     }                                                                                                                \
     extern "C" __global__ void gemv1xg_##N(X8Group g, const signed char* xq, const float* xd, int k) {               \
         int bx = blockIdx.x, e = x8g_entry(g, &bx);                                                                  \
