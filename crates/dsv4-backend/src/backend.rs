@@ -193,7 +193,9 @@ pub trait Backend: Send + Sync {
         cfg: &Config,
     ) -> Self::Sel;
     /// Sink softmax attention over window rows and visible/selected compressed entries (spec
-    /// §5.6), then the chunk's KV rows enter the window ring.
+    /// §5.6), each head's output rotated back by its row's position (the inverse RoPE with
+    /// `freqs` on its last channels, before wo_a), then the chunk's KV rows enter the window
+    /// ring. The rotation belongs here so that a backend can apply it where the output is formed.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -204,6 +206,7 @@ pub trait Backend: Send + Sync {
         sel: Option<&Self::Sel>,
         sinks: &Self::W,
         rows: &Self::Rows,
+        freqs: &[f64],
         cfg: &Config,
     ) -> Self::T;
 

@@ -293,9 +293,9 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
         }
         _ => None,
     };
-    let mut o = b.attention(cx.cache, l, &q, &kv, sel.as_ref(), &aw.sinks, cx.rows, cfg);
+    // Rotated back by position already (the inverse RoPE is part of the attention's output).
+    let o = b.attention(cx.cache, l, &q, &kv, sel.as_ref(), &aw.sinks, cx.rows, freqs, cfg);
     cx.cap(li, "attn.core", &o);
-    b.rope(&mut o, cx.rows, freqs, d, true);
     let z = b.grouped_matmul(&o, &aw.wo_a, cfg.o_groups);
     cx.cap(li, "attn.wo_a", &z);
     // Each rank's heads give a partial sum over `wo_b`'s input columns.

@@ -152,12 +152,16 @@ fn cuda_invariance_of_large_chunks_exact() {
     assert!(f.is_empty(), "batch invariance of 48-row chunks (exact mode) broken on the GPU: {f:?}");
 }
 
-/// A compressor's pooling and raw-ring store in one launch (`set_comp_fused`: steps whose
-/// segments hold at most 17 rows) give bitwise the logits of the two launches. 136 prompt tokens,
-/// so the HCA layers (ratio 128) pool a window too: in chunks of 1, and in mixed chunks of up to
-/// 16 beside another sequence (chunks past 17 rows would take the two launches either way).
+/// The decode fusions that apply to any weight format, each behind a switch that is off by
+/// default until it has run on a GPU, give bitwise the logits of the launches they replace, in
+/// exact mode on the HF fixture: the compressor's pooling and raw-ring store in one launch
+/// (`set_comp_fused`: steps whose segments hold at most 17 rows), the decode attention's
+/// epilogue (`set_att_fused`: inverse RoPE, ring rows, counters) and HC_POST with the next
+/// HC_PRE's sums (`set_hc_post_dot`). 136 prompt tokens, so the HCA layers (ratio 128) pool a
+/// window too: in chunks of 1, and in mixed chunks of up to 16 beside another sequence (chunks
+/// past 17 rows would take the separate launches either way).
 #[test]
-fn cuda_compressor_in_one_launch_is_bitwise() {
+fn cuda_decode_fusions_are_bitwise() {
     let Some(b) = gpu() else { return };
     b.set_exact(true);
     let dir = fixtures_dir().join(FIXTURE);
@@ -166,16 +170,32 @@ fn cuda_compressor_in_one_launch_is_bitwise() {
     let other = tokens(30, m.cfg.vocab_size, 8);
     let mixed = [3, 13, 1, 16, 7, 2, 6, 16, 9, 7, 16, 12, 15, 13];
     assert_eq!(mixed.iter().sum::<usize>(), prompt.len());
+    type Set = fn(&CudaBackend, bool);
+    let switches: [(&str, Set); 3] = [
+        ("comp_fused", CudaBackend::set_comp_fused),
+        ("att_fused", CudaBackend::set_att_fused),
+        ("hc_post_dot", CudaBackend::set_hc_post_dot),
+    ];
     for (name, chunks, o) in
         [("chunks of 1", vec![1; prompt.len()], None), ("mixed chunks", mixed.to_vec(), Some(&other[..]))]
     {
-        m.backend.set_comp_fused(false);
+        // Recorded steps are dropped at each switch (a graph holds the launches of its setting).
+        let set_fresh = |m: &mut Model<CudaBackend>, set: Set, on: bool| {
+            set(&m.backend, on);
+            m.set_graphs(false);
+            m.set_graphs(true);
+        };
+        for (_, set) in switches {
+            set_fresh(&mut m, set, false);
+        }
         let apart = run(&mut m, &prompt, &chunks, o, false, 17);
-        m.backend.set_comp_fused(true);
-        let fused = run(&mut m, &prompt, &chunks, o, false, 17);
-        m.backend.set_comp_fused(false);
-        let d = first_difference(&apart, &fused);
-        assert!(d.is_none(), "{name}: logits row {d:?} differs with the compressor in one launch");
-        println!("{name}: the compressor in one launch is bitwise its two launches");
+        for (sw, set) in switches {
+            set_fresh(&mut m, set, true);
+            let fused = run(&mut m, &prompt, &chunks, o, false, 17);
+            set_fresh(&mut m, set, false);
+            let d = first_difference(&apart, &fused);
+            assert!(d.is_none(), "{name}, {sw}: logits row {d:?} differs from the separate launches");
+            println!("{name}, {sw}: bitwise the separate launches");
+        }
     }
 }

@@ -140,3 +140,62 @@ fn cuda_gguf_backend_reused_across_models() {
     let (_, exact) = compare(b, &q2, cfg.vocab_size, false, "q2 after q4");
     assert!(exact <= EXACT_TOL, "q2 after q4 on one backend: {exact:.2e} > {EXACT_TOL:e}");
 }
+
+/// The decode fusions behind switches (each off by default until it has run on a GPU) give
+/// bitwise the logits of the launches they replace, on ds4's q2 layout with int8 activations
+/// (IQ2_XXS / Q2_K routed experts, Q8_0 attention and shared expert), through a 13-row prompt
+/// chunk and 12 greedy one-row steps (recorded and replayed as CUDA graphs after the second
+/// step of a shape), each switch alone and all of them together. A fresh model each run, so no
+/// graph recorded under one setting is replayed under another.
+#[test]
+fn cuda_gguf_decode_fusions_are_bitwise() {
+    let Some(b) = gpu() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let (cfg, q2) = quantised(tmp.path(), "q2");
+    b.set_int8(true);
+    type Set = fn(&CudaBackend, bool);
+    let switches: [(&str, Set); 6] = [
+        ("ffn1", CudaBackend::set_ffn1),
+        ("x8_group", CudaBackend::set_x8_group),
+        ("comp_fused", CudaBackend::set_comp_fused),
+        ("hc_post_dot", CudaBackend::set_hc_post_dot),
+        ("gemv_twin", CudaBackend::set_gemv_twin),
+        ("att_fused", CudaBackend::set_att_fused),
+    ];
+    let toks: Vec<u32> = (0..13).map(|i| (i * 41 + 3) % 512).collect();
+    let run = |b: CudaBackend, on: &[Set]| -> (CudaBackend, Vec<Vec<f32>>) {
+        for (_, set) in switches {
+            set(&b, false);
+        }
+        for set in on {
+            set(&b, true);
+        }
+        let mut g = Model::load(b, &q2, 1, false).unwrap();
+        let s = g.alloc_seq().unwrap();
+        let mut out = vec![g.forward(&Batch::chunk(s, 0, &toks).unwrap(), &[12]).unwrap()];
+        for i in 0..12 {
+            let t = argmax(out.last().unwrap());
+            out.push(g.forward(&Batch::chunk(s, 13 + i, &[t]).unwrap(), &[0]).unwrap());
+        }
+        for (_, set) in switches {
+            set(&g.backend, false);
+        }
+        (g.backend, out)
+    };
+    let (mut b, base) = run(b, &[]);
+    assert!(base.iter().flatten().all(|v| v.is_finite()), "nonfinite logits with every switch off");
+    let mut failures = Vec::new();
+    let all: Vec<Set> = switches.iter().map(|s| s.1).collect();
+    let cases: Vec<(&str, Vec<Set>)> = switches.iter().map(|&(n, s)| (n, vec![s])).chain([("all six", all)]).collect();
+    for (name, on) in cases {
+        let (back, got) = run(b, &on);
+        b = back;
+        let first = base.iter().zip(&got).position(|(a, g)| a.iter().zip(g).any(|(x, y)| x.to_bits() != y.to_bits()));
+        match first {
+            None => println!("{name}: bitwise the separate launches over the prompt and 12 steps"),
+            Some(i) => failures.push(format!("{name}: forward {i} (0 = the prompt, i = step i) differs")),
+        }
+    }
+    let _ = cfg;
+    assert!(failures.is_empty(), "decode fusions changed values: {failures:?}");
+}

@@ -353,9 +353,12 @@ impl Backend for CpuBackend {
         sel: Option<&Vec<Vec<u32>>>,
         sinks: &Tensor,
         rows: &Batch,
+        freqs: &[f64],
         cfg: &Config,
     ) -> Tensor {
-        attention::attend(cache, layer, q, kv, sel, &sinks.data, rows, cfg)
+        let mut o = attention::attend(cache, layer, q, kv, sel, &sinks.data, rows, cfg);
+        self.rope(&mut o, rows, freqs, cfg.head_dim, true);
+        o
     }
 
     fn route(&self, logits: &Tensor, bias: Option<&Tensor>, hash: Option<(&[u32], &Batch)>, cfg: &Config) -> Route {

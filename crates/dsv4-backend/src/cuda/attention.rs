@@ -4,7 +4,7 @@
 use super::launch::Kernel;
 use super::state::CudaCache;
 use super::{block_for, cfg1d, ck, CudaBackend, CudaRows, CudaSel, CudaTensor, CudaWeight};
-use crate::backend::CompSlot;
+use crate::backend::{Backend, CompSlot};
 use cudarc::driver::LaunchConfig;
 use dsv4_model::weights::Compressor;
 use dsv4_model::Config;
@@ -316,6 +316,7 @@ pub fn attend(
     sel: Option<&CudaSel>,
     sinks: &CudaWeight,
     rows: &CudaRows,
+    freqs: &[f64],
     cfg: &Config,
 ) -> CudaTensor {
     let (h, d, win, rcap) = (cfg.n_heads, cfg.head_dim, cache.window, cache.ring_cap);
@@ -368,12 +369,31 @@ pub fn attend(
             "attention_tc",
         );
     }
+    // The decode kernel's epilogue (`set_att_fused`): the inverse RoPE and the output's int8
+    // codes where the merge forms it, the window ring's rows written by the kernel where no slot
+    // written is one read (every segment + window − 1 fits the ring), and the counters kept
+    // zero between launches.
+    let fused = !tc && b.att_fused() && d.is_multiple_of(32) && 2 * freqs.len() <= d;
+    let ringw = fused && rows.batch.segments.iter().all(|s| s.len + win - 1 <= rcap);
+    let twin = fused && b.int8();
     if !tc {
         // Partials of ATT_S slices per (row, head), for ATTN_ROW_TILE rows a launch at most.
         let tile = n.min(ATTN_ROW_TILE);
         let groups = h.div_ceil(ATTN_HEADS_PER_BLOCK);
         let mut part = b.alloc::<f32>(tile * h * ATTN_SLICES * (d + 2));
-        let mut done = ck(b.stream.alloc_zeros::<u32>(tile * groups), "alloc attention counters");
+        let mut fresh = None;
+        let done = if fused && tile * groups <= super::bf16::FFN1_COUNTERS {
+            &b.ffn1_cnt
+        } else {
+            fresh.insert(ck(b.stream.alloc_zeros::<u32>(tile * groups), "alloc attention counters"))
+        };
+        let f = b.freqs(freqs);
+        let (mut oq, mut od) = if twin {
+            (b.alloc::<i8>(n * h * d), b.alloc::<f32>(n * h * d / 32))
+        } else {
+            (b.alloc::<i8>(1), b.alloc::<f32>(1))
+        };
+        let epi = if fused { 1 | (2 * twin as i32) } else { 0 };
         // SAFETY (every launch): argument types and buffer sizes match the kernels; `part` and `done`
         // hold `tile` rows, and each launch covers at most `tile` rows from `t0`.
         for t0 in (0..n).step_by(tile) {
@@ -389,10 +409,10 @@ pub fn attend(
                         .kernel(&b.k.attention)
                         .arg(&mut out.data)
                         .arg(&mut part)
-                        .arg(&mut done)
+                        .arg(done)
                         .arg(&q.data)
                         .arg(&kv.data)
-                        .arg(&ls.ring)
+                        .arg(&mut ls.ring)
                         .arg(&wi)
                         .arg(&rci)
                         .arg(entries)
@@ -408,11 +428,26 @@ pub fn attend(
                         .arg(&(h as i32))
                         .arg(&di)
                         .arg(&scale)
+                        .arg(f.as_ref())
+                        .arg(&(freqs.len() as i32))
+                        .arg(&epi)
+                        .arg(&mut oq)
+                        .arg(&mut od)
+                        .arg(&(ringw as i32))
                         .launch(lc)
                 },
                 "attention",
             );
         }
+        if twin {
+            let _ = out.x8.set(super::X8Twin { q: oq, d: od });
+        }
+    }
+    if !fused {
+        b.rope(&mut out, rows, freqs, d, true);
+    }
+    if ringw {
+        return out;
     }
     // SAFETY: argument types and buffer sizes match the kernel.
     ck(

@@ -550,6 +550,8 @@ pub struct CudaBackend {
     hc_post_dot: std::sync::atomic::AtomicBool,
     /// wo_a's one-row product with its output's int8 codes (see [`CudaBackend::set_gemv_twin`]).
     gemv_twin: std::sync::atomic::AtomicBool,
+    /// The decode attention kernel's epilogue (see [`CudaBackend::set_att_fused`]).
+    att_fused: std::sync::atomic::AtomicBool,
     pub(crate) fusion: Fusion,
 }
 
@@ -698,6 +700,20 @@ impl CudaBackend {
 
     pub fn gemv_twin(&self) -> bool {
         self.gemv_twin.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The decode attention kernel (not `attention_tc`) forms the inverse RoPE of its output
+    /// and, on the int8 path, the output's int8 codes where it merges the slices, writes the
+    /// window ring's rows itself where segments are short (decode, verify), and keeps its slice
+    /// counters in a buffer each launch leaves zero: no `rope`, `quant_x8`, `ring_write` or
+    /// counter memset beside it. The same values. Start value `DSV4_ATT_FUSED=1`; off by
+    /// default until it has run on a GPU.
+    pub fn set_att_fused(&self, on: bool) {
+        self.att_fused.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn att_fused(&self) -> bool {
+        self.att_fused.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether `t` carries int8 codes (an RMSNorm or a product wrote them beside it).
@@ -926,6 +942,9 @@ impl CudaBackend {
             ),
             gemv_twin: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_GEMV_TWIN").is_ok_and(|v| v.trim() == "1"),
+            ),
+            att_fused: std::sync::atomic::AtomicBool::new(
+                std::env::var("DSV4_ATT_FUSED").is_ok_and(|v| v.trim() == "1"),
             ),
             fusion: Fusion::from_env(),
         })
@@ -1953,9 +1972,10 @@ impl Backend for CudaBackend {
         sel: Option<&CudaSel>,
         sinks: &CudaWeight,
         rows: &CudaRows,
+        freqs: &[f64],
         cfg: &Config,
     ) -> CudaTensor {
-        attention::attend(self, cache, layer, q, kv, sel, sinks, rows, cfg)
+        attention::attend(self, cache, layer, q, kv, sel, sinks, rows, freqs, cfg)
     }
 
     fn route(

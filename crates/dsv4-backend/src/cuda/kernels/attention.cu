@@ -593,11 +593,23 @@ __device__ __forceinline__ void att_cp_wait() { asm volatile("cp.async.wait_grou
 // slice leaves (max, sum, o) in `part`. The group's last slice block to finish merges the S
 // partials in slice order with the sink. Rows are t0 + blockIdx.x (the launcher tiles rows so
 // that `part` stays small); `done` counts finished slices per (tile row, group) and is left zero.
+// epi (the merge's epilogue): bit 0, the inverse RoPE of each head's last 2·npairs channels at
+// the row's position (the rope kernel's operations; this file is compiled without contraction);
+// bit 1, the output's int8 codes and scales into oq / od (quant_x8's). ringw: block (row, 0, 0)
+// also writes the row's kv into the ring (ring_write's rows; the launcher sets it only where the
+// slots written are not among those read, i.e. every segment + window − 1 fits the ring).
 extern "C" __global__ void __launch_bounds__(32 * ATT_HG, ATT_MINB) attention(float* out, float* part, unsigned* done, const float* q, const float* kv,
-                                     const float* ring, int win, int rcap, const float* entries, int cap, int m,
+                                     float* ring, int win, int rcap, const float* entries, int cap, int m,
                                      const unsigned* sel, int has_sel, int topk, const float* sinks,
-                                     const unsigned* rows, int n, int t0, int heads, int d, float scale) {
+                                     const unsigned* rows, int n, int t0, int heads, int d, float scale,
+                                     const double* freqs, int npairs, int epi, signed char* oq, float* od,
+                                     int ringw) {
     pdl_enter();
+    if (ringw && blockIdx.y == 0 && blockIdx.z == 0) {
+        int t = t0 + blockIdx.x;
+        long long slot = (long long)ROW_SEQ(t) * rcap + ROW_POS(t) % rcap;
+        for (int c = threadIdx.x; c < d; c += blockDim.x) ring[slot * d + c] = kv[(long long)t * d + c];
+    }
     __shared__ __align__(16) float ks[ATT_ST][ATT_KG][MAX_D];
     __shared__ const float* kp[ATT_KP];
     __shared__ unsigned last;
@@ -785,10 +797,35 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_HG, ATT_MINB) attention(fl
             for (int i = 0; i < MAX_D / 32; i++) acc[i] += v[u][i] * wj;
         }
     }
+    if (epi & 1) {  // pair (c, c + 1) in lanes (l, l + 1) of one i
+        long long pos = ROW_POS(t);
+        int r0 = d - 2 * npairs;
+#pragma unroll
+        for (int i = 0; i < MAX_D / 32; i++) {
+            int c = lane + 32 * i;
+            float p = __shfl_xor_sync(0xffffffffu, acc[i], 1);
+            if (c >= r0 && c < d) {
+                double th = (double)pos * freqs[(c - r0) >> 1];
+                th = -th;
+                float sn = (float)sin(th), cs = (float)cos(th);
+                acc[i] = ((c - r0) & 1) == 0 ? acc[i] * cs - p * sn : p * sn + acc[i] * cs;
+            }
+        }
+    }
 #pragma unroll
     for (int i = 0; i < MAX_D / 32; i++) {
         int c = lane + 32 * i;
         if (c < d) orow[c] = acc[i];
+    }
+    if (epi & 2) {  // d a multiple of 32: value block i of the head is lanes' acc[i]
+        long long base = ((long long)t * heads + h) * d;
+#pragma unroll
+        for (int i = 0; i < MAX_D / 32; i++) {
+            if (32 * i >= d) break;
+            float dd;
+            oq[base + 32 * i + lane] = quant_block32(acc[i], &dd);
+            if (lane == 0) od[(base >> 5) + i] = dd;
+        }
     }
 }
 
