@@ -377,7 +377,8 @@ fn cuda_one_row_experts_in_two_launches_are_bitwise() {
 /// One row's products of one input with several packed weights of one int8 format in one
 /// launch (`gemv1xg`, `set_x8_group`) are bitwise each product alone (`gemv1x`): 2 to 4 weights
 /// of 40, 64, 24 and 8 outputs (blocks of 8 outputs; a last entry of one block), each format;
-/// and `matmul_many` takes that path for them when the switch is on.
+/// and `matmul_many` takes that path for them when the switch is on. The same with 4 outputs a
+/// warp (`set_gemv4`: `gemv1x4` alone, `gemv1xg4` grouped; blocks of 32 outputs, partial ones).
 #[test]
 fn cuda_one_row_int8_products_in_one_launch_are_each_alone() {
     let Some(b) = gpu() else { return };
@@ -395,7 +396,15 @@ fn cuda_one_row_int8_products_in_one_launch_are_each_alone() {
             .collect();
         let (x, _) = activations(&b, 1, k, 310 + fi as u64);
         let alone: Vec<Vec<f32>> = ws.iter().map(|w| b.to_host(&b.matmul(&x, w))).collect();
-        for n in 2..=4 {
+        // Four outputs a warp (k = 512 ≤ 1024: gemv1x4, gemv1xg4) change no sum either.
+        b.set_gemv4(true);
+        for (i, w) in ws.iter().enumerate() {
+            for (o, (v, a)) in b.to_host(&b.matmul(&x, w)).iter().zip(&alone[i]).enumerate() {
+                assert_eq!(v.to_bits(), a.to_bits(), "{} gemv1x4: product {i} output {o}: {v} vs {a}", format.name());
+            }
+        }
+        for (n, four) in (2..=4).flat_map(|n| [(n, false), (n, true)]) {
+            b.set_gemv4(four);
             let refs: Vec<&CudaWeight> = ws[..n].iter().collect();
             let grouped = b.matmul_one_row_grouped(&x, &refs).expect("one format, one row: the grouped path applies");
             b.set_x8_group(true);
@@ -414,7 +423,11 @@ fn cuda_one_row_int8_products_in_one_launch_are_each_alone() {
                 }
             }
         }
-        println!("int8 {}: 2 to 4 one-row products in one launch, bitwise each alone", format.name());
+        b.set_gemv4(false);
+        println!(
+            "int8 {}: 2 to 4 one-row products in one launch, and 4 outputs a warp, bitwise each alone",
+            format.name()
+        );
     }
     b.set_int8(false);
 }

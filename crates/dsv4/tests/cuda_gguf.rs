@@ -145,7 +145,8 @@ fn cuda_gguf_backend_reused_across_models() {
 /// bitwise the logits of the launches they replace, on ds4's q2 layout with int8 activations
 /// (IQ2_XXS / Q2_K routed experts, Q8_0 attention and shared expert), through a 13-row prompt
 /// chunk and 12 greedy one-row steps (recorded and replayed as CUDA graphs after the second
-/// step of a shape), each switch alone and all of them together. A fresh model each run, so no
+/// step of a shape), each switch alone and all of them together (the int8 kernels of 4
+/// outputs a warp, `set_gemv4`, among them). A fresh model each run, so no
 /// graph recorded under one setting is replayed under another.
 #[test]
 fn cuda_gguf_decode_fusions_are_bitwise() {
@@ -154,13 +155,14 @@ fn cuda_gguf_decode_fusions_are_bitwise() {
     let (cfg, q2) = quantised(tmp.path(), "q2");
     b.set_int8(true);
     type Set = fn(&CudaBackend, bool);
-    let switches: [(&str, Set); 6] = [
+    let switches: [(&str, Set); 7] = [
         ("ffn1", CudaBackend::set_ffn1),
         ("x8_group", CudaBackend::set_x8_group),
         ("comp_fused", CudaBackend::set_comp_fused),
         ("hc_post_dot", CudaBackend::set_hc_post_dot),
         ("gemv_twin", CudaBackend::set_gemv_twin),
         ("att_fused", CudaBackend::set_att_fused),
+        ("gemv4", CudaBackend::set_gemv4),
     ];
     let toks: Vec<u32> = (0..13).map(|i| (i * 41 + 3) % 512).collect();
     let run = |b: CudaBackend, on: &[Set]| -> (CudaBackend, Vec<Vec<f32>>) {
@@ -186,7 +188,8 @@ fn cuda_gguf_decode_fusions_are_bitwise() {
     assert!(base.iter().flatten().all(|v| v.is_finite()), "nonfinite logits with every switch off");
     let mut failures = Vec::new();
     let all: Vec<Set> = switches.iter().map(|s| s.1).collect();
-    let cases: Vec<(&str, Vec<Set>)> = switches.iter().map(|&(n, s)| (n, vec![s])).chain([("all six", all)]).collect();
+    let cases: Vec<(&str, Vec<Set>)> =
+        switches.iter().map(|&(n, s)| (n, vec![s])).chain([("all of them", all)]).collect();
     for (name, on) in cases {
         let (back, got) = run(b, &on);
         b = back;

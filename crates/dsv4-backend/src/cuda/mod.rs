@@ -552,6 +552,8 @@ pub struct CudaBackend {
     gemv_twin: std::sync::atomic::AtomicBool,
     /// The decode attention kernel's epilogue (see [`CudaBackend::set_att_fused`]).
     att_fused: std::sync::atomic::AtomicBool,
+    /// One-row int8 products of k ≤ 1024 at 4 outputs a warp (see [`CudaBackend::set_gemv4`]).
+    gemv4: std::sync::atomic::AtomicBool,
     pub(crate) fusion: Fusion,
 }
 
@@ -714,6 +716,17 @@ impl CudaBackend {
 
     pub fn att_fused(&self) -> bool {
         self.att_fused.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// One-row int8 products of at most 1,024 inputs (wq_b, the indexer's wq_b) with 4 outputs a
+    /// warp (`gemv1x4`, `gemv1xg4`; see `gemv4_fits`): the same sums. Start value
+    /// `DSV4_GEMV4=1`; off by default until it has run on a GPU.
+    pub fn set_gemv4(&self, on: bool) {
+        self.gemv4.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn gemv4(&self) -> bool {
+        self.gemv4.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether `t` carries int8 codes (an RMSNorm or a product wrote them beside it).
@@ -946,6 +959,7 @@ impl CudaBackend {
             att_fused: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_ATT_FUSED").is_ok_and(|v| v.trim() == "1"),
             ),
+            gemv4: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_GEMV4").is_ok_and(|v| v.trim() == "1")),
             fusion: Fusion::from_env(),
         })
     }

@@ -543,6 +543,9 @@ impl CudaBackend {
                 let grid = (n.div_ceil(TILE_ROWS * nt) as u32, m.div_ceil(TILE_OUTPUTS) as u32, 1);
                 let cfg = LaunchConfig { grid_dim: grid, block_dim: (32 * w as u32, 1, 1), shared_mem_bytes: 0 };
                 (self.qk.of(&format!("gemvt{nt}{w}"), q.format), cfg)
+            } else if n == 1 && self.gemv4_fits(k, m / groups) {
+                let cfg = LaunchConfig { grid_dim: (m.div_ceil(Q_WARPS * 4) as u32, 1, 1), ..cfg };
+                (self.qk.of("gemv1x4", q.format), cfg)
             } else {
                 let cfg = LaunchConfig { grid_dim: (m.div_ceil(Q_WARPS * opw) as u32, 1, 1), ..cfg };
                 (self.qk.of(if n == 1 { "gemv1x" } else { "gemvx" }, q.format), cfg)
@@ -569,7 +572,7 @@ impl CudaBackend {
                             .arg(&(k as i32))
                             .arg(&(m as i32))
                             .arg(&((m / groups) as i32))
-                            .launch(cfg)
+                            .launch(LaunchConfig { grid_dim: (m.div_ceil(Q_WARPS * opw) as u32, 1, 1), ..cfg })
                     },
                     "gemv packed int8 with its output's codes",
                 );
@@ -665,6 +668,15 @@ impl CudaBackend {
         (same && (2..=XG_MAX).contains(&group.len())).then(|| self.matmul_x8_many(x, &group))
     }
 
+    /// Whether a one-row int8 product of `k` inputs and `rpg` outputs a group takes the kernels
+    /// of 4 outputs a warp and one chunk a lane ahead (`gemv1x4`, `gemv1xg4`;
+    /// [`CudaBackend::set_gemv4`]): at k ≤ 1024 a lane holds one 32-value chunk a row, so four
+    /// rows cost few registers, and wq_b's 32,768 outputs take 8,192 warps (~2 waves on the H200)
+    /// instead of 32,768 (~7.5 waves, each waiting a DRAM round trip: 14.9 µs at 52 % of DRAM).
+    pub(crate) fn gemv4_fits(&self, k: usize, rpg: usize) -> bool {
+        self.gemv4() && k <= 1024 && rpg.is_multiple_of(4)
+    }
+
     /// Whether [`CudaBackend::matmul_x8_many`] takes `w` (`[m, k]` packed) for the one-row `x`.
     pub(crate) fn x8_groupable(&self, x: &CudaTensor, q: &QuantDev, m: usize, k: usize) -> bool {
         let blk = crate::x8::BLOCK;
@@ -685,7 +697,8 @@ impl CudaBackend {
         assert!((2..=XG_MAX).contains(&ws.len()), "{} int8 products in one launch", ws.len());
         let format = ws[0].0.format;
         assert!(ws.iter().all(|(q, _)| q.format == format), "one format a grouped launch");
-        let per = Q_WARPS * x8_opw().gemv;
+        let four = ws.iter().all(|&(_, m)| self.gemv4_fits(x.cols, m));
+        let per = Q_WARPS * if four { 4 } else { x8_opw().gemv };
         let outs: Vec<CudaTensor> = ws.iter().map(|&(_, m)| self.tensor(1, m)).collect();
         let mut g = X8Group::default();
         let mut blocks = 0usize;
@@ -711,7 +724,7 @@ impl CudaBackend {
         ck(
             unsafe {
                 self.stream
-                    .kernel(self.qk.of("gemv1xg", format))
+                    .kernel(self.qk.of(if four { "gemv1xg4" } else { "gemv1xg" }, format))
                     .arg_struct(&g)
                     .arg(xq)
                     .arg(xd)

@@ -803,11 +803,12 @@ __device__ __forceinline__ void quant_groups(const float* row, signed char* qrow
 // bx: the block's index within this product (blockIdx.x, or relative to its entry of an X8Group).
 // TWIN: the output's int8 codes and scales too (oq, od; cnt: zeroed counters of its 32-value
 // groups), for a product whose output feeds another int8 product (wo_a's, read by wo_b).
-template <int F, bool TWIN = false>
+// P outputs a warp and U chunks a lane loaded ahead (the sums do not depend on either): the
+// launcher's default, or 4 and 1 for k ≤ 1024 (gemv1x4: one chunk a lane per row).
+template <int F, bool TWIN = false, int P = X8_OPW_GEMV, int U = 4>
 __device__ void gemv_x8(float* __restrict__ out, const signed char* __restrict__ xq, const float* __restrict__ xd,
                         const u8* __restrict__ w, const u8* __restrict__ s, int k, int m, int rpg, int bx,
                         signed char* oq = nullptr, float* od = nullptr, unsigned* cnt = nullptr) {
-    constexpr int P = X8_OPW_GEMV;
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int o = (bx * Q_WARPS + wp) * P;
     bool live = o < m;
@@ -821,7 +822,7 @@ __device__ void gemv_x8(float* __restrict__ out, const signed char* __restrict__
         sr[j] = scale_row(F, s, oj, k);
     }
     float v[P];
-    xrows_dot<F, P, 4, true>(v, wr, sr, xq + xoff, xd + xoff / 32, k, lane, live);
+    xrows_dot<F, P, U, true>(v, wr, sr, xq + xoff, xd + xoff / 32, k, lane, live);
     if (live)
 #pragma unroll
         for (int j = 0; j < P; j++)
@@ -1166,6 +1167,14 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
     extern "C" __global__ void gemv1xg_##N(X8Group g, const signed char* xq, const float* xd, int k) {               \
         int bx = blockIdx.x, e = x8g_entry(g, &bx);                                                                  \
         gemv_x8<F>(g.out[e], xq, xd, g.w[e], g.s[e], k, g.m[e], g.m[e], bx);                                         \
+    }                                                                                                                \
+    extern "C" __global__ void gemv1x4_##N(float* out, const signed char* xq, const float* xd, const u8* w,         \
+                                           const u8* s, int n, int k, int m, int ldx, int rpg) {                     \
+        gemv_x8<F, false, 4, 1>(out, xq, xd, w, s, k, m, rpg, blockIdx.x);                                           \
+    }                                                                                                                \
+    extern "C" __global__ void gemv1xg4_##N(X8Group g, const signed char* xq, const float* xd, int k) {              \
+        int bx = blockIdx.x, e = x8g_entry(g, &bx);                                                                  \
+        gemv_x8<F, false, 4, 1>(g.out[e], xq, xd, g.w[e], g.s[e], k, g.m[e], g.m[e], bx);                            \
     }                                                                                                                \
     extern "C" __global__ void moe_up1x_##N(float* h, const signed char* xq, const float* xd, const unsigned* order, \
                                             const unsigned* off, const unsigned* active,                            \
