@@ -538,8 +538,13 @@ pub(crate) fn ffn_one_row(
     let blk = crate::x8::BLOCK;
     let fmt = |w: &CudaWeight| w.q.as_ref().map(|q| q.format).filter(|&f| crate::x8::supports(f));
     let (r13, r2, s13, s2) = (fmt(&e0.w1)?, fmt(&e0.w2)?, fmt(&shared.w1)?, fmt(&shared.w2)?);
+    let o = super::quant::x8_opw();
+    // The separate launches this replaces are the one-row expert kernels for the shared expert
+    // too (DSV4_SHARED_X8), and quant_groups needs 8·opw to divide 32 or be a multiple of it.
     let fits = x.rows == 1
         && b.int8()
+        && b.fusion.shared_x8
+        && matches!(o.up, 1 | 2 | 4 | 8)
         && first == 0
         && experts.len() == route.experts
         && pairs <= Q_WARPS
@@ -555,7 +560,6 @@ pub(crate) fn ffn_one_row(
     let (up, down) = b.qk.ffn1((r13, r2), (s13, s2))?;
     let table = b.packed_expert_kernels(experts, true).table;
     let stable = b.packed_expert_kernels(std::slice::from_ref(shared), true).table;
-    let o = super::quant::x8_opw();
     let super::X8Twin { q: xq, d: xd } = b.x8_of(x);
     let mut h = b.alloc::<f32>(pairs * inter);
     let mut hq = b.alloc::<i8>(pairs * inter);

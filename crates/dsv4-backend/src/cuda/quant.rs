@@ -234,9 +234,20 @@ impl QuantKernels {
             }
         }
         for f in PackedFormat::ALL.into_iter().filter(|&f| crate::x8::supports(f)).map(suffix) {
-            for k in
-                ["gemv1x", "gemv1xg", "moe_up1x", "moe_down1x", "gemvx", "moe_upx", "moe_downx", "moe_upt", "moe_downt"]
-            {
+            for k in [
+                "gemv1x",
+                "gemv1xg",
+                "gemv1xq",
+                "gemv1x4",
+                "gemv1xg4",
+                "moe_up1x",
+                "moe_down1x",
+                "gemvx",
+                "moe_upx",
+                "moe_downx",
+                "moe_upt",
+                "moe_downt",
+            ] {
                 names.push(format!("{k}_{f}"));
             }
             for (nt, w) in [(1, 8), (2, 8), (1, 16), (2, 16)] {
@@ -552,7 +563,9 @@ impl CudaBackend {
             };
             let X8Twin { q: xq, d: xd } = self.x8_of(x);
             let blk = crate::x8::BLOCK;
-            if twin && n == 1 && !tiles && self.gemv_twin() && m.is_multiple_of(blk) && m / blk <= FFN1_COUNTERS {
+            // quant_groups needs the outputs a block (8·opw) to divide 32 or be a multiple of it.
+            let groups_fit = matches!(opw, 1 | 2 | 4 | 8) && m.is_multiple_of(blk) && m / blk <= FFN1_COUNTERS;
+            if twin && n == 1 && !tiles && self.gemv_twin() && groups_fit {
                 let (mut oq, mut od) = (self.alloc::<i8>(m), self.alloc::<f32>(m / blk));
                 // SAFETY: argument types and buffer sizes match the kernel: out holds m values,
                 // oq / od their m codes and m / 32 scales, the counters (zero between launches)

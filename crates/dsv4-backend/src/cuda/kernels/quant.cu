@@ -769,6 +769,9 @@ __device__ __forceinline__ void xrows_dot(float* out, const u8* const* wr, const
 template <int OB>
 __device__ __forceinline__ void quant_groups(const float* row, signed char* qrow, float* drow, unsigned* cnt, int o0,
                                              int width) {
+    // Other block widths (DSV4_X8_OPW of 3, 5, 6, 7) would straddle groups: the launchers do not
+    // take these kernels then, and this compiles to nothing so the module still builds.
+    if constexpr (!(OB % 32 == 0 || 32 % OB == 0)) return;
     __shared__ unsigned last;
     int lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
     __syncthreads();  // every warp's outputs stored
