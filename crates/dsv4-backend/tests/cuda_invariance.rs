@@ -176,6 +176,10 @@ fn cuda_decode_fusions_are_bitwise() {
         ("att_fused", CudaBackend::set_att_fused),
         ("hc_post_dot", CudaBackend::set_hc_post_dot),
     ];
+    // Every switch this test does not exercise off, whatever the environment says.
+    for set in [CudaBackend::set_ffn1, CudaBackend::set_x8_group, CudaBackend::set_gemv_twin, CudaBackend::set_gemv4] {
+        set(&m.backend, false);
+    }
     for (name, chunks, o) in
         [("chunks of 1", vec![1; prompt.len()], None), ("mixed chunks", mixed.to_vec(), Some(&other[..]))]
     {
@@ -189,13 +193,21 @@ fn cuda_decode_fusions_are_bitwise() {
             set_fresh(&mut m, set, false);
         }
         let apart = run(&mut m, &prompt, &chunks, o, false, 17);
+        // The decode steps' shape (one row alone, or beside the other sequence's).
+        let shape = if o.is_some() { (2, 2) } else { (1, 1) };
+        let k0 = m.recorded_kernels(shape.0, shape.1);
         for (sw, set) in switches {
             set_fresh(&mut m, set, true);
             let fused = run(&mut m, &prompt, &chunks, o, false, 17);
+            let k = m.recorded_kernels(shape.0, shape.1);
             set_fresh(&mut m, set, false);
             let d = first_difference(&apart, &fused);
             assert!(d.is_none(), "{name}, {sw}: logits row {d:?} differs from the separate launches");
-            println!("{name}, {sw}: bitwise the separate launches");
+            // A path that silently fell back gives the same bits but no fewer launches.
+            if let (Some(k0), Some(k)) = (k0, k) {
+                assert!(k < k0, "{name}, {sw}: the decode step launches {k} kernels, {k0} without it");
+            }
+            println!("{name}, {sw}: bitwise the separate launches; a decode step {k0:?} → {k:?} kernels");
         }
     }
 }

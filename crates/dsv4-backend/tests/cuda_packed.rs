@@ -319,6 +319,7 @@ fn cuda_one_row_experts_in_two_launches_are_bitwise() {
     let cpu = CpuBackend;
     b.set_exact(false);
     b.set_int8(true);
+    const LIMIT: f32 = 0.5;
     use PackedFormat::{IQ2_XXS, Q2_K, Q8_0};
     let cases = [
         ((IQ2_XXS, Q2_K), (Q8_0, Q8_0), 6, (256, 512, 8)),
@@ -348,10 +349,11 @@ fn cuda_one_row_experts_in_two_launches_are_bitwise() {
         let xh = cpu.rms_norm(&xc, None, d, 1e-6);
         let rg = b.route(&lg, Some(&bias_g), None, &c);
         b.set_ffn1(false);
-        let apart = b.moe_shared(&x, &rg, &gpu_e, 0, &sg[0], 10.0);
+        // A SwiGLU limit the gate/up values reach (the clamp's both branches run).
+        let apart = b.moe_shared(&x, &rg, &gpu_e, 0, &sg[0], LIMIT);
         let apart = [&apart.0, &apart.1, &apart.2].map(|t| b.to_host(t));
         for run in 0..3 {
-            let fused = b.moe_shared_one_row(&x, &rg, &gpu_e, &sg[0], 10.0);
+            let fused = b.moe_shared_one_row(&x, &rg, &gpu_e, &sg[0], LIMIT);
             let fused = fused.unwrap_or_else(|| panic!("{name}: the two-launch path does not apply"));
             for (what, (f, a)) in
                 ["routed", "shared", "sum"].iter().zip([&fused.0, &fused.1, &fused.2].into_iter().zip(&apart))
@@ -366,7 +368,7 @@ fn cuda_one_row_experts_in_two_launches_are_bitwise() {
             }
         }
         let rc = cpu.route(&lc, Some(&bias_c), None, &c);
-        let want = cpu.add(&cpu.moe(&xh, &rc, &cpu_e, 0, 10.0), &cpu.swiglu(&xh, &sc[0], 10.0));
+        let want = cpu.add(&cpu.moe(&xh, &rc, &cpu_e, 0, LIMIT), &cpu.swiglu(&xh, &sc[0], LIMIT));
         let e = rel_err(&apart[2], &want.data);
         println!("{name}: two launches bitwise the separate ones; {e:.2e} from the CPU oracle");
         assert!(e <= 2e-2, "{name} vs the CPU oracle: {e:.2e}");
@@ -395,9 +397,12 @@ fn cuda_one_row_int8_products_in_one_launch_are_each_alone() {
             })
             .collect();
         let (x, _) = activations(&b, 1, k, 310 + fi as u64);
+        b.set_gemv4(false);
+        b.set_x8_group(false);
         let alone: Vec<Vec<f32>> = ws.iter().map(|w| b.to_host(&b.matmul(&x, w))).collect();
         // Four outputs a warp (k = 512 ≤ 1024: gemv1x4, gemv1xg4) change no sum either.
         b.set_gemv4(true);
+        assert!(ws.iter().all(|w| b.gemv4_fits(k, w.rows)), "the four-output kernels apply to these shapes");
         for (i, w) in ws.iter().enumerate() {
             for (o, (v, a)) in b.to_host(&b.matmul(&x, w)).iter().zip(&alone[i]).enumerate() {
                 assert_eq!(v.to_bits(), a.to_bits(), "{} gemv1x4: product {i} output {o}: {v} vs {a}", format.name());
@@ -532,6 +537,15 @@ fn cuda_norm_rope_is_norm_then_rope() {
 /// A tiny config of `d`-wide hidden states in 4 mHC streams, with random HC_PRE weights and
 /// norm weight for one sub-block.
 fn hc_sub_block(b: &CudaBackend, d: usize) -> (dsv4_model::Config, dsv4_model::weights::Hc<CudaWeight>, CudaWeight) {
+    hc_sub_block_seeded(b, d, 0)
+}
+
+/// [`hc_sub_block`] with its random weights drawn from seeds offset by `seed`.
+fn hc_sub_block_seeded(
+    b: &CudaBackend,
+    d: usize,
+    seed: u64,
+) -> (dsv4_model::Config, dsv4_model::weights::Hc<CudaWeight>, CudaWeight) {
     let mut cfg = dsv4_model::synth::tiny_config(64);
     cfg.hidden = d;
     cfg.hc_mult = 4;
@@ -542,11 +556,11 @@ fn hc_sub_block(b: &CudaBackend, d: usize) -> (dsv4_model::Config, dsv4_model::w
         b.upload(HostTensor::new(name, shape, t.data.iter().map(|v| v * scale).collect())).unwrap()
     };
     let hc = dsv4_model::weights::Hc {
-        fn_: up("layers.0.hc_attn_fn", vec![mix, n * d], 1, 0.05),
-        base: up("layers.0.hc_attn_base", vec![mix], 2, 1.0),
-        scale: up("layers.0.hc_attn_scale", vec![3], 3, 1.0),
+        fn_: up("layers.0.hc_attn_fn", vec![mix, n * d], seed + 1, 0.05),
+        base: up("layers.0.hc_attn_base", vec![mix], seed + 2, 1.0),
+        scale: up("layers.0.hc_attn_scale", vec![3], seed + 3, 1.0),
     };
-    let norm = up("layers.0.attn_norm.weight", vec![d], 4, 1.0);
+    let norm = up("layers.0.attn_norm.weight", vec![d], seed + 4, 1.0);
     (cfg, hc, norm)
 }
 
@@ -605,7 +619,12 @@ fn cuda_hc_post_with_the_next_sums_is_bitwise() {
         let carries = rows < 256 || exact;
         assert_eq!(fused.carries_hc_sums(), carries, "{rows} rows (exact {exact}): sums kept beside the streams");
         let got = b.hc_pre_norm(&fused, &hc, &norm, &cfg);
+        // Sums kept for one fn weight are not used for another: that HC_PRE forms its own.
+        let (_, other, _) = hc_sub_block_seeded(&b, 4096, 50);
+        let (o_got, o_want) = (b.hc_pre_norm(&fused, &other, &norm, &cfg), b.hc_pre_norm(&plain, &other, &norm, &cfg));
         let pairs = [
+            (&o_got.1, &o_want.1, "another fn's norm"),
+            (&o_got.2, &o_want.2, "another fn's post"),
             (&fused, &plain, "streams"),
             (&got.0, &want.0, "y"),
             (&got.1, &want.1, "norm"),

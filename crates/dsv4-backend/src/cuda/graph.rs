@@ -256,6 +256,7 @@ impl CudaBackend {
         cache.reserve_batch(self, batch);
         cache.note_written(batch);
         self.stage(batch, out_rows, cols, hidden_cols);
-        cache.generation
+        // The state's buffers and the kernel settings: a change of either records anew.
+        cache.generation ^ self.settings_epoch().wrapping_mul(0x9E37_79B9_7F4A_7C15)
     }
 }

@@ -540,6 +540,10 @@ pub struct CudaBackend {
     /// Zeroed counters of 32-value groups (`moe_up1s`, `gemv1xq`: each launch leaves them zero,
     /// and launches on the stream never overlap): [`bf16::FFN1_COUNTERS`] of them.
     pub(crate) ffn1_cnt: CudaSlice<u32>,
+    /// Bumped by every setter that changes which kernels a step launches: part of the recorded
+    /// steps' generation ([`CudaBackend::prepare_step`]), so a step recorded under other settings
+    /// is recorded again rather than replayed.
+    settings: std::sync::atomic::AtomicU64,
     /// One row's routed and shared experts in two launches (see [`CudaBackend::set_ffn1`]).
     ffn1: std::sync::atomic::AtomicBool,
     /// One row's int8 products of one input in one launch (see [`CudaBackend::set_x8_group`]).
@@ -627,7 +631,17 @@ impl CudaBackend {
     }
 
     /// f32 activations in every bf16 product, whatever the batch (tests; slower prefill).
+    fn bump_settings(&self) {
+        self.settings.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// How many times the settings that pick kernels have changed ([`CudaBackend::bump_settings`]).
+    pub(crate) fn settings_epoch(&self) -> u64 {
+        self.settings.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     pub fn set_exact(&self, on: bool) {
+        self.bump_settings();
         self.exact.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
@@ -649,6 +663,7 @@ impl CudaBackend {
     /// expert's up, quant_x8, down, then add: 9 launches. The same values bit for bit. Start
     /// value `DSV4_FFN1=1`; off by default until it has run on a GPU.
     pub fn set_ffn1(&self, on: bool) {
+        self.bump_settings();
         self.ffn1.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
@@ -661,6 +676,7 @@ impl CudaBackend {
     /// format (`gemv1xg`), bitwise the launches one by one. Start value `DSV4_X8_GROUP=1`; off by
     /// default until it has run on a GPU.
     pub fn set_x8_group(&self, on: bool) {
+        self.bump_settings();
         self.x8_group.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
@@ -674,6 +690,7 @@ impl CudaBackend {
     /// slots; the same values. Start value `DSV4_COMP_FUSED=1`; off by default until it has run
     /// on a GPU.
     pub fn set_comp_fused(&self, on: bool) {
+        self.bump_settings();
         self.comp_fused.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
@@ -686,6 +703,7 @@ impl CudaBackend {
     /// exact mode): one launch fewer an HC_PRE, the same values. Start value
     /// `DSV4_HC_POST_DOT=1`; off by default until it has run on a GPU.
     pub fn set_hc_post_dot(&self, on: bool) {
+        self.bump_settings();
         self.hc_post_dot.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
@@ -697,6 +715,7 @@ impl CudaBackend {
     /// blocks of each 32-value group quantises it), so wo_b skips its `quant_x8` launch; the
     /// same values. Start value `DSV4_GEMV_TWIN=1`; off by default until it has run on a GPU.
     pub fn set_gemv_twin(&self, on: bool) {
+        self.bump_settings();
         self.gemv_twin.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
@@ -711,6 +730,7 @@ impl CudaBackend {
     /// counter memset beside it. The same values. Start value `DSV4_ATT_FUSED=1`; off by
     /// default until it has run on a GPU.
     pub fn set_att_fused(&self, on: bool) {
+        self.bump_settings();
         self.att_fused.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
@@ -722,6 +742,7 @@ impl CudaBackend {
     /// warp (`gemv1x4`, `gemv1xg4`; see `gemv4_fits`): the same sums. Start value
     /// `DSV4_GEMV4=1`; off by default until it has run on a GPU.
     pub fn set_gemv4(&self, on: bool) {
+        self.bump_settings();
         self.gemv4.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
@@ -749,6 +770,7 @@ impl CudaBackend {
     }
 
     pub fn set_int8(&self, on: bool) {
+        self.bump_settings();
         self.int8.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
@@ -760,6 +782,7 @@ impl CudaBackend {
     /// whose results depend on the row count; up to it a row's result does not. Starts at
     /// `DSV4_X8_MAX_ROWS` or [`quant::QGEMV_ROWS`].
     pub fn set_x8_rows(&self, rows: usize) {
+        self.bump_settings();
         self.x8_rows.store(rows, std::sync::atomic::Ordering::Relaxed);
     }
 
@@ -770,6 +793,7 @@ impl CudaBackend {
     /// Which int8 products run on the tensor-core tiles (the same results either way; timing
     /// and tests). Starts at `DSV4_X8_TILES`.
     pub fn set_x8_tiles(&self, t: quant::X8Tiles) {
+        self.bump_settings();
         self.x8_tiles.store(t as u8, std::sync::atomic::Ordering::Relaxed);
     }
 
@@ -783,6 +807,7 @@ impl CudaBackend {
     /// save the scratch at decode batches (batch 64, 4 q2 layers: 15.2 against 20.2 ms a step),
     /// cuBLAS is faster from 256 rows (PERF.md v18). Routed experts take the tiles either way.
     pub fn set_tiles_dense_rows(&self, rows: usize) {
+        self.bump_settings();
         self.tiles_dense.store(rows, std::sync::atomic::Ordering::Relaxed);
     }
 
@@ -795,6 +820,7 @@ impl CudaBackend {
     /// unless `DSV4_PGEMM_WGMMA=0`: an 8K chunk's routed experts on 4 q2 layers took 44.9 ms
     /// against 64.5 on mma.sync (H200, PERF.md v19).
     pub fn set_pgemm_wgmma(&self, on: bool) {
+        self.bump_settings();
         self.pgemm_wgmma.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
@@ -806,6 +832,7 @@ impl CudaBackend {
     /// `attention_tc` (bf16 queries, keys and weights on tensor cores, f32 sums) or the f32
     /// kernel. Starts on unless `DSV4_ATT_TC=0`.
     pub fn set_attention_tc(&self, on: bool) {
+        self.bump_settings();
         self.attention_tc.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
@@ -822,6 +849,7 @@ impl CudaBackend {
     /// heads sharing every key) rather than the f32 kernel (key slices that spread a few rows
     /// over the GPU). Start value `DSV4_ATT_TC_ROWS`, else [`attention::ATC_MIN_ROWS`].
     pub fn set_attention_tc_rows(&self, rows: usize) {
+        self.bump_settings();
         self.attention_tc_rows.store(rows.max(1), std::sync::atomic::Ordering::Relaxed);
     }
 
@@ -833,6 +861,7 @@ impl CudaBackend {
     /// 64 heads of 128) take `index_score_tc` (bf16 queries and entries on tensor cores, f32
     /// sums) or the f32 kernel. Starts on unless `DSV4_INDEX_TC=0`.
     pub fn set_index_tc(&self, on: bool) {
+        self.bump_settings();
         self.index_tc.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
@@ -945,6 +974,7 @@ impl CudaBackend {
             x8_weights: std::sync::atomic::AtomicBool::new(false),
             one_pair,
             ffn1_cnt,
+            settings: std::sync::atomic::AtomicU64::new(0),
             ffn1: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_FFN1").is_ok_and(|v| v.trim() == "1")),
             x8_group: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_X8_GROUP").is_ok_and(|v| v.trim() == "1")),
             comp_fused: std::sync::atomic::AtomicBool::new(

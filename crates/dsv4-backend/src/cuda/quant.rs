@@ -686,7 +686,7 @@ impl CudaBackend {
     /// [`CudaBackend::set_gemv4`]): at k ≤ 1024 a lane holds one 32-value chunk a row, so four
     /// rows cost few registers, and wq_b's 32,768 outputs take 8,192 warps (~2 waves on the H200)
     /// instead of 32,768 (~7.5 waves, each waiting a DRAM round trip: 14.9 µs at 52 % of DRAM).
-    pub(crate) fn gemv4_fits(&self, k: usize, rpg: usize) -> bool {
+    pub fn gemv4_fits(&self, k: usize, rpg: usize) -> bool {
         self.gemv4() && k <= 1024 && rpg.is_multiple_of(4)
     }
 
@@ -694,6 +694,7 @@ impl CudaBackend {
     pub(crate) fn x8_groupable(&self, x: &CudaTensor, q: &QuantDev, m: usize, k: usize) -> bool {
         let blk = crate::x8::BLOCK;
         x.rows == 1
+            && (x.rows <= self.x8_rows() || self.exact())
             && x.cols == k
             && self.int8()
             && crate::x8::supports(q.format)
