@@ -244,10 +244,7 @@ pub trait Backend: Send + Sync {
         shared: &Expert<Self::W>,
         limit: f32,
     ) -> (Self::T, Self::T, Self::T) {
-        let routed = self.moe(x, route, experts, first, limit);
-        let shared = self.swiglu(x, shared, limit);
-        let out = self.add(&routed, &shared);
-        (routed, shared, out)
+        moe_shared_apart(self, x, route, experts, first, shared, limit)
     }
 
     /// Clears the cache's nonfinite probes (start of a checked forward).
@@ -325,4 +322,21 @@ pub trait Backend: Send + Sync {
     ) -> Self::T;
     /// The first index of the maximum of every row, on the host (greedy draft choice).
     fn argmax_rows(&self, x: &Self::T) -> Vec<u32>;
+}
+
+/// [`Backend::moe_shared`] as three calls: the routed experts, the shared expert, their sum (the
+/// default, and a backend's fallback where its fused path does not apply).
+pub fn moe_shared_apart<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::T,
+    route: &B::Route,
+    experts: &[Expert<B::W>],
+    first: usize,
+    shared: &Expert<B::W>,
+    limit: f32,
+) -> (B::T, B::T, B::T) {
+    let routed = b.moe(x, route, experts, first, limit);
+    let shared = b.swiglu(x, shared, limit);
+    let out = b.add(&routed, &shared);
+    (routed, shared, out)
 }

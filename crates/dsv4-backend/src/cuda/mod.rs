@@ -233,6 +233,16 @@ const HC_DOT_ROWS_MIN: usize = 256;
 const HC_SPLIT: usize = 32;
 const HC_ROWS: usize = 4;
 
+/// `hc_pre_dot`'s grid (and `hc_post_dot`'s, which forms the same sums): slices × groups of 8
+/// outputs × groups of HC_ROWS rows, 256 threads a block.
+fn hc_dot_grid(rows: usize, mix: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (HC_SPLIT as u32, (mix + 1).div_ceil(8) as u32, rows.div_ceil(HC_ROWS) as u32),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// HC_PRE's partial sums `[rows, HC_SPLIT, mix + 1]`: formed by this call, or kept on the
 /// streams by the HC_POST that wrote them.
 enum HcPart<'a> {
@@ -1195,11 +1205,7 @@ impl CudaBackend {
             );
             return HcPart::Formed(part);
         }
-        let dot = LaunchConfig {
-            grid_dim: (HC_SPLIT as u32, (mix + 1).div_ceil(8) as u32, rows.div_ceil(HC_ROWS) as u32),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let dot = hc_dot_grid(rows, mix);
         // SAFETY: argument types and buffer sizes match the kernel's signature (part holds
         // rows · HC_SPLIT · (mix + 1) floats).
         ck(
@@ -1918,11 +1924,7 @@ impl Backend for CudaBackend {
         }
         let mut out = self.tensor(rows, width);
         let mut part = self.alloc::<f32>(rows * HC_SPLIT * (mix + 1));
-        let lc = LaunchConfig {
-            grid_dim: (HC_SPLIT as u32, (mix + 1).div_ceil(8) as u32, rows.div_ceil(HC_ROWS) as u32),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let lc = hc_dot_grid(rows, mix);
         // SAFETY: argument types and buffer sizes match the kernel's signature: out holds rows ·
         // n · d floats, part rows · HC_SPLIT · (mix + 1), f rows · d, post rows · n, comb rows ·
         // n · n, fn [mix, n · d] (checked above).
@@ -2081,10 +2083,7 @@ impl Backend for CudaBackend {
         {
             return r;
         }
-        let routed = self.moe(x, route, experts, first, limit);
-        let shared = self.swiglu(x, shared, limit);
-        let out = self.add(&routed, &shared);
-        (routed, shared, out)
+        crate::backend::moe_shared_apart(self, x, route, experts, first, shared, limit)
     }
 
     fn reset_probes(&self, cache: &mut CudaCache) {

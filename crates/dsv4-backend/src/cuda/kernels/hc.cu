@@ -150,9 +150,14 @@ __device__ __forceinline__ void hc_mix(float* yr, const float* xr, const float* 
 #define HC_SPLIT 32
 #define HC_ROWS 4  // rows a dot block takes (they share each weight load)
 
-extern "C" __global__ void hc_pre_dot(float* part, const float* __restrict__ x, const float* __restrict__ fn,
-                                      int rows, int mix, int width) {
-    pdl_enter();
+// hc_pre_dot's block; with POST, the row values X are HC_POST's new streams X' = post·f + comb·X
+// (of `x`, the old ones), formed here with hc_post_t's operations in its order (every output
+// group forms the same values; group 0 stores them into `out`): hc_post_dot, HC_POST and the
+// next HC_PRE's sums in one launch, bitwise hc_post then hc_pre_dot.
+template <bool POST>
+__device__ __forceinline__ void hc_dot_block(float* part, const float* __restrict__ x, const float* __restrict__ fn,
+                                             int rows, int mix, int width, float* out, const float* f,
+                                             const float* post, const float* comb, int n, int d) {
     __shared__ float red[8][HC_ROWS * 8];
     int s = blockIdx.x, o0 = blockIdx.y * 8, r0 = blockIdx.z * HC_ROWS, t = threadIdx.x;
     int per = (width + HC_SPLIT - 1) / HC_SPLIT, c0 = s * per, c1 = min(width, c0 + per);
@@ -172,8 +177,27 @@ extern "C" __global__ void hc_pre_dot(float* part, const float* __restrict__ x, 
         for (int u = 0; u < CU; u++) {
             int c = cb + u * blockDim.x;
             bool in = c < c1;
+            if (POST) {
+                int j = in ? c / d : 0, cc = c - j * d;  // stream j, column cc
 #pragma unroll
-            for (int r = 0; r < HC_ROWS; r++) xv[u][r] = (in && r < nr) ? x[(long long)(r0 + r) * width + c] : 0.f;
+                for (int r = 0; r < HC_ROWS; r++) {
+                    float v = 0.f;
+                    if (in && r < nr) {
+                        long long i = r0 + r;
+                        const float* cr = comb + i * n * n;
+                        const float* xr = x + i * n * d;
+                        v = post[i * n + j] * f[i * d + cc];
+#pragma unroll
+                        for (int q = 0; q < MAX_HC; q++)
+                            if (q < n) v += cr[q * n + j] * xr[(long long)q * d + cc];
+                        if (blockIdx.y == 0) out[i * width + c] = v;
+                    }
+                    xv[u][r] = v;
+                }
+            } else {
+#pragma unroll
+                for (int r = 0; r < HC_ROWS; r++) xv[u][r] = (in && r < nr) ? x[(long long)(r0 + r) * width + c] : 0.f;
+            }
 #pragma unroll
             for (int o = 0; o < 8; o++) wv[u][o] = (in && o0 + o < mix) ? fn[(long long)(o0 + o) * width + c] : 0.f;
         }
@@ -211,83 +235,19 @@ extern "C" __global__ void hc_pre_dot(float* part, const float* __restrict__ x, 
     }
 }
 
+extern "C" __global__ void hc_pre_dot(float* part, const float* __restrict__ x, const float* __restrict__ fn,
+                                      int rows, int mix, int width) {
+    pdl_enter();
+    hc_dot_block<false>(part, x, fn, rows, mix, width, nullptr, nullptr, nullptr, nullptr, 0, 0);
+}
+
 // hc_post and the next HC_PRE's hc_pre_dot in one launch (decode and exact-mode calls, where the
-// next HC_PRE takes hc_pre_dot): block (s, g, rg) forms the new streams X' = post·f + comb·X of
-// rows rg·HC_ROWS.. in slice s's columns (hc_post_t's operations in its order; every g forms
-// the same values, g = 0 stores them), then the partial sums hc_pre_dot forms of them, in its
-// order. So out and part are bitwise hc_post's and then hc_pre_dot's.
+// next HC_PRE takes hc_pre_dot): see hc_dot_block.
 extern "C" __global__ void hc_post_dot(float* out, float* part, const float* f, const float* x, const float* post,
                                        const float* comb, const float* __restrict__ fn, int rows, int n, int d,
                                        int mix) {
     pdl_enter();
-    __shared__ float red[8][HC_ROWS * 8];
-    int width = n * d;
-    int s = blockIdx.x, o0 = blockIdx.y * 8, r0 = blockIdx.z * HC_ROWS, t = threadIdx.x;
-    int per = (width + HC_SPLIT - 1) / HC_SPLIT, c0 = s * per, c1 = min(width, c0 + per);
-    int nr = min(HC_ROWS, rows - r0);
-    bool store = blockIdx.y == 0;
-    float acc[HC_ROWS][8];
-#pragma unroll
-    for (int r = 0; r < HC_ROWS; r++)
-#pragma unroll
-        for (int o = 0; o < 8; o++) acc[r][o] = 0.f;
-    constexpr int CU = 2;
-    for (int cb = c0 + t; cb < c1; cb += CU * blockDim.x) {
-        float xv[CU][HC_ROWS], wv[CU][8];
-#pragma unroll
-        for (int u = 0; u < CU; u++) {
-            int c = cb + u * blockDim.x;
-            bool in = c < c1;
-            int j = in ? c / d : 0, cc = c - j * d;  // stream j, column cc
-#pragma unroll
-            for (int r = 0; r < HC_ROWS; r++) {
-                float v = 0.f;
-                if (in && r < nr) {
-                    long long i = r0 + r;
-                    const float* cr = comb + i * n * n;
-                    const float* xr = x + i * n * d;
-                    v = post[i * n + j] * f[i * d + cc];
-#pragma unroll
-                    for (int q = 0; q < MAX_HC; q++)
-                        if (q < n) v += cr[q * n + j] * xr[(long long)q * d + cc];
-                    if (store) out[i * width + c] = v;
-                }
-                xv[u][r] = v;
-            }
-#pragma unroll
-            for (int o = 0; o < 8; o++) wv[u][o] = (in && o0 + o < mix) ? fn[(long long)(o0 + o) * width + c] : 0.f;
-        }
-#pragma unroll
-        for (int u = 0; u < CU; u++) {
-            if (cb + u * (int)blockDim.x >= c1) break;
-#pragma unroll
-            for (int o = 0; o < 8; o++) {
-                int oo = o0 + o;
-                if (oo > mix) break;
-#pragma unroll
-                for (int r = 0; r < HC_ROWS; r++) acc[r][o] += (oo < mix ? wv[u][o] : xv[u][r]) * xv[u][r];
-            }
-        }
-    }
-    int lane = t & 31, wp = t >> 5;
-#pragma unroll
-    for (int r = 0; r < HC_ROWS; r++) {
-        if (r >= nr) break;
-#pragma unroll
-        for (int o = 0; o < 8; o++) {
-            float v = warp_sum(acc[r][o]);
-            if (lane == 0) red[wp][r * 8 + o] = v;
-        }
-    }
-    __syncthreads();
-    if (t < HC_ROWS * 8) {
-        int r = t / 8, o = t % 8;
-        if (r < nr && o0 + o <= mix) {
-            float v = 0.f;
-            for (int w = 0; w < (int)(blockDim.x >> 5); w++) v += red[w][t];
-            part[((long long)(r0 + r) * HC_SPLIT + s) * (mix + 1) + o0 + o] = v;
-        }
-    }
+    hc_dot_block<true>(part, x, fn, rows, mix, n * d, out, f, post, comb, n, d);
 }
 
 // hc_pre_dot's partial sums for prefill-sized calls (fast mode, 256 rows and more; V4's n = 4,
