@@ -46,7 +46,19 @@ pub enum BatchError {
     TooLong { seq: usize, pos: usize, max: usize },
 }
 
+/// Rows a segment may hold for a batch to be "short": a sequence's new rows and the window and
+/// compressor rows it reads then sit in distinct slots of the state's rings (each holds its
+/// window or span plus [`crate::MAX_ROLLBACK`] rows), so a backend may write the new rows while
+/// the same launch reads the old ones. Part of a recorded step's key ([`crate::Model`]), so
+/// that the launches chosen on it suit every batch the step is replayed for.
+pub const SHORT_SEGMENT: usize = crate::MAX_ROLLBACK + 1;
+
 impl Batch {
+    /// Whether every segment holds at most [`SHORT_SEGMENT`] rows (decode and verify rows).
+    pub fn short_segments(&self) -> bool {
+        self.segments.iter().all(|s| s.len <= SHORT_SEGMENT)
+    }
+
     /// Groups rows into segments; rows of one sequence must be contiguous with consecutive positions.
     pub fn new(rows: Vec<Row>) -> Result<Self, BatchError> {
         if rows.is_empty() {

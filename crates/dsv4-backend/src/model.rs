@@ -22,7 +22,9 @@ const MAX_GRAPHS: usize = 64;
 pub const STAGE_PROBE_ROWS: usize = 256;
 
 /// A recorded step's shape: rows, output rows, tapped hidden columns.
-type StepShape = (usize, usize, usize);
+/// A recorded step's key: rows, output rows, tapped columns, and whether every segment is short
+/// ([`crate::batch::SHORT_SEGMENT`]: a backend may pick launches on it).
+type StepShape = (usize, usize, usize, bool);
 
 /// One step as the engine plans it: the rows, what comes back, and whether the host needs the
 /// output rows' logits (sampling with a host pass, logprobs, speculative acceptance) or only
@@ -394,7 +396,7 @@ impl<B: Backend> Model<B> {
     /// The kernel launches of the recorded step of `rows` rows and `out` output rows (no
     /// taps), if one is recorded and the backend counts them.
     pub fn recorded_kernels(&self, rows: usize, out: usize) -> Option<usize> {
-        let (_, g) = self.graphs.get(&(rows, out, 0))?;
+        let (_, g) = self.graphs.get(&(rows, out, 0, true)).or_else(|| self.graphs.get(&(rows, out, 0, false)))?;
         Some(self.backend.graph_kernels(g)).filter(|&k| k > 0)
     }
 
@@ -570,7 +572,7 @@ impl<B: Backend> Model<B> {
     fn step_recorded(&mut self, plan: &StepPlan<'_>) -> Result<StepOut, ModelError> {
         let (batch, out_rows) = (plan.batch, plan.outputs.out_rows);
         let hidden_cols = plan.outputs.taps.len() * self.cfg.hidden;
-        let key = (batch.len(), out_rows.len(), hidden_cols);
+        let key = (batch.len(), out_rows.len(), hidden_cols, batch.short_segments());
         if !self.graphs.contains_key(&key) && self.seen.insert(key) {
             return self.forward_eager(plan, None);
         }

@@ -50,10 +50,10 @@ pub fn compress(
     };
     // One launch where the positions a pooling reads (from 2m or m before a segment) and those
     // the store writes (the segment's) are distinct ring slots: segment length + span − 1 ≤ K.
-    // Decided on the row count, which bounds every segment: a recorded step is keyed by its
-    // shape, and must suit every batch of that shape.
+    // Decided on the batch's short-segment flag (part of a recorded step's key, so the launch
+    // suits every batch the step is replayed for) with the longest segment it allows.
     let span = if st.overlap { 2 * m } else { m };
-    if b.comp_fused() && rows.len() + span - 1 <= st.rows {
+    if b.comp_fused() && rows.batch.short_segments() && crate::batch::SHORT_SEGMENT + span - 1 <= st.rows {
         let store_blocks = (rows.len() * w).div_ceil(block_for(hd) as usize);
         let fused = LaunchConfig { grid_dim: ((rows.len() + store_blocks) as u32, 1, 1), ..pool_cfg };
         // SAFETY: argument types and buffer sizes match the kernel; blocks below n pool (reading
@@ -376,9 +376,8 @@ pub fn attend(
     // written is one read (every segment + window − 1 fits the ring), and the counters kept
     // zero between launches.
     let fused = !tc && b.att_fused() && d.is_multiple_of(32) && 2 * freqs.len() <= d;
-    // On the row count, which bounds every segment (a recorded step must suit every batch of
-    // its shape).
-    let ringw = fused && n + win - 1 <= rcap;
+    // On the short-segment flag of a recorded step's key, with the longest segment it allows.
+    let ringw = fused && rows.batch.short_segments() && crate::batch::SHORT_SEGMENT + win - 1 <= rcap;
     let twin = fused && b.int8();
     if !tc {
         // Partials of ATT_S slices per (row, head), for ATTN_ROW_TILE rows a launch at most.

@@ -640,19 +640,21 @@ impl CudaBackend {
         Self::with_weights(ordinal, false)
     }
 
-    /// f32 activations in every bf16 product, whatever the batch (tests; slower prefill).
-    fn bump_settings(&self) {
-        self.settings.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    /// Called by each setter after it stores its value (so a step that reads the new epoch
+    /// also reads the new value).
+    pub(crate) fn bump_settings(&self) {
+        self.settings.fetch_add(1, std::sync::atomic::Ordering::Release);
     }
 
     /// How many times the settings that pick kernels have changed ([`CudaBackend::bump_settings`]).
     pub(crate) fn settings_epoch(&self) -> u64 {
-        self.settings.load(std::sync::atomic::Ordering::Relaxed)
+        self.settings.load(std::sync::atomic::Ordering::Acquire)
     }
 
+    /// f32 activations in every bf16 product, whatever the batch (tests; slower prefill).
     pub fn set_exact(&self, on: bool) {
-        self.bump_settings();
         self.exact.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
     }
 
     /// Whether exact mode is on (see [`CudaBackend::set_exact`]).
@@ -673,8 +675,8 @@ impl CudaBackend {
     /// expert's up, quant_x8, down, then add: 9 launches. The same values bit for bit. Start
     /// value `DSV4_FFN1=1`; off by default until it has run on a GPU.
     pub fn set_ffn1(&self, on: bool) {
-        self.bump_settings();
         self.ffn1.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
     }
 
     pub fn ffn1(&self) -> bool {
@@ -686,8 +688,8 @@ impl CudaBackend {
     /// format (`gemv1xg`), bitwise the launches one by one. Start value `DSV4_X8_GROUP=1`; off by
     /// default until it has run on a GPU.
     pub fn set_x8_group(&self, on: bool) {
-        self.bump_settings();
         self.x8_group.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
     }
 
     pub fn x8_group(&self) -> bool {
@@ -695,13 +697,13 @@ impl CudaBackend {
     }
 
     /// A compressor's pooling (`comp_pool`) and raw-ring store (`comp_store`) in one launch
-    /// (`comp_pool_store`) where the batch's segments are short enough (decode and verify rows:
-    /// at most 17 rows with V4's ratios and MAX_ROLLBACK) that the two touch distinct ring
+    /// (`comp_pool_store`) where every segment of the batch is short
+    /// ([`crate::batch::SHORT_SEGMENT`] rows: decode and verify), so the two touch distinct ring
     /// slots; the same values. Start value `DSV4_COMP_FUSED=1`; off by default until it has run
     /// on a GPU.
     pub fn set_comp_fused(&self, on: bool) {
-        self.bump_settings();
         self.comp_fused.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
     }
 
     pub fn comp_fused(&self) -> bool {
@@ -713,8 +715,8 @@ impl CudaBackend {
     /// exact mode): one launch fewer an HC_PRE, the same values. Start value
     /// `DSV4_HC_POST_DOT=1`; off by default until it has run on a GPU.
     pub fn set_hc_post_dot(&self, on: bool) {
-        self.bump_settings();
         self.hc_post_dot.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
     }
 
     pub fn hc_post_dot(&self) -> bool {
@@ -725,8 +727,8 @@ impl CudaBackend {
     /// blocks of each 32-value group quantises it), so wo_b skips its `quant_x8` launch; the
     /// same values. Start value `DSV4_GEMV_TWIN=1`; off by default until it has run on a GPU.
     pub fn set_gemv_twin(&self, on: bool) {
-        self.bump_settings();
         self.gemv_twin.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
     }
 
     pub fn gemv_twin(&self) -> bool {
@@ -740,8 +742,8 @@ impl CudaBackend {
     /// counter memset beside it. The same values. Start value `DSV4_ATT_FUSED=1`; off by
     /// default until it has run on a GPU.
     pub fn set_att_fused(&self, on: bool) {
-        self.bump_settings();
         self.att_fused.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
     }
 
     pub fn att_fused(&self) -> bool {
@@ -752,8 +754,8 @@ impl CudaBackend {
     /// warp (`gemv1x4`, `gemv1xg4`; see `gemv4_fits`): the same sums. Start value
     /// `DSV4_GEMV4=1`; off by default until it has run on a GPU.
     pub fn set_gemv4(&self, on: bool) {
-        self.bump_settings();
         self.gemv4.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
     }
 
     pub fn gemv4(&self) -> bool {
@@ -780,8 +782,8 @@ impl CudaBackend {
     }
 
     pub fn set_int8(&self, on: bool) {
-        self.bump_settings();
         self.int8.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
     }
 
     pub fn int8(&self) -> bool {
@@ -792,8 +794,8 @@ impl CudaBackend {
     /// whose results depend on the row count; up to it a row's result does not. Starts at
     /// `DSV4_X8_MAX_ROWS` or [`quant::QGEMV_ROWS`].
     pub fn set_x8_rows(&self, rows: usize) {
-        self.bump_settings();
         self.x8_rows.store(rows, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
     }
 
     pub fn x8_rows(&self) -> usize {
@@ -803,8 +805,8 @@ impl CudaBackend {
     /// Which int8 products run on the tensor-core tiles (the same results either way; timing
     /// and tests). Starts at `DSV4_X8_TILES`.
     pub fn set_x8_tiles(&self, t: quant::X8Tiles) {
-        self.bump_settings();
         self.x8_tiles.store(t as u8, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
     }
 
     pub fn x8_tiles(&self) -> quant::X8Tiles {
@@ -817,8 +819,8 @@ impl CudaBackend {
     /// save the scratch at decode batches (batch 64, 4 q2 layers: 15.2 against 20.2 ms a step),
     /// cuBLAS is faster from 256 rows (PERF.md v18). Routed experts take the tiles either way.
     pub fn set_tiles_dense_rows(&self, rows: usize) {
-        self.bump_settings();
         self.tiles_dense.store(rows, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
     }
 
     pub fn tiles_dense_rows(&self) -> usize {
@@ -830,8 +832,8 @@ impl CudaBackend {
     /// unless `DSV4_PGEMM_WGMMA=0`: an 8K chunk's routed experts on 4 q2 layers took 44.9 ms
     /// against 64.5 on mma.sync (H200, PERF.md v19).
     pub fn set_pgemm_wgmma(&self, on: bool) {
-        self.bump_settings();
         self.pgemm_wgmma.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
     }
 
     pub fn pgemm_wgmma(&self) -> bool {
@@ -842,8 +844,8 @@ impl CudaBackend {
     /// `attention_tc` (bf16 queries, keys and weights on tensor cores, f32 sums) or the f32
     /// kernel. Starts on unless `DSV4_ATT_TC=0`.
     pub fn set_attention_tc(&self, on: bool) {
-        self.bump_settings();
         self.attention_tc.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
     }
 
     /// The device's multiprocessors (the dense tiles' split of k: [`gemm::dense_splits`]).
@@ -859,8 +861,8 @@ impl CudaBackend {
     /// heads sharing every key) rather than the f32 kernel (key slices that spread a few rows
     /// over the GPU). Start value `DSV4_ATT_TC_ROWS`, else [`attention::ATC_MIN_ROWS`].
     pub fn set_attention_tc_rows(&self, rows: usize) {
-        self.bump_settings();
         self.attention_tc_rows.store(rows.max(1), std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
     }
 
     pub fn attention_tc_rows(&self) -> usize {
@@ -871,8 +873,8 @@ impl CudaBackend {
     /// 64 heads of 128) take `index_score_tc` (bf16 queries and entries on tensor cores, f32
     /// sums) or the f32 kernel. Starts on unless `DSV4_INDEX_TC=0`.
     pub fn set_index_tc(&self, on: bool) {
-        self.bump_settings();
         self.index_tc.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
     }
 
     pub fn index_tc(&self) -> bool {

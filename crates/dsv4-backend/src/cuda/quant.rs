@@ -482,8 +482,9 @@ impl CudaBackend {
     }
 
     fn note_x8_format(&self, f: PackedFormat) {
-        if crate::x8::supports(f) {
-            self.x8_weights.store(true, std::sync::atomic::Ordering::Relaxed);
+        // The RMSNorms start writing int8 twins: steps recorded before record again.
+        if crate::x8::supports(f) && !self.x8_weights.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            self.bump_settings();
         }
     }
 
