@@ -21,7 +21,6 @@ const MAX_GRAPHS: usize = 64;
 /// prefill chunks the sub-blocks' streams.
 pub const STAGE_PROBE_ROWS: usize = 256;
 
-/// A recorded step's shape: rows, output rows, tapped hidden columns.
 /// A recorded step's key: rows, output rows, tapped columns, and whether every segment is short
 /// ([`crate::batch::SHORT_SEGMENT`]: a backend may pick launches on it).
 type StepShape = (usize, usize, usize, bool);
@@ -163,8 +162,8 @@ pub struct Model<B: Backend> {
     cache: B::Cache,
     /// Tokens held by each allocated sequence slot.
     seqs: Vec<Option<usize>>,
-    /// Recorded steps by shape `(rows, output rows, tapped columns)`, with the cache
-    /// generation each was recorded under.
+    /// Recorded steps by key `(rows, output rows, tapped columns, short segments)`, with the
+    /// generation (the cache's and the backend's settings) each was recorded under.
     graphs: HashMap<StepShape, (u64, B::Graph)>,
     /// Shapes run once: a shape is recorded the second time it comes (one-off shapes, such as
     /// a short prompt's only chunk, stay eager; the first run also fills the backend's tables).
@@ -394,7 +393,8 @@ impl<B: Backend> Model<B> {
     }
 
     /// The kernel launches of the recorded step of `rows` rows and `out` output rows (no
-    /// taps), if one is recorded and the backend counts them.
+    /// taps), if one is recorded and the backend counts them: the step whose segments are all
+    /// short (decode and verify) where both kinds are recorded.
     pub fn recorded_kernels(&self, rows: usize, out: usize) -> Option<usize> {
         let (_, g) = self.graphs.get(&(rows, out, 0, true)).or_else(|| self.graphs.get(&(rows, out, 0, false)))?;
         Some(self.backend.graph_kernels(g)).filter(|&k| k > 0)
