@@ -193,6 +193,38 @@ fn connection_cap_and_read_timeouts() {
 }
 
 #[test]
+fn an_over_limit_body_is_answered_413_while_the_client_still_sends() {
+    let s = start(None, Guard::default());
+    // 3 MiB against the 1 MiB limit; the client pauses after passing the limit, as a slow
+    // network would, and goes on sending. The server must neither reset the connection under
+    // the client's writes nor lose the 413 it answers with.
+    let body = chat(&"x".repeat(3 << 20));
+    let raw = req("POST", "/v1/chat/completions", &[], &body);
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let cut = (1 << 20) + 200_000;
+    c.write_all(&raw[..cut]).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let rest = c.write_all(&raw[cut..]);
+    assert!(rest.is_ok(), "the server dropped the connection under the client's writes: {rest:?}");
+    let mut out = Vec::new();
+    let _ = c.read_to_end(&mut out);
+    let text = String::from_utf8_lossy(&out);
+    assert!(text.starts_with("HTTP/1.1 413"), "{}", &text[..text.len().min(300)]);
+    assert!(text.contains("exceeds the limit"), "{text}");
+    // A body that declares far more than any drain would read is refused at once, unread.
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    c.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\ncontent-length: 1073741824\r\n\r\n{")
+        .unwrap();
+    let mut buf = [0u8; 512];
+    let n = c.read(&mut buf).unwrap();
+    let text = String::from_utf8_lossy(&buf[..n]);
+    assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+    assert_eq!(send(&s.addr, &req("GET", "/health", &[], "")).0, 200);
+}
+
+#[test]
 fn stop_and_prompt_limits() {
     let s = start(None, Guard { max_prompt_bytes: 10_000, ..Guard::default() });
     let post = |b: Value| send(&s.addr, &req("POST", "/v1/chat/completions", &[], &b.to_string()));
