@@ -120,6 +120,13 @@ pub trait Backend: Send + Sync {
         self.rope(&mut y, rows, freqs, group, false);
         y
     }
+    /// The norms and rotations of a layer's attention inputs that do not depend on each other
+    /// (q_a's norm with kv's norm + RoPE; the heads' norm + RoPE with the indexer query's RoPE),
+    /// results in `jobs`' order, each as its own op gives it: a backend may run them as one
+    /// launch. `rows` and `freqs` serve every job that rotates.
+    fn norms(&self, jobs: Vec<NormJob<'_, Self::T, Self::W>>, rows: &Self::Rows, freqs: &[f64]) -> Vec<Self::T> {
+        norms_apart(self, jobs, rows, freqs)
+    }
     fn add(&self, a: &Self::T, b: &Self::T) -> Self::T;
     fn select_rows(&self, x: &Self::T, rows: &[usize]) -> Self::T;
 
@@ -220,6 +227,20 @@ pub trait Backend: Send + Sync {
         hash: Option<(&[u32], &Self::Rows)>,
         cfg: &Config,
     ) -> Self::Route;
+    /// The router's logits `x · gateᵀ` ([`Backend::matmul`]) and its choice of experts
+    /// ([`Backend::route`]): a backend may form both in one launch, with the same values.
+    fn router(
+        &self,
+        x: &Self::T,
+        gate: &Self::W,
+        bias: Option<&Self::W>,
+        hash: Option<(&[u32], &Self::Rows)>,
+        cfg: &Config,
+    ) -> (Self::T, Self::Route) {
+        let logits = self.matmul(x, gate);
+        let route = self.route(&logits, bias, hash, cfg);
+        (logits, route)
+    }
     /// `Σ_j w_j · Expert_{idx_j}(x)` over the routed experts held here: `experts[i]` is global
     /// expert `first + i`; slots routed to experts outside that range add nothing (expert
     /// parallel ranks, see [`dsv4_model::Shard`]).
@@ -322,6 +343,33 @@ pub trait Backend: Send + Sync {
     ) -> Self::T;
     /// The first index of the maximum of every row, on the host (greedy draft choice).
     fn argmax_rows(&self, x: &Self::T) -> Vec<u32>;
+}
+
+/// One job of [`Backend::norms`].
+pub enum NormJob<'a, T, W> {
+    /// [`Backend::rms_norm`] of `x`, or [`Backend::rms_norm_rope`] where `rope`.
+    Norm { x: &'a T, w: Option<&'a W>, group: usize, eps: f32, rope: bool },
+    /// [`Backend::rope`] (forward) of `x`'s `head`-wide slices, in place.
+    Rope { x: T, head: usize },
+}
+
+/// [`Backend::norms`] one op a job (the default, and a backend's fallback).
+pub fn norms_apart<B: Backend + ?Sized>(
+    b: &B,
+    jobs: Vec<NormJob<'_, B::T, B::W>>,
+    rows: &B::Rows,
+    freqs: &[f64],
+) -> Vec<B::T> {
+    jobs.into_iter()
+        .map(|j| match j {
+            NormJob::Norm { x, w, group, eps, rope: false } => b.rms_norm(x, w, group, eps),
+            NormJob::Norm { x, w, group, eps, rope: true } => b.rms_norm_rope(x, w, group, eps, rows, freqs),
+            NormJob::Rope { mut x, head } => {
+                b.rope(&mut x, rows, freqs, head, false);
+                x
+            }
+        })
+        .collect()
 }
 
 /// [`Backend::moe_shared`] as three calls: the routed experts, the shared expert, their sum (the

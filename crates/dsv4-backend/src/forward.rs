@@ -4,7 +4,7 @@
 //! is always a [`Batch`] of rows. Every intermediate is handed to the optional [`Capture`] under
 //! a [`Stage`] name; capturing only reads.
 
-use crate::backend::{Backend, CompSlot};
+use crate::backend::{Backend, CompSlot, NormJob};
 use crate::batch::Batch;
 use crate::comm::Comm;
 use dsv4_model::weights::{Hc, Layer, Weights};
@@ -257,7 +257,18 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
     let comp_uz = aw.compressor.as_ref().map(|_| (next(), next()));
     let index_uzw = aw.indexer.as_ref().map(|_| (next(), next(), next()));
 
-    let qr = b.rms_norm(&q_a, Some(&aw.q_norm), cfg.q_lora_rank, eps);
+    // q_a's norm and kv's norm + RoPE, which a backend may run as one launch.
+    let mut n1 = b
+        .norms(
+            vec![
+                NormJob::Norm { x: &q_a, w: Some(&aw.q_norm), group: cfg.q_lora_rank, eps, rope: false },
+                NormJob::Norm { x: &kv_a, w: Some(&aw.kv_norm), group: d, eps, rope: true },
+            ],
+            cx.rows,
+            freqs,
+        )
+        .into_iter();
+    let (qr, kv) = (n1.next().expect("q_a's norm"), n1.next().expect("kv's norm"));
     cx.cap(li, "attn.q_a", &qr);
     // The query projections of qr at once: the heads' and, where the layer has one, the indexer's.
     let mut pq = match &aw.indexer {
@@ -265,9 +276,16 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
         None => vec![b.matmul(&qr, &aw.wq_b)],
     }
     .into_iter();
-    let q = b.rms_norm_rope(&pq.next().expect("the heads' query projection"), None, d, eps, cx.rows, freqs);
+    // The heads' norm + RoPE and the indexer query's RoPE, again one launch where a backend can.
+    let qh = pq.next().expect("the heads' query projection");
+    let mut jobs = vec![NormJob::Norm { x: &qh, w: None, group: d, eps, rope: true }];
+    if aw.indexer.is_some() {
+        jobs.push(NormJob::Rope { x: pq.next().expect("the indexer's query projection"), head: cfg.index_head_dim });
+    }
+    let mut n2 = b.norms(jobs, cx.rows, freqs).into_iter();
+    let q = n2.next().expect("the heads' norm");
+    let qi = n2.next();
     cx.cap(li, "attn.q", &q);
-    let kv = b.rms_norm_rope(&kv_a, Some(&aw.kv_norm), d, eps, cx.rows, freqs);
     cx.cap(li, "attn.kv", &kv);
 
     // Compressors are fed before attention so an entry closing at t is visible to t (§9.4 #6).
@@ -282,8 +300,7 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
             cx.cap(li, "attn.indexer.compressor.kv", &u);
             cx.cap(li, "attn.indexer.compressor.gate", &z);
             b.compress(cx.cache, l, CompSlot::Index, &u, &z, c, cx.rows, freqs, cfg);
-            let mut qi = pq.next().expect("the indexer's query projection");
-            b.rope(&mut qi, cx.rows, freqs, cfg.index_head_dim, false);
+            let qi = qi.expect("the indexer's rotated query");
             cx.cap(li, "attn.indexer.q", &qi);
             let sel = b.index_select(cx.cache, l, &qi, &wts, cx.rows, cfg);
             // Captured after the selection, so a stage timer (`DSV4_PROFILE`) tells the
@@ -309,10 +326,9 @@ fn moe<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, f: &B::T
     let (b, cfg) = (cx.b, cx.cfg);
     let m = &lw.ffn;
     let li = Some(l);
-    let logits = b.matmul(f, &m.gate);
-    cx.cap(li, "ffn.router", &logits);
     let hash = m.tid2eid.as_deref().map(|t| (t, cx.rows));
-    let route = b.route(&logits, m.bias.as_ref(), hash, cfg);
+    let (logits, route) = b.router(f, &m.gate, m.bias.as_ref(), hash, cfg);
+    cx.cap(li, "ffn.router", &logits);
     // On a rank of a group, `routed` sums only its own experts and `shared` only its share of
     // the shared expert's rows: one all-reduce of their sum completes both.
     let (routed, shared, mut out) = b.moe_shared(f, &route, &m.experts, m.expert0, &m.shared, cfg.swiglu_limit);

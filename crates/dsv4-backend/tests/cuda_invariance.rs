@@ -156,8 +156,10 @@ fn cuda_invariance_of_large_chunks_exact() {
 /// default until it has run on a GPU, give bitwise the logits of the launches they replace, in
 /// exact mode on the HF fixture: the compressor's pooling and raw-ring store in one launch
 /// (`set_comp_fused`: steps whose segments are short, `Batch::short_segments`), the decode attention's
-/// epilogue (`set_att_fused`: inverse RoPE, ring rows, counters) and HC_POST with the next
-/// HC_PRE's sums (`set_hc_post_dot`). 136 prompt tokens, so the HCA layers (ratio 128) pool a
+/// epilogue (`set_att_fused`: inverse RoPE, ring rows, counters), HC_POST with the next
+/// HC_PRE's sums (`set_hc_post_dot`), the attention norms and rotations in two launches
+/// (`set_norm_group`) and the router's product with its choice (`set_route_fused`, up to 8
+/// rows: hash and learned layers). 136 prompt tokens, so the HCA layers (ratio 128) pool a
 /// window too: in chunks of 1, and in mixed chunks of up to 16 beside another sequence (chunks
 /// past 17 rows would take the separate launches either way).
 #[test]
@@ -171,10 +173,12 @@ fn cuda_decode_fusions_are_bitwise() {
     let mixed = [3, 13, 1, 16, 7, 2, 6, 16, 9, 7, 16, 12, 15, 13];
     assert_eq!(mixed.iter().sum::<usize>(), prompt.len());
     type Set = fn(&CudaBackend, bool);
-    let switches: [(&str, Set); 3] = [
+    let switches: [(&str, Set); 5] = [
         ("comp_fused", CudaBackend::set_comp_fused),
         ("att_fused", CudaBackend::set_att_fused),
         ("hc_post_dot", CudaBackend::set_hc_post_dot),
+        ("norm_group", CudaBackend::set_norm_group),
+        ("route_fused", CudaBackend::set_route_fused),
     ];
     // Every switch this test does not exercise off, whatever the environment says.
     for set in [CudaBackend::set_ffn1, CudaBackend::set_x8_group, CudaBackend::set_gemv_twin, CudaBackend::set_gemv4] {

@@ -161,7 +161,7 @@ fn cuda_gguf_decode_fusions_are_bitwise() {
     let (cfg, q2) = quantised(tmp.path(), "q2");
     b.set_int8(true);
     type Set = fn(&CudaBackend, bool);
-    let switches: [(&str, Set); 7] = [
+    let switches: [(&str, Set); 9] = [
         ("ffn1", CudaBackend::set_ffn1),
         ("x8_group", CudaBackend::set_x8_group),
         ("comp_fused", CudaBackend::set_comp_fused),
@@ -169,6 +169,8 @@ fn cuda_gguf_decode_fusions_are_bitwise() {
         ("gemv_twin", CudaBackend::set_gemv_twin),
         ("att_fused", CudaBackend::set_att_fused),
         ("gemv4", CudaBackend::set_gemv4),
+        ("norm_group", CudaBackend::set_norm_group),
+        ("route_fused", CudaBackend::set_route_fused),
     ];
     let toks: Vec<u32> = (0..13).map(|i| (i * 41 + 3) % 512).collect();
     // The logits of every forward, and the one-row step's recorded kernels (so a switch whose

@@ -22,7 +22,7 @@ pub mod nccl;
 pub mod quant;
 pub mod state;
 
-use crate::backend::{Backend, CompSlot};
+use crate::backend::{Backend, CompSlot, NormJob};
 use crate::batch::Batch;
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
 use cudarc::driver::{
@@ -186,6 +186,8 @@ pub(crate) struct Kernels {
     pub rope: CudaFunction,
     pub rope_cast: CudaFunction,
     pub gemv_f32: CudaFunction,
+    pub norm_many: CudaFunction,
+    pub gemv_route: CudaFunction,
     pub hc_pre_dot: CudaFunction,
     pub hc_pre_dot_rows: CudaFunction,
     pub hc_pre_dot_tc: CudaFunction,
@@ -270,6 +272,45 @@ fn hc_dot_tc() -> bool {
 /// Groups from which an RMSNorm of 512-value groups takes `rms_norm_warp` (bitwise `rms_norm`'s
 /// values; a prefill chunk's q heads).
 const NORM_WARP_GROUPS: usize = 4096;
+
+/// Rows up to which [`crate::Backend::norms`] takes `norm_many` (decode and verify batches).
+const NORM_GROUP_ROWS: usize = 128;
+
+/// `NormJob` of dense.cu: one job of a `norm_many` launch (an RMSNorm where `nt > 0`, else a
+/// RoPE in place on `out`).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct NormJobDev {
+    out: u64,
+    xq: u64,
+    xd: u64,
+    x: u64,
+    w: u64,
+    eps: f32,
+    has_w: i32,
+    group: i32,
+    twin: i32,
+    heads: i32,
+    npairs: i32,
+    nt: i32,
+    cols: i32,
+    head: i32,
+    b0: i32,
+}
+
+/// `NormJobs` of dense.cu (`NJ_MAX` = 2 jobs), passed by value.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct NormJobsDev {
+    j: [NormJobDev; 2],
+    count: i32,
+    blocks: i32,
+}
+
+// SAFETY: #[repr(C)] in dense.cu's field order: 5 pointers, then 10 4-byte fields (80 bytes a
+// job, no padding), two jobs and two ints (168 bytes), as the kernel declares it.
+unsafe impl launch::KernelStruct for NormJobsDev {}
+const _: () = assert!(std::mem::size_of::<NormJobsDev>() == 168);
 
 /// Keeps freed device memory in the device's stream-ordered pool (where `alloc` takes it) across
 /// synchronisations: at the default release threshold of 0 the driver hands it back to the OS
@@ -390,6 +431,8 @@ impl Kernels {
                 "rope",
                 "rope_cast",
                 "gemv_f32",
+                "norm_many",
+                "gemv_route",
             ],
         )?;
         let h = compile(
@@ -460,6 +503,8 @@ impl Kernels {
             rope: n(&mut d),
             rope_cast: n(&mut d),
             gemv_f32: n(&mut d),
+            norm_many: n(&mut d),
+            gemv_route: n(&mut d),
             hc_pre_dot: n(&mut h),
             hc_pre_dot_rows: n(&mut h),
             hc_pre_dot_tc: n(&mut h),
@@ -568,6 +613,10 @@ pub struct CudaBackend {
     att_fused: std::sync::atomic::AtomicBool,
     /// One-row int8 products of k ≤ 1024 at 4 outputs a warp (see [`CudaBackend::set_gemv4`]).
     gemv4: std::sync::atomic::AtomicBool,
+    /// A decode layer's attention norms and rotations two launches (see [`CudaBackend::set_norm_group`]).
+    norm_group: std::sync::atomic::AtomicBool,
+    /// The router's product with its choice in one launch (see [`CudaBackend::set_route_fused`]).
+    route_fused: std::sync::atomic::AtomicBool,
     pub(crate) fusion: Fusion,
 }
 
@@ -760,6 +809,34 @@ impl CudaBackend {
 
     pub fn gemv4(&self) -> bool {
         self.gemv4.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// A decode layer's attention norms and rotations ([`crate::Backend::norms`]) in two
+    /// launches (`norm_many`): q_a's norm with kv's norm + RoPE, then the heads' norm + RoPE
+    /// with the indexer query's RoPE, where each ran its own (−2 launches a CSA layer, −1 on
+    /// the others). Each job's values are those of its own launch bit for bit. Start value
+    /// `DSV4_NORM_GROUP=1`; off by default until it has run on a GPU.
+    pub fn set_norm_group(&self, on: bool) {
+        self.norm_group.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
+    }
+
+    pub fn norm_group(&self) -> bool {
+        self.norm_group.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The router's product with f32 weights (`gemv_f32`, one block an expert) and its choice
+    /// of experts (`route`) in one launch ([`crate::Backend::router`]: `gemv_route`, whose last
+    /// block routes every row): one launch fewer a layer, the same values (the two kernels'
+    /// files are both compiled without contraction). Start value `DSV4_ROUTE_FUSED=1`; off by
+    /// default until it has run on a GPU.
+    pub fn set_route_fused(&self, on: bool) {
+        self.route_fused.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
+    }
+
+    pub fn route_fused(&self) -> bool {
+        self.route_fused.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether `t` carries int8 codes (an RMSNorm or a product wrote them beside it).
@@ -1002,6 +1079,12 @@ impl CudaBackend {
                 std::env::var("DSV4_ATT_FUSED").is_ok_and(|v| v.trim() == "1"),
             ),
             gemv4: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_GEMV4").is_ok_and(|v| v.trim() == "1")),
+            norm_group: std::sync::atomic::AtomicBool::new(
+                std::env::var("DSV4_NORM_GROUP").is_ok_and(|v| v.trim() == "1"),
+            ),
+            route_fused: std::sync::atomic::AtomicBool::new(
+                std::env::var("DSV4_ROUTE_FUSED").is_ok_and(|v| v.trim() == "1"),
+            ),
             fusion: Fusion::from_env(),
         })
     }
@@ -1134,6 +1217,122 @@ impl CudaBackend {
     /// is one block, whose latency is the per-thread work), a multiple of 32, at most 1024.
     fn norm_threads(&self, group: usize) -> u32 {
         (group.div_ceil(self.fusion.norm_values).div_ceil(32) * 32).clamp(32, 1024) as u32
+    }
+
+    /// Whether `norm_many` forms `job` as its own launch would (see [`CudaBackend::norm`] and
+    /// [`crate::Backend::rms_norm_rope`]: the plain `rms_norm` kernel, RoPE inside the norm).
+    fn norm_job_fits(&self, job: &NormJob<'_, CudaTensor, CudaWeight>, freqs: &[f64]) -> bool {
+        let (x, ok) = match job {
+            NormJob::Norm { x, group, rope, .. } => {
+                let g = *group;
+                let groups = (x.rows * x.cols).checked_div(g).unwrap_or(0);
+                let warp = g == 512 && self.norm_threads(g) == 128 && !self.twin_for(g, x.cols);
+                let rope_ok = !*rope
+                    || freqs.is_empty()
+                    || (g.is_multiple_of(32) && 2 * freqs.len() <= g && self.fusion.norm_rope);
+                (
+                    *x,
+                    g > 0 && x.cols.is_multiple_of(g) && groups > 0 && !(warp && groups >= NORM_WARP_GROUPS) && rope_ok,
+                )
+            }
+            NormJob::Rope { x, head } => {
+                let h = *head;
+                (x, h > 0 && x.cols.is_multiple_of(h) && !freqs.is_empty() && 2 * freqs.len() <= h)
+            }
+        };
+        ok && (1..=NORM_GROUP_ROWS).contains(&x.rows)
+    }
+
+    /// [`crate::Backend::norms`] of two jobs in one launch (`norm_many`; see
+    /// [`CudaBackend::set_norm_group`]): each RMSNorm on a block of its own launch's threads
+    /// (the others of the launch's block idle), each RoPE in place.
+    fn norm_many(
+        &self,
+        jobs: Vec<NormJob<'_, CudaTensor, CudaWeight>>,
+        rows: &CudaRows,
+        freqs: &[f64],
+    ) -> Vec<CudaTensor> {
+        assert_eq!(jobs.len(), 2, "norm_many takes two jobs");
+        let threads = jobs
+            .iter()
+            .map(|j| match j {
+                NormJob::Norm { group, .. } => self.norm_threads(*group),
+                NormJob::Rope { .. } => 32,
+            })
+            .max()
+            .unwrap_or(32);
+        let f = self.freqs(freqs);
+        let np = freqs.len() as i32;
+        let mut g = NormJobsDev::default();
+        let mut outs = Vec::with_capacity(2);
+        let mut twins = Vec::with_capacity(2);
+        let mut blocks = 0usize;
+        let mut n = 0usize;
+        for (i, job) in jobs.into_iter().enumerate() {
+            let d = &mut g.j[i];
+            d.b0 = blocks as i32;
+            match job {
+                NormJob::Norm { x, w, group, eps, rope } => {
+                    let out = self.tensor(x.rows, x.cols);
+                    let twin = self.twin_for(group, x.cols);
+                    let tw = self.twin_buffers(twin, x.rows * x.cols);
+                    d.out = self.dev_ptr(&out.data);
+                    d.x = self.dev_ptr(&x.data);
+                    (d.xq, d.xd) = match &tw {
+                        Some(t) => (self.dev_ptr(&t.q), self.dev_ptr(&t.d)),
+                        None => (self.dev_ptr(&self.dummy_i8), self.dev_ptr(&self.dummy_f32)),
+                    };
+                    d.w = w.map_or_else(|| self.dev_ptr(&self.dummy_f32), |w| self.dev_ptr(&w.data));
+                    d.has_w = w.is_some() as i32;
+                    d.eps = eps;
+                    d.group = group as i32;
+                    d.twin = twin as i32;
+                    d.heads = (x.cols / group) as i32;
+                    d.npairs = if rope { np } else { 0 };
+                    d.nt = self.norm_threads(group) as i32;
+                    blocks += x.rows * x.cols / group;
+                    n = x.rows;
+                    outs.push(out);
+                    twins.push(tw);
+                }
+                NormJob::Rope { mut x, head } => {
+                    d.out = self.dev_ptr(x.data_mut());
+                    d.cols = x.cols as i32;
+                    d.head = head as i32;
+                    d.npairs = np;
+                    blocks += (x.rows * (x.cols / head) * freqs.len()).div_ceil(threads as usize);
+                    n = x.rows;
+                    outs.push(x);
+                    twins.push(None);
+                }
+            }
+        }
+        assert!(outs.iter().all(|o| o.rows == n), "norm_many: every job holds the batch's rows");
+        g.count = 2;
+        g.blocks = blocks as i32;
+        let lc = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: argument types match the kernel (NormJobsDev is dense.cu's struct). Each norm
+        // job reads x and w (group wide) and writes a fresh output of x's shape and its twin
+        // buffers (when twin); each RoPE job rotates its tensor's rows (cols a multiple of
+        // head) in place; the row table holds n rows' positions.
+        ck(
+            unsafe {
+                self.stream
+                    .kernel(&self.k.norm_many)
+                    .arg_struct(&g)
+                    .arg(rows.dev.as_ref())
+                    .arg(&(n as i32))
+                    .arg(f.as_ref())
+                    .launch(lc)
+            },
+            "norm_many",
+        );
+        for (o, t) in outs.iter().zip(twins) {
+            if let Some(t) = t {
+                let _ = o.x8.set(t);
+            }
+        }
+        outs
     }
 
     /// Whether a norm of `group`-wide slices of `cols`-wide rows writes the int8 twin: a
@@ -1609,6 +1808,13 @@ impl Backend for CudaBackend {
         y
     }
 
+    fn norms(&self, jobs: Vec<NormJob<'_, CudaTensor, CudaWeight>>, rows: &CudaRows, freqs: &[f64]) -> Vec<CudaTensor> {
+        if self.norm_group() && jobs.len() == 2 && jobs.iter().all(|j| self.norm_job_fits(j, freqs)) {
+            return self.norm_many(jobs, rows, freqs);
+        }
+        crate::backend::norms_apart(self, jobs, rows, freqs)
+    }
+
     fn rope(&self, x: &mut CudaTensor, rows: &CudaRows, freqs: &[f64], head: usize, inverse: bool) {
         let np = freqs.len();
         if np == 0 || x.rows == 0 {
@@ -2034,6 +2240,22 @@ impl Backend for CudaBackend {
         cfg: &Config,
     ) -> CudaRoute {
         moe::route(self, logits, bias, hash, cfg)
+    }
+
+    fn router(
+        &self,
+        x: &CudaTensor,
+        gate: &CudaWeight,
+        bias: Option<&CudaWeight>,
+        hash: Option<(&[u32], &CudaRows)>,
+        cfg: &Config,
+    ) -> (CudaTensor, CudaRoute) {
+        if self.route_fused() && moe::router_fits(self, x, gate) {
+            return moe::router_fused(self, x, gate, bias, hash, cfg);
+        }
+        let logits = self.matmul(x, gate);
+        let route = moe::route(self, &logits, bias, hash, cfg);
+        (logits, route)
     }
 
     fn moe(

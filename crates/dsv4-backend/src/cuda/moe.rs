@@ -14,47 +14,163 @@ pub fn route(
     hash: Option<(&[u32], &CudaRows)>,
     cfg: &Config,
 ) -> CudaRoute {
-    let (n, e, k) = (logits.rows, logits.cols, cfg.n_experts_per_tok);
-    assert!(k <= 16, "n_experts_per_tok {k} > 16");
-    assert!(e <= 1024, "{e} experts > 1024 (the router's shared scores)");
-    let mut ids = b.alloc::<u32>(n * k);
-    let mut weights = b.alloc::<f32>(n * k);
-    // Hash layers: the table on the device, indexed by the row table's tokens.
-    let table = hash.map(|(t, rows)| {
-        assert_eq!(rows.len(), n, "hash routing: {} rows for {n} logits rows", rows.len());
-        (b.hash_table(t), rows.dev.clone())
-    });
-    let (hd, rd) = match &table {
-        Some((t, r)) => (t.as_ref(), r.as_ref()),
-        None => (&b.dummy_u32, &b.dummy_u32),
-    };
-    let bd = match (bias, hash) {
-        (_, Some(_)) => &b.dummy_f32,
-        (Some(bias), None) => &bias.data,
-        (None, None) => panic!("learned routing needs a bias"),
-    };
+    let (n, e) = (logits.rows, logits.cols);
+    let mut r = RouteArgs::new(b, n, e, bias, hash, cfg);
+    let (hd, rd) = hash_tables(&r.hash, b);
     // SAFETY: argument types and buffer sizes match the kernel.
     ck(
         unsafe {
             b.stream
                 .kernel(&b.k.route)
-                .arg(&mut ids)
-                .arg(&mut weights)
+                .arg(&mut r.ids)
+                .arg(&mut r.weights)
                 .arg(&logits.data)
-                .arg(bd)
+                .arg(r.bias)
                 .arg(hd)
                 .arg(rd)
-                .arg(&(hash.is_some() as i32))
+                .arg(&r.use_hash)
                 .arg(&(n as i32))
                 .arg(&(e as i32))
-                .arg(&(k as i32))
-                .arg(&(cfg.norm_topk_prob as i32))
-                .arg(&cfg.routed_scale)
+                .arg(&(r.k as i32))
+                .arg(&r.norm_topk)
+                .arg(&r.scale)
                 .launch(LaunchConfig { grid_dim: (n.max(1) as u32, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 })
         },
         "route",
     );
-    CudaRoute { k, experts: e, ids, weights }
+    r.finish(e)
+}
+
+/// Rows up to which [`router_fused`] applies: one a warp of the last block (more would queue
+/// behind each other in one block, where `route` gives each row a block).
+const ROUTER_FUSED_ROWS: usize = 8;
+
+/// Whether [`router_fused`] forms `x · gateᵀ` as [`crate::Backend::matmul`] would: an f32
+/// weight on `gemv_f32` ([`CudaBackend::gemm_xwt`]'s condition and block size), whose one block
+/// an expert makes the grid the launch's last block counts.
+pub(crate) fn router_fits(b: &CudaBackend, x: &CudaTensor, gate: &CudaWeight) -> bool {
+    gate.q.is_none()
+        && gate.bf.is_none()
+        && x.cols == gate.cols
+        && (1..=ROUTER_FUSED_ROWS).contains(&x.rows)
+        && (1..=1024).contains(&gate.rows)
+        && (x.rows <= super::bf16::gemv_rows() || b.exact())
+}
+
+/// The router's logits and its choice in one launch (`gemv_route`; see
+/// [`CudaBackend::set_route_fused`]): `gemv_f32`'s grid of one block an expert, whose last block
+/// to finish runs `route`'s warps over the rows.
+pub(crate) fn router_fused(
+    b: &CudaBackend,
+    x: &CudaTensor,
+    gate: &CudaWeight,
+    bias: Option<&CudaWeight>,
+    hash: Option<(&[u32], &CudaRows)>,
+    cfg: &Config,
+) -> (CudaTensor, CudaRoute) {
+    let (n, k, e) = (x.rows, x.cols, gate.rows);
+    let mut logits = b.tensor(n, e);
+    let mut r = RouteArgs::new(b, n, e, bias, hash, cfg);
+    let (hd, rd) = hash_tables(&r.hash, b);
+    // gemv_f32's block size (gemm_xwt), and a warp's e scores each in dynamic shared memory.
+    let threads: u32 = if k >= 8192 { 1024 } else { 256 };
+    let lc = LaunchConfig {
+        grid_dim: (e as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: (threads / 32) * (e * std::mem::size_of::<f32>()) as u32,
+    };
+    // SAFETY: argument types and buffer sizes match the kernel: x holds n rows of k, the gate
+    // e rows of k, logits n·e, ids and weights n·k_routed; the counter is the backend's zeroed
+    // one (each launch leaves it zero; launches on the stream do not overlap); the dynamic
+    // shared memory holds a warp's e scores for each of the block's warps.
+    ck(
+        unsafe {
+            b.stream
+                .kernel(&b.k.gemv_route)
+                .arg(&mut logits.data)
+                .arg(&x.data)
+                .arg(&gate.data)
+                .arg(&(n as i32))
+                .arg(&(k as i32))
+                .arg(&(e as i32))
+                .arg(&b.ffn1_cnt)
+                .arg(&mut r.ids)
+                .arg(&mut r.weights)
+                .arg(r.bias)
+                .arg(hd)
+                .arg(rd)
+                .arg(&r.use_hash)
+                .arg(&(r.k as i32))
+                .arg(&r.norm_topk)
+                .arg(&r.scale)
+                .launch(lc)
+        },
+        "gemv_route",
+    );
+    (logits, r.finish(e))
+}
+
+/// A hash layer's device `tid2eid` table and the step's row table.
+type HashDev = (Arc<CudaSlice<u32>>, Arc<CudaSlice<u32>>);
+
+/// A hash layer's `tid2eid` table and row table (RouteArgs::hash), or the backend's dummies.
+fn hash_tables<'s>(t: &'s Option<HashDev>, b: &'s CudaBackend) -> (&'s CudaSlice<u32>, &'s CudaSlice<u32>) {
+    match t {
+        Some((t, r)) => (t.as_ref(), r.as_ref()),
+        None => (&b.dummy_u32, &b.dummy_u32),
+    }
+}
+
+/// The router kernels' arguments besides the logits: the outputs, the bias (or the backend's
+/// dummy) and a hash layer's device tables.
+struct RouteArgs<'a> {
+    ids: CudaSlice<u32>,
+    weights: CudaSlice<f32>,
+    bias: &'a CudaSlice<f32>,
+    hash: Option<HashDev>,
+    use_hash: i32,
+    k: usize,
+    norm_topk: i32,
+    scale: f32,
+}
+
+impl<'a> RouteArgs<'a> {
+    fn new(
+        b: &'a CudaBackend,
+        n: usize,
+        e: usize,
+        bias: Option<&'a CudaWeight>,
+        hash: Option<(&[u32], &CudaRows)>,
+        cfg: &Config,
+    ) -> Self {
+        let k = cfg.n_experts_per_tok;
+        assert!(k <= 16, "n_experts_per_tok {k} > 16");
+        assert!(e <= 1024, "{e} experts > 1024 (the router's shared scores)");
+        // Hash layers: the table on the device, indexed by the row table's tokens.
+        let tables = hash.map(|(t, rows)| {
+            assert_eq!(rows.len(), n, "hash routing: {} rows for {n} logits rows", rows.len());
+            (b.hash_table(t), rows.dev.clone())
+        });
+        let bias = match (bias, hash) {
+            (_, Some(_)) => &b.dummy_f32,
+            (Some(bias), None) => &bias.data,
+            (None, None) => panic!("learned routing needs a bias"),
+        };
+        RouteArgs {
+            ids: b.alloc::<u32>(n * k),
+            weights: b.alloc::<f32>(n * k),
+            bias,
+            hash: tables,
+            use_hash: hash.is_some() as i32,
+            k,
+            norm_topk: cfg.norm_topk_prob as i32,
+            scale: cfg.routed_scale,
+        }
+    }
+
+    fn finish(self, e: usize) -> CudaRoute {
+        CudaRoute { k: self.k, experts: e, ids: self.ids, weights: self.weights }
+    }
 }
 
 /// The device table `[w1 of each expert, w3 of each, w2 of each]` of weight pointers (built once

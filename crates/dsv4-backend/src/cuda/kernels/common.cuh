@@ -72,41 +72,103 @@ __device__ __forceinline__ signed char quant_block32(float v, float* d_out) {
 // would fuse with expf's last multiply, and a value would then depend on the file computing it.
 __device__ __forceinline__ float sigmoid_(float x) { return 1.0f / __fadd_rn(1.0f, expf(-x)); }
 
-// RMSNorm of the `group`-wide slice at `base` of x into out (the block's threads; see dense.cu's
-// rms_norm for twin and the RoPE of npairs pairs at position pos); `sh` holds 32 floats.
-__device__ void rms_norm_slice(float* out, signed char* xq, float* xd, const float* x, const float* w, int has_w,
-                               int group, float eps, int twin, long long base, long long pos, const double* freqs,
-                               int npairs, float* sh) {
+#define MAX_K 16
+
+__device__ __forceinline__ float sqrt_softplus(float z) {
+    float sp = z > 20.0f ? z : log1pf(expf(z));
+    return sqrtf(sp);
+}
+
+// The router's choice for row i (spec §6.1) on one (converged) warp: `sv` holds e floats and
+// `ch` MAX_K of the warp's own. Hash layers take their ids from the `tid2eid` table `hash`
+// [vocab, k] at the row's token (from the row table `rows`); learned layers take the top k of
+// score + bias (ties to the lower expert id), in descending order: each lane scores its experts
+// once, then k rounds of warp argmax. The logits are read through L2 (`__ldcg`: gemv_route's
+// last block reads the other blocks' outputs). moe.cu's `route` and dense.cu's `gemv_route`
+// (both compiled without contraction, so the same roundings).
+__device__ __forceinline__ void route_row(unsigned* ids, float* wts, const float* logits, const float* bias,
+                                          const unsigned* hash, const unsigned* rows, int use_hash, int n, int e,
+                                          int k, int norm_topk, float scale, int i, float* sv, unsigned* ch) {
+    int lane = threadIdx.x & 31;
+    const float* z = logits + (long long)i * e;
+    if (use_hash) {
+        if (lane < k) ch[lane] = hash[(long long)ROW_TOKEN(i) * k + lane];
+    } else {
+        for (int c = lane; c < e; c += 32) sv[c] = sqrt_softplus(__ldcg(z + c)) + bias[c];
+        __syncwarp();
+        for (int j = 0; j < k; j++) {
+            int best = -1;
+            float bv = 0.f;
+            for (int c = lane; c < e; c += 32) {
+                float v = sv[c];
+                if (v == -INFINITY) continue;  // taken
+                if (best < 0 || v > bv) { best = c; bv = v; }
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                float v2 = __shfl_xor_sync(0xffffffffu, bv, o);
+                int b2 = __shfl_xor_sync(0xffffffffu, best, o);
+                if (b2 >= 0 && (best < 0 || v2 > bv || (v2 == bv && b2 < best))) { best = b2; bv = v2; }
+            }
+            if (lane == 0) {
+                ch[j] = (unsigned)best;
+                sv[best] = -INFINITY;
+            }
+            __syncwarp();
+        }
+    }
+    __syncwarp();
+    // Lane j < k scores choice j (its logit loads in parallel: lane 0 alone waited on k loads in
+    // turn, ~3 µs of the kernel's 5–9.5 µs); every lane adds the k scores in choice order.
+    unsigned cj = lane < k ? ch[lane] : 0u;
+    float sj = lane < k ? sqrt_softplus(__ldcg(z + cj)) : 0.f;
+    float sum = 0.f;
+    for (int j = 0; j < k; j++) sum += __shfl_sync(0xffffffffu, sj, j);
+    if (lane < k) {
+        float w = norm_topk ? sj / sum : sj;
+        ids[(long long)i * k + lane] = cj;
+        wts[(long long)i * k + lane] = w * scale;
+    }
+}
+
+// RMSNorm of the `group`-wide slice at `base` of x into out (the block's first nt threads, nt a
+// multiple of 32; see dense.cu's rms_norm for twin and the RoPE of npairs pairs at position pos);
+// `sh` holds 32 floats. Every thread of the block calls it. With nt below the block's size the
+// values are those of a block of nt threads bit for bit: the other warps add their zero sums
+// after the real ones in block_sum's order (s + 0 = s for the non-negative sum of squares).
+__device__ void rms_norm_slice_nt(float* out, signed char* xq, float* xd, const float* x, const float* w, int has_w,
+                                  int group, float eps, int twin, long long base, long long pos,
+                                  const double* freqs, int npairs, float* sh, int nt) {
     int r0 = group - 2 * npairs;
     const float* g = x + base;
     float* o = out + base;
+    int t = threadIdx.x;
     // Loads of 8 strided elements issued before their adds (same order of the sum): a lone
     // block (one decode row) would otherwise wait for each load in turn.
     float s = 0.f;
-    for (int c0 = threadIdx.x; c0 < group; c0 += 8 * blockDim.x) {
+    for (int c0 = t < nt ? t : group; c0 < group; c0 += 8 * nt) {
         float v[8];
 #pragma unroll
         for (int j = 0; j < 8; j++) {
-            int c = c0 + j * blockDim.x;
+            int c = c0 + j * nt;
             v[j] = c < group ? g[c] : 0.f;
         }
 #pragma unroll
         for (int j = 0; j < 8; j++)
-            if (c0 + j * (int)blockDim.x < group) s += v[j] * v[j];
+            if (c0 + j * nt < group) s += v[j] * v[j];
     }
     s = block_sum(s, sh);
     float r = 1.0f / sqrtf(s / (float)group + eps);
-    for (int c0 = threadIdx.x; c0 < group; c0 += 8 * blockDim.x) {
+    for (int c0 = t < nt ? t : group; c0 < group; c0 += 8 * nt) {
         float v[8], wv[8];
 #pragma unroll
         for (int j = 0; j < 8; j++) {
-            int c = c0 + j * blockDim.x;
+            int c = c0 + j * nt;
             v[j] = c < group ? g[c] : 0.f;
             wv[j] = (has_w && c < group) ? w[c] : 1.f;
         }
 #pragma unroll
         for (int j = 0; j < 8; j++) {
-            int c = c0 + j * blockDim.x;
+            int c = c0 + j * nt;
             if (c >= group) break;  // uniform in the warp when twin or rope (group a multiple of 32)
             float y = has_w ? v[j] * r * wv[j] : v[j] * r;
             if (npairs > 0) {
@@ -125,6 +187,13 @@ __device__ void rms_norm_slice(float* out, signed char* xq, float* xd, const flo
             }
         }
     }
+}
+
+// rms_norm_slice_nt on all of the block's threads.
+__device__ __forceinline__ void rms_norm_slice(float* out, signed char* xq, float* xd, const float* x, const float* w,
+                                               int has_w, int group, float eps, int twin, long long base,
+                                               long long pos, const double* freqs, int npairs, float* sh) {
+    rms_norm_slice_nt(out, xq, xd, x, w, has_w, group, eps, twin, base, pos, freqs, npairs, sh, blockDim.x);
 }
 
 // bf16 tensor-core helpers of the many-row kernels (gemm.cu's tiles, attention.cu's

@@ -141,23 +141,68 @@ extern "C" __global__ void __launch_bounds__(256) rms_norm_warp(float* out, cons
     rms_norm_warp_t<4, 4>(out, x, w, has_w, eps, rows, n, heads, groups, freqs, npairs);
 }
 
+// Pair e (row, head, pair) of `rope`: the rotation of one interleaved pair in place.
+__device__ __forceinline__ void rope_pair(float* x, const unsigned* rows, int n, const double* freqs, int npairs,
+                                          int cols, int head, int inverse, long long e) {
+    int heads = cols / head;
+    long long i = e / ((long long)heads * npairs);
+    int h = (int)(e / npairs % heads), j = (int)(e % npairs);
+    double th = (double)ROW_POS(i) * freqs[j];
+    if (inverse) th = -th;
+    float s = (float)sin(th), c = (float)cos(th);
+    float* v = x + i * cols + (long long)h * head + head - 2 * npairs + 2 * j;
+    float a = v[0], b = v[1];
+    v[0] = a * c - b * s;
+    v[1] = a * s + b * c;
+}
+
 // Interleaved RoPE on the last 2·npairs channels of every `head`-wide slice of each row; the
 // angle pos·freq is formed and its sine/cosine taken in double, as the CPU oracle does.
 extern "C" __global__ void rope(float* x, const unsigned* rows, int n, const double* freqs, int npairs, int cols,
                                 int head, int inverse) {
     pdl_enter();
-    int heads = cols / head;
-    GRID_STRIDE(e, (long long)n * heads * npairs) {
-        long long i = e / ((long long)heads * npairs);
-        int h = (int)(e / npairs % heads), j = (int)(e % npairs);
-        double th = (double)ROW_POS(i) * freqs[j];
-        if (inverse) th = -th;
-        float s = (float)sin(th), c = (float)cos(th);
-        float* v = x + i * cols + (long long)h * head + head - 2 * npairs + 2 * j;
-        float a = v[0], b = v[1];
-        v[0] = a * c - b * s;
-        v[1] = a * s + b * c;
+    GRID_STRIDE(e, (long long)n * (cols / head) * npairs) rope_pair(x, rows, n, freqs, npairs, cols, head, inverse, e);
+}
+
+// The norms and rotations of a layer's attention inputs at decode, in one launch where each ran
+// its own (`norm_many`; cuda/mod.rs `norms`): q_a's norm with kv's norm + RoPE, then the heads'
+// norm + RoPE with the indexer query's RoPE. Job e takes blocks b0 .. next b0: an RMSNorm job
+// (nt > 0) one group a block on its first nt threads, the values of `rms_norm` launched with nt
+// threads (rms_norm_slice_nt); a RoPE job (nt == 0, in place on out) the pairs of `rope`, spread
+// over its blocks. NJ_MAX in cuda/mod.rs too.
+#define NJ_MAX 2
+struct NormJob {
+    float* out;
+    signed char* xq;
+    float* xd;
+    const float* x;
+    const float* w;
+    float eps;
+    int has_w, group, twin, heads, npairs, nt, cols, head, b0;
+};
+struct NormJobs {
+    NormJob j[NJ_MAX];
+    int count, blocks;
+};
+
+extern "C" __global__ void __launch_bounds__(1024) norm_many(NormJobs jobs, const unsigned* rows, int n,
+                                                             const double* freqs) {
+    pdl_enter();
+    __shared__ float sh[32];
+    static_assert(NJ_MAX == 2, "the job is chosen by a select, not a runtime index (no local copy)");
+    int e = jobs.count > 1 && (int)blockIdx.x >= jobs.j[1].b0;
+    const NormJob jb = e ? jobs.j[1] : jobs.j[0];
+    int bx = blockIdx.x - jb.b0;
+    if (jb.nt > 0) {
+        long long pos = jb.npairs > 0 ? (long long)ROW_POS(bx / jb.heads) : 0;
+        rms_norm_slice_nt(jb.out, jb.xq, jb.xd, jb.x, jb.w, jb.has_w, jb.group, jb.eps, jb.twin,
+                          (long long)bx * jb.group, pos, freqs, jb.npairs, sh, jb.nt);
+        return;
     }
+    int nb = (e == 0 && jobs.count > 1 ? jobs.j[1].b0 : jobs.blocks) - jb.b0;
+    long long total = (long long)n * (jb.cols / jb.head) * jb.npairs;
+    for (long long i = (long long)bx * blockDim.x + threadIdx.x; i < total; i += (long long)nb * blockDim.x)
+        rope_pair(jb.out, rows, n, freqs, jb.npairs, jb.cols, jb.head, 0, i);
 }
 
 // rope over a prefill chunk's attention output, with the bf16 copy its wo_a product reads: one
@@ -207,9 +252,9 @@ extern "C" __global__ void __launch_bounds__(256) rope_cast(float* x, unsigned s
 //
 // Each thread takes 4 consecutive values at a time (16-byte loads, 4 in flight: the whole
 // 4096-wide router row in one round trip), in the same order for one row and for several.
-extern "C" __global__ void gemv_f32(float* out, const float* x, const float* w, int n, int k, int m) {
-    pdl_enter();
-    __shared__ float sh[32];
+// (gemv_f32's body: block blockIdx.x forms output column blockIdx.x; `sh` holds 32 floats.)
+__device__ __forceinline__ void gemv_f32_block(float* out, const float* x, const float* w, int n, int k, int m,
+                                               float* sh) {
     int o = blockIdx.x;
     if (o >= m) return;
     const float* wr = w + (long long)o * k;
@@ -263,4 +308,40 @@ extern "C" __global__ void gemv_f32(float* out, const float* x, const float* w, 
             if (threadIdx.x == 0) out[(long long)(r0 + j) * m + o] = v;
         }
     }
+}
+
+extern "C" __global__ void gemv_f32(float* out, const float* x, const float* w, int n, int k, int m) {
+    pdl_enter();
+    __shared__ float sh[32];
+    gemv_f32_block(out, x, w, n, k, m, sh);
+}
+
+// The router's logits (gemv_f32, one block an expert: grid m) and its choice (moe.cu's `route`,
+// a warp a row) in one launch: the last block to finish its column (cnt: a zeroed counter,
+// left zero; the pattern of quant.cu's quant_groups) routes every row, its warps taking rows
+// in turn. Dynamic shared memory: (blockDim / 32)·m floats, a warp's scores.
+extern "C" __global__ void gemv_route(float* out, const float* x, const float* w, int n, int k, int m, unsigned* cnt,
+                                      unsigned* ids, float* wts, const float* bias, const unsigned* hash,
+                                      const unsigned* rows, int use_hash, int topk, int norm_topk, float scale) {
+    pdl_enter();
+    __shared__ float sh[32];
+    __shared__ unsigned ch[32][MAX_K];
+    __shared__ unsigned last;
+    extern __shared__ float sv[];
+    gemv_f32_block(out, x, w, n, k, m, sh);
+    __syncthreads();  // thread 0's stores of this block's column made
+    if (threadIdx.x == 0) {
+        __threadfence();
+        unsigned prev = atomicAdd(cnt, 1u);
+        last = prev == (unsigned)m - 1;
+        if (last) {
+            *cnt = 0;  // every block has counted: ready for the next launch
+            __threadfence();
+        }
+    }
+    __syncthreads();
+    if (!last) return;
+    int wp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int i = wp; i < n; i += nw)
+        route_row(ids, wts, out, bias, hash, rows, use_hash, n, m, topk, norm_topk, scale, i, sv + wp * m, ch[wp]);
 }
