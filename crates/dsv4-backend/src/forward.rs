@@ -257,7 +257,8 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
     let comp_uz = aw.compressor.as_ref().map(|_| (next(), next()));
     let index_uzw = aw.indexer.as_ref().map(|_| (next(), next(), next()));
 
-    // q_a's norm and kv's norm + RoPE, which a backend may run as one launch.
+    // q_a's norm and kv's norm + RoPE, which a backend may run as one launch (so a stage timer,
+    // `DSV4_PROFILE`, counts kv's norm in attn.q_a and the indexer query's RoPE in attn.q).
     let mut n1 = b
         .norms(
             vec![

@@ -180,6 +180,15 @@ fn cuda_decode_fusions_are_bitwise() {
         ("norm_group", CudaBackend::set_norm_group),
         ("route_fused", CudaBackend::set_route_fused),
     ];
+    // Launches a switch removes from a step: norm_group one a layer (q_a's and kv's norms) and
+    // one more a CSA layer (the heads' norm and the indexer query's RoPE); route_fused one a layer.
+    let layers = m.cfg.n_layers();
+    let csa = (0..layers).filter(|&l| m.cfg.layers[l].attn == dsv4_model::AttnKind::Csa).count();
+    let exact_drop = |sw: &str| match sw {
+        "norm_group" => Some(layers + csa),
+        "route_fused" => Some(layers),
+        _ => None,
+    };
     // Every switch this test does not exercise off, whatever the environment says.
     for set in [CudaBackend::set_ffn1, CudaBackend::set_x8_group, CudaBackend::set_gemv_twin, CudaBackend::set_gemv4] {
         set(&m.backend, false);
@@ -208,6 +217,10 @@ fn cuda_decode_fusions_are_bitwise() {
             // A path that silently fell back (or a stale recorded step) gives the same bits but
             // no fewer launches.
             assert!(k < k0, "{name}, {sw}: the decode step launches {k} kernels, {k0} without it");
+            // Where the drop is known exactly, a path that applies on some layers only shows too.
+            if let Some(drop) = exact_drop(sw) {
+                assert_eq!(k0 - k, drop, "{name}, {sw}: {k0} → {k} kernels, {drop} fewer expected");
+            }
             println!("{name}, {sw}: bitwise the separate launches; a decode step {k0} → {k} kernels");
         }
     }

@@ -534,6 +534,114 @@ fn cuda_norm_rope_is_norm_then_rope() {
     }
 }
 
+/// The attention norms and rotations in two launches (`set_norm_group`, `norm_many`) are
+/// bitwise each op's own launch at V4-Flash widths, int8 twins included: q_a's 1024-wide norm
+/// (256 threads) with kv's 512-wide norm + RoPE (128 threads: the launch's block idles two
+/// warps for it), then 64 heads' norm + RoPE with the indexer query's RoPE (64 heads of 128).
+/// The twins are compared through Q8_0 products, which read them.
+#[test]
+fn cuda_attention_norms_in_two_launches_are_bitwise() {
+    use dsv4_backend::backend::NormJob;
+    let Some(b) = gpu() else { return };
+    b.set_exact(false);
+    b.set_int8(true);
+    let (d, ql, heads, ih) = (512usize, 1024usize, 64usize, 128usize);
+    let wq =
+        b.upload(host("layers.0.attn.wq_b.weight", 64, ql, &random_packed(PackedFormat::Q8_0, 64, ql, 6))).unwrap();
+    let wkv = b.upload(host("layers.0.attn.wo_x.weight", 64, d, &random_packed(PackedFormat::Q8_0, 64, d, 7))).unwrap();
+    let freqs: Vec<f64> = (0..32).map(|i| 10000f64.powf(-(i as f64) / 32.0)).collect();
+    let norm_w = |name: &str, n: usize, seed: u64| {
+        let (_, t) = activations(&b, 1, n, seed);
+        b.upload(HostTensor::new(name, vec![n], t.data)).unwrap()
+    };
+    let (qn, kvn) = (norm_w("layers.0.attn.q_norm.weight", ql, 8), norm_w("layers.0.attn.kv_norm.weight", d, 9));
+    for n in [1usize, 3, 8] {
+        let toks: Vec<u32> = (0..n as u32).collect();
+        let batch = dsv4_backend::Batch::chunk(0, 4090, &toks).unwrap();
+        let rows = b.rows(&batch);
+        let (q_a, _) = activations(&b, n, ql, 10);
+        let (kv_a, _) = activations(&b, n, d, 11);
+        let (qh, _) = activations(&b, n, heads * d, 12);
+        let run = |on: bool| -> Vec<Vec<f32>> {
+            b.set_norm_group(on);
+            let a = b.norms(
+                vec![
+                    NormJob::Norm { x: &q_a, w: Some(&qn), group: ql, eps: 1e-6, rope: false },
+                    NormJob::Norm { x: &kv_a, w: Some(&kvn), group: d, eps: 1e-6, rope: true },
+                ],
+                &rows,
+                &freqs,
+            );
+            let (qi, _) = activations(&b, n, heads * ih, 13);
+            let c = b.norms(
+                vec![
+                    NormJob::Norm { x: &qh, w: None, group: d, eps: 1e-6, rope: true },
+                    NormJob::Rope { x: qi, head: ih },
+                ],
+                &rows,
+                &freqs,
+            );
+            let prods = [b.matmul(&a[0], &wq), b.matmul(&a[1], &wkv)];
+            a.iter().chain(&c).chain(&prods).map(|t| b.to_host(t)).collect()
+        };
+        let (apart, fused) = (run(false), run(true));
+        b.set_norm_group(false);
+        let names = [
+            "q_a's norm",
+            "kv's norm + RoPE",
+            "the heads' norm + RoPE",
+            "the indexer query's RoPE",
+            "q_a's twin",
+            "kv's twin",
+        ];
+        for ((name, p), f) in names.iter().zip(&apart).zip(&fused) {
+            let bad = p.iter().zip(f).position(|(p, f)| p.to_bits() != f.to_bits());
+            assert!(bad.is_none(), "{n} rows, {name}: value {bad:?} differs from its own launch");
+        }
+    }
+    b.set_int8(false);
+}
+
+/// The router's product with its choice of experts in one launch (`set_route_fused`,
+/// `gemv_route`) is bitwise the product and then `route`, at V4-Flash widths (256 experts of
+/// 4096, top 6): learned routing (score + bias) and hash routing (`tid2eid` at the rows'
+/// tokens), 1 to 8 rows.
+#[test]
+fn cuda_router_in_one_launch_is_bitwise() {
+    let Some(b) = gpu() else { return };
+    b.set_exact(true);
+    let (e, k, top, vocab) = (256usize, 4096usize, 6usize, 512usize);
+    let mut cfg = dsv4_model::synth::tiny_config(64);
+    cfg.n_experts_per_tok = top;
+    let (_, gw) = activations(&b, e, k, 20);
+    let gate = b.upload(HostTensor::new("layers.0.ffn.gate.weight", vec![e, k], gw.data)).unwrap();
+    let (_, bw) = activations(&b, 1, e, 21);
+    let bias = b.upload(HostTensor::new("layers.0.ffn.gate.bias", vec![e], bw.data)).unwrap();
+    let mut r = ChaCha8Rng::seed_from_u64(22);
+    let table: Vec<u32> = (0..vocab * top).map(|_| r.gen_range(0..e as u32)).collect();
+    for n in [1usize, 2, 5, 8] {
+        let toks: Vec<u32> = (0..n).map(|i| (i * 97 + 5) as u32 % vocab as u32).collect();
+        let batch = dsv4_backend::Batch::chunk(0, 100, &toks).unwrap();
+        let rows = b.rows(&batch);
+        let (x, _) = activations(&b, n, k, 23 + n as u64);
+        for hash in [false, true] {
+            let run = |on: bool| {
+                b.set_route_fused(on);
+                let h = hash.then(|| (&table[..], &rows));
+                let (logits, route) = b.router(&x, &gate, (!hash).then_some(&bias), h, &cfg);
+                (b.to_host(&logits), b.download(&route.ids), b.download(&route.weights))
+            };
+            let (apart, fused) = (run(false), run(true));
+            b.set_route_fused(false);
+            let what = if hash { "hash" } else { "learned" };
+            assert!(apart.0.iter().zip(&fused.0).all(|(p, f)| p.to_bits() == f.to_bits()), "{n} rows, {what}: logits");
+            assert_eq!(apart.1, fused.1, "{n} rows, {what}: expert ids");
+            assert!(apart.2.iter().zip(&fused.2).all(|(p, f)| p.to_bits() == f.to_bits()), "{n} rows, {what}: weights");
+            assert!(apart.2.iter().all(|w| w.is_finite() && *w > 0.0), "{n} rows, {what}: routing weights");
+        }
+    }
+}
+
 /// A tiny config of `d`-wide hidden states in 4 mHC streams, with random HC_PRE weights and
 /// norm weight for one sub-block.
 fn hc_sub_block(b: &CudaBackend, d: usize) -> (dsv4_model::Config, dsv4_model::weights::Hc<CudaWeight>, CudaWeight) {

@@ -172,6 +172,15 @@ fn cuda_gguf_decode_fusions_are_bitwise() {
         ("norm_group", CudaBackend::set_norm_group),
         ("route_fused", CudaBackend::set_route_fused),
     ];
+    // Launches a switch removes from a step: norm_group one a layer (q_a's and kv's norms) and
+    // one more a CSA layer (the heads' norm and the indexer query's RoPE); route_fused one a layer.
+    let layers = cfg.n_layers();
+    let csa = (0..layers).filter(|&l| cfg.layers[l].attn == dsv4_model::AttnKind::Csa).count();
+    let exact_drop = |name: &str| match name {
+        "norm_group" => Some(layers + csa),
+        "route_fused" => Some(layers),
+        _ => None,
+    };
     let toks: Vec<u32> = (0..13).map(|i| (i * 41 + 3) % 512).collect();
     // The logits of every forward, and the one-row step's recorded kernels (so a switch whose
     // path silently fell back, with the same bits, still shows: it launches no fewer kernels).
@@ -214,7 +223,12 @@ fn cuda_gguf_decode_fusions_are_bitwise() {
             failures
                 .push(format!("{name}: the one-row step launches {k} kernels, {k0} without it: the path did not run"));
         }
+        // Where the drop is known exactly, a path that applies on some layers only shows too.
+        if let Some(drop) = exact_drop(name) {
+            if k0.checked_sub(k) != Some(drop) {
+                failures.push(format!("{name}: {k0} → {k} kernels, {drop} fewer expected"));
+            }
+        }
     }
-    let _ = cfg;
     assert!(failures.is_empty(), "decode fusions: {failures:?}");
 }

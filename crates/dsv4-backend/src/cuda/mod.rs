@@ -1108,6 +1108,11 @@ impl CudaBackend {
     }
 
     /// The device's name.
+    /// A device buffer's values on the host (tests and tools; synchronises the stream).
+    pub fn download<T: cudarc::driver::DeviceRepr>(&self, s: &CudaSlice<T>) -> Vec<T> {
+        ck(self.stream.clone_dtoh(s), "download")
+    }
+
     pub fn device_name(&self) -> String {
         self.ctx.name().unwrap_or_default()
     }

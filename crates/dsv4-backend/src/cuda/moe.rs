@@ -72,17 +72,20 @@ pub(crate) fn router_fused(
     let mut logits = b.tensor(n, e);
     let mut r = RouteArgs::new(b, n, e, bias, hash, cfg);
     let (hd, rd) = hash_tables(&r.hash, b);
-    // gemv_f32's block size (gemm_xwt), and a warp's e scores each in dynamic shared memory.
+    // gemv_f32's block size (gemm_xwt), and e scores in dynamic shared memory for each warp
+    // that routes a row (warp w < n; at most 8 · 1024 floats, under the 48 KiB default).
     let threads: u32 = if k >= 8192 { 1024 } else { 256 };
+    let routing_warps = n.min(threads as usize / 32);
     let lc = LaunchConfig {
         grid_dim: (e as u32, 1, 1),
         block_dim: (threads, 1, 1),
-        shared_mem_bytes: (threads / 32) * (e * std::mem::size_of::<f32>()) as u32,
+        shared_mem_bytes: (routing_warps * e * std::mem::size_of::<f32>()) as u32,
     };
     // SAFETY: argument types and buffer sizes match the kernel: x holds n rows of k, the gate
     // e rows of k, logits n·e, ids and weights n·k_routed; the counter is the backend's zeroed
     // one (each launch leaves it zero; launches on the stream do not overlap); the dynamic
-    // shared memory holds a warp's e scores for each of the block's warps.
+    // shared memory holds e scores for each warp that routes (warp w takes rows w, w + warps,
+    // ..., so only the warps below n).
     ck(
         unsafe {
             b.stream

@@ -319,7 +319,7 @@ extern "C" __global__ void gemv_f32(float* out, const float* x, const float* w, 
 // The router's logits (gemv_f32, one block an expert: grid m) and its choice (moe.cu's `route`,
 // a warp a row) in one launch: the last block to finish its column (cnt: a zeroed counter,
 // left zero; the pattern of quant.cu's quant_groups) routes every row, its warps taking rows
-// in turn. Dynamic shared memory: (blockDim / 32)·m floats, a warp's scores.
+// in turn. Dynamic shared memory: min(n, blockDim / 32)·m floats, a routing warp's scores.
 extern "C" __global__ void gemv_route(float* out, const float* x, const float* w, int n, int k, int m, unsigned* cnt,
                                       unsigned* ids, float* wts, const float* bias, const unsigned* hash,
                                       const unsigned* rows, int use_hash, int topk, int norm_topk, float scale) {
