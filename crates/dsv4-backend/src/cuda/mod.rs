@@ -269,6 +269,14 @@ fn hc_dot_tc() -> bool {
     *ON.get_or_init(|| std::env::var("DSV4_HC_DOT_TC").map(|v| v != "0").unwrap_or(true))
 }
 
+/// The decode fusions that are off by default until they have run on a GPU (v22, v23 in
+/// PERF.md): each one's own variable (`=1` on, `=0` off) wins, else `DSV4_DECODE_FUSIONS=1`
+/// turns them all on (one switch for the A/B of all nine).
+fn decode_fusion(name: &str) -> bool {
+    let flag = |n: &str| std::env::var(n).ok().map(|v| v.trim() == "1");
+    flag(name).or_else(|| flag("DSV4_DECODE_FUSIONS")).unwrap_or(false)
+}
+
 /// Groups from which an RMSNorm of 512-value groups takes `rms_norm_warp` (bitwise `rms_norm`'s
 /// values; a prefill chunk's q heads).
 const NORM_WARP_GROUPS: usize = 4096;
@@ -1064,27 +1072,15 @@ impl CudaBackend {
             one_pair,
             ffn1_cnt,
             settings: std::sync::atomic::AtomicU64::new(0),
-            ffn1: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_FFN1").is_ok_and(|v| v.trim() == "1")),
-            x8_group: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_X8_GROUP").is_ok_and(|v| v.trim() == "1")),
-            comp_fused: std::sync::atomic::AtomicBool::new(
-                std::env::var("DSV4_COMP_FUSED").is_ok_and(|v| v.trim() == "1"),
-            ),
-            hc_post_dot: std::sync::atomic::AtomicBool::new(
-                std::env::var("DSV4_HC_POST_DOT").is_ok_and(|v| v.trim() == "1"),
-            ),
-            gemv_twin: std::sync::atomic::AtomicBool::new(
-                std::env::var("DSV4_GEMV_TWIN").is_ok_and(|v| v.trim() == "1"),
-            ),
-            att_fused: std::sync::atomic::AtomicBool::new(
-                std::env::var("DSV4_ATT_FUSED").is_ok_and(|v| v.trim() == "1"),
-            ),
-            gemv4: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_GEMV4").is_ok_and(|v| v.trim() == "1")),
-            norm_group: std::sync::atomic::AtomicBool::new(
-                std::env::var("DSV4_NORM_GROUP").is_ok_and(|v| v.trim() == "1"),
-            ),
-            route_fused: std::sync::atomic::AtomicBool::new(
-                std::env::var("DSV4_ROUTE_FUSED").is_ok_and(|v| v.trim() == "1"),
-            ),
+            ffn1: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_FFN1")),
+            x8_group: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_X8_GROUP")),
+            comp_fused: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_COMP_FUSED")),
+            hc_post_dot: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_HC_POST_DOT")),
+            gemv_twin: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_GEMV_TWIN")),
+            att_fused: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_ATT_FUSED")),
+            gemv4: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_GEMV4")),
+            norm_group: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_NORM_GROUP")),
+            route_fused: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_ROUTE_FUSED")),
             fusion: Fusion::from_env(),
         })
     }
