@@ -158,8 +158,8 @@ fn cuda_invariance_of_large_chunks_exact() {
 /// (`set_comp_fused`: steps whose segments are short, `Batch::short_segments`), the decode attention's
 /// epilogue (`set_att_fused`: inverse RoPE, ring rows, counters), HC_POST with the next
 /// HC_PRE's sums (`set_hc_post_dot`), the attention norms and rotations in two launches
-/// (`set_norm_group`) and the router's product with its choice (`set_route_fused`, up to 8
-/// rows: hash and learned layers). 136 prompt tokens, so the HCA layers (ratio 128) pool a
+/// (`set_norm_group`), the router's product with its choice (`set_route_fused`, up to 8
+/// rows: hash and learned layers) and the indexer's scores with its top-k (`set_index_fused`). 136 prompt tokens, so the HCA layers (ratio 128) pool a
 /// window too: in chunks of 1, and in mixed chunks of up to 16 beside another sequence (chunks
 /// past 17 rows would take the separate launches either way).
 #[test]
@@ -173,20 +173,23 @@ fn cuda_decode_fusions_are_bitwise() {
     let mixed = [3, 13, 1, 16, 7, 2, 6, 16, 9, 7, 16, 12, 15, 13];
     assert_eq!(mixed.iter().sum::<usize>(), prompt.len());
     type Set = fn(&CudaBackend, bool);
-    let switches: [(&str, Set); 5] = [
+    let switches: [(&str, Set); 6] = [
         ("comp_fused", CudaBackend::set_comp_fused),
         ("att_fused", CudaBackend::set_att_fused),
         ("hc_post_dot", CudaBackend::set_hc_post_dot),
         ("norm_group", CudaBackend::set_norm_group),
         ("route_fused", CudaBackend::set_route_fused),
+        ("index_fused", CudaBackend::set_index_fused),
     ];
     // Launches a switch removes from a step: norm_group one a layer (q_a's and kv's norms) and
-    // one more a CSA layer (the heads' norm and the indexer query's RoPE); route_fused one a layer.
+    // one more a CSA layer (the heads' norm and the indexer query's RoPE); route_fused one a
+    // layer; index_fused one a CSA layer (the indexer's top-k).
     let layers = m.cfg.n_layers();
     let csa = (0..layers).filter(|&l| m.cfg.layers[l].attn == dsv4_model::AttnKind::Csa).count();
     let exact_drop = |sw: &str| match sw {
         "norm_group" => Some(layers + csa),
         "route_fused" => Some(layers),
+        "index_fused" => Some(csa),
         _ => None,
     };
     // Every switch this test does not exercise off, whatever the environment says.

@@ -161,7 +161,7 @@ fn cuda_gguf_decode_fusions_are_bitwise() {
     let (cfg, q2) = quantised(tmp.path(), "q2");
     b.set_int8(true);
     type Set = fn(&CudaBackend, bool);
-    let switches: [(&str, Set); 9] = [
+    let switches: [(&str, Set); 10] = [
         ("ffn1", CudaBackend::set_ffn1),
         ("x8_group", CudaBackend::set_x8_group),
         ("comp_fused", CudaBackend::set_comp_fused),
@@ -171,14 +171,17 @@ fn cuda_gguf_decode_fusions_are_bitwise() {
         ("gemv4", CudaBackend::set_gemv4),
         ("norm_group", CudaBackend::set_norm_group),
         ("route_fused", CudaBackend::set_route_fused),
+        ("index_fused", CudaBackend::set_index_fused),
     ];
     // Launches a switch removes from a step: norm_group one a layer (q_a's and kv's norms) and
-    // one more a CSA layer (the heads' norm and the indexer query's RoPE); route_fused one a layer.
+    // one more a CSA layer (the heads' norm and the indexer query's RoPE); route_fused one a
+    // layer; index_fused one a CSA layer (the indexer's top-k).
     let layers = cfg.n_layers();
     let csa = (0..layers).filter(|&l| cfg.layers[l].attn == dsv4_model::AttnKind::Csa).count();
     let exact_drop = |name: &str| match name {
         "norm_group" => Some(layers + csa),
         "route_fused" => Some(layers),
+        "index_fused" => Some(csa),
         _ => None,
     };
     let toks: Vec<u32> = (0..13).map(|i| (i * 41 + 3) % 512).collect();

@@ -155,6 +155,10 @@ fn index_score_blocks(maxvis: usize, n: usize) -> usize {
     base.max(groups.min(INDEX_SCORE_SPREAD / n.max(1)))
 }
 
+/// `TOPK_SMEM` of attention.cu: bytes of index_topk's buffers (`buf`, `hist`, `wt`) that
+/// `index_score_topk` carves from its dynamic shared memory.
+const TOPK_SMEM: usize = 2 * 2048 * 8 + 4 * 256 * 4 + 2 * (256 / 32) * 4;
+
 /// Blocks of `index_score` a small batch is spread over (about one an SM).
 const INDEX_SCORE_SPREAD: usize = 128;
 
@@ -243,6 +247,39 @@ pub fn index_select(
             block_dim: (256, 1, 1),
             shared_mem_bytes: smem as u32,
         };
+        if b.index_fused() && n <= super::bf16::FFN1_COUNTERS {
+            // The scores and the top-k in one launch: each row's last block selects, on the
+            // dynamic shared memory the scores used (the larger of the two needs).
+            let lc = LaunchConfig { shared_mem_bytes: smem.max(TOPK_SMEM) as u32, ..lc };
+            // SAFETY: argument types and buffer sizes match the kernel (index_score's, then
+            // index_topk's sel and k); the counters are the backend's zeroed ones, one a row
+            // (n ≤ FFN1_COUNTERS), each left zero; launches on the stream do not overlap.
+            ck(
+                unsafe {
+                    b.stream
+                        .kernel(&b.k.index_score_topk)
+                        .arg(&mut sel)
+                        .arg(&(topk as i32))
+                        .arg(&b.ffn1_cnt)
+                        .arg(&mut scores)
+                        .arg(&mv)
+                        .arg(&qi.data)
+                        .arg(&wts.data)
+                        .arg(&st.entries)
+                        .arg(&(st.cap as i32))
+                        .arg(rows.dev.as_ref())
+                        .arg(&ni)
+                        .arg(&mi)
+                        .arg(&(nh as i32))
+                        .arg(&(hd as i32))
+                        .arg(&qs)
+                        .arg(&ws)
+                        .launch(lc)
+                },
+                "index_score_topk",
+            );
+            return CudaSel { topk, idx: sel };
+        }
         // SAFETY: argument types and buffer sizes match the kernel.
         ck(
             unsafe {

@@ -204,6 +204,7 @@ pub(crate) struct Kernels {
     pub index_score: CudaFunction,
     pub index_score_tc: CudaFunction,
     pub index_topk: CudaFunction,
+    pub index_score_topk: CudaFunction,
     pub attention: CudaFunction,
     pub attention_tc: CudaFunction,
     pub ring_write: CudaFunction,
@@ -271,7 +272,7 @@ fn hc_dot_tc() -> bool {
 
 /// The decode fusions that are off by default until they have run on a GPU (v22, v23 in
 /// PERF.md): each one's own variable (`=1` on, `=0` off) wins, else `DSV4_DECODE_FUSIONS=1`
-/// turns them all on (one switch for the A/B of all nine).
+/// turns them all on (one switch for the A/B of all ten).
 fn decode_fusion(name: &str) -> bool {
     let flag = |n: &str| std::env::var(n).ok().map(|v| v.trim() == "1");
     flag(name).or_else(|| flag("DSV4_DECODE_FUSIONS")).unwrap_or(false)
@@ -469,6 +470,7 @@ impl Kernels {
                 "index_score",
                 "index_score_tc",
                 "index_topk",
+                "index_score_topk",
                 "attention",
                 "attention_tc",
                 "ring_write",
@@ -529,6 +531,7 @@ impl Kernels {
             index_score: n(&mut a),
             index_score_tc: n(&mut a),
             index_topk: n(&mut a),
+            index_score_topk: n(&mut a),
             attention: n(&mut a),
             attention_tc: n(&mut a),
             ring_write: n(&mut a),
@@ -625,6 +628,8 @@ pub struct CudaBackend {
     norm_group: std::sync::atomic::AtomicBool,
     /// The router's product with its choice in one launch (see [`CudaBackend::set_route_fused`]).
     route_fused: std::sync::atomic::AtomicBool,
+    /// The indexer's scores and top-k in one launch (see [`CudaBackend::set_index_fused`]).
+    index_fused: std::sync::atomic::AtomicBool,
     pub(crate) fusion: Fusion,
 }
 
@@ -847,6 +852,19 @@ impl CudaBackend {
         self.route_fused.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// The lightning indexer's scores (`index_score`) and top-k (`index_topk`) in one launch
+    /// (`index_score_topk`: each row's last block to finish its scores selects the row's
+    /// entries): one launch fewer a CSA layer, the same values. Start value
+    /// `DSV4_INDEX_FUSED=1`; off by default until it has run on a GPU.
+    pub fn set_index_fused(&self, on: bool) {
+        self.index_fused.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
+    }
+
+    pub fn index_fused(&self) -> bool {
+        self.index_fused.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Whether `t` carries int8 codes (an RMSNorm or a product wrote them beside it).
     pub fn has_x8_twin(&self, t: &CudaTensor) -> bool {
         t.x8.get().is_some()
@@ -1005,10 +1023,12 @@ impl CudaBackend {
         let k = Kernels::load(&ctx)?;
         // index_score stages a row's queries and its warps' keys: over the default 48 KB of
         // dynamic shared memory at Flash's indexer shape (the launcher checks the bound).
-        k.index_score.set_attribute(
-            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            attention::INDEX_SCORE_SMEM as i32,
-        )?;
+        for f in [&k.index_score, &k.index_score_topk] {
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                attention::INDEX_SCORE_SMEM as i32,
+            )?;
+        }
         k.attention_tc.set_attribute(
             cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             attention::ATC_SMEM as i32,
@@ -1081,6 +1101,7 @@ impl CudaBackend {
             gemv4: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_GEMV4")),
             norm_group: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_NORM_GROUP")),
             route_fused: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_ROUTE_FUSED")),
+            index_fused: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_INDEX_FUSED")),
             fusion: Fusion::from_env(),
         })
     }

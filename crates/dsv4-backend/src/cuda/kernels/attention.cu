@@ -300,12 +300,10 @@ __device__ __forceinline__ void index_score_any(float* scores, int maxvis, const
     }
 }
 
-extern "C" __global__ void index_score(float* scores, int maxvis, const float* q, const float* wts,
-                                       const float* entries, int cap, const unsigned* rows, int n, int m, int nh,
-                                       int hd, float qs, float ws) {
-    pdl_enter();
-    extern __shared__ float4 sm4[];
-    float* sm = (float*)sm4;
+// index_score's block (t, y): its share of row t's scores (none where the row has fewer entries).
+__device__ __forceinline__ void index_score_block(float* scores, int maxvis, const float* q, const float* wts,
+                                                  const float* entries, int cap, const unsigned* rows, int n, int m,
+                                                  int nh, int hd, float qs, float ws, float* sm) {
     int t = blockIdx.x;
     long long vis = ((long long)ROW_POS(t) + 1) / m;
     if ((long long)blockIdx.y * IDX_EW >= vis) return;
@@ -318,6 +316,14 @@ extern "C" __global__ void index_score(float* scores, int maxvis, const float* q
         index_score_fast<4>(scores, maxvis, q, wts, entries, cap, rows, n, nh, hd, qs, ws, vis, sm);
     else
         index_score_any(scores, maxvis, q, wts, entries, cap, rows, n, nh, hd, qs, ws, vis, sm);
+}
+
+extern "C" __global__ void index_score(float* scores, int maxvis, const float* q, const float* wts,
+                                       const float* entries, int cap, const unsigned* rows, int n, int m, int nh,
+                                       int hd, float qs, float ws) {
+    pdl_enter();
+    extern __shared__ float4 sm4[];
+    index_score_block(scores, maxvis, q, wts, entries, cap, rows, n, m, nh, hd, qs, ws, (float*)sm4);
 }
 
 // Order-preserving map of a float to an unsigned key (larger float, larger key).
@@ -431,13 +437,13 @@ __device__ __forceinline__ void topk_sort(unsigned long long (*buf)[TOPK_MAX], u
 // (3) a bitonic sort of those k (packed key and entry, so the order is total). A thread keeps
 // TOPK_R consecutive keys in registers; entries past TOPK_T·TOPK_R are re-read from the scores.
 // `topk` <= TOPK_MAX (checked by the launcher); blockDim.x == TOPK_T.
-extern "C" __global__ void index_topk(unsigned* sel, int topk, const float* scores, int maxvis, const unsigned* rows,
-                                      int n, int m) {
-    pdl_enter();
-    __shared__ __align__(16) unsigned long long buf[2][TOPK_MAX];
-    __shared__ __align__(16) unsigned hist[4][256];
-    __shared__ unsigned wt[2][TOPK_T / 32];
-    int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
+// (index_topk's body for row t, on buffers of the caller's: buf and hist 16-byte aligned. The
+// scores are read through L2: index_score_topk's last block reads other blocks' scores.)
+__device__ __forceinline__ void index_topk_row(unsigned* sel, int topk, const float* scores, int maxvis,
+                                               const unsigned* rows, int n, int m, int t,
+                                               unsigned long long (*buf)[TOPK_MAX], unsigned (*hist)[256],
+                                               unsigned (*wt)[TOPK_T / 32]) {
+    int tid = threadIdx.x, lane = tid & 31;
     int vis = (int)(((long long)ROW_POS(t) + 1) / m);
     int k = min(topk, vis);
     if (k <= 0) return;
@@ -445,7 +451,7 @@ extern "C" __global__ void index_topk(unsigned* sel, int topk, const float* scor
     int rv = min(TOPK_R, (vis + TOPK_T - 1) / TOPK_T), nreg = TOPK_T * rv;
     unsigned key[TOPK_R];
 #pragma unroll
-    for (int r = 0; r < TOPK_R; r++) key[r] = r < rv && tid * rv + r < vis ? fkey(sc[tid * rv + r]) : 0u;
+    for (int r = 0; r < TOPK_R; r++) key[r] = r < rv && tid * rv + r < vis ? fkey(__ldcg(sc + tid * rv + r)) : 0u;
     ((uint4*)hist)[tid] = make_uint4(0u, 0u, 0u, 0u);
     __syncthreads();
     unsigned thr = 0, pmask = 0, want = (unsigned)k;
@@ -460,7 +466,7 @@ extern "C" __global__ void index_topk(unsigned* sel, int topk, const float* scor
         }
         for (int base = nreg; base < vis; base += TOPK_T) {
             int s = base + tid;
-            unsigned kk = s < vis ? fkey(sc[s]) : 0u;
+            unsigned kk = s < vis ? fkey(__ldcg(sc + s)) : 0u;
             topk_hist(h, s < vis && (kk & pmask) == thr, (kk >> shift) & 255u);
         }
         __syncthreads();
@@ -521,7 +527,7 @@ extern "C" __global__ void index_topk(unsigned* sel, int topk, const float* scor
     int par = 1;
     for (int base = nreg; base < vis && (go < first || to < want); base += TOPK_T) {
         int s = base + tid;
-        unsigned kk = s < vis ? fkey(sc[s]) : 0u, mk = kk & pmask;
+        unsigned kk = s < vis ? fkey(__ldcg(sc + s)) : 0u, mk = kk & pmask;
         bool gt = s < vis && mk > thr, tie = s < vis && mk == thr;
         unsigned e = topk_scan(((unsigned)gt << 16) | (unsigned)tie, &tot, wt, par);
         par ^= 1;
@@ -540,6 +546,47 @@ extern "C" __global__ void index_topk(unsigned* sel, int topk, const float* scor
         topk_sort<4>(buf, out, k);
     else
         topk_sort<8>(buf, out, k);
+}
+
+extern "C" __global__ void index_topk(unsigned* sel, int topk, const float* scores, int maxvis, const unsigned* rows,
+                                      int n, int m) {
+    pdl_enter();
+    __shared__ __align__(16) unsigned long long buf[2][TOPK_MAX];
+    __shared__ __align__(16) unsigned hist[4][256];
+    __shared__ unsigned wt[2][TOPK_T / 32];
+    index_topk_row(sel, topk, scores, maxvis, rows, n, m, blockIdx.x, buf, hist, wt);
+}
+
+// index_score and index_topk in one launch (decode and verify rows; the launcher decides):
+// index_score's grid (n, Y) and blocks; after its scores each block counts itself in cnt[t]
+// (zeroed counters, left zero: quant.cu's quant_groups pattern), and row t's last block runs
+// index_topk's body for the row on buffers carved from the dynamic shared memory the scores used
+// (the launcher gives max(score bytes, TOPK_SMEM)). blockDim.x == TOPK_T.
+#define TOPK_SMEM (2 * TOPK_MAX * 8 + 4 * 256 * 4 + 2 * (TOPK_T / 32) * 4)
+extern "C" __global__ void index_score_topk(unsigned* sel, int topk, unsigned* cnt, float* scores, int maxvis,
+                                            const float* q, const float* wts, const float* entries, int cap,
+                                            const unsigned* rows, int n, int m, int nh, int hd, float qs,
+                                            float ws) {
+    pdl_enter();
+    extern __shared__ float4 sm4[];
+    __shared__ unsigned last;
+    int t = blockIdx.x;
+    index_score_block(scores, maxvis, q, wts, entries, cap, rows, n, m, nh, hd, qs, ws, (float*)sm4);
+    __syncthreads();  // this block's scores stored, its shared memory free again
+    if (threadIdx.x == 0) {
+        __threadfence();
+        unsigned prev = atomicAdd(&cnt[t], 1u);
+        last = prev == gridDim.y - 1;
+        if (last) {
+            cnt[t] = 0;  // every block of the row has counted: ready for the next launch
+            __threadfence();
+        }
+    }
+    __syncthreads();
+    if (!last) return;
+    char* b = (char*)sm4;
+    index_topk_row(sel, topk, scores, maxvis, rows, n, m, t, (unsigned long long (*)[TOPK_MAX])b,
+                   (unsigned (*)[256])(b + 2 * TOPK_MAX * 8), (unsigned (*)[TOPK_T / 32])(b + 2 * TOPK_MAX * 8 + 4 * 256 * 4));
 }
 
 #define ATT_S 16   // slices a row's keys are split into at most (the grid's z)
