@@ -420,6 +420,34 @@ __device__ __forceinline__ float xapply32(const XChunk& ch, const int* x, float 
     return __fmaf_rn(__fmul_rn(ch.d[0], dx), i2f_small(is), acc);
 }
 
+// xapply32(xdec32(r, c), ...) for a chunk that meets one activation row (xrows_dot): the same
+// value bit for bit. IQ2_XXS there takes q·x = g·x − 2·(g & neg)·x with g the grid magnitudes
+// (8..43, positive int8) and neg the bytes whose sign is negative: the same exact integer as
+// the signed codes' dot, for a mask (shift + PRMT), an AND and two dp4a a quad where the sign
+// flip spends the mask, an xor, an and, an add and one dp4a (−7 of ~83 instructions a chunk,
+// PERF.md v23). The several-row kernels keep the signed codes (they apply a chunk to R rows).
+template <int F>
+__device__ __forceinline__ float xapply32_one(const XRaw& r, int c, const int* x, float dx, float acc) {
+    if constexpr (F == F_IQ2_XXS) {
+        unsigned a = r.u[1], sg = r.u[2];
+        float d = iq2_scale(r.u[0], c);
+        int pos = 0, neg = 0;
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            unsigned long long grid = TAB_GRID((a >> (8 * kk)) & 255);
+            unsigned glo = (unsigned)grid, ghi = (unsigned)(grid >> 32);
+            unsigned mlo = sign_bytes(sg << (2 * kk)), mhi = sign_bytes(sg << (2 * kk + 1));
+            pos = __dp4a((int)glo, x[2 * kk], pos);
+            pos = __dp4a((int)ghi, x[2 * kk + 1], pos);
+            neg = __dp4a((int)(glo & mlo), x[2 * kk], neg);
+            neg = __dp4a((int)(ghi & mhi), x[2 * kk + 1], neg);
+        }
+        return __fmaf_rn(__fmul_rn(d, dx), i2f_small(pos - 2 * neg), acc);
+    } else {
+        return xapply32<F>(xdec32<F>(r, c), x, dx, acc);
+    }
+}
+
 // acc plus weight values c..c+32 of row `w` (heads `s`) times the activations x (scale dx).
 template <int F>
 __device__ __forceinline__ float xdot32(const u8* __restrict__ w, const u8* __restrict__ s, int c, const int* x,
@@ -736,7 +764,7 @@ __device__ __forceinline__ void xrows_dot(float* out, const u8* const* wr, const
             int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
             float dx = xd[c >> 5];
 #pragma unroll
-            for (int j = 0; j < NR; j++) acc[j] = xapply32<F>(xdec32<F>(raw[j][u], c), x, dx, acc[j]);
+            for (int j = 0; j < NR; j++) acc[j] = xapply32_one<F>(raw[j][u], c, x, dx, acc[j]);
         }
     };
     int c0 = lane * 32;
