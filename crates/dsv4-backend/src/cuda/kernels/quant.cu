@@ -1065,17 +1065,27 @@ __device__ __forceinline__ void xrows_group(const u8* const* wr, const u8* const
         for (int u = 0; u < U; u++) {
             int c = c0 + 1024 * u;
             if (c >= k) break;
-            XChunk ch[NW];
+            if constexpr (R == 1) {
+                // One row (an expert holding one pair, the common case at batch 16): the
+                // one-row form, the same value (xapply32_one).
+                int4 a = *(const int4*)(xq[0] + c), b = *(const int4*)(xq[0] + c + 16);
+                int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+                float dx = xd[0][c >> 5];
 #pragma unroll
-            for (int w = 0; w < NW; w++) ch[w] = xdec32<F>(raw[w][u], c);
+                for (int w = 0; w < NW; w++) acc[w][0] = xapply32_one<F>(raw[w][u], c, x, dx, acc[w][0]);
+            } else {
+                XChunk ch[NW];
 #pragma unroll
-            for (int j = 0; j < R; j++) {
-                if (j < nr) {
-                    int4 a = *(const int4*)(xq[j] + c), b = *(const int4*)(xq[j] + c + 16);
-                    int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-                    float dx = xd[j][c >> 5];
+                for (int w = 0; w < NW; w++) ch[w] = xdec32<F>(raw[w][u], c);
 #pragma unroll
-                    for (int w = 0; w < NW; w++) acc[w][j] = xapply32<F>(ch[w], x, dx, acc[w][j]);
+                for (int j = 0; j < R; j++) {
+                    if (j < nr) {
+                        int4 a = *(const int4*)(xq[j] + c), b = *(const int4*)(xq[j] + c + 16);
+                        int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+                        float dx = xd[j][c >> 5];
+#pragma unroll
+                        for (int w = 0; w < NW; w++) acc[w][j] = xapply32<F>(ch[w], x, dx, acc[w][j]);
+                    }
                 }
             }
         }
