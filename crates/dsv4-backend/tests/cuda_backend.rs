@@ -271,6 +271,59 @@ fn cuda_long_index_matches_cpu() {
     assert!(over <= errs.len() / 1000 && worst <= 5e-2, "{over} rows above {TOL}, worst {worst}");
 }
 
+/// The indexer's scores and top-k in one launch (`set_index_fused`, decode rows) select what
+/// the two launches select, bit for bit, where it is hardest: rows past 2,048 entries (the
+/// top-k re-reads scores other blocks wrote), on the query-staged score path (32 heads of 32)
+/// and at V4-Flash's indexer shape (64 heads of 128, whose scores' shared memory is larger than
+/// the top-k's buffers carved from it; top-k 512). Two sequences prefill the same 8,300 tokens
+/// with the separate launches, then decode 6 tokens each, one with the fused launch.
+#[test]
+fn cuda_long_index_fused_is_bitwise() {
+    if gpu().is_none() {
+        return;
+    }
+    for (nh, hd, topk) in [(32, 32, 48), (64, 128, 512)] {
+        let mut cfg = tiny_config(512);
+        cfg.index_n_heads = nh;
+        cfg.index_head_dim = hd;
+        cfg.index_topk = topk;
+        cfg.layers = vec![
+            LayerSpec { attn: AttnKind::Swa, ratio: 0, hash_moe: true },
+            LayerSpec { attn: AttnKind::Csa, ratio: 4, hash_moe: false },
+        ];
+        let dir = tempfile::tempdir().unwrap();
+        write_random(dir.path(), &cfg, 7);
+        let b = gpu().unwrap();
+        b.set_exact(true);
+        b.set_index_fused(false);
+        let mut m = Model::load(b, dir.path(), 2, false).unwrap();
+        let (len, v) = (8300, m.cfg.vocab_size);
+        let toks = tokens(len + 6, v, 3200);
+        let seqs = [m.alloc_seq().unwrap(), m.alloc_seq().unwrap()];
+        for &s in &seqs {
+            let mut off = 0;
+            while off < len {
+                let n = (len - off).min(2048);
+                m.forward(&Batch::chunk(s, off, &toks[off..off + n]).unwrap(), &[n - 1]).unwrap();
+                off += n;
+            }
+        }
+        let mut logits = [Vec::new(), Vec::new()];
+        for (i, &s) in seqs.iter().enumerate() {
+            m.backend.set_index_fused(i == 1);
+            for p in len..len + 6 {
+                logits[i].push(m.forward(&Batch::chunk(s, p, &toks[p..p + 1]).unwrap(), &[0]).unwrap());
+            }
+        }
+        m.backend.set_index_fused(false);
+        for (step, (a, f)) in logits[0].iter().zip(&logits[1]).enumerate() {
+            let bad = a.iter().zip(f).position(|(a, f)| a.to_bits() != f.to_bits());
+            assert!(bad.is_none(), "{nh} heads of {hd}, step {step}: logit {bad:?} differs with the fused indexer");
+        }
+        println!("{nh} heads of {hd}, top-{topk}: 6 decode steps past {} entries bitwise", len / 4);
+    }
+}
+
 /// Several sequences in batches of mixed prefill chunks and decode rows, queued back to back
 /// without any synchronisation; all logits are read back at the end and compared.
 #[test]

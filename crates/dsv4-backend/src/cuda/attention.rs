@@ -247,9 +247,10 @@ pub fn index_select(
             block_dim: (256, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        if b.index_fused() && n <= super::bf16::FFN1_COUNTERS {
-            // The scores and the top-k in one launch: each row's last block selects, on the
-            // dynamic shared memory the scores used (the larger of the two needs).
+        if b.index_fused() && rows.batch.short_segments() && n <= super::bf16::FFN1_COUNTERS {
+            // The scores and the top-k in one launch (decode and verify rows: the flag is part
+            // of a recorded step's key): each row's last block selects, on the dynamic shared
+            // memory the scores used (the larger of the two needs).
             let lc = LaunchConfig { shared_mem_bytes: smem.max(TOPK_SMEM) as u32, ..lc };
             // SAFETY: argument types and buffer sizes match the kernel (index_score's, then
             // index_topk's sel and k); the counters are the backend's zeroed ones, one a row

@@ -274,7 +274,11 @@ fn hc_dot_tc() -> bool {
 /// PERF.md): each one's own variable (`=1` on, `=0` off) wins, else `DSV4_DECODE_FUSIONS=1`
 /// turns them all on (one switch for the A/B of all ten).
 fn decode_fusion(name: &str) -> bool {
-    let flag = |n: &str| std::env::var(n).ok().map(|v| v.trim() == "1");
+    let flag = |n: &str| match std::env::var(n).as_deref().map(str::trim) {
+        Ok("1") => Some(true),
+        Ok("0") => Some(false),
+        _ => None,
+    };
     flag(name).or_else(|| flag("DSV4_DECODE_FUSIONS")).unwrap_or(false)
 }
 
@@ -854,7 +858,8 @@ impl CudaBackend {
 
     /// The lightning indexer's scores (`index_score`) and top-k (`index_topk`) in one launch
     /// (`index_score_topk`: each row's last block to finish its scores selects the row's
-    /// entries): one launch fewer a CSA layer, the same values. Start value
+    /// entries) where every segment is short (decode and verify): one launch fewer a CSA
+    /// layer, the same values. Start value
     /// `DSV4_INDEX_FUSED=1`; off by default until it has run on a GPU.
     pub fn set_index_fused(&self, on: bool) {
         self.index_fused.store(on, std::sync::atomic::Ordering::Relaxed);

@@ -437,8 +437,15 @@ __device__ __forceinline__ void topk_sort(unsigned long long (*buf)[TOPK_MAX], u
 // (3) a bitonic sort of those k (packed key and entry, so the order is total). A thread keeps
 // TOPK_R consecutive keys in registers; entries past TOPK_T·TOPK_R are re-read from the scores.
 // `topk` <= TOPK_MAX (checked by the launcher); blockDim.x == TOPK_T.
-// (index_topk's body for row t, on buffers of the caller's: buf and hist 16-byte aligned. The
-// scores are read through L2: index_score_topk's last block reads other blocks' scores.)
+// (index_topk's body for row t, on buffers of the caller's: buf and hist 16-byte aligned. CG:
+// the scores read through L2, for index_score_topk's last block, which reads other blocks'.)
+template <bool CG>
+__device__ __forceinline__ float score_ld(const float* p) {
+    if constexpr (CG) return __ldcg(p);
+    return *p;
+}
+
+template <bool CG>
 __device__ __forceinline__ void index_topk_row(unsigned* sel, int topk, const float* scores, int maxvis,
                                                const unsigned* rows, int n, int m, int t,
                                                unsigned long long (*buf)[TOPK_MAX], unsigned (*hist)[256],
@@ -451,7 +458,7 @@ __device__ __forceinline__ void index_topk_row(unsigned* sel, int topk, const fl
     int rv = min(TOPK_R, (vis + TOPK_T - 1) / TOPK_T), nreg = TOPK_T * rv;
     unsigned key[TOPK_R];
 #pragma unroll
-    for (int r = 0; r < TOPK_R; r++) key[r] = r < rv && tid * rv + r < vis ? fkey(__ldcg(sc + tid * rv + r)) : 0u;
+    for (int r = 0; r < TOPK_R; r++) key[r] = r < rv && tid * rv + r < vis ? fkey(score_ld<CG>(sc + tid * rv + r)) : 0u;
     ((uint4*)hist)[tid] = make_uint4(0u, 0u, 0u, 0u);
     __syncthreads();
     unsigned thr = 0, pmask = 0, want = (unsigned)k;
@@ -466,7 +473,7 @@ __device__ __forceinline__ void index_topk_row(unsigned* sel, int topk, const fl
         }
         for (int base = nreg; base < vis; base += TOPK_T) {
             int s = base + tid;
-            unsigned kk = s < vis ? fkey(__ldcg(sc + s)) : 0u;
+            unsigned kk = s < vis ? fkey(score_ld<CG>(sc + s)) : 0u;
             topk_hist(h, s < vis && (kk & pmask) == thr, (kk >> shift) & 255u);
         }
         __syncthreads();
@@ -527,7 +534,7 @@ __device__ __forceinline__ void index_topk_row(unsigned* sel, int topk, const fl
     int par = 1;
     for (int base = nreg; base < vis && (go < first || to < want); base += TOPK_T) {
         int s = base + tid;
-        unsigned kk = s < vis ? fkey(__ldcg(sc + s)) : 0u, mk = kk & pmask;
+        unsigned kk = s < vis ? fkey(score_ld<CG>(sc + s)) : 0u, mk = kk & pmask;
         bool gt = s < vis && mk > thr, tie = s < vis && mk == thr;
         unsigned e = topk_scan(((unsigned)gt << 16) | (unsigned)tie, &tot, wt, par);
         par ^= 1;
@@ -554,10 +561,10 @@ extern "C" __global__ void index_topk(unsigned* sel, int topk, const float* scor
     __shared__ __align__(16) unsigned long long buf[2][TOPK_MAX];
     __shared__ __align__(16) unsigned hist[4][256];
     __shared__ unsigned wt[2][TOPK_T / 32];
-    index_topk_row(sel, topk, scores, maxvis, rows, n, m, blockIdx.x, buf, hist, wt);
+    index_topk_row<false>(sel, topk, scores, maxvis, rows, n, m, blockIdx.x, buf, hist, wt);
 }
 
-// index_score and index_topk in one launch (decode and verify rows; the launcher decides):
+// index_score and index_topk in one launch (batches of short segments: decode and verify rows):
 // index_score's grid (n, Y) and blocks; after its scores each block counts itself in cnt[t]
 // (zeroed counters, left zero: quant.cu's quant_groups pattern), and row t's last block runs
 // index_topk's body for the row on buffers carved from the dynamic shared memory the scores used
@@ -585,7 +592,7 @@ extern "C" __global__ void index_score_topk(unsigned* sel, int topk, unsigned* c
     __syncthreads();
     if (!last) return;
     char* b = (char*)sm4;
-    index_topk_row(sel, topk, scores, maxvis, rows, n, m, t, (unsigned long long (*)[TOPK_MAX])b,
+    index_topk_row<true>(sel, topk, scores, maxvis, rows, n, m, t, (unsigned long long (*)[TOPK_MAX])b,
                    (unsigned (*)[256])(b + 2 * TOPK_MAX * 8), (unsigned (*)[TOPK_T / 32])(b + 2 * TOPK_MAX * 8 + 4 * 256 * 4));
 }
 
