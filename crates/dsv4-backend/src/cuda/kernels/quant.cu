@@ -420,6 +420,18 @@ __device__ __forceinline__ float xapply32(const XChunk& ch, const int* x, float 
     return __fmaf_rn(__fmul_rn(ch.d[0], dx), i2f_small(is), acc);
 }
 
+// c + Σ a_i·b_i over the 4 bytes, a's unsigned and b's signed (PTX dp4a.u32.s32).
+__device__ __forceinline__ int dp4a_us(unsigned a, int b, int c) {
+#ifdef __CUDA_ARCH__
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+#else
+    for (int i = 0; i < 4; i++) c += (int)((a >> (8 * i)) & 255u) * (int)(signed char)(b >> (8 * i));
+    return c;
+#endif
+}
+
 // xapply32(xdec32(r, c), ...) for a chunk that meets one activation row (xrows_dot): the same
 // value bit for bit. IQ2_XXS there takes q·x = g·x − 2·(g & neg)·x with g the grid magnitudes
 // (8..43, positive int8) and neg the bytes whose sign is negative: the same exact integer as
@@ -443,6 +455,27 @@ __device__ __forceinline__ float xapply32_one(const XRaw& r, int c, const int* x
             neg = __dp4a((int)(ghi & mhi), x[2 * kk + 1], neg);
         }
         return __fmaf_rn(__fmul_rn(d, dx), i2f_small(pos - 2 * neg), acc);
+    } else if constexpr (F == F_Q2_K) {
+        // The codes where they lie (bits sh.. of each byte, masked, not shifted down: values
+        // q·2^sh ≤ 192, unsigned for dp4a), then the group's sum shifted back, exactly (every
+        // term is a multiple of 2^sh): one AND a word where the decode spent a shift and an AND.
+        int sh = 2 * ((c >> 5) & 3);
+        unsigned msk = 0x03030303u << sh;
+        float dg[2], mg[2];
+        q2k_scales(r.u[8], r.u[9], dg, mg);
+#pragma unroll
+        for (int g = 0; g < 2; g++) {
+            int is = 0, xs = 0;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                is = dp4a_us(r.u[4 * g + j] & msk, x[4 * g + j], is);
+                xs = __dp4a(0x01010101, x[4 * g + j], xs);
+            }
+            is >>= sh;
+            acc = __fmaf_rn(__fmul_rn(dx, dg[g]), i2f_small(is), acc);
+            acc = __fmaf_rn(-__fmul_rn(dx, mg[g]), i2f_small(xs), acc);
+        }
+        return acc;
     } else {
         return xapply32<F>(xdec32<F>(r, c), x, dx, acc);
     }
