@@ -364,13 +364,6 @@ impl CudaBackend {
         ck(r.result(), "profiler capture");
     }
 
-    /// A device byte buffer copied to the host (benchmarks' CPU twins).
-    pub fn download_bytes(&self, s: &CudaSlice<u8>) -> Vec<u8> {
-        let v = ck(self.stream.clone_dtoh(s), "download");
-        self.synchronize();
-        v
-    }
-
     /// A bf16 or f32 weight's values on the host (bf16 widened exactly).
     pub fn download_weight_f32(&self, w: &CudaWeight) -> Vec<f32> {
         let v = match &w.bf {

@@ -1130,9 +1130,12 @@ impl CudaBackend {
     }
 
     /// The device's name.
-    /// A device buffer's values on the host (tests and tools; synchronises the stream).
+    /// A device buffer's values on the host (tests, benchmarks' CPU twins; synchronises the
+    /// stream).
     pub fn download<T: cudarc::driver::DeviceRepr>(&self, s: &CudaSlice<T>) -> Vec<T> {
-        ck(self.stream.clone_dtoh(s), "download")
+        let v = ck(self.stream.clone_dtoh(s), "download");
+        self.synchronize();
+        v
     }
 
     pub fn device_name(&self) -> String {

@@ -492,7 +492,7 @@ impl CudaBackend {
     /// FP4 scales as f32), `None` for a weight that is not packed.
     pub fn download_packed(&self, w: &CudaWeight) -> Option<Packed> {
         let q = w.q.as_ref()?;
-        let (codes, raw) = (self.download_bytes(&q.blocks), self.download_bytes(&q.scales));
+        let (codes, raw) = (self.download(&q.blocks), self.download(&q.scales));
         let (blocks, scales) = match q.format {
             PackedFormat::Fp8 => {
                 (codes, raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())

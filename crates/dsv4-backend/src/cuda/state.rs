@@ -300,69 +300,78 @@ impl CudaCache {
             }
         }
         let t0 = std::time::Instant::now();
-        let flat = self.download(b, &regions);
-        let t_download = t0.elapsed();
-        let mut at = 0;
-        let mut take = |n: usize| {
-            at += n;
-            &flat[at - n..at]
-        };
-        for (ld, ls) in self.layers.iter().zip(st.layers.iter_mut()) {
-            let ring = take(len.saturating_sub(lo) * d);
-            let cap = ls.cap();
-            debug_assert!(len.saturating_sub(lo) <= cap);
-            for p in lo..len {
-                let c = p % cap;
-                ls.ring[c * d..(c + 1) * d].copy_from_slice(row(ring, p - lo, d));
-                ls.ring_pos[c] = p;
-            }
-            for (cd, cs) in [(&ld.comp, &mut ls.comp), (&ld.index, &mut ls.index)] {
-                let (Some(cd), Some(cs)) = (cd.as_ref(), cs.as_mut()) else { continue };
-                let (m, w, h) = (cd.ratio, cd.width(), cd.head);
-                let (from, hist) = raw_from(cd);
-                let raw_u = take((len - from) * w);
-                let raw_z = take((len - from) * w);
-                // Rows of positions r (from ≤ r < len).
-                let rows = |buf: &[f32], r: std::ops::Range<usize>| -> Vec<f32> {
-                    buf[(r.start - from) * w..(r.end - from) * w].to_vec()
-                };
-                let done = len / m;
-                cs.open_u = rows(raw_u, done * m..len);
-                cs.open_z = rows(raw_z, done * m..len);
-                if cd.overlap && done > 0 {
-                    for r in 0..m {
-                        let p = (done - 1) * m + r - from;
-                        cs.prev_u[r * h..(r + 1) * h].copy_from_slice(&row(raw_u, p, w)[..h]);
-                        cs.prev_z[r * h..(r + 1) * h].copy_from_slice(&row(raw_z, p, w)[..h]);
-                    }
+        let mut t_download = std::time::Duration::ZERO;
+        // Straight from the page-locked staging buffer into the state (no copy of it first).
+        let floats = self.with_download(b, &regions, |flat| {
+            t_download = t0.elapsed();
+            let mut at = 0;
+            let mut take = |n: usize| {
+                at += n;
+                &flat[at - n..at]
+            };
+            for (ld, ls) in self.layers.iter().zip(st.layers.iter_mut()) {
+                let ring = take(len.saturating_sub(lo) * d);
+                let cap = ls.cap();
+                debug_assert!(len.saturating_sub(lo) <= cap);
+                for p in lo..len {
+                    let c = p % cap;
+                    ls.ring[c * d..(c + 1) * d].copy_from_slice(row(ring, p - lo, d));
+                    ls.ring_pos[c] = p;
                 }
-                cs.entries = take(len / m * h).to_vec();
-                cs.hist_u = rows(raw_u, hist..len);
-                cs.hist_z = rows(raw_z, hist..len);
-                cs.hist_start = hist;
+                for (cd, cs) in [(&ld.comp, &mut ls.comp), (&ld.index, &mut ls.index)] {
+                    let (Some(cd), Some(cs)) = (cd.as_ref(), cs.as_mut()) else { continue };
+                    let (m, w, h) = (cd.ratio, cd.width(), cd.head);
+                    let (from, hist) = raw_from(cd);
+                    let raw_u = take((len - from) * w);
+                    let raw_z = take((len - from) * w);
+                    // Rows of positions r (from ≤ r < len).
+                    let rows = |buf: &[f32], r: std::ops::Range<usize>| -> Vec<f32> {
+                        buf[(r.start - from) * w..(r.end - from) * w].to_vec()
+                    };
+                    let done = len / m;
+                    cs.open_u = rows(raw_u, done * m..len);
+                    cs.open_z = rows(raw_z, done * m..len);
+                    if cd.overlap && done > 0 {
+                        for r in 0..m {
+                            let p = (done - 1) * m + r - from;
+                            cs.prev_u[r * h..(r + 1) * h].copy_from_slice(&row(raw_u, p, w)[..h]);
+                            cs.prev_z[r * h..(r + 1) * h].copy_from_slice(&row(raw_z, p, w)[..h]);
+                        }
+                    }
+                    cs.entries = take(len / m * h).to_vec();
+                    cs.hist_u = rows(raw_u, hist..len);
+                    cs.hist_z = rows(raw_z, hist..len);
+                    cs.hist_start = hist;
+                }
             }
-        }
+            flat.len()
+        });
         // The phases of a served step's snapshot (bench_serve's `snapshot` share), for RUST_LOG.
         tracing::debug!(
             "snapshot of {len} tokens: {} regions, {} floats; download {:.2} ms, host {:.2} ms",
             regions.len(),
-            flat.len(),
+            floats,
             t_download.as_secs_f64() * 1e3,
             (t0.elapsed() - t_download).as_secs_f64() * 1e3
         );
         st
     }
 
-    /// Downloads the regions `(buffer, offset, len)`, concatenated, with one synchronisation:
+    /// Hands `f` the regions `(buffer, offset, len)`, concatenated, after one synchronisation:
     /// one kernel gathers them into a device buffer (their addresses in a table), which comes
     /// back in one copy through the cache's page-locked staging buffer (grown as needed).
     /// Through pageable memory and a device-to-device copy a region, a 43-layer snapshot took
     /// 50–64 ms (bench_serve on the H200, PERF.md v17).
-    fn download(&self, b: &CudaBackend, regions: &[(&CudaSlice<f32>, usize, usize)]) -> Vec<f32> {
+    fn with_download<R>(
+        &self,
+        b: &CudaBackend,
+        regions: &[(&CudaSlice<f32>, usize, usize)],
+        f: impl FnOnce(&[f32]) -> R,
+    ) -> R {
         let regions: Vec<_> = regions.iter().filter(|r| r.2 > 0).collect();
         let total: usize = regions.iter().map(|r| r.2).sum();
         if total == 0 {
-            return Vec::new();
+            return f(&[]);
         }
         let mut table = Vec::with_capacity(3 * regions.len());
         let mut at = 0;
@@ -403,7 +412,7 @@ impl CudaCache {
             "snapshot download",
         );
         ck(b.stream.synchronize(), "synchronize");
-        host[..total].to_vec()
+        f(&host[..total])
     }
 
     /// Writes a host state of `len` tokens into slot `seq` (the inverse of [`CudaCache::save`]):
