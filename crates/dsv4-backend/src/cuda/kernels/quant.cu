@@ -437,7 +437,8 @@ __device__ __forceinline__ int dp4a_us(unsigned a, int b, int c) {
 // (8..43, positive int8) and neg the bytes whose sign is negative: the same exact integer as
 // the signed codes' dot, for a mask (shift + PRMT), an AND and two dp4a a quad where the sign
 // flip spends the mask, an xor, an and, an add and one dp4a (−7 of ~83 instructions a chunk,
-// PERF.md v23). The several-row kernels keep the signed codes (they apply a chunk to R rows).
+// PERF.md v23). The several-row kernels keep the signed codes where a chunk meets R > 1 rows
+// (xrows_group; its groups of one row take this form).
 template <int F>
 __device__ __forceinline__ float xapply32_one(const XRaw& r, int c, const int* x, float dx, float acc) {
     if constexpr (F == F_IQ2_XXS) {
