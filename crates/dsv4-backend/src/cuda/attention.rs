@@ -247,62 +247,39 @@ pub fn index_select(
             block_dim: (256, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        if b.index_fused() && rows.batch.short_segments() && n <= super::bf16::FFN1_COUNTERS {
-            // The scores and the top-k in one launch (decode and verify rows: the flag is part
-            // of a recorded step's key): each row's last block selects, on the dynamic shared
-            // memory the scores used (the larger of the two needs).
-            let lc = LaunchConfig { shared_mem_bytes: smem.max(TOPK_SMEM) as u32, ..lc };
-            // SAFETY: argument types and buffer sizes match the kernel (index_score's, then
-            // index_topk's sel and k); the counters are the backend's zeroed ones, one a row
-            // (n ≤ FFN1_COUNTERS), each left zero; launches on the stream do not overlap.
-            ck(
-                unsafe {
-                    b.stream
-                        .kernel(&b.k.index_score_topk)
-                        .arg(&mut sel)
-                        .arg(&(topk as i32))
-                        .arg(&b.ffn1_cnt)
-                        .arg(&mut scores)
-                        .arg(&mv)
-                        .arg(&qi.data)
-                        .arg(&wts.data)
-                        .arg(&st.entries)
-                        .arg(&(st.cap as i32))
-                        .arg(rows.dev.as_ref())
-                        .arg(&ni)
-                        .arg(&mi)
-                        .arg(&(nh as i32))
-                        .arg(&(hd as i32))
-                        .arg(&qs)
-                        .arg(&ws)
-                        .launch(lc)
-                },
-                "index_score_topk",
-            );
+        // The scores and the top-k in one launch (decode and verify rows: the flag is part of a
+        // recorded step's key): each row's last block selects, on the dynamic shared memory the
+        // scores used (the larger of the two needs). Its arguments: index_topk's sel and k and
+        // the zeroed counters (one a row, n ≤ FFN1_COUNTERS, each left zero; launches on the
+        // stream do not overlap), then index_score's.
+        let fused = b.index_fused() && rows.batch.short_segments() && n <= super::bf16::FFN1_COUNTERS;
+        let (mut l, lc, name) = if fused {
+            let mut l = b.stream.kernel(&b.k.index_score_topk);
+            l.arg(&mut sel).arg(&(topk as i32)).arg(&b.ffn1_cnt);
+            (l, LaunchConfig { shared_mem_bytes: smem.max(TOPK_SMEM) as u32, ..lc }, "index_score_topk")
+        } else {
+            (b.stream.kernel(&b.k.index_score), lc, "index_score")
+        };
+        l.arg(&mut scores)
+            .arg(&mv)
+            .arg(&qi.data)
+            .arg(&wts.data)
+            .arg(&st.entries)
+            .arg(&(st.cap as i32))
+            .arg(rows.dev.as_ref())
+            .arg(&ni)
+            .arg(&mi)
+            .arg(&(nh as i32))
+            .arg(&(hd as i32))
+            .arg(&qs)
+            .arg(&ws);
+        // SAFETY: argument types and buffer sizes match the kernel chosen: sel holds n·topk,
+        // scores n·maxvis (each row's written below its visible count, where both read),
+        // qi, wts and entries index_score's shapes; the counters as said above.
+        ck(unsafe { l.launch(lc) }, name);
+        if fused {
             return CudaSel { topk, idx: sel };
         }
-        // SAFETY: argument types and buffer sizes match the kernel.
-        ck(
-            unsafe {
-                b.stream
-                    .kernel(&b.k.index_score)
-                    .arg(&mut scores)
-                    .arg(&mv)
-                    .arg(&qi.data)
-                    .arg(&wts.data)
-                    .arg(&st.entries)
-                    .arg(&(st.cap as i32))
-                    .arg(rows.dev.as_ref())
-                    .arg(&ni)
-                    .arg(&mi)
-                    .arg(&(nh as i32))
-                    .arg(&(hd as i32))
-                    .arg(&qs)
-                    .arg(&ws)
-                    .launch(lc)
-            },
-            "index_score",
-        );
     }
     let lc = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: argument types and buffer sizes match the kernel.
