@@ -274,9 +274,14 @@ fn hc_dot_tc() -> bool {
 /// PERF.md): each one's own variable (`=1` on, `=0` off) wins, else `DSV4_DECODE_FUSIONS=1`
 /// turns them all on (one switch for the A/B of all ten).
 fn decode_fusion(name: &str) -> bool {
-    let flag = |n: &str| match std::env::var(n).as_deref().map(str::trim) {
-        Ok("1") => Some(true),
-        Ok("0") => Some(false),
+    decode_fusion_in(name, |n| std::env::var(n).ok())
+}
+
+/// [`decode_fusion`] over the variables `var` gives.
+fn decode_fusion_in(name: &str, var: impl Fn(&str) -> Option<String>) -> bool {
+    let flag = |n: &str| match var(n).as_deref().map(str::trim) {
+        Some("1") => Some(true),
+        Some("0") => Some(false),
         _ => None,
     };
     flag(name).or_else(|| flag("DSV4_DECODE_FUSIONS")).unwrap_or(false)
@@ -2438,5 +2443,26 @@ impl CudaBackend {
             },
             "gather_rows",
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::decode_fusion_in;
+
+    #[test]
+    fn a_switch_of_its_own_wins_over_all_fusions() {
+        let on = |vars: &[(&str, &str)], name: &str| {
+            decode_fusion_in(name, |n| vars.iter().find(|(k, _)| *k == n).map(|(_, v)| v.to_string()))
+        };
+        assert!(!on(&[], "DSV4_FFN1"), "off by default");
+        assert!(on(&[("DSV4_FFN1", "1")], "DSV4_FFN1"));
+        assert!(!on(&[("DSV4_FFN1", "1")], "DSV4_GEMV4"), "one switch turns on only itself");
+        assert!(on(&[("DSV4_DECODE_FUSIONS", "1")], "DSV4_GEMV4"));
+        assert!(!on(&[("DSV4_DECODE_FUSIONS", "1"), ("DSV4_GEMV4", " 0 ")], "DSV4_GEMV4"));
+        assert!(on(&[("DSV4_DECODE_FUSIONS", "0"), ("DSV4_GEMV4", "1")], "DSV4_GEMV4"));
+        // Anything but 1 or 0 says nothing: the umbrella decides.
+        assert!(on(&[("DSV4_DECODE_FUSIONS", "1"), ("DSV4_FFN1", "")], "DSV4_FFN1"));
+        assert!(!on(&[("DSV4_FFN1", "true")], "DSV4_FFN1"));
     }
 }
