@@ -4,7 +4,7 @@
 # PARTs, in the order given (default: tests kernels flash-exact flash-int8): tests, kernels,
 # flash-exact, flash-int8 (the 43-layer q2 bench on the exact and the int8-activation products),
 # flash-b64 (batches 1 / 16 / 64 on contexts cloned from one prefilled sequence),
-# flash-served (43 q2 layers in serve's exact mode), flash-bf16 (4 bf16 layers), prefill (issue
+# fusions (the decode fusions off / on at batches 1, 16, 64), flash-served (43 q2 layers in serve's exact mode), flash-bf16 (4 bf16 layers), prefill (issue
 # 12's prefill figures and a stage profile), hf (HF transformers' prefill beside dsv4's), serve
 # (bench_serve at 1 / 16 / 64). Writes each part's output
 # and a summary to $OUT (or /tmp/dsv4-out); the device tool brings back at most 8 files.
@@ -55,6 +55,16 @@ for part in $PARTS; do
             --decode-fill clone --decode-batches 1,16,64 --decode-context 4096 --decode-tokens 16 > "$OUT/flash-b64.txt" 2>&1
         echo "flash q2 43 layers, batch 64 (cloned contexts): exit $?" >> "$S"
         grep -E '^decode' "$OUT/flash-b64.txt" | cut -c1-220 >> "$S"
+        ;;
+    fusions)
+        # The decode fusions' A/B in one process (one weight draw): batches 1 / 16 / 64 at
+        # context 4096 with the ten fusions off, then on (--decode-fusions 0,1), the kernels a
+        # layer each way, then the verify and DSpark rounds with them on.
+        timeout 540 $B bench --backend cuda --synthetic flash --layers 43 --weights q2 --contexts '' --reserve 64x4096 \
+            --decode-fill clone --decode-batches 1,16,64 --decode-context 4096 --decode-tokens 16 --decode-fusions 0,1 \
+            --verify-drafts 1,2,3,4 --dspark-round > "$OUT/fusions.txt" 2>&1
+        echo "flash q2 43 layers, fusions off / on: exit $?" >> "$S"
+        grep -E '^(decode|verify|dspark)' "$OUT/fusions.txt" | cut -c1-230 >> "$S"
         ;;
     flash-served)
         # The 43-layer q2 decode in the mode `dsv4 serve` runs by default (exact: f32 activations

@@ -28,6 +28,11 @@ pub struct BenchArgs {
     /// `--synthetic flash`: decode batch sizes to time (comma-separated).
     #[arg(long, default_value = "1,16,64")]
     pub decode_batches: String,
+    /// `--synthetic flash`, CUDA: time each decode batch with the decode fusions off and on
+    /// (`0,1`; `CudaBackend::set_decode_fusions`) in one process, one weight draw for both;
+    /// empty: as the environment set them at start.
+    #[arg(long, default_value = "")]
+    pub decode_fusions: String,
     /// `--synthetic flash`: context each decode sequence holds before timing.
     #[arg(long, default_value_t = 4096)]
     pub decode_context: usize,

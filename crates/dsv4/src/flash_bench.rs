@@ -238,7 +238,18 @@ pub fn run(a: BenchArgs) -> Result<()> {
         t0.elapsed().as_secs_f64()
     );
     let mut pos = vec![dctx; max_b];
-    for &bs in &batches {
+    // `--decode-fusions 0,1`: each batch with the fusions off, then on (the verify and DSpark
+    // rounds below run under the last setting).
+    let fusions: Vec<Option<bool>> = if a.decode_fusions.trim().is_empty() {
+        vec![None]
+    } else {
+        parse_list(&a.decode_fusions).context("--decode-fusions")?.into_iter().map(|v| Some(v != 0)).collect()
+    };
+    for (&bs, &fused) in batches.iter().flat_map(|b| fusions.iter().map(move |f| (b, f))) {
+        if let Some(on) = fused {
+            m.backend.set_decode_fusions(on);
+        }
+        let tag = fused.map_or(String::new(), |on| format!(" (fusions {})", if on { "on" } else { "off" }));
         let steps = a.decode_tokens.max(1);
         let step = |m: &mut Model<CudaBackend>, pos: &mut Vec<usize>| -> Result<()> {
             let rows: Vec<Row> = (0..bs)
@@ -274,7 +285,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let tps = bs as f64 / st;
         let tps43 = tps * nl / FLASH_LAYERS as f64;
         println!(
-            "decode batch {bs:>3} at context {dctx}: {:8.3} ms/step  {tps:9.1} tok/s  {:7.3} ms/layer  -> {tps43:8.1} tok/s extrapolated to {FLASH_LAYERS} layers;  {:.2} GB weights + {:.3} GB KV per step = {:.1}% of {:.1} TB/s",
+            "decode batch {bs:>3} at context {dctx}{tag}: {:8.3} ms/step  {tps:9.1} tok/s  {:7.3} ms/layer  -> {tps43:8.1} tok/s extrapolated to {FLASH_LAYERS} layers;  {:.2} GB weights + {:.3} GB KV per step = {:.1}% of {:.1} TB/s",
             st * 1e3,
             st * 1e3 / nl,
             wbytes / 1e9,
@@ -286,11 +297,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
         // (embedding, final norm, LM head and sampling included) over the layers.
         let kernels = m.recorded_kernels(bs, bs);
         if let Some(k) = kernels {
-            println!("decode batch {bs:>3}: the recorded step launches {k} kernels = {:.1} a layer", k as f64 / nl);
+            println!(
+                "decode batch {bs:>3}{tag}: the recorded step launches {k} kernels = {:.1} a layer",
+                k as f64 / nl
+            );
         }
         results.push(serde_json::json!({"kind": "decode", "batch": bs, "context": dctx, "ms_per_step": st * 1e3,
             "tokens_per_s": tps, "tokens_per_s_43_layers": tps43, "weight_bytes": wbytes, "kv_bytes": kvb,
-            "hbm_fraction": frac, "step_kernels": kernels}));
+            "hbm_fraction": frac, "step_kernels": kernels, "decode_fusions": fused}));
     }
 
     if std::env::var_os("DSV4_PROFILE").is_some() {
@@ -360,7 +374,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 round(&mut m, &mut pos)?;
             }
             let rt = t0.elapsed().as_secs_f64() / steps as f64 * 1e3;
-            let dm = decode_ms.iter().find(|d| d.0 == bs).map_or(f64::NAN, |d| d.1);
+            let dm = decode_ms.iter().rev().find(|d| d.0 == bs).map_or(f64::NAN, |d| d.1);
             let speedup = (l + 1) as f64 * dm / rt;
             println!(
                 "verify batch {bs:>3}, {l} drafts: {rt:8.3} ms/round = {:.2}x a decode step; all {l} accepted -> {speedup:.2}x tokens/s (drafter cost not included)",
@@ -610,7 +624,7 @@ fn dspark_round(
     let row = |i: usize| &hidden[(i % win) * hw..(i % win + 1) * hw];
     let p0 = dctx.max(win); // the last committed position
     let decode = |bs: usize| {
-        results.iter().find(|r| r["kind"] == "decode" && r["batch"] == bs).and_then(|r| r["ms_per_step"].as_f64())
+        results.iter().rev().find(|r| r["kind"] == "decode" && r["batch"] == bs).and_then(|r| r["ms_per_step"].as_f64())
     };
     let verify = |bs: usize, l: usize| {
         results

@@ -875,6 +875,21 @@ impl CudaBackend {
         self.index_fused.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// All ten decode fusions on or off at once (what `DSV4_DECODE_FUSIONS` sets at start), so
+    /// one process can time a step both ways (`dsv4 bench --decode-fusions 0,1`).
+    pub fn set_decode_fusions(&self, on: bool) {
+        self.set_ffn1(on);
+        self.set_x8_group(on);
+        self.set_comp_fused(on);
+        self.set_hc_post_dot(on);
+        self.set_gemv_twin(on);
+        self.set_att_fused(on);
+        self.set_gemv4(on);
+        self.set_norm_group(on);
+        self.set_route_fused(on);
+        self.set_index_fused(on);
+    }
+
     /// Whether `t` carries int8 codes (an RMSNorm or a product wrote them beside it).
     pub fn has_x8_twin(&self, t: &CudaTensor) -> bool {
         t.x8.get().is_some()
