@@ -152,8 +152,8 @@ fn cuda_invariance_of_large_chunks_exact() {
     assert!(f.is_empty(), "batch invariance of 48-row chunks (exact mode) broken on the GPU: {f:?}");
 }
 
-/// The decode fusions that apply to any weight format, each behind a switch that is off by
-/// default until it has run on a GPU, give bitwise the logits of the launches they replace, in
+/// The decode fusions that apply to any weight format, each behind a switch (on by default but
+/// HC_POST_DOT; set both ways here, whatever the environment), give bitwise the logits of the launches they replace, in
 /// exact mode on the HF fixture: the compressor's pooling and raw-ring store in one launch
 /// (`set_comp_fused`: steps whose segments are short, `Batch::short_segments`), the decode attention's
 /// epilogue (`set_att_fused`: inverse RoPE, ring rows, counters), HC_POST with the next

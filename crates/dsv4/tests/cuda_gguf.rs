@@ -141,7 +141,7 @@ fn cuda_gguf_backend_reused_across_models() {
     assert!(exact <= EXACT_TOL, "q2 after q4 on one backend: {exact:.2e} > {EXACT_TOL:e}");
 }
 
-/// The decode fusions behind switches (each off by default until it has run on a GPU) give
+/// The decode fusions behind switches (on by default but HC_POST_DOT; each set both ways here) give
 /// bitwise the logits of the launches they replace, on ds4's q2 layout with int8 activations
 /// (IQ2_XXS / Q2_K routed experts, Q8_0 attention and shared expert), through a 13-row prompt
 /// chunk and 12 greedy one-row steps (recorded and replayed as CUDA graphs after the second

@@ -270,12 +270,16 @@ fn hc_dot_tc() -> bool {
     *ON.get_or_init(|| std::env::var("DSV4_HC_DOT_TC").map(|v| v != "0").unwrap_or(true))
 }
 
-/// The decode fusions that are off by default until they have run on a GPU (v22, v23 in
-/// PERF.md): each one's own variable (`=1` on, `=0` off) wins, else `DSV4_DECODE_FUSIONS=1`
-/// turns them all on (one switch for the A/B of all ten).
+/// The decode fusions (v22, v23 in PERF.md), all bitwise the launches they replace: each one's
+/// own variable (`=1` on, `=0` off) wins, else `DSV4_DECODE_FUSIONS` (`=1` all on, `=0` all
+/// off), else the default: on, except [`HC_POST_DOT_DEFAULT`]'s (measured on the H200, v24).
 fn decode_fusion(name: &str) -> bool {
     decode_fusion_in(name, |n| std::env::var(n).ok())
 }
+
+/// `DSV4_HC_POST_DOT`'s default: off. On 43 q2 layers at context 4096 it made the batch-16 step
+/// 36.5 → 38.3 ms and moved batch 1 by less than the spread (v24).
+const HC_POST_DOT_DEFAULT: bool = false;
 
 /// [`decode_fusion`] over the variables `var` gives.
 fn decode_fusion_in(name: &str, var: impl Fn(&str) -> Option<String>) -> bool {
@@ -284,7 +288,8 @@ fn decode_fusion_in(name: &str, var: impl Fn(&str) -> Option<String>) -> bool {
         Some("0") => Some(false),
         _ => None,
     };
-    flag(name).or_else(|| flag("DSV4_DECODE_FUSIONS")).unwrap_or(false)
+    let default = name != "DSV4_HC_POST_DOT" || HC_POST_DOT_DEFAULT;
+    flag(name).or_else(|| flag("DSV4_DECODE_FUSIONS")).unwrap_or(default)
 }
 
 /// Groups from which an RMSNorm of 512-value groups takes `rms_norm_warp` (bitwise `rms_norm`'s
@@ -744,7 +749,7 @@ impl CudaBackend {
     /// 32-value group; `moe_down1s`: every pair's down rows, the routing-weighted sum and the add
     /// of the shared expert), instead of moe_sort, up, quant_x8, down, moe_combine and the shared
     /// expert's up, quant_x8, down, then add: 9 launches. The same values bit for bit. Start
-    /// value `DSV4_FFN1=1`; off by default until it has run on a GPU.
+    /// value `DSV4_FFN1` (`0`/`1`), else `DSV4_DECODE_FUSIONS`; on by default.
     pub fn set_ffn1(&self, on: bool) {
         self.ffn1.store(on, std::sync::atomic::Ordering::Relaxed);
         self.bump_settings();
@@ -756,8 +761,8 @@ impl CudaBackend {
 
     /// One row's products of packed int8-format weights of one input ([`crate::Backend::matmul_many`]:
     /// the attention input's wq_a and wkv, qr's wq_b and the indexer's wq_b) in one launch a
-    /// format (`gemv1xg`), bitwise the launches one by one. Start value `DSV4_X8_GROUP=1`; off by
-    /// default until it has run on a GPU.
+    /// format (`gemv1xg`), bitwise the launches one by one. Start value `DSV4_X8_GROUP` (`0`/`1`),
+    /// else `DSV4_DECODE_FUSIONS`; on by default.
     pub fn set_x8_group(&self, on: bool) {
         self.x8_group.store(on, std::sync::atomic::Ordering::Relaxed);
         self.bump_settings();
@@ -770,8 +775,8 @@ impl CudaBackend {
     /// A compressor's pooling (`comp_pool`) and raw-ring store (`comp_store`) in one launch
     /// (`comp_pool_store`) where every segment of the batch is short
     /// ([`crate::batch::SHORT_SEGMENT`] rows: decode and verify), so the two touch distinct ring
-    /// slots; the same values. Start value `DSV4_COMP_FUSED=1`; off by default until it has run
-    /// on a GPU.
+    /// slots; the same values. Start value `DSV4_COMP_FUSED` (`0`/`1`), else `DSV4_DECODE_FUSIONS`;
+    /// on by default.
     pub fn set_comp_fused(&self, on: bool) {
         self.comp_fused.store(on, std::sync::atomic::Ordering::Relaxed);
         self.bump_settings();
@@ -783,8 +788,8 @@ impl CudaBackend {
 
     /// HC_POST forms the next HC_PRE's partial sums over the streams it writes (`hc_post_dot`,
     /// kept on the result) where that HC_PRE takes `hc_pre_dot` (decode batches; every call in
-    /// exact mode): one launch fewer an HC_PRE, the same values. Start value
-    /// `DSV4_HC_POST_DOT=1`; off by default until it has run on a GPU.
+    /// exact mode): one launch fewer an HC_PRE, the same values. Start value `DSV4_HC_POST_DOT`
+    /// (`0`/`1`), else `DSV4_DECODE_FUSIONS`; off by default (slower at 16 rows, v24).
     pub fn set_hc_post_dot(&self, on: bool) {
         self.hc_post_dot.store(on, std::sync::atomic::Ordering::Relaxed);
         self.bump_settings();
@@ -796,7 +801,8 @@ impl CudaBackend {
 
     /// The one-row wo_a product also writes its output's int8 codes (`gemv1xq`: the last of the
     /// blocks of each 32-value group quantises it), so wo_b skips its `quant_x8` launch; the
-    /// same values. Start value `DSV4_GEMV_TWIN=1`; off by default until it has run on a GPU.
+    /// same values. Start value `DSV4_GEMV_TWIN` (`0`/`1`), else `DSV4_DECODE_FUSIONS`; on by
+    /// default.
     pub fn set_gemv_twin(&self, on: bool) {
         self.gemv_twin.store(on, std::sync::atomic::Ordering::Relaxed);
         self.bump_settings();
@@ -810,8 +816,8 @@ impl CudaBackend {
     /// and, on the int8 path, the output's int8 codes where it merges the slices, writes the
     /// window ring's rows itself where segments are short (decode, verify), and keeps its slice
     /// counters in a buffer each launch leaves zero: no `rope`, `quant_x8`, `ring_write` or
-    /// counter memset beside it. The same values. Start value `DSV4_ATT_FUSED=1`; off by
-    /// default until it has run on a GPU.
+    /// counter memset beside it. The same values. Start value `DSV4_ATT_FUSED` (`0`/`1`), else
+    /// `DSV4_DECODE_FUSIONS`; on by default.
     pub fn set_att_fused(&self, on: bool) {
         self.att_fused.store(on, std::sync::atomic::Ordering::Relaxed);
         self.bump_settings();
@@ -822,8 +828,8 @@ impl CudaBackend {
     }
 
     /// One-row int8 products of at most 1,024 inputs (wq_b, the indexer's wq_b) with 4 outputs a
-    /// warp (`gemv1x4`, `gemv1xg4`; see `gemv4_fits`): the same sums. Start value
-    /// `DSV4_GEMV4=1`; off by default until it has run on a GPU.
+    /// warp (`gemv1x4`, `gemv1xg4`; see `gemv4_fits`): the same sums. Start value `DSV4_GEMV4`
+    /// (`0`/`1`), else `DSV4_DECODE_FUSIONS`; on by default.
     pub fn set_gemv4(&self, on: bool) {
         self.gemv4.store(on, std::sync::atomic::Ordering::Relaxed);
         self.bump_settings();
@@ -837,7 +843,7 @@ impl CudaBackend {
     /// launches (`norm_many`): q_a's norm with kv's norm + RoPE, then the heads' norm + RoPE
     /// with the indexer query's RoPE, where each ran its own (−2 launches a CSA layer, −1 on
     /// the others). Each job's values are those of its own launch bit for bit. Start value
-    /// `DSV4_NORM_GROUP=1`; off by default until it has run on a GPU.
+    /// `DSV4_NORM_GROUP` (`0`/`1`), else `DSV4_DECODE_FUSIONS`; on by default.
     pub fn set_norm_group(&self, on: bool) {
         self.norm_group.store(on, std::sync::atomic::Ordering::Relaxed);
         self.bump_settings();
@@ -850,8 +856,8 @@ impl CudaBackend {
     /// The router's product with f32 weights (`gemv_f32`, one block an expert) and its choice
     /// of experts (`route`) in one launch ([`crate::Backend::router`]: `gemv_route`, whose last
     /// block routes every row): one launch fewer a layer, the same values (the two kernels'
-    /// files are both compiled without contraction). Start value `DSV4_ROUTE_FUSED=1`; off by
-    /// default until it has run on a GPU.
+    /// files are both compiled without contraction). Start value `DSV4_ROUTE_FUSED` (`0`/`1`), else
+    /// `DSV4_DECODE_FUSIONS`; on by default.
     pub fn set_route_fused(&self, on: bool) {
         self.route_fused.store(on, std::sync::atomic::Ordering::Relaxed);
         self.bump_settings();
@@ -864,8 +870,8 @@ impl CudaBackend {
     /// The lightning indexer's scores (`index_score`) and top-k (`index_topk`) in one launch
     /// (`index_score_topk`: each row's last block to finish its scores selects the row's
     /// entries) where every segment is short (decode and verify): one launch fewer a CSA
-    /// layer, the same values. Start value
-    /// `DSV4_INDEX_FUSED=1`; off by default until it has run on a GPU.
+    /// layer, the same values. Start value `DSV4_INDEX_FUSED` (`0`/`1`), else
+    /// `DSV4_DECODE_FUSIONS`; on by default.
     pub fn set_index_fused(&self, on: bool) {
         self.index_fused.store(on, std::sync::atomic::Ordering::Relaxed);
         self.bump_settings();
@@ -2470,14 +2476,18 @@ mod tests {
         let on = |vars: &[(&str, &str)], name: &str| {
             decode_fusion_in(name, |n| vars.iter().find(|(k, _)| *k == n).map(|(_, v)| v.to_string()))
         };
-        assert!(!on(&[], "DSV4_FFN1"), "off by default");
-        assert!(on(&[("DSV4_FFN1", "1")], "DSV4_FFN1"));
-        assert!(!on(&[("DSV4_FFN1", "1")], "DSV4_GEMV4"), "one switch turns on only itself");
+        assert!(on(&[], "DSV4_FFN1"), "on by default");
+        assert!(!on(&[], "DSV4_HC_POST_DOT"), "HC_POST_DOT off by default");
+        assert!(!on(&[("DSV4_FFN1", "0")], "DSV4_FFN1"));
+        assert!(on(&[("DSV4_FFN1", "0")], "DSV4_GEMV4"), "one switch turns off only itself");
+        assert!(on(&[("DSV4_HC_POST_DOT", "1")], "DSV4_HC_POST_DOT"));
+        assert!(!on(&[("DSV4_DECODE_FUSIONS", "0")], "DSV4_FFN1"), "the umbrella turns them all off");
         assert!(on(&[("DSV4_DECODE_FUSIONS", "1")], "DSV4_GEMV4"));
         assert!(!on(&[("DSV4_DECODE_FUSIONS", "1"), ("DSV4_GEMV4", " 0 ")], "DSV4_GEMV4"));
         assert!(on(&[("DSV4_DECODE_FUSIONS", "0"), ("DSV4_GEMV4", "1")], "DSV4_GEMV4"));
         // Anything but 1 or 0 says nothing: the umbrella decides.
         assert!(on(&[("DSV4_DECODE_FUSIONS", "1"), ("DSV4_FFN1", "")], "DSV4_FFN1"));
-        assert!(!on(&[("DSV4_FFN1", "true")], "DSV4_FFN1"));
+        assert!(on(&[("DSV4_FFN1", "true")], "DSV4_FFN1"), "not a 1/0: the default");
+        assert!(!on(&[("DSV4_HC_POST_DOT", "yes")], "DSV4_HC_POST_DOT"));
     }
 }
