@@ -200,10 +200,11 @@ fn cuda_int8_products_match_the_twin() {
         let p = random_packed(format, m, k, 40 + fi as u64);
         let w = b.upload(host("layers.0.attn.wq_a.weight", m, k, &p)).unwrap();
         let rb = format.row_bytes(k);
-        // One row, the dp4a row groups' sizes (8, 4, 2, 1) and the tensor-core tiles' (one
-        // n-tile of 8, two of 8, several blocks of 16 rows): each row bitwise its twin, so a
-        // row's result does not depend on the rows beside it.
-        for n in [1, 3, 8, 15, 33] {
+        // One row, the several-row kernels built for 2 and 4 rows (gemvx2, gemvx4), the dp4a
+        // row groups' sizes (8, 4, 2, 1) and the tensor-core tiles' (one n-tile of 8, two of 8,
+        // several blocks of 16 rows): each row bitwise its twin, so a row's result does not
+        // depend on the rows beside it.
+        for n in [1, 2, 3, 4, 8, 15, 33] {
             let (xg, xc) = activations(&b, n, k, 77 + fi as u64);
             let got = b.to_host(&b.matmul(&xg, &w));
             for r in 0..n {
@@ -265,8 +266,9 @@ fn cuda_int8_products_match_the_twin() {
     let bias_g = b.upload(HostTensor::new("bias", vec![ne], vec![0.0; ne])).unwrap();
     let bias_c = Tensor::new(1, ne, vec![0.0; ne]);
     // 24 rows: 72 pairs over 8 experts, so the tile kernels take an expert's pairs in several
-    // row tiles of 8. Each size on the dp4a row groups (`Dense`) and on the expert tiles (`All`).
-    for (n, tiles) in [1, 5, 24].into_iter().flat_map(|n| [(n, X8Tiles::Dense), (n, X8Tiles::All)]) {
+    // row tiles of 8; 2 and 4 rows take the down kernels built for that many (moe_downx2,
+    // moe_downx4). Each size on the dp4a row groups (`Dense`) and on the expert tiles (`All`).
+    for (n, tiles) in [1, 2, 4, 5, 24].into_iter().flat_map(|n| [(n, X8Tiles::Dense), (n, X8Tiles::All)]) {
         b.set_x8_tiles(tiles);
         let (xg, xc) = activations(&b, n, d, 6);
         let (lg, lc) = activations(&b, n, ne, 10);

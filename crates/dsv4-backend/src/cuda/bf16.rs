@@ -551,8 +551,8 @@ pub(crate) fn ffn_one_row(
         return None;
     }
     let (up, down) = b.qk.ffn1((r13, r2), (s13, s2))?;
-    let table = b.packed_expert_kernels(experts, true).table;
-    let stable = b.packed_expert_kernels(std::slice::from_ref(shared), true).table;
+    let table = b.packed_expert_kernels(experts, 1).table;
+    let stable = b.packed_expert_kernels(std::slice::from_ref(shared), 1).table;
     let super::X8Twin { q: xq, d: xd } = b.x8_of(x);
     let mut h = b.alloc::<f32>(pairs * inter);
     let mut hq = b.alloc::<i8>(pairs * inter);
@@ -636,7 +636,7 @@ pub(crate) fn shared_expert_x8(
     if x.rows != 1 || !packed || !d.is_multiple_of(blk) || !inter.is_multiple_of(blk) {
         return None;
     }
-    let ek = b.packed_expert_kernels(std::slice::from_ref(e), true);
+    let ek = b.packed_expert_kernels(std::slice::from_ref(e), 1);
     let kernels = ek.x8?;
     // order [0], off [0, 1], active [expert 0; one active].
     let one = &b.one_pair;
@@ -702,7 +702,7 @@ pub(crate) fn moe(
         && [&experts[0].w1, &experts[0].w2].iter().all(|w| w.q.as_ref().is_some_and(|q| crate::x8::supports(q.format)))
         && n <= b.x8_rows();
     if (n <= GROUPED_MAX_ROWS || b.exact() || tiles) && d.is_multiple_of(8) && inter.is_multiple_of(8) {
-        let ek = b.packed_expert_kernels(experts, n == 1);
+        let ek = b.packed_expert_kernels(experts, n);
         let table = &ek.table;
         let mut h = b.alloc::<f32>(nk * inter);
         let mut y = b.alloc::<f32>(nk * d);
@@ -766,7 +766,7 @@ pub(crate) fn moe(
     }
     // Many rows: the tensor-core tiles, every expert in one launch a projection.
     if super::gemm::experts_fit(d, inter) {
-        let ek = b.packed_expert_kernels(experts, false);
+        let ek = b.packed_expert_kernels(experts, usize::MAX);
         let mut y = b.alloc::<f32>(nk * d);
         if share {
             // The combine reads every slot's row: those of other ranks' experts must be zero.

@@ -76,6 +76,18 @@ impl X8Tiles {
 /// weight pass for up to 8 rows; at 2 and 4 rows 1.4–2× the tiles' rate in the kernel table).
 pub const TILE_MIN_ROWS: usize = 5;
 
+/// The int8 product kernel of `n` rows off the tiles: the one-row kernel, the several-row kernel
+/// built for at most 2 or 4 rows (fewer registers, more blocks an SM: 61–80 registers against
+/// 102–128, PERF.md v24), or the general one. Any of them gives every row the same value.
+fn gemvx_name(n: usize) -> &'static str {
+    match n {
+        1 => "gemv1x",
+        2 => "gemvx2",
+        3 | 4 => "gemvx4",
+        _ => "gemvx",
+    }
+}
+
 /// Outputs a tile block covers (the mma's 16) and rows an n-tile holds (its 8).
 const TILE_OUTPUTS: usize = 16;
 const TILE_ROWS: usize = 8;
@@ -243,8 +255,12 @@ impl QuantKernels {
                 "moe_up1x",
                 "moe_down1x",
                 "gemvx",
+                "gemvx2",
+                "gemvx4",
                 "moe_upx",
                 "moe_downx",
+                "moe_downx2",
+                "moe_downx4",
                 "moe_upt",
                 "moe_downt",
             ] {
@@ -560,7 +576,7 @@ impl CudaBackend {
                 (self.qk.of("gemv1x4", q.format), cfg)
             } else {
                 let cfg = LaunchConfig { grid_dim: (m.div_ceil(Q_WARPS * opw) as u32, 1, 1), ..cfg };
-                (self.qk.of(if n == 1 { "gemv1x" } else { "gemvx" }, q.format), cfg)
+                (self.qk.of(gemvx_name(n), q.format), cfg)
             };
             let X8Twin { q: xq, d: xd } = self.x8_of(x);
             let blk = crate::x8::BLOCK;
@@ -780,12 +796,15 @@ impl CudaBackend {
     /// The up / down kernels of routed experts held packed (or bf16 beside packed ones, where
     /// a matrix's rows are not whole blocks) and their 6·E address table (w1, w3, w2 blocks,
     /// then scales).
-    /// `single`: one token row (each expert then has at most one pair), the one-row kernels.
+    /// `rows`: the call's token rows, a bound on each expert's pairs (a row's experts are
+    /// distinct): one row takes the one-row kernels, 2 or 4 the int8 down kernels built for that
+    /// many (`moe_downx2`, `moe_downx4`: fewer registers, the same values).
     pub(crate) fn packed_expert_kernels(
         &self,
         experts: &[dsv4_model::weights::Expert<CudaWeight>],
-        single: bool,
+        rows: usize,
     ) -> ExpertKernels<'_> {
+        let single = rows == 1;
         // Kernel suffix, block address and scale address of one matrix.
         let parts = |w: &CudaWeight| match (&w.q, &w.bf) {
             (Some(q), _) => (suffix(q.format), self.dev_ptr(&q.blocks), self.dev_ptr(&q.scales)),
@@ -812,8 +831,14 @@ impl CudaBackend {
         let ex = &experts[0];
         let x8_tiles = !single && self.x8_tiles() == X8Tiles::All;
         let x = if x8_tiles { "t" } else { "x" };
+        // The down kernel capped at 2 or 4 pairs an expert (not for the tiles).
+        let cap = match rows {
+            2 if !x8_tiles => "2",
+            3 | 4 if !x8_tiles => "4",
+            _ => "",
+        };
         let x8 = (self.int8() && int8(&ex.w1) && int8(&ex.w3) && int8(&ex.w2))
-            .then(|| (self.qk.get(&format!("moe_up{r}{x}_{f13}")), self.qk.get(&format!("moe_down{r}{x}_{f2}"))));
+            .then(|| (self.qk.get(&format!("moe_up{r}{x}_{f13}")), self.qk.get(&format!("moe_down{r}{x}{cap}_{f2}"))));
         ExpertKernels {
             up: self.qk.get(&format!("moe_up{r}_{f13}")),
             down: self.qk.get(&format!("moe_down{r}_{f2}")),

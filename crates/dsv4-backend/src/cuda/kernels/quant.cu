@@ -1135,25 +1135,28 @@ __device__ __forceinline__ void xrows_group(const u8* const* wr, const u8* const
 
 // All nrows rows in groups of up to 8 (one pass over the weights a group; see rows_all; two
 // weight rows: groups of up to 4, for registers); more chunks in flight for small groups
-// (registers: a group also holds its rows' accumulators).
-template <int F, int NW, typename XR, typename ST>
+// (registers: a group also holds its rows' accumulators). GM caps the group size the kernel
+// instantiates (the launcher's bound on nrows: 2 or 4), so a call of few rows does not carry the
+// 8-row group's registers; any cap gives the same values (a row's sums never depend on its group).
+template <int F, int NW, int GM = 8, typename XR, typename ST>
 __device__ __forceinline__ void xrows_all(const u8* const* wr, const u8* const* sr, int nrows, int k, int lane, XR xr,
                                           ST st) {
-    constexpr int U1 = NW == 1 ? 2 : 4, G = NW == 1 ? 8 : 4;
+    constexpr int U1 = NW == 1 ? 2 : 4, G = (NW == 1 ? 8 : 4) < GM ? (NW == 1 ? 8 : 4) : GM;
     int r0 = 0;
     while (r0 < nrows) {
         int left = nrows - r0;
         int nr = min(left, G);
-        if (nr >= 5) xrows_group<F, 8, NW, 1>(wr, sr, r0, nr, k, lane, xr, st);
-        else if (nr >= 3) xrows_group<F, 4, NW, 1>(wr, sr, r0, nr, k, lane, xr, st);
+        if (G >= 5 && nr >= 5) xrows_group<F, 8, NW, 1>(wr, sr, r0, nr, k, lane, xr, st);
+        else if (G >= 3 && nr >= 3) xrows_group<F, 4, NW, 1>(wr, sr, r0, nr, k, lane, xr, st);
         else if (nr == 2) xrows_group<F, 2, NW, 2>(wr, sr, r0, 2, k, lane, xr, st);
         else xrows_group<F, 1, NW, U1>(wr, sr, r0, 1, k, lane, xr, st);
         r0 += nr;
     }
 }
 
-// out[r, o] for n rows (see gemv_q); xq/xd: quant_x8 of x [n, ldx] (ldx a multiple of 32).
-template <int F>
+// out[r, o] for n rows (see gemv_q); xq/xd: quant_x8 of x [n, ldx] (ldx a multiple of 32); GM:
+// xrows_all's cap.
+template <int F, int GM = 8>
 __device__ void gemvn_x8(float* __restrict__ out, const signed char* __restrict__ xq, const float* __restrict__ xd,
                          const u8* __restrict__ w, const u8* __restrict__ s, int n, int k, int m, int ldx, int rpg) {
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1162,7 +1165,7 @@ __device__ void gemvn_x8(float* __restrict__ out, const signed char* __restrict_
     long long xoff = (long long)(o / rpg) * k;
     const u8* wr = w + (long long)o * row_bytes(F, k);
     const u8* sr = scale_row(F, s, o, k);
-    xrows_all<F, 1>(&wr, &sr, n, k, lane,
+    xrows_all<F, 1, GM>(&wr, &sr, n, k, lane,
                     [&](int r, const signed char*& q, const float*& d) {
                         long long e = (long long)r * ldx + xoff;
                         q = xq + e;
@@ -1202,8 +1205,9 @@ __device__ void moe_upn_x8(float* __restrict__ h, const signed char* __restrict_
                     });
 }
 
-// X8_OPWN_DOWN (1 or 2) outputs a warp, sharing each activation load (the same sums).
-template <int F>
+// X8_OPWN_DOWN (1 or 2) outputs a warp, sharing each activation load (the same sums). GM:
+// xrows_all's cap (an expert holds at most as many pairs as the call has rows).
+template <int F, int GM = 8>
 __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restrict__ hq, const float* __restrict__ hd,
                              const unsigned* order, const unsigned* off, const unsigned* active,
                              const unsigned long long* ptrs, int nexp, int d, int inter) {
@@ -1218,7 +1222,7 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
     const u8* wr[P];
     const u8* sr[P];
     down_rows<F, P>(wr, sr, ptrs, nexp, e, c, d, inter);
-    xrows_all<F, P>(wr, sr, cnt, inter, lane,
+    xrows_all<F, P, GM>(wr, sr, cnt, inter, lane,
                     [&](int r, const signed char*& q, const float*& s) {
                         long long p = order[b0 + r];
                         q = hq + p * inter;
@@ -1229,7 +1233,7 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
                     });
 }
 
-#define X8_KERNELS(F, N, UPB, DNB)                                                                                           \
+#define X8_KERNELS(F, N, UPB, DNB, DNB2)                                                                                           \
     extern "C" __global__ void gemv1x_##N(float* out, const signed char* xq, const float* xd, const u8* w,          \
                                           const u8* s, int n, int k, int m, int ldx, int rpg) {                      \
         gemv_x8<F>(out, xq, xd, w, s, k, m, rpg, blockIdx.x); /* waits for the previous kernel inside */             \
@@ -1270,6 +1274,18 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
         fill_tabs<F, true>();                                                                                        \
         gemvn_x8<F>(out, xq, xd, w, s, n, k, m, ldx, rpg);                                                           \
     }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(256, 4) gemvx2_##N(float* out, const signed char* xq, const float* xd, const u8* w, \
+                                          const u8* s, int n, int k, int m, int ldx, int rpg) {                      \
+        pdl_enter();                                                                                                 \
+        fill_tabs<F, true>();                                                                                        \
+        gemvn_x8<F, 2>(out, xq, xd, w, s, n, k, m, ldx, rpg);                                                        \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(256, 3) gemvx4_##N(float* out, const signed char* xq, const float* xd, const u8* w, \
+                                          const u8* s, int n, int k, int m, int ldx, int rpg) {                      \
+        pdl_enter();                                                                                                 \
+        fill_tabs<F, true>();                                                                                        \
+        gemvn_x8<F, 4>(out, xq, xd, w, s, n, k, m, ldx, rpg);                                                        \
+    }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(256, UPB) moe_upx_##N(float* h, const signed char* xq, const float* xd, const unsigned* order, \
                                            const unsigned* off, const unsigned* active,                             \
                                            const unsigned long long* ptrs, int nexp, int k, int d, int inter,        \
@@ -1284,6 +1300,20 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
         pdl_enter();                                                                                                 \
         fill_tabs<F, true>();                                                                                        \
         moe_downn_x8<F>(y, hq, hd, order, off, active, ptrs, nexp, d, inter);                                        \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(256, DNB2) moe_downx2_##N(float* y, const signed char* hq, const float* hd, \
+                                             const unsigned* order, const unsigned* off, const unsigned* active,     \
+                                             const unsigned long long* ptrs, int nexp, int d, int inter) {           \
+        pdl_enter();                                                                                                 \
+        fill_tabs<F, true>();                                                                                        \
+        moe_downn_x8<F, 2>(y, hq, hd, order, off, active, ptrs, nexp, d, inter);                                     \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(256, DNB) moe_downx4_##N(float* y, const signed char* hq, const float* hd, \
+                                             const unsigned* order, const unsigned* off, const unsigned* active,     \
+                                             const unsigned long long* ptrs, int nexp, int d, int inter) {           \
+        pdl_enter();                                                                                                 \
+        fill_tabs<F, true>();                                                                                        \
+        moe_downn_x8<F, 4>(y, hq, hd, order, off, active, ptrs, nexp, d, inter);                                     \
     }
 
 // UPB / DNB: blocks an SM the several-row up / down kernels are compiled for. At batch 16 an
@@ -1291,10 +1321,13 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
 // 16 warps an SM, 1.1 eligible a scheduler); H200, 4 q2 layers, batch 16 (PERF.md v16): Q2_K
 // down at 3 blocks (80 registers, 12 bytes of spills) 6.23 → 5.19 ms a step, IQ2_XXS gate/up at
 // 3 (80 registers, 60 bytes of spills) −0.1 to −0.25 ms. A bound of 1 lets ptxas take ~150
-// registers (one block an SM). The wider formats' decodes would spill more.
-X8_KERNELS(F_Q8_0, q8_0, 1, 2)
-X8_KERNELS(F_Q2_K, q2_k, 1, 3)
-X8_KERNELS(F_IQ2_XXS, iq2_xxs, 3, 3)
+// registers (one block an SM). The wider formats' decodes would spill more. DNB2: the down
+// kernel built for calls of at most 2 rows (moe_downx2; gemvx2 / gemvx4 / moe_downx4 likewise
+// for 2 and 4 rows, with xrows_all's groups capped): Q2_K 64 registers and 4 blocks an SM with
+// no spills, where moe_downx_q2_k holds 80 and spills 12 bytes (offline sm_90a, PERF.md v24).
+X8_KERNELS(F_Q8_0, q8_0, 1, 2, 3)
+X8_KERNELS(F_Q2_K, q2_k, 1, 3, 4)
+X8_KERNELS(F_IQ2_XXS, iq2_xxs, 3, 3, 4)
 
 // One row's routed experts (format R: w1/w3 for up, w2 for down) with the shared expert (format
 // S) in two launches; the shared expert's formats of ds4's files (Q8_0) and each format with
