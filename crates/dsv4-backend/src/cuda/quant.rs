@@ -76,14 +76,21 @@ impl X8Tiles {
 /// weight pass for up to 8 rows; at 2 and 4 rows 1.4–2× the tiles' rate in the kernel table).
 pub const TILE_MIN_ROWS: usize = 5;
 
+/// Whether calls of 2 to 4 rows take the int8 kernels built for that many (`gemvx2`, `gemvx4`,
+/// `moe_downx2`, `moe_downx4`; `DSV4_ROW_CAPS=0`: the general several-row kernels, the A/B).
+fn row_caps() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DSV4_ROW_CAPS").map(|v| v.trim() != "0").unwrap_or(true))
+}
+
 /// The int8 product kernel of `n` rows off the tiles: the one-row kernel, the several-row kernel
 /// built for at most 2 or 4 rows (fewer registers, more blocks an SM: 61–80 registers against
 /// 102–128, PERF.md v24), or the general one. Any of them gives every row the same value.
 fn gemvx_name(n: usize) -> &'static str {
     match n {
         1 => "gemv1x",
-        2 => "gemvx2",
-        3 | 4 => "gemvx4",
+        2 if row_caps() => "gemvx2",
+        3 | 4 if row_caps() => "gemvx4",
         _ => "gemvx",
     }
 }
@@ -833,8 +840,8 @@ impl CudaBackend {
         let x = if x8_tiles { "t" } else { "x" };
         // The down kernel capped at 2 or 4 pairs an expert (not for the tiles).
         let cap = match rows {
-            2 if !x8_tiles => "2",
-            3 | 4 if !x8_tiles => "4",
+            2 if !x8_tiles && row_caps() => "2",
+            3 | 4 if !x8_tiles && row_caps() => "4",
             _ => "",
         };
         let x8 = (self.int8() && int8(&ex.w1) && int8(&ex.w3) && int8(&ex.w2))
