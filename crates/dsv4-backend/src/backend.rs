@@ -67,6 +67,11 @@ pub trait Backend: Send + Sync {
         None
     }
     fn new_cache(&self, cfg: &Config, max_seqs: usize) -> Self::Cache;
+    /// Room for `tokens` positions in every slot's growing state (compressed entries, indexer
+    /// keys) now, so that no step up to that length grows it: a growth reallocates every slot's
+    /// entries and re-records every recorded step (~30–50 ms at 43 layers, PERF.md v24). A no-op
+    /// where the state grows in host memory.
+    fn reserve_state(&self, _cache: &mut Self::Cache, _tokens: usize) {}
     /// Clears one sequence's state (compressor overlap rows become `u = 0, z = −∞`, spec §9.4 #8).
     fn reset_seq(&self, cache: &mut Self::Cache, seq: usize);
     /// Copies one sequence's whole state (spec §9.1) to the host, for the prefix and disk

@@ -420,6 +420,13 @@ impl<B: Backend> Model<B> {
         }
     }
 
+    /// Reserves every slot's state for `tokens` positions, on every rank (see
+    /// [`Backend::reserve_state`]): `serve` does so for its context limit before the first step.
+    pub fn reserve_state(&mut self, tokens: usize) {
+        Self::from_peers(self.on_peers(move |m| m.reserve_state(tokens)));
+        self.backend.reserve_state(&mut self.cache, tokens);
+    }
+
     pub fn seq_len(&self, seq: usize) -> Option<usize> {
         self.seqs.get(seq).copied().flatten()
     }

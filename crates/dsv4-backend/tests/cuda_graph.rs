@@ -119,3 +119,32 @@ fn nonfinite_in_a_replayed_step_is_named() {
     assert_eq!(e1.to_string(), e2.to_string());
     assert_eq!(e2.stage().unwrap().to_string(), "layers.3.attn.kv", "{e2}");
 }
+
+/// A state reserved up front (`Model::reserve_state`, what `serve` does for its context limit)
+/// does not grow in the steps up to that length, so no recorded step is recorded again for it;
+/// the logits are bitwise those of a state that grew as it went (the script's compressed entries
+/// grow several times without the reservation).
+#[test]
+fn a_reserved_state_does_not_grow() {
+    let Some(a) = CudaBackend::exact_or_skip(false) else { return };
+    let b = CudaBackend::new(0).unwrap();
+    a.set_exact(true);
+    b.set_exact(true);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny_config(97);
+    write_random(dir.path(), &cfg, 35);
+    let mut grown = Model::load(a, dir.path(), 3, false).unwrap();
+    let mut reserved = Model::load(b, dir.path(), 3, false).unwrap();
+    grown.set_graphs(true);
+    reserved.set_graphs(true);
+    // The script reaches position 100 at most.
+    reserved.reserve_state(128);
+    let (g0, r0) = (grown.backend_and_cache().1.generation, reserved.backend_and_cache().1.generation);
+    let want = script(&mut grown, cfg.vocab_size);
+    let got = script(&mut reserved, cfg.vocab_size);
+    assert!(grown.backend_and_cache().1.generation > g0, "the unreserved state never grew: the test tests nothing");
+    assert_eq!(reserved.backend_and_cache().1.generation, r0, "the reserved state grew");
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(g == w, "forward {i}: the reserved state's outputs differ from the grown one's");
+    }
+}

@@ -58,8 +58,10 @@ pub fn check_scheme(scheme: &str, flag: &str) -> Result<()> {
     Ok(())
 }
 
-/// Seconds of decode steps before each timed decode window (see the warm-up in [`run`]).
+/// Seconds of decode steps before each timed decode window (see the warm-up in [`run`]), and
+/// the most steps that warm-up takes.
 const DECODE_WARMUP_S: f64 = 0.3;
+const WARMUP_MAX_STEPS: usize = 64;
 
 /// Random V4-Flash weights of `cfg` in the layout `scheme` ([`SCHEMES`]), drawn on the device,
 /// and their bytes by part.
@@ -241,6 +243,15 @@ pub fn run(a: BenchArgs) -> Result<()> {
         t0.elapsed().as_secs_f64()
     );
     let mut pos = vec![dctx; max_b];
+    let drafts = if a.verify_drafts.trim().is_empty() {
+        if a.dspark_round {
+            vec![1, 2, 3, 4]
+        } else {
+            Vec::new()
+        }
+    } else {
+        parse_list(&a.verify_drafts).context("--verify-drafts")?
+    };
     // `--decode-fusions 0,1`: each batch with the fusions off, then on (the verify and DSpark
     // rounds below run under the last setting).
     let fusions: Vec<Option<bool>> = if a.decode_fusions.trim().is_empty() {
@@ -248,12 +259,21 @@ pub fn run(a: BenchArgs) -> Result<()> {
     } else {
         parse_list(&a.decode_fusions).context("--decode-fusions")?.into_iter().map(|v| Some(v != 0)).collect()
     };
+    // Every position the timed steps will reach, reserved now (as `serve` reserves its context
+    // limit): a state that grows inside a timed window reallocates every slot's entries and
+    // re-records the step, 30–50 ms at 43 layers (v24: what the first window's penalty was).
+    let steps = a.decode_tokens.max(1);
+    let span = batches.len() * fusions.len() * (WARMUP_MAX_STEPS + steps)
+        + batches.len() * drafts.len() * (steps + 1)
+        + if a.dspark_round { batches.len() * 3 * 4 * (steps + 1) } else { 0 }
+        + 64;
+    m.reserve_state(dctx + span);
+    m.backend_and_cache().0.synchronize();
     for (&bs, &fused) in batches.iter().flat_map(|b| fusions.iter().map(move |f| (b, f))) {
         if let Some(on) = fused {
             m.backend.set_decode_fusions(on);
         }
         let tag = fused.map_or(String::new(), |on| format!(" (fusions {})", if on { "on" } else { "off" }));
-        let steps = a.decode_tokens.max(1);
         let step = |m: &mut Model<CudaBackend>, pos: &mut Vec<usize>| -> Result<()> {
             let rows: Vec<Row> = (0..bs)
                 .map(|i| Row {
@@ -274,15 +294,21 @@ pub fn run(a: BenchArgs) -> Result<()> {
         // at 43 layers 10.2–12.9 ms in the first 16-step window, 9.3–9.6 after).
         let warm = Instant::now();
         let mut n = 0;
-        while n < 2 || (warm.elapsed().as_secs_f64() < DECODE_WARMUP_S && n < 64) {
+        while n < 2 || (warm.elapsed().as_secs_f64() < DECODE_WARMUP_S && n < WARMUP_MAX_STEPS) {
             step(&mut m, &mut pos)?;
             n += 1;
         }
+        let generation = m.backend_and_cache().1.generation;
         let t0 = Instant::now();
         for _ in 0..steps {
             step(&mut m, &mut pos)?;
         }
         let st = t0.elapsed().as_secs_f64() / steps as f64;
+        if m.backend_and_cache().1.generation != generation {
+            println!(
+                "warning: decode batch {bs}: the state grew inside the timed window (a re-record is in the figure)"
+            );
+        }
         if std::env::var_os("DSV4_PROFILE_CAPTURE").is_some() {
             // One more step inside the profiler's capture range (`ncu --profile-from-start
             // off`, tools/device/profile.sh): the weight draw and the prefill stay out of it.
@@ -348,15 +374,6 @@ pub fn run(a: BenchArgs) -> Result<()> {
     // l drafts in one forward, then is cut back to the anchor (no replay). Compared with the plain
     // decode step above, `(l + 1) · t_decode / t_round` is the speedup when all l drafts are
     // accepted, before the drafter's own cost (the drafter does not run on the GPU yet).
-    let drafts = if a.verify_drafts.trim().is_empty() {
-        if a.dspark_round {
-            vec![1, 2, 3, 4]
-        } else {
-            Vec::new()
-        }
-    } else {
-        parse_list(&a.verify_drafts).context("--verify-drafts")?
-    };
     let decode_ms: Vec<(usize, f64)> = results
         .iter()
         .filter(|r| r["kind"] == "decode")
@@ -378,7 +395,6 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 Ok(())
             };
             round(&mut m, &mut pos)?;
-            let steps = a.decode_tokens.max(1);
             let t0 = Instant::now();
             for _ in 0..steps {
                 round(&mut m, &mut pos)?;

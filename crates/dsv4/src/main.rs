@@ -351,7 +351,7 @@ where
 
 /// Serves a loaded model until ctrl-c, then writes the prefix cache to disk.
 fn serve_model<B: Backend + 'static>(
-    model: Model<B>,
+    mut model: Model<B>,
     tok: dsv4_tokenizer::Tokenizer,
     a: ServeArgs,
     default_name: String,
@@ -374,6 +374,7 @@ where
     };
     let speculative = dspark.is_some();
     let token_budget = a.token_budget.unwrap_or_else(|| default_token_budget(&model.cfg, model.backend.memory_free()));
+    reserve_states(&mut model, max_context, a.max_seqs);
     let cfg = dsv4_engine::EngineConfig {
         token_budget,
         prefill_chunk: token_budget,
@@ -479,24 +480,33 @@ fn parse_defaults(s: &str) -> Result<serde_json::Map<String, serde_json::Value>,
     }
 }
 
-/// The longest context by default: the model's maximum, or less where the backend knows its
-/// free memory and `max_seqs` full-length states (an estimate from the compressed caches,
-/// which grow with the sequence) would not fit in 90% of it.
-fn default_max_context<B: Backend>(model: &Model<B>, max_seqs: usize) -> usize {
-    let cfg = &model.cfg;
-    let max = cfg.max_position;
-    let per_token: f64 = cfg
-        .layers
+/// Bytes of growing state (compressed entries and indexer keys, f32) a sequence holds a token.
+fn state_bytes_per_token(cfg: &dsv4_model::Config) -> f64 {
+    cfg.layers
         .iter()
         .filter(|l| l.ratio > 0)
         .map(|l| {
             let idx = if l.attn == dsv4_model::config::AttnKind::Csa { cfg.index_head_dim } else { 0 };
             ((cfg.head_dim + idx) * 4) as f64 / l.ratio as f64
         })
-        .sum();
-    match model.backend.memory_free() {
-        Some(free) if per_token > 0.0 => {
-            let fit = (free as f64 * 0.9 / (per_token * max_seqs.max(1) as f64)) as usize;
+        .sum()
+}
+
+/// Tokens each of `max_seqs` states can hold in the share `frac` of the backend's free memory;
+/// `None` where the backend does not know its memory or the model has no growing state.
+fn state_fit<B: Backend>(model: &Model<B>, max_seqs: usize, frac: f64) -> Option<usize> {
+    let per_token = state_bytes_per_token(&model.cfg);
+    let free = model.backend.memory_free()?;
+    (per_token > 0.0).then(|| (free as f64 * frac / (per_token * max_seqs.max(1) as f64)) as usize)
+}
+
+/// The longest context by default: the model's maximum, or less where the backend knows its
+/// free memory and `max_seqs` full-length states (an estimate from the compressed caches,
+/// which grow with the sequence) would not fit in 90% of it.
+fn default_max_context<B: Backend>(model: &Model<B>, max_seqs: usize) -> usize {
+    let max = model.cfg.max_position;
+    match state_fit(model, max_seqs, 0.9) {
+        Some(fit) => {
             if fit < max {
                 tracing::info!(
                     "max-context {fit}: what {max_seqs} sequences' states fit in free memory (model maximum {max})"
@@ -504,7 +514,28 @@ fn default_max_context<B: Backend>(model: &Model<B>, max_seqs: usize) -> usize {
             }
             fit.clamp(1, max)
         }
-        _ => max,
+        None => max,
+    }
+}
+
+/// Reserves every slot's state for the context limit before the first step (as vLLM
+/// preallocates its KV cache), where the backend knows its memory: otherwise the first
+/// sequence to pass each power of two reallocates every slot's entries and re-records every
+/// recorded step mid-serving. At most 75% of the free memory (the step's activations, the
+/// recorded steps and the libraries' workspaces need the rest); a context limit beyond that
+/// reserves what fits, and longer sequences grow the state as they go.
+fn reserve_states<B: Backend>(model: &mut Model<B>, max_context: usize, max_seqs: usize) {
+    let Some(fit) = state_fit(model, max_seqs, 0.75) else { return };
+    let tokens = max_context.min(fit);
+    let gb = state_bytes_per_token(&model.cfg) * (tokens * max_seqs) as f64 / 1e9;
+    model.reserve_state(tokens);
+    if tokens < max_context {
+        tracing::warn!(
+            "states reserved for {tokens} tokens × {max_seqs} sequences ({gb:.2} GB, 75% of free memory): \
+             longer sequences grow them while serving (max-context {max_context})"
+        );
+    } else {
+        tracing::info!("states reserved for {tokens} tokens × {max_seqs} sequences ({gb:.2} GB)");
     }
 }
 

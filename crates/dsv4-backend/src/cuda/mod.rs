@@ -1699,6 +1699,10 @@ impl Backend for CudaBackend {
         CudaCache::new(self, cfg, max_seqs)
     }
 
+    fn reserve_state(&self, cache: &mut CudaCache, tokens: usize) {
+        cache.reserve_tokens(self, tokens);
+    }
+
     fn reset_seq(&self, cache: &mut CudaCache, seq: usize) {
         cache.reset(self, seq);
     }
