@@ -4,9 +4,11 @@
 # PARTs, in the order given (default: tests kernels flash-exact flash-int8): tests, kernels,
 # flash-exact, flash-int8 (the 43-layer q2 bench on the exact and the int8-activation products),
 # flash-b64 (batches 1 / 16 / 64 on contexts cloned from one prefilled sequence),
-# fusions (the decode fusions off / on at batches 1, 16, 64), flash-served (43 q2 layers in serve's exact mode), flash-bf16 (4 bf16 layers), prefill (issue
-# 12's prefill figures and a stage profile), hf (HF transformers' prefill beside dsv4's), serve
-# (bench_serve at 1 / 16 / 64). Writes each part's output
+# fusions (the decode fusions off / on at batches 1, 16, 64), rowcaps (the 2- and 4-row int8
+# kernels against the general ones: steps, verify, kernel table), flash-served (43 q2 layers in
+# serve's exact mode), flash-bf16 (4 bf16 layers), prefill (issue 12's prefill figures and a
+# stage profile), hf (HF transformers' prefill beside dsv4's), serve (bench_serve at 1 / 16 /
+# 64). Writes each part's output
 # and a summary to $OUT (or /tmp/dsv4-out); the device tool brings back at most 8 files.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -65,6 +67,22 @@ for part in $PARTS; do
             --verify-drafts 1,2,3,4 --dspark-round > "$OUT/fusions.txt" 2>&1
         echo "flash q2 43 layers, fusions off / on: exit $?" >> "$S"
         grep -E '^(decode|verify|dspark)' "$OUT/fusions.txt" | cut -c1-230 >> "$S"
+        ;;
+    rowcaps)
+        # PERF.md v24's A/B: the int8 kernels built for 2 and 4 rows (default) against the
+        # general ones (DSV4_ROW_CAPS=0), at 43 layers: batch 1 windows alternating the fusions
+        # (with the state reserved none should read slow or warn of a growth), batch 2 and 4, and
+        # verify rounds of 1 + 1..4 rows; then the kernel table each way (2 and 4 rows).
+        for caps in 1 0; do
+            DSV4_ROW_CAPS=$caps timeout 200 $B bench --backend cuda --synthetic flash --layers 43 --weights q2 --contexts '' \
+                --reserve 4x4096 --decode-fill clone --decode-batches 1,2,4 --decode-context 4096 --decode-tokens 32 \
+                --decode-fusions 1,0,1 --verify-drafts 1,2,3,4 > "$OUT/rowcaps-$caps.txt" 2>&1
+            echo "flash q2 43 layers, DSV4_ROW_CAPS=$caps: exit $?" >> "$S"
+            grep -E '^(decode batch.*ms|verify|warning)' "$OUT/rowcaps-$caps.txt" | cut -c1-150 >> "$S"
+            DSV4_ROW_CAPS=$caps timeout 200 $B bench --backend cuda --synthetic kernels > "$OUT/kernels-caps$caps.txt" 2>&1
+            echo "kernels, DSV4_ROW_CAPS=$caps: exit $?" >> "$S"
+            grep -E '^ *int8 +[A-Za-z0-9_]+ +\[' "$OUT/kernels-caps$caps.txt" | cut -c1-120 >> "$S"
+        done
         ;;
     flash-served)
         # The 43-layer q2 decode in the mode `dsv4 serve` runs by default (exact: f32 activations
