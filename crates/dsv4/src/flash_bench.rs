@@ -262,13 +262,18 @@ pub fn run(a: BenchArgs) -> Result<()> {
     // Every position the timed steps will reach, reserved now (as `serve` reserves its context
     // limit): a state that grows inside a timed window reallocates every slot's entries and
     // re-records the step, 30–50 ms at 43 layers (v24: what the first window's penalty was).
+    // Decode windows (warm-up and timed steps), verify rounds (one untimed, each l drafts past
+    // the anchor), DSpark's measured rounds (τ = 2..4, three untimed and `steps` timed, τ
+    // positions each), and the profiles' few steps.
     let steps = a.decode_tokens.max(1);
     let span = batches.len() * fusions.len() * (WARMUP_MAX_STEPS + steps)
         + batches.len() * drafts.len() * (steps + 1)
-        + if a.dspark_round { batches.len() * 3 * 4 * (steps + 1) } else { 0 }
+        + drafts.iter().copied().max().unwrap_or(0)
+        + if a.dspark_round { batches.len() * 9 * (steps + 3) } else { 0 }
         + 64;
     m.reserve_state(dctx + span);
     m.backend_and_cache().0.synchronize();
+    let reserved_generation = m.backend_and_cache().1.generation;
     for (&bs, &fused) in batches.iter().flat_map(|b| fusions.iter().map(move |f| (b, f))) {
         if let Some(on) = fused {
             m.backend.set_decode_fusions(on);
@@ -413,6 +418,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.dspark_round {
         let target = Target { m: &mut m, seqs: &seqs, pos: &mut pos };
         dspark_round(&cfg, &batches, dctx, a.decode_tokens.max(1), target, &mut results)?;
+    }
+    if m.backend_and_cache().1.generation != reserved_generation {
+        println!("warning: the state grew after the reservation for the timed steps (a figure may hold a re-record)");
     }
     println!(
         "{}",

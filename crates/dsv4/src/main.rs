@@ -500,12 +500,17 @@ fn state_fit<B: Backend>(model: &Model<B>, max_seqs: usize, frac: f64) -> Option
     (per_token > 0.0).then(|| (free as f64 * frac / (per_token * max_seqs.max(1) as f64)) as usize)
 }
 
+/// The share of the free memory the sequences' states may take (reserved at start by
+/// [`reserve_states`]); the step's activations ([`default_token_budget`]: 10 %), the recorded
+/// steps and the libraries' workspaces need the rest.
+const STATE_SHARE: f64 = 0.75;
+
 /// The longest context by default: the model's maximum, or less where the backend knows its
 /// free memory and `max_seqs` full-length states (an estimate from the compressed caches,
-/// which grow with the sequence) would not fit in 90% of it.
+/// which grow with the sequence) would not fit in [`STATE_SHARE`] of it.
 fn default_max_context<B: Backend>(model: &Model<B>, max_seqs: usize) -> usize {
     let max = model.cfg.max_position;
-    match state_fit(model, max_seqs, 0.9) {
+    match state_fit(model, max_seqs, STATE_SHARE) {
         Some(fit) => {
             if fit < max {
                 tracing::info!(
@@ -521,18 +526,19 @@ fn default_max_context<B: Backend>(model: &Model<B>, max_seqs: usize) -> usize {
 /// Reserves every slot's state for the context limit before the first step (as vLLM
 /// preallocates its KV cache), where the backend knows its memory: otherwise the first
 /// sequence to pass each power of two reallocates every slot's entries and re-records every
-/// recorded step mid-serving. At most 75% of the free memory (the step's activations, the
-/// recorded steps and the libraries' workspaces need the rest); a context limit beyond that
-/// reserves what fits, and longer sequences grow the state as they go.
+/// recorded step mid-serving. At most [`STATE_SHARE`] of the free memory, what the default
+/// context limit is sized to; a `--max-context` beyond that reserves what fits, and longer
+/// sequences grow the state as they go (a growth may then run out of memory).
 fn reserve_states<B: Backend>(model: &mut Model<B>, max_context: usize, max_seqs: usize) {
-    let Some(fit) = state_fit(model, max_seqs, 0.75) else { return };
+    let Some(fit) = state_fit(model, max_seqs, STATE_SHARE) else { return };
     let tokens = max_context.min(fit);
     let gb = state_bytes_per_token(&model.cfg) * (tokens * max_seqs) as f64 / 1e9;
     model.reserve_state(tokens);
     if tokens < max_context {
         tracing::warn!(
-            "states reserved for {tokens} tokens × {max_seqs} sequences ({gb:.2} GB, 75% of free memory): \
-             longer sequences grow them while serving (max-context {max_context})"
+            "states reserved for {tokens} tokens × {max_seqs} sequences ({gb:.2} GB, {:.0}% of free memory): \
+             longer sequences grow them while serving (max-context {max_context})",
+            STATE_SHARE * 100.0
         );
     } else {
         tracing::info!("states reserved for {tokens} tokens × {max_seqs} sequences ({gb:.2} GB)");
@@ -550,7 +556,7 @@ fn step_bytes_per_token(cfg: &dsv4_model::Config) -> usize {
 }
 
 /// The default tokens per step: 512 where the backend does not know its memory (the CPU);
-/// otherwise what fits in 10% of the free memory (the states may take the other 90%, see
+/// otherwise what fits in 10% of the free memory (the states may take [`STATE_SHARE`], see
 /// [`default_max_context`]), between 512 and 8192.
 fn default_token_budget(cfg: &dsv4_model::Config, free: Option<u64>) -> usize {
     match free {

@@ -881,13 +881,15 @@ impl CudaBackend {
         self.index_fused.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// All ten decode fusions on or off at once (what `DSV4_DECODE_FUSIONS` sets at start), so
-    /// one process can time a step both ways (`dsv4 bench --decode-fusions 0,1`).
+    /// The decode fusions at their defaults (`on`: nine on, HC_POST_DOT at
+    /// [`HC_POST_DOT_DEFAULT`]) or all ten off, so one process can time a step both ways (`dsv4
+    /// bench --decode-fusions 0,1`). (Before 1d81188 `on` turned all ten on, as
+    /// `DSV4_DECODE_FUSIONS=1` still does at start.)
     pub fn set_decode_fusions(&self, on: bool) {
         self.set_ffn1(on);
         self.set_x8_group(on);
         self.set_comp_fused(on);
-        self.set_hc_post_dot(on);
+        self.set_hc_post_dot(on && HC_POST_DOT_DEFAULT);
         self.set_gemv_twin(on);
         self.set_att_fused(on);
         self.set_gemv4(on);

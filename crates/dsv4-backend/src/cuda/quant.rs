@@ -803,9 +803,11 @@ impl CudaBackend {
     /// The up / down kernels of routed experts held packed (or bf16 beside packed ones, where
     /// a matrix's rows are not whole blocks) and their 6·E address table (w1, w3, w2 blocks,
     /// then scales).
-    /// `rows`: the call's token rows, a bound on each expert's pairs (a row's experts are
-    /// distinct): one row takes the one-row kernels, 2 or 4 the int8 down kernels built for that
-    /// many (`moe_downx2`, `moe_downx4`: fewer registers, the same values).
+    /// `rows`: the call's token rows, a bound on each expert's pairs where a row's experts are
+    /// distinct (a learned router's top-k; a hash table may repeat one, and the capped kernels
+    /// then take its pairs in more groups, with the same values): one row takes the one-row
+    /// kernels, 2 or 4 the int8 down kernels built for that many (`moe_downx2`, `moe_downx4`:
+    /// fewer registers, the same values).
     pub(crate) fn packed_expert_kernels(
         &self,
         experts: &[dsv4_model::weights::Expert<CudaWeight>],
