@@ -252,8 +252,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
     } else {
         parse_list(&a.verify_drafts).context("--verify-drafts")?
     };
-    // `--decode-fusions 0,1`: each batch with the fusions off, then on (the verify and DSpark
-    // rounds below run under the last setting).
+    // `--decode-fusions 0,1`: each batch with the fusions off, then at their defaults (the
+    // verify and DSpark rounds below run under the last setting).
     let fusions: Vec<Option<bool>> = if a.decode_fusions.trim().is_empty() {
         vec![None]
     } else {
@@ -296,7 +296,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         };
         // Warm-up: at least two steps (the graph's capture, the first replay) and 0.3 s of
         // steps in all. The first window of a process ran 10–40 % slow on the H200 (v24: batch 1
-        // at 43 layers 10.2–12.9 ms in the first 16-step window, 9.3–9.6 after).
+        // at 43 layers 10.2–12.9 ms in the first 16-step window, 9.3–9.6 after), mostly the
+        // state's growth that the reservation above now keeps out.
         let warm = Instant::now();
         let mut n = 0;
         while n < 2 || (warm.elapsed().as_secs_f64() < DECODE_WARMUP_S && n < WARMUP_MAX_STEPS) {
