@@ -69,8 +69,8 @@ for part in $PARTS; do
         grep -E '^(decode|verify|dspark)' "$OUT/fusions.txt" | cut -c1-230 >> "$S"
         ;;
     rowcaps)
-        # PERF.md v24's A/B: the int8 kernels built for 2 and 4 rows (default) against the
-        # general ones (DSV4_ROW_CAPS=0), at 43 layers: batch 1 windows alternating the fusions
+        # PERF.md v24's A/B: the int8 kernels built for 2 and 4 rows (DSV4_ROW_CAPS=1) against
+        # the general ones (the default), at 43 layers: batch 1 windows alternating the fusions
         # (with the state reserved none should read slow or warn of a growth), batch 2 and 4, and
         # verify rounds of 1 + 1..4 rows; then the kernel table each way (2 and 4 rows).
         for caps in 1 0; do

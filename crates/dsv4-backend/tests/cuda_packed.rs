@@ -200,11 +200,15 @@ fn cuda_int8_products_match_the_twin() {
         let p = random_packed(format, m, k, 40 + fi as u64);
         let w = b.upload(host("layers.0.attn.wq_a.weight", m, k, &p)).unwrap();
         let rb = format.row_bytes(k);
-        // One row, the several-row kernels built for 2 and 4 rows (gemvx2, gemvx4), the dp4a
-        // row groups' sizes (8, 4, 2, 1) and the tensor-core tiles' (one n-tile of 8, two of 8,
-        // several blocks of 16 rows): each row bitwise its twin, so a row's result does not
-        // depend on the rows beside it.
-        for n in [1, 2, 3, 4, 8, 15, 33] {
+        // One row, the dp4a row groups' sizes (8, 4, 2, 1), 2 to 4 rows also on the kernels
+        // built for that many (gemvx2, gemvx4: `set_row_caps`), and the tensor-core tiles' (one
+        // n-tile of 8, two of 8, several blocks of 16 rows): each row bitwise its twin, so a
+        // row's result does not depend on the rows beside it.
+        let sizes = [1, 2, 3, 4, 8, 15, 33];
+        for (n, caps) in
+            sizes.into_iter().flat_map(|n| [(n, false), (n, true)]).filter(|&(n, c)| !c || (2..=4).contains(&n))
+        {
+            b.set_row_caps(caps);
             let (xg, xc) = activations(&b, n, k, 77 + fi as u64);
             let got = b.to_host(&b.matmul(&xg, &w));
             for r in 0..n {
@@ -220,7 +224,10 @@ fn cuda_int8_products_match_the_twin() {
                 }
             }
             let e = rel_err(&got, &reference(&xc, &p.dequantize(m, k), m, k, 1));
-            println!("int8 {} {n} rows: bitwise the twin; {e:.2e} from the exact product", format.name());
+            println!(
+                "int8 {} {n} rows (row caps {caps}): bitwise the twin; {e:.2e} from the exact product",
+                format.name()
+            );
             assert!(e <= 2e-2, "int8 {} vs exact: {e:.2e}", format.name());
         }
         // The grouped projection (wo_a's shape): two groups of 32 outputs, each over its own k
@@ -266,16 +273,23 @@ fn cuda_int8_products_match_the_twin() {
     let bias_g = b.upload(HostTensor::new("bias", vec![ne], vec![0.0; ne])).unwrap();
     let bias_c = Tensor::new(1, ne, vec![0.0; ne]);
     // 24 rows: 72 pairs over 8 experts, so the tile kernels take an expert's pairs in several
-    // row tiles of 8; 2 and 4 rows take the down kernels built for that many (moe_downx2,
-    // moe_downx4). Each size on the dp4a row groups (`Dense`) and on the expert tiles (`All`).
-    for (n, tiles) in [1, 2, 4, 5, 24].into_iter().flat_map(|n| [(n, X8Tiles::Dense), (n, X8Tiles::All)]) {
+    // row tiles of 8; 2 and 4 rows also on the down kernels built for that many (moe_downx2,
+    // moe_downx4: `set_row_caps`). Each size on the dp4a row groups (`Dense`) and on the expert
+    // tiles (`All`).
+    let runs = [1, 2, 4, 5, 24].into_iter().flat_map(|n| {
+        [(n, X8Tiles::Dense, false), (n, X8Tiles::Dense, true), (n, X8Tiles::All, false)]
+            .into_iter()
+            .filter(move |&(_, _, caps)| !caps || n == 2 || n == 4)
+    });
+    for (n, tiles, caps) in runs {
         b.set_x8_tiles(tiles);
+        b.set_row_caps(caps);
         let (xg, xc) = activations(&b, n, d, 6);
         let (lg, lc) = activations(&b, n, ne, 10);
         let got = b.to_host(&b.moe(&xg, &b.route(&lg, Some(&bias_g), None, &c), &gpu_e, 0, 10.0));
         let want = cpu.moe(&xc, &cpu.route(&lc, Some(&bias_c), None, &c), &cpu_e, 0, 10.0);
         let e = rel_err(&got, &want.data);
-        println!("int8 IQ2_XXS/Q2_K experts, {n} rows ({tiles:?}): {e:.2e}");
+        println!("int8 IQ2_XXS/Q2_K experts, {n} rows ({tiles:?}, row caps {caps}): {e:.2e}");
         assert!(e <= 2e-2, "int8 experts ({n} rows) vs the CPU oracle: {e:.2e}");
         // Batch invariance: each row alone (the one-row kernels, several outputs a warp) is
         // bitwise that row among the n (the row-group kernels).

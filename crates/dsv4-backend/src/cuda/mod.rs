@@ -638,6 +638,9 @@ pub struct CudaBackend {
     att_fused: std::sync::atomic::AtomicBool,
     /// One-row int8 products of k ≤ 1024 at 4 outputs a warp (see [`CudaBackend::set_gemv4`]).
     gemv4: std::sync::atomic::AtomicBool,
+    /// Int8 calls of 2 to 4 rows on the kernels built for that many (see
+    /// [`CudaBackend::set_row_caps`]).
+    row_caps: std::sync::atomic::AtomicBool,
     /// A decode layer's attention norms and rotations two launches (see [`CudaBackend::set_norm_group`]).
     norm_group: std::sync::atomic::AtomicBool,
     /// The router's product with its choice in one launch (see [`CudaBackend::set_route_fused`]).
@@ -837,6 +840,20 @@ impl CudaBackend {
 
     pub fn gemv4(&self) -> bool {
         self.gemv4.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Int8 products of 2 and 3–4 rows, and the routed experts' down products of calls of that
+    /// many token rows, on the several-row kernels built for at most that many rows (`gemvx2`,
+    /// `gemvx4`, `moe_downx2`, `moe_downx4`: 61–80 registers where the general ones hold
+    /// 102–128, offline sm_90a), the same values. Start value `DSV4_ROW_CAPS=1`; off by default
+    /// until it has run on a GPU (PERF.md v24; `run.sh rowcaps` is the A/B).
+    pub fn set_row_caps(&self, on: bool) {
+        self.row_caps.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
+    }
+
+    pub fn row_caps(&self) -> bool {
+        self.row_caps.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// A decode layer's attention norms and rotations ([`crate::Backend::norms`]) in two
@@ -1132,6 +1149,7 @@ impl CudaBackend {
             gemv_twin: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_GEMV_TWIN")),
             att_fused: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_ATT_FUSED")),
             gemv4: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_GEMV4")),
+            row_caps: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_ROW_CAPS").is_ok_and(|v| v.trim() == "1")),
             norm_group: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_NORM_GROUP")),
             route_fused: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_ROUTE_FUSED")),
             index_fused: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_INDEX_FUSED")),

@@ -76,21 +76,14 @@ impl X8Tiles {
 /// weight pass for up to 8 rows; at 2 and 4 rows 1.4–2× the tiles' rate in the kernel table).
 pub const TILE_MIN_ROWS: usize = 5;
 
-/// Whether calls of 2 to 4 rows take the int8 kernels built for that many (`gemvx2`, `gemvx4`,
-/// `moe_downx2`, `moe_downx4`; `DSV4_ROW_CAPS=0`: the general several-row kernels, the A/B).
-fn row_caps() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("DSV4_ROW_CAPS").map(|v| v.trim() != "0").unwrap_or(true))
-}
-
 /// The int8 product kernel of `n` rows off the tiles: the one-row kernel, the several-row kernel
-/// built for at most 2 or 4 rows (fewer registers, more blocks an SM: 61–80 registers against
-/// 102–128, PERF.md v24), or the general one. Any of them gives every row the same value.
-fn gemvx_name(n: usize) -> &'static str {
+/// built for at most 2 or 4 rows where `caps` ([`CudaBackend::set_row_caps`]), or the general
+/// one. Any of them gives every row the same value.
+fn gemvx_name(n: usize, caps: bool) -> &'static str {
     match n {
         1 => "gemv1x",
-        2 if row_caps() => "gemvx2",
-        3 | 4 if row_caps() => "gemvx4",
+        2 if caps => "gemvx2",
+        3 | 4 if caps => "gemvx4",
         _ => "gemvx",
     }
 }
@@ -583,7 +576,7 @@ impl CudaBackend {
                 (self.qk.of("gemv1x4", q.format), cfg)
             } else {
                 let cfg = LaunchConfig { grid_dim: (m.div_ceil(Q_WARPS * opw) as u32, 1, 1), ..cfg };
-                (self.qk.of(gemvx_name(n), q.format), cfg)
+                (self.qk.of(gemvx_name(n, self.row_caps()), q.format), cfg)
             };
             let X8Twin { q: xq, d: xd } = self.x8_of(x);
             let blk = crate::x8::BLOCK;
@@ -842,8 +835,8 @@ impl CudaBackend {
         let x = if x8_tiles { "t" } else { "x" };
         // The down kernel capped at 2 or 4 pairs an expert (not for the tiles).
         let cap = match rows {
-            2 if !x8_tiles && row_caps() => "2",
-            3 | 4 if !x8_tiles && row_caps() => "4",
+            2 if !x8_tiles && self.row_caps() => "2",
+            3 | 4 if !x8_tiles && self.row_caps() => "4",
             _ => "",
         };
         let x8 = (self.int8() && int8(&ex.w1) && int8(&ex.w3) && int8(&ex.w2))
