@@ -420,6 +420,16 @@ impl<B: Backend> Model<B> {
         }
     }
 
+    /// The least free memory of any rank (`None` where the backend does not know it): what
+    /// the states and a step's activations, which every rank holds in full, may take.
+    pub fn memory_free(&self) -> Option<u64> {
+        let peers = Self::from_peers(self.on_peers(|m| m.backend.memory_free()));
+        peers.into_iter().fold(self.backend.memory_free(), |a, p| match (a, p) {
+            (Some(a), Some(p)) => Some(a.min(p)),
+            _ => None,
+        })
+    }
+
     /// Reserves every slot's state for `tokens` positions, on every rank (see
     /// [`Backend::reserve_state`]): `serve` does so for its context limit before the first step.
     pub fn reserve_state(&mut self, tokens: usize) {

@@ -373,7 +373,7 @@ where
         None => default_max_context(&model, a.max_seqs),
     };
     let speculative = dspark.is_some();
-    let token_budget = a.token_budget.unwrap_or_else(|| default_token_budget(&model.cfg, model.backend.memory_free()));
+    let token_budget = a.token_budget.unwrap_or_else(|| default_token_budget(&model.cfg, model.memory_free()));
     reserve_states(&mut model, max_context, a.max_seqs);
     let cfg = dsv4_engine::EngineConfig {
         token_budget,
@@ -496,7 +496,7 @@ fn state_bytes_per_token(cfg: &dsv4_model::Config) -> f64 {
 /// `None` where the backend does not know its memory or the model has no growing state.
 fn state_fit<B: Backend>(model: &Model<B>, max_seqs: usize, frac: f64) -> Option<usize> {
     let per_token = state_bytes_per_token(&model.cfg);
-    let free = model.backend.memory_free()?;
+    let free = model.memory_free()?;
     (per_token > 0.0).then(|| (free as f64 * frac / (per_token * max_seqs.max(1) as f64)) as usize)
 }
 
@@ -772,7 +772,7 @@ where
     let (temperature, top_p, top_k, min_p, seed) = (a.temperature, a.top_p, a.top_k, a.min_p, a.seed);
     let mut sampler = Sampler::new(SamplingParams { temperature, top_p, top_k, min_p, seed })?;
     let stop: Vec<u32> = if a.ignore_eos { Vec::new() } else { m.cfg.eos_token_ids.clone() };
-    let chunk = a.prefill_chunk.unwrap_or_else(|| default_token_budget(&m.cfg, m.backend.memory_free()));
+    let chunk = a.prefill_chunk.unwrap_or_else(|| default_token_budget(&m.cfg, m.memory_free()));
     let opts = GenerateOptions { max_new_tokens: a.max_new_tokens, stop_ids: &stop, prefill_chunk: chunk };
     let spec = a.dspark.config(&dir, &mut m, true)?;
     let (g, stats) = match &spec {
