@@ -5,7 +5,8 @@
 # flash-exact, flash-int8 (the 43-layer q2 bench on the exact and the int8-activation products),
 # flash-b64 (batches 1 / 16 / 64 on contexts cloned from one prefilled sequence),
 # fusions (the decode fusions off / on at batches 1, 16, 64), rowcaps (the 2- and 4-row int8
-# kernels against the general ones: steps, verify, kernel table), flash-served (43 q2 layers in
+# kernels against the general ones: steps, verify, kernel table), attslices (decode attention on
+# attention_tc's key slices against the f32 kernel), flash-served (43 q2 layers in
 # serve's exact mode), flash-bf16 (4 bf16 layers), prefill (issue 12's prefill figures and a
 # stage profile), hf (HF transformers' prefill beside dsv4's), serve (bench_serve at 1 / 16 /
 # 64). Writes each part's output
@@ -83,6 +84,31 @@ for part in $PARTS; do
             echo "kernels, DSV4_ROW_CAPS=$caps: exit $?" >> "$S"
             grep -E '^ *int8 +[A-Za-z0-9_]+ +\[' "$OUT/kernels-caps$caps.txt" | cut -c1-120 >> "$S"
         done
+        ;;
+    attslices)
+        # PERF.md v25: decode attention on attention_tc's key slices (fast mode below 32 rows,
+        # DSV4_ATT_TC_SLICES=1) against the f32 kernel (the default) and against the slices' minimum
+        # of 1 / 4 key tiles (kernel variants mint1 / mint4: `bash tools/device/variants.sh
+        # mint1=sed:attention.cu:'s/define ATC_MINT 2/define ATC_MINT 1/' mint4=...`), 4 q2
+        # layers at batches 1 and 16 (and sink1: hc.cu with one Sinkhorn iteration, a timing probe of
+        # HC_PRE's long pole, wrong values); then the 43-layer step each way (batches 1 / 2 / 16, verify
+        # 1 + 1..4, the DSpark round) and one 4-layer step's kernels (ncu).
+        for bs in 1 16; do
+            DSV4_ATT_TC_SLICES=1 LAYERS=4 BATCH=$bs bash tools/device/ab_step.sh DSV4_ATT_TC_SLICES=0 .devbin/kvar/mint1 \
+                .devbin/kvar/mint4 .devbin/kvar/sink1 \
+                > "$OUT/attslices-ab$bs.txt" 2>&1
+            echo "4 q2 layers, batch $bs (builtin = slices, ATC_MINT 2; each variant with slices on but the first):" >> "$S"
+            cat "$OUT/attslices-ab$bs.txt" >> "$S"
+        done
+        for sl in 1 0; do
+            DSV4_ATT_TC_SLICES=$sl timeout 200 $B bench --backend cuda --synthetic flash --layers 43 --weights q2 --contexts '' \
+                --reserve 16x4096 --decode-fill clone --decode-batches 1,2,16 --decode-context 4096 --decode-tokens 32 \
+                --verify-drafts 1,2,3,4 --dspark-round > "$OUT/attslices-$sl.txt" 2>&1
+            echo "flash q2 43 layers, DSV4_ATT_TC_SLICES=$sl: exit $?" >> "$S"
+            grep -E '^(decode batch.*ms|verify batch +1|dspark|warning)' "$OUT/attslices-$sl.txt" | cut -c1-150 >> "$S"
+        done
+        DSV4_ATT_TC_SLICES=1 CTX=4096 bash tools/device/profile.sh 4 q2 1 > /dev/null 2>&1
+        sed -n '/^one step/,$p' "$OUT/ncu-q2-1.txt" | head -30 >> "$S"
         ;;
     flash-served)
         # The 43-layer q2 decode in the mode `dsv4 serve` runs by default (exact: f32 activations

@@ -595,6 +595,87 @@ fn cuda_prefill_attention_tc_matches_f32_kernel() {
     assert!(worst(&vs_cpu) <= FAST_TOL, "attention_tc vs the CPU oracle: {:.2e}", worst(&vs_cpu));
 }
 
+/// Decode rows' attention on attention_tc's key slices (`attention_tc_slices`: fast-mode calls
+/// below `attention_tc_rows`, then `attention_merge`) against the f32 kernel on the same GPU and
+/// against the CPU oracle, and each row bitwise the same alone as in its batch. Flash's 64 heads of
+/// 512, a window of 128 (8 key tiles: 4 slices), a CSA layer selecting up to 512 entries and an
+/// HCA layer, every layer hash-routed and the CSA's top-k above its visible entries (nothing
+/// discrete can flip). Two sequences decode side by side: after a 704-token prompt (CSA ~304
+/// keys: 10 slices; HCA ~216: 7) and after a 20-token one (two tiles: one slice, which also took
+/// its 20-row prompt). Tolerance as `cuda_prefill_attention_tc_matches_f32_kernel`'s: bf16
+/// queries, keys and weights (2^-9 relative each, f32 sums), ≤ 1e-2 a row from the f32 kernel.
+#[test]
+fn cuda_decode_attention_slices_match_f32_kernel() {
+    let Some(b) = gpu() else { return };
+    b.set_exact(false);
+    let mut cfg = tiny_config(512);
+    cfg.n_heads = 64;
+    cfg.head_dim = 512;
+    cfg.window = 128;
+    cfg.index_topk = 512;
+    cfg.layers = vec![
+        LayerSpec { attn: AttnKind::Swa, ratio: 0, hash_moe: true },
+        LayerSpec { attn: AttnKind::Csa, ratio: 4, hash_moe: true },
+        LayerSpec { attn: AttnKind::Hca, ratio: 8, hash_moe: true },
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    write_random(dir.path(), &cfg, 8);
+    let mut gpu = Model::load(b, dir.path(), 6, false).unwrap();
+    let mut cpu = cpu_bf16(dir.path(), 2);
+    let v = cpu.cfg.vocab_size;
+    let (long, short) = (tokens(712, v, 4200), tokens(28, v, 77));
+    // Sequences: (long, short) with slices on, the same with the f32 kernel, the same with slices
+    // on fed a row at a time, and the CPU's pair.
+    let mut seqs = Vec::new();
+    for _ in 0..3 {
+        seqs.push((gpu.alloc_seq().unwrap(), gpu.alloc_seq().unwrap()));
+    }
+    let cs = (cpu.alloc_seq().unwrap(), cpu.alloc_seq().unwrap());
+    let prompt = |m: &mut dyn FnMut(&Batch), (l, s): (usize, usize)| {
+        m(&Batch::chunk(l, 0, &long[..300]).unwrap());
+        m(&Batch::chunk(l, 300, &long[300..704]).unwrap());
+        m(&Batch::chunk(s, 0, &short[..20]).unwrap());
+    };
+    for (k, &pair) in seqs.iter().enumerate() {
+        gpu.backend.set_attention_tc_slices(k != 1);
+        prompt(&mut |bt: &Batch| drop(gpu.forward(bt, &[bt.len() - 1]).unwrap()), pair);
+    }
+    prompt(&mut |bt: &Batch| drop(cpu.forward(bt, &[bt.len() - 1]).unwrap()), cs);
+    let (mut vs_f32, mut vs_cpu, mut alone) = (Vec::new(), Vec::new(), 0usize);
+    for i in 0..8 {
+        let rows = |(l, s): (usize, usize)| {
+            vec![Row { seq: l, pos: 704 + i, token: long[704 + i] }, Row { seq: s, pos: 20 + i, token: short[20 + i] }]
+        };
+        let pair = Batch::new(rows(seqs[0])).unwrap();
+        gpu.backend.set_attention_tc_slices(true);
+        let a = gpu.forward(&pair, &[0, 1]).unwrap();
+        let mut one = Vec::new();
+        for r in rows(seqs[2]) {
+            one.extend(gpu.forward(&Batch::new(vec![r]).unwrap(), &[0]).unwrap());
+        }
+        gpu.backend.set_attention_tc_slices(false);
+        let f = gpu.forward(&Batch::new(rows(seqs[1])).unwrap(), &[0, 1]).unwrap();
+        let c = cpu.forward(&Batch::new(rows(cs)).unwrap(), &[0, 1]).unwrap();
+        assert!(
+            a.iter().zip(&one).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "step {i}: a row batched differs from the row alone"
+        );
+        alone += 2;
+        vs_f32.extend(row_errs(&a, &f, v));
+        vs_cpu.extend(row_errs(&a, &c, v));
+    }
+    gpu.backend.set_attention_tc_slices(true);
+    let worst = |e: &[f64]| e.iter().fold(0f64, |m, &x| m.max(x));
+    println!(
+        "attention_tc slices over {} decode rows: worst {:.2e} from the f32 kernel, {:.2e} from the CPU; {alone} rows bitwise alone",
+        vs_f32.len(),
+        worst(&vs_f32),
+        worst(&vs_cpu)
+    );
+    assert!(worst(&vs_f32) <= 1e-2, "attention_tc slices vs the f32 kernel: {:.2e}", worst(&vs_f32));
+    assert!(worst(&vs_cpu) <= FAST_TOL, "attention_tc slices vs the CPU oracle: {:.2e}", worst(&vs_cpu));
+}
+
 /// Prefill chunks' indexer scores on tensor cores (`index_score_tc`: Flash's indexer of 64
 /// heads × 128, calls of 256 rows and more in fast mode) against the f32 `index_score` on the
 /// same GPU, and against the CPU oracle. Two 722-token prompts, every layer hash-routed (no

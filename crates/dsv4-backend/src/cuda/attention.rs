@@ -352,7 +352,10 @@ pub fn attend(
     };
     let scale = (d as f32).powf(-0.5);
     let (ni, di, wi, rci) = (n as i32, d as i32, win as i32, rcap as i32);
-    let tc = n >= b.attention_tc_rows() && d == 512 && h.is_multiple_of(ATC_HEADS) && !b.exact() && b.attention_tc();
+    let tc_fits = d == 512 && h.is_multiple_of(ATC_HEADS) && !b.exact() && b.attention_tc();
+    let tc = tc_fits && n >= b.attention_tc_rows();
+    // Decode-sized calls: attention_tc's key slices, then attention_merge.
+    let slices = tc_fits && !tc && b.attention_tc_slices();
     if tc {
         let lc = LaunchConfig {
             grid_dim: (n as u32, (h / ATC_HEADS) as u32, 1),
@@ -381,6 +384,8 @@ pub fn attend(
                     .arg(rows.dev.as_ref())
                     .arg(&ni)
                     .arg(&(h as i32))
+                    .arg(&b.dummy_f32)
+                    .arg(&0i32)
                     .launch(lc)
             },
             "attention_tc",
@@ -400,7 +405,9 @@ pub fn attend(
         let groups = h.div_ceil(ATTN_HEADS_PER_BLOCK);
         let mut part = b.alloc::<f32>(tile * h * ATTN_SLICES * (d + 2));
         let mut fresh = None;
-        let done = if fused && tile * groups <= super::bf16::FFN1_COUNTERS {
+        let done = if slices {
+            &b.dummy_u32
+        } else if fused && tile * groups <= super::bf16::FFN1_COUNTERS {
             &b.ffn1_cnt
         } else {
             fresh.insert(ck(b.stream.alloc_zeros::<u32>(tile * groups), "alloc attention counters"))
@@ -416,6 +423,77 @@ pub fn attend(
         // hold `tile` rows, and each launch covers at most `tile` rows from `t0`.
         for t0 in (0..n).step_by(tile) {
             let rows_here = (n - t0).min(tile);
+            if slices {
+                // Block (row, 64 heads, slice): each row's key tiles over up to ATTN_SLICES
+                // blocks (attention_tc's `part` writes), then one warp a head merges them.
+                let lc = LaunchConfig {
+                    grid_dim: (rows_here as u32, (h / ATC_HEADS) as u32, ATTN_SLICES as u32),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: ATC_SMEM as u32,
+                };
+                ck(
+                    unsafe {
+                        b.stream
+                            .kernel(&b.k.attention_tc)
+                            .arg(&mut out.data)
+                            .arg(&q.data)
+                            .arg(&kv.data)
+                            .arg(&ls.ring)
+                            .arg(&wi)
+                            .arg(&rci)
+                            .arg(entries)
+                            .arg(&(cap as i32))
+                            .arg(&(m as i32))
+                            .arg(seli)
+                            .arg(&has_sel)
+                            .arg(&(topk as i32))
+                            .arg(&sinks.data)
+                            .arg(rows.dev.as_ref())
+                            .arg(&ni)
+                            .arg(&(h as i32))
+                            .arg(&mut part)
+                            .arg(&(t0 as i32))
+                            .launch(lc)
+                    },
+                    "attention_tc (slices)",
+                );
+                let lc = LaunchConfig {
+                    grid_dim: (rows_here as u32, groups as u32, 1),
+                    block_dim: (32 * ATTN_HEADS_PER_BLOCK as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                ck(
+                    unsafe {
+                        b.stream
+                            .kernel(&b.k.attention_merge)
+                            .arg(&mut out.data)
+                            .arg(&part)
+                            .arg(&mut ls.ring)
+                            .arg(&kv.data)
+                            .arg(&wi)
+                            .arg(&rci)
+                            .arg(&(m as i32))
+                            .arg(&has_sel)
+                            .arg(&(topk as i32))
+                            .arg(&sinks.data)
+                            .arg(rows.dev.as_ref())
+                            .arg(&ni)
+                            .arg(&(t0 as i32))
+                            .arg(&(h as i32))
+                            .arg(&di)
+                            .arg(f.as_ref())
+                            .arg(&(freqs.len() as i32))
+                            .arg(&epi)
+                            .arg(&mut oq)
+                            .arg(&mut od)
+                            .arg(&(ringw as i32))
+                            .arg(&(ATTN_SLICES as i32))
+                            .launch(lc)
+                    },
+                    "attention_merge",
+                );
+                continue;
+            }
             let lc = LaunchConfig {
                 grid_dim: (rows_here as u32, groups as u32, ATTN_SLICES as u32),
                 block_dim: (32 * ATTN_HEADS_PER_BLOCK as u32, 1, 1),

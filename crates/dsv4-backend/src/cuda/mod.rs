@@ -207,6 +207,7 @@ pub(crate) struct Kernels {
     pub index_score_topk: CudaFunction,
     pub attention: CudaFunction,
     pub attention_tc: CudaFunction,
+    pub attention_merge: CudaFunction,
     pub ring_write: CudaFunction,
     pub route: CudaFunction,
     pub moe_up: CudaFunction,
@@ -487,6 +488,7 @@ impl Kernels {
                 "index_score_topk",
                 "attention",
                 "attention_tc",
+                "attention_merge",
                 "ring_write",
             ],
         )?;
@@ -548,6 +550,7 @@ impl Kernels {
             index_score_topk: n(&mut a),
             attention: n(&mut a),
             attention_tc: n(&mut a),
+            attention_merge: n(&mut a),
             ring_write: n(&mut a),
             route: n(&mut m),
             moe_up: n(&mut m),
@@ -636,6 +639,8 @@ pub struct CudaBackend {
     gemv_twin: std::sync::atomic::AtomicBool,
     /// The decode attention kernel's epilogue (see [`CudaBackend::set_att_fused`]).
     att_fused: std::sync::atomic::AtomicBool,
+    /// Decode-sized fast-mode attention on `attention_tc`'s key slices ([`CudaBackend::set_attention_tc_slices`]).
+    attention_tc_slices: std::sync::atomic::AtomicBool,
     /// One-row int8 products of k ≤ 1024 at 4 outputs a warp (see [`CudaBackend::set_gemv4`]).
     gemv4: std::sync::atomic::AtomicBool,
     /// Int8 calls of 2 to 4 rows on the kernels built for that many (see
@@ -845,8 +850,8 @@ impl CudaBackend {
     /// Int8 products of 2 and 3–4 rows, and the routed experts' down products of calls of that
     /// many token rows, on the several-row kernels built for at most that many rows (`gemvx2`,
     /// `gemvx4`, `moe_downx2`, `moe_downx4`: 61–80 registers where the general ones hold
-    /// 102–128, offline sm_90a), the same values. Start value `DSV4_ROW_CAPS=1`; off by default
-    /// until it has run on a GPU (PERF.md v24; `run.sh rowcaps` is the A/B).
+    /// 102–128, offline sm_90a), the same values. On unless `DSV4_ROW_CAPS=0` (PERF.md v25:
+    /// 43 q2 layers, batch 2 12.24 → 11.42 ms a step, verify 1 + 1 12.62 → 11.79 ms).
     pub fn set_row_caps(&self, on: bool) {
         self.row_caps.store(on, std::sync::atomic::Ordering::Relaxed);
         self.bump_settings();
@@ -1022,6 +1027,23 @@ impl CudaBackend {
         self.attention_tc_rows.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Whether fast-mode attention of calls below [`Self::attention_tc_rows`] rows (decode and
+    /// verify) takes `attention_tc` cut into key slices (a row's tiles over up to 16 blocks, then
+    /// `attention_merge` with the f32 kernel's merge and epilogue) rather than the f32 kernel
+    /// (one warp a head, ~120 instructions a key and head: 25–35 µs a layer at batch 1 and
+    /// context 4096, PERF.md v25). bf16 queries, keys and weights with f32 sums, as prefill's
+    /// attention_tc; the slices are a function of the row alone, so a row's result never
+    /// depends on its batch. Off by default until it has run on a GPU (`DSV4_ATT_TC_SLICES=1`;
+    /// `run.sh tests attslices` is the check and the A/B); with [`Self::set_attention_tc`].
+    pub fn set_attention_tc_slices(&self, on: bool) {
+        self.attention_tc_slices.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
+    }
+
+    pub fn attention_tc_slices(&self) -> bool {
+        self.attention_tc_slices.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Whether fast-mode indexer scores of prefill-sized calls (256 rows and more, V4-Flash's
     /// 64 heads of 128) take `index_score_tc` (bf16 queries and entries on tensor cores, f32
     /// sums) or the f32 kernel. Starts on unless `DSV4_INDEX_TC=0`.
@@ -1149,7 +1171,12 @@ impl CudaBackend {
             gemv_twin: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_GEMV_TWIN")),
             att_fused: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_ATT_FUSED")),
             gemv4: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_GEMV4")),
-            row_caps: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_ROW_CAPS").is_ok_and(|v| v.trim() == "1")),
+            row_caps: std::sync::atomic::AtomicBool::new(
+                std::env::var("DSV4_ROW_CAPS").map_or(true, |v| v.trim() != "0"),
+            ),
+            attention_tc_slices: std::sync::atomic::AtomicBool::new(
+                std::env::var("DSV4_ATT_TC_SLICES").is_ok_and(|v| v.trim() == "1"),
+            ),
             norm_group: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_NORM_GROUP")),
             route_fused: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_ROUTE_FUSED")),
             index_fused: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_INDEX_FUSED")),

@@ -639,6 +639,85 @@ __device__ __forceinline__ void att_cp16(float* dst, const float* src) {
 __device__ __forceinline__ void att_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void att_cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(ATT_ST - 2) : "memory"); }
 
+// The merge of one (row t, head h) by one warp: the row's S slice partials at ph ((max, sum, o)
+// each, d + 2 floats apart, slice order) with the sink, then the epilogue `epi` (see attention).
+// The f32 kernel's last slice block and attention_merge (after attention_tc's slices) run it.
+__device__ __forceinline__ void att_merge_head(float* out, const float* ph, int S, float sink, int t, int h,
+                                               const unsigned* rows, int n, int heads, int d, const double* freqs,
+                                               int npairs, int epi, signed char* oq, float* od) {
+    int lane = threadIdx.x & 31;
+    // The first ATT_CJ slices' values are loaded with the statistics: one round trip for S <= ATT_CJ.
+    float v[ATT_CJ][MAX_D / 32];
+#pragma unroll
+    for (int u = 0; u < ATT_CJ; u++)
+#pragma unroll
+        for (int i = 0; i < MAX_D / 32; i++) {
+            int c = lane + 32 * i;
+            v[u][i] = c < d && u < S ? __ldcg(ph + u * (d + 2) + c) : 0.f;
+        }
+    // Lane s < S holds slice s's weight exp(m_s − M) / den; M covers the sink too.
+    float ms = lane < S ? __ldcg(ph + lane * (d + 2) + d) : -INFINITY;
+    float ls = lane < S ? __ldcg(ph + lane * (d + 2) + d + 1) : 0.f;
+    float M = sink;
+    for (int i = 0; i < S; i++) M = fmaxf(M, __shfl_sync(0xffffffffu, ms, i));
+    float den = expf(sink - M);
+    for (int i = 0; i < S; i++) den += __shfl_sync(0xffffffffu, ls, i) * expf(__shfl_sync(0xffffffffu, ms, i) - M);
+    float wgt = lane < S ? expf(ms - M) / den : 0.f;
+    float* orow = out + ((long long)t * heads + h) * d;
+    // Slices in order, ATT_CJ at a time with all their loads issued before the sums.
+    float acc[MAX_D / 32];
+#pragma unroll
+    for (int i = 0; i < MAX_D / 32; i++) acc[i] = 0.f;
+#pragma unroll 1
+    for (int c0 = 0; c0 < S; c0 += ATT_CJ) {
+        if (c0 > 0)
+#pragma unroll
+            for (int u = 0; u < ATT_CJ; u++)
+#pragma unroll
+                for (int i = 0; i < MAX_D / 32; i++) {
+                    int c = lane + 32 * i;
+                    v[u][i] = c < d && c0 + u < S ? __ldcg(ph + (c0 + u) * (d + 2) + c) : 0.f;
+                }
+#pragma unroll
+        for (int u = 0; u < ATT_CJ; u++) {
+            if (c0 + u >= S) break;
+            float wj = __shfl_sync(0xffffffffu, wgt, c0 + u);
+#pragma unroll
+            for (int i = 0; i < MAX_D / 32; i++) acc[i] += v[u][i] * wj;
+        }
+    }
+    if (epi & 1) {  // pair (c, c + 1) in lanes (l, l + 1) of one i
+        long long pos = ROW_POS(t);
+        int r0 = d - 2 * npairs;
+#pragma unroll
+        for (int i = 0; i < MAX_D / 32; i++) {
+            int c = lane + 32 * i;
+            float p = __shfl_xor_sync(0xffffffffu, acc[i], 1);
+            if (c >= r0 && c < d) {
+                double th = (double)pos * freqs[(c - r0) >> 1];
+                th = -th;
+                float sn = (float)sin(th), cs = (float)cos(th);
+                acc[i] = ((c - r0) & 1) == 0 ? acc[i] * cs - p * sn : p * sn + acc[i] * cs;
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < MAX_D / 32; i++) {
+        int c = lane + 32 * i;
+        if (c < d) orow[c] = acc[i];
+    }
+    if (epi & 2) {  // d a multiple of 32: value block i of the head is lanes' acc[i]
+        long long base = ((long long)t * heads + h) * d;
+#pragma unroll
+        for (int i = 0; i < MAX_D / 32; i++) {
+            if (32 * i >= d) break;
+            float dd;
+            oq[base + 32 * i + lane] = quant_block32(acc[i], &dd);
+            if (lane == 0) od[(base >> 5) + i] = dd;
+        }
+    }
+}
+
 // Sink-softmax attention (values are the keys), flash-decoding style. Block (row, head group,
 // slice): slice s of the row's S (see ATT_MINK) takes its keys [s·nk/S, (s+1)·nk/S) in groups of
 // ATT_KG, copied (cp.async) into a ring of ATT_ST shared-memory stages: ATT_ST − 1 groups' loads
@@ -810,77 +889,8 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_HG, ATT_MINB) attention(fl
     }
     __syncthreads();
     if (!last || !live) return;
-    const float* ph = part + ((long long)tl * heads + h) * ATT_S * (d + 2);
-    // The first ATT_CJ slices' values are loaded with the statistics: one round trip for S <= ATT_CJ.
-    float v[ATT_CJ][MAX_D / 32];
-#pragma unroll
-    for (int u = 0; u < ATT_CJ; u++)
-#pragma unroll
-        for (int i = 0; i < MAX_D / 32; i++) {
-            int c = lane + 32 * i;
-            v[u][i] = c < d && u < S ? __ldcg(ph + u * (d + 2) + c) : 0.f;
-        }
-    // Lane s < S holds slice s's weight exp(m_s − M) / den; M covers the sink too.
-    float ms = lane < S ? __ldcg(ph + lane * (d + 2) + d) : -INFINITY;
-    float ls = lane < S ? __ldcg(ph + lane * (d + 2) + d + 1) : 0.f;
-    float M = sink;
-    for (int i = 0; i < S; i++) M = fmaxf(M, __shfl_sync(0xffffffffu, ms, i));
-    float den = expf(sink - M);
-    for (int i = 0; i < S; i++) den += __shfl_sync(0xffffffffu, ls, i) * expf(__shfl_sync(0xffffffffu, ms, i) - M);
-    float wgt = lane < S ? expf(ms - M) / den : 0.f;
-    float* orow = out + ((long long)t * heads + h) * d;
-    // Slices in order, ATT_CJ at a time with all their loads issued before the sums.
-    float acc[MAX_D / 32];
-#pragma unroll
-    for (int i = 0; i < MAX_D / 32; i++) acc[i] = 0.f;
-#pragma unroll 1
-    for (int c0 = 0; c0 < S; c0 += ATT_CJ) {
-        if (c0 > 0)
-#pragma unroll
-            for (int u = 0; u < ATT_CJ; u++)
-#pragma unroll
-                for (int i = 0; i < MAX_D / 32; i++) {
-                    int c = lane + 32 * i;
-                    v[u][i] = c < d && c0 + u < S ? __ldcg(ph + (c0 + u) * (d + 2) + c) : 0.f;
-                }
-#pragma unroll
-        for (int u = 0; u < ATT_CJ; u++) {
-            if (c0 + u >= S) break;
-            float wj = __shfl_sync(0xffffffffu, wgt, c0 + u);
-#pragma unroll
-            for (int i = 0; i < MAX_D / 32; i++) acc[i] += v[u][i] * wj;
-        }
-    }
-    if (epi & 1) {  // pair (c, c + 1) in lanes (l, l + 1) of one i
-        long long pos = ROW_POS(t);
-        int r0 = d - 2 * npairs;
-#pragma unroll
-        for (int i = 0; i < MAX_D / 32; i++) {
-            int c = lane + 32 * i;
-            float p = __shfl_xor_sync(0xffffffffu, acc[i], 1);
-            if (c >= r0 && c < d) {
-                double th = (double)pos * freqs[(c - r0) >> 1];
-                th = -th;
-                float sn = (float)sin(th), cs = (float)cos(th);
-                acc[i] = ((c - r0) & 1) == 0 ? acc[i] * cs - p * sn : p * sn + acc[i] * cs;
-            }
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < MAX_D / 32; i++) {
-        int c = lane + 32 * i;
-        if (c < d) orow[c] = acc[i];
-    }
-    if (epi & 2) {  // d a multiple of 32: value block i of the head is lanes' acc[i]
-        long long base = ((long long)t * heads + h) * d;
-#pragma unroll
-        for (int i = 0; i < MAX_D / 32; i++) {
-            if (32 * i >= d) break;
-            float dd;
-            oq[base + 32 * i + lane] = quant_block32(acc[i], &dd);
-            if (lane == 0) od[(base >> 5) + i] = dd;
-        }
-    }
+    att_merge_head(out, part + ((long long)tl * heads + h) * ATT_S * (d + 2), S, sink, t, h, rows, n, heads, d, freqs,
+                   npairs, epi, oq, od);
 }
 
 // ---- Attention of many rows on tensor cores (prefill chunks): block (row, 64 heads). The 64
@@ -898,18 +908,24 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_HG, ATT_MINB) attention(fl
 #define ATC_LD 520     // bf16 a shared row: 512 + 8 (ldmatrix rows on 8 distinct bank groups)
 #define ATC_SMEM ((ATC_H + 2 * ATC_KT) * ATC_LD * 2)
 #define ATC_SELMAX 2048  // selected entries a row kept in shared memory (more: read from global)
+#ifndef ATC_MINT
+#define ATC_MINT 2  // key tiles a slice takes at least (decode-sized calls, see attention_tc's slices)
+#endif
+
+// Key slices of a row of `ntiles` key tiles: at least ATC_MINT tiles each, at most zs.
+__device__ __forceinline__ int atc_slices(int ntiles, int zs) { return min(zs, max(1, (ntiles + ATC_MINT - 1) / ATC_MINT)); }
 
 extern "C" __global__ void __launch_bounds__(256, 1)
     attention_tc(float* out, const float* q, const float* kv, const float* ring, int win, int rcap,
                  const float* entries, int cap, int m, const unsigned* sel, int has_sel, int topk,
-                 const float* sinks, const unsigned* rows, int n, int heads) {
+                 const float* sinks, const unsigned* rows, int n, int heads, float* part, int t0) {
     pdl_enter();
     const int d = 512;
     extern __shared__ __align__(16) unsigned short atc_sm[];
     unsigned short* Qs = atc_sm;                   // [ATC_H][ATC_LD]
     unsigned short* Ks = atc_sm + ATC_H * ATC_LD;  // [2][ATC_KT][ATC_LD]
     __shared__ float atc_sx[8][8][32];  // each warp's partial S (16 heads × 16 keys)
-    int t = blockIdx.x, h0 = blockIdx.y * ATC_H;
+    int tl = blockIdx.x, t = t0 + tl, h0 = blockIdx.y * ATC_H;
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
     int mi = warp & 3, nh = warp >> 2;
     long long p = ROW_POS(t);
@@ -920,12 +936,25 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         ncomp = has_sel ? min(topk, vis) : vis;
     }
     int nk = nwin + ncomp, ntiles = (nk + ATC_KT - 1) / ATC_KT;
-    // The row's 64 heads' queries, rounded to bf16.
+    // Key slices (decode-sized calls, gridDim.z > 1): slice s of the row's S takes tiles
+    // [s·ntiles/S, (s+1)·ntiles/S) and leaves each head's (max, sum, o) in `part` for
+    // attention_merge. S is a function of the row alone (at least ATC_MINT tiles a slice), so the
+    // row's sums never depend on its batch; a slice's first tile holds a live key.
+    const int S = gridDim.z == 1 ? 1 : atc_slices(ntiles, gridDim.z), sl = blockIdx.z;
+    if (sl >= S) return;  // block-uniform, before any barrier
+    int tb = (int)((long long)ntiles * sl / S), te = (int)((long long)ntiles * (sl + 1) / S);
+    // The row's 64 heads' queries, rounded to bf16: 16 loads a thread in flight at once (two
+    // round trips; a decode slice block pays them before its few tiles).
     const float* qr = q + ((long long)t * heads + h0) * d;
-    for (int i = tid; i < ATC_H * d / 4; i += 256) {
-        float4 v = *(const float4*)(qr + 4 * i);
-        int hh = i / (d / 4), c = 4 * (i % (d / 4));
-        *(uint2*)(Qs + hh * ATC_LD + c) = make_uint2(bf2(v.x, v.y), bf2(v.z, v.w));
+    for (int i0 = tid; i0 < ATC_H * d / 4; i0 += 16 * 256) {
+        float4 v[16];
+#pragma unroll
+        for (int u = 0; u < 16; u++) v[u] = *(const float4*)(qr + 4 * (i0 + 256 * u));
+#pragma unroll
+        for (int u = 0; u < 16; u++) {
+            int i = i0 + 256 * u, hh = i / (d / 4), c = 4 * (i % (d / 4));
+            *(uint2*)(Qs + hh * ATC_LD + c) = make_uint2(bf2(v[u].x, v[u].y), bf2(v[u].z, v[u].w));
+        }
     }
     // Key addresses without a dependent load in the tile loop: the row's table entries in
     // registers, its window's first ring slot, and its selected entries' indices in shared memory
@@ -978,13 +1007,13 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         for (int e = 0; e < 4; e++) o[j][e] = 0.f;
     float mx[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows g and g + 8 of the warp's tile
     const float scale = rsqrtf((float)d);
-    load(0);
+    load(tb);
     store(0);
     __syncthreads();
 #pragma unroll 1
-    for (int tile = 0; tile < ntiles; tile++) {
-        int buf = tile & 1;
-        if (tile + 1 < ntiles) load(tile + 1);
+    for (int tile = tb; tile < te; tile++) {
+        int buf = (tile - tb) & 1;
+        if (tile + 1 < te) load(tile + 1);
         const unsigned short* kb = Ks + buf * ATC_KT * ATC_LD;
         // S (16 heads × 16 keys: two n-tiles of 8) in steps of 16 channels. The warp pair (mi, nh = 0 / 1) splits d: each forms S over its 256 channels in two
         // accumulator chains, then the pair swaps partials through shared memory (lo + hi in
@@ -1070,7 +1099,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
             mma_bf16_16816(o[j], pa, bb[0], bb[1]);
             mma_bf16_16816(o[j + 1], pa, bb[2], bb[3]);
         }
-        if (tile + 1 < ntiles) store(buf ^ 1);
+        if (tile + 1 < te) store(buf ^ 1);
         __syncthreads();
     }
     // The sink joins the denominator: o / (l + exp(sink − m)), both scaled by exp(m − M).
@@ -1078,6 +1107,21 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     for (int r = 0; r < 2; r++) {
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    if (gridDim.z > 1) {  // the slice's partials, in the f32 kernel's layout (ATT_S slices a head)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            int hh = h0 + 16 * mi + g + 8 * r;
+            float* pr = part + (((long long)tl * heads + hh) * ATT_S + sl) * (d + 2);
+#pragma unroll
+            for (int j = 0; j < 32; j++)
+                *(float2*)(pr + 256 * nh + 8 * j + 2 * tq) = make_float2(o[j][2 * r], o[j][2 * r + 1]);
+            if (nh == 0 && tq == 0) {
+                pr[d] = mx[r];
+                pr[d + 1] = l[r];
+            }
+        }
+        return;
     }
     float w[2];
 #pragma unroll
@@ -1096,6 +1140,36 @@ extern "C" __global__ void __launch_bounds__(256, 1)
             *(float2*)(out + ((long long)t * heads + hh) * d + c) = make_float2(o[j][2 * r] * w[r], o[j][2 * r + 1] * w[r]);
         }
     }
+}
+
+// attention_tc's key slices merged (decode-sized calls): block (row, ATT_HG heads), a warp a
+// head running the f32 kernel's merge and epilogue (att_merge_head: the sink, then `epi`'s
+// inverse RoPE and int8 codes) over the row's S slices (zs: the slice launch's gridDim.z). ringw:
+// block (row, 0) writes the row's kv into the ring, after every slice has read the ring.
+extern "C" __global__ void __launch_bounds__(32 * ATT_HG) attention_merge(float* out, const float* part, float* ring,
+                                                                         const float* kv, int win, int rcap, int m,
+                                                                         int has_sel, int topk, const float* sinks,
+                                                                         const unsigned* rows, int n, int t0, int heads,
+                                                                         int d, const double* freqs, int npairs,
+                                                                         int epi, signed char* oq, float* od,
+                                                                         int ringw, int zs) {
+    pdl_enter();
+    int t = t0 + blockIdx.x, h = blockIdx.y * ATT_HG + (threadIdx.x >> 5);
+    if (ringw && blockIdx.y == 0) {
+        long long slot = (long long)ROW_SEQ(t) * rcap + ROW_POS(t) % rcap;
+        for (int c = threadIdx.x; c < d; c += blockDim.x) ring[slot * d + c] = kv[(long long)t * d + c];
+    }
+    if (h >= heads) return;
+    long long p = ROW_POS(t);
+    long long lo = p + 1 > win ? p + 1 - win : 0;
+    int nk = (int)(p - lo + 1);
+    if (m > 0) {
+        int vis = (int)((p + 1) / m);
+        nk += has_sel ? min(topk, vis) : vis;
+    }
+    int S = atc_slices((nk + ATC_KT - 1) / ATC_KT, zs);
+    att_merge_head(out, part + ((long long)blockIdx.x * heads + h) * ATT_S * (d + 2), S, sinks[h], t, h, rows, n,
+                   heads, d, freqs, npairs, epi, oq, od);
 }
 
 // ---- Indexer scores of many rows on tensor cores (prefill chunks; V4-Flash's indexer of 64
