@@ -600,10 +600,13 @@ fn cuda_prefill_attention_tc_matches_f32_kernel() {
 /// against the CPU oracle, and each row bitwise the same alone as in its batch. Flash's 64 heads of
 /// 512, a window of 128 (8 key tiles: 4 slices), a CSA layer selecting up to 512 entries and an
 /// HCA layer, every layer hash-routed and the CSA's top-k above its visible entries (nothing
-/// discrete can flip). Two sequences decode side by side: after a 704-token prompt (CSA ~304
-/// keys: 10 slices; HCA ~216: 7) and after a 20-token one (two tiles: one slice, which also took
-/// its 20-row prompt). Tolerance as `cuda_prefill_attention_tc_matches_f32_kernel`'s: bf16
-/// queries, keys and weights (2^-9 relative each, f32 sums), ≤ 1e-2 a row from the f32 kernel.
+/// discrete can flip). The row threshold is raised to 1,000, so the prompts' chunks of 300 and
+/// 404 rows take the slices too (row tiles of 64: t0 > 0; long segments: the ring written after).
+/// Two sequences then decode side by side: after the 704-token prompt (CSA ~304 keys: 10 slices;
+/// HCA ~216: 7) and after a 20-token one (one slice; two from position 26 on the CSA layer).
+/// Tolerance as `cuda_prefill_attention_tc_matches_f32_kernel`'s: bf16 queries, keys and weights
+/// (2^-9 relative each, f32 sums), ≤ 1e-2 a row from the f32 kernel, which the slices must differ
+/// from (else they did not run), every logit finite.
 #[test]
 fn cuda_decode_attention_slices_match_f32_kernel() {
     let Some(b) = gpu() else { return };
@@ -631,24 +634,31 @@ fn cuda_decode_attention_slices_match_f32_kernel() {
         seqs.push((gpu.alloc_seq().unwrap(), gpu.alloc_seq().unwrap()));
     }
     let cs = (cpu.alloc_seq().unwrap(), cpu.alloc_seq().unwrap());
-    let prompt = |m: &mut dyn FnMut(&Batch), (l, s): (usize, usize)| {
-        m(&Batch::chunk(l, 0, &long[..300]).unwrap());
-        m(&Batch::chunk(l, 300, &long[300..704]).unwrap());
-        m(&Batch::chunk(s, 0, &short[..20]).unwrap());
+    gpu.backend.set_attention_tc(true);
+    gpu.backend.set_attention_tc_rows(1000);
+    let chunks = |(l, s): (usize, usize)| {
+        [Batch::chunk(l, 0, &long[..300]), Batch::chunk(l, 300, &long[300..704]), Batch::chunk(s, 0, &short[..20])]
+            .map(Result::unwrap)
     };
+    let all = |bt: &Batch| (0..bt.len()).collect::<Vec<_>>();
+    let mut prompt_logits = Vec::new();
     for (k, &pair) in seqs.iter().enumerate() {
         gpu.backend.set_attention_tc_slices(k != 1);
-        prompt(&mut |bt: &Batch| drop(gpu.forward(bt, &[bt.len() - 1]).unwrap()), pair);
+        prompt_logits.push(chunks(pair).iter().map(|bt| gpu.forward(bt, &all(bt)).unwrap()).collect::<Vec<_>>());
     }
-    prompt(&mut |bt: &Batch| drop(cpu.forward(bt, &[bt.len() - 1]).unwrap()), cs);
     let (mut vs_f32, mut vs_cpu, mut alone) = (Vec::new(), Vec::new(), 0usize);
+    for (i, bt) in chunks(cs).iter().enumerate() {
+        let (a, c) = (&prompt_logits[0][i], cpu.forward(bt, &all(bt)).unwrap());
+        assert!(a.iter().all(|x| x.is_finite()), "prompt chunk {i}: a logit is not finite");
+        vs_f32.extend(row_errs(a, &prompt_logits[1][i], v));
+        vs_cpu.extend(row_errs(a, &c, v));
+    }
     for i in 0..8 {
         let rows = |(l, s): (usize, usize)| {
             vec![Row { seq: l, pos: 704 + i, token: long[704 + i] }, Row { seq: s, pos: 20 + i, token: short[20 + i] }]
         };
-        let pair = Batch::new(rows(seqs[0])).unwrap();
         gpu.backend.set_attention_tc_slices(true);
-        let a = gpu.forward(&pair, &[0, 1]).unwrap();
+        let a = gpu.forward(&Batch::new(rows(seqs[0])).unwrap(), &[0, 1]).unwrap();
         let mut one = Vec::new();
         for r in rows(seqs[2]) {
             one.extend(gpu.forward(&Batch::new(vec![r]).unwrap(), &[0]).unwrap());
@@ -656,6 +666,7 @@ fn cuda_decode_attention_slices_match_f32_kernel() {
         gpu.backend.set_attention_tc_slices(false);
         let f = gpu.forward(&Batch::new(rows(seqs[1])).unwrap(), &[0, 1]).unwrap();
         let c = cpu.forward(&Batch::new(rows(cs)).unwrap(), &[0, 1]).unwrap();
+        assert!(a.iter().all(|x| x.is_finite()), "step {i}: a logit is not finite");
         assert!(
             a.iter().zip(&one).all(|(x, y)| x.to_bits() == y.to_bits()),
             "step {i}: a row batched differs from the row alone"
@@ -664,14 +675,16 @@ fn cuda_decode_attention_slices_match_f32_kernel() {
         vs_f32.extend(row_errs(&a, &f, v));
         vs_cpu.extend(row_errs(&a, &c, v));
     }
-    gpu.backend.set_attention_tc_slices(true);
+    gpu.backend.set_attention_tc_rows(32);
     let worst = |e: &[f64]| e.iter().fold(0f64, |m, &x| m.max(x));
     println!(
-        "attention_tc slices over {} decode rows: worst {:.2e} from the f32 kernel, {:.2e} from the CPU; {alone} rows bitwise alone",
+        "attention_tc slices over {} prompt and decode rows: worst {:.2e} from the f32 kernel, {:.2e} from the CPU; \
+         {alone} decode rows bitwise alone",
         vs_f32.len(),
         worst(&vs_f32),
         worst(&vs_cpu)
     );
+    assert!(worst(&vs_f32) > 0.0, "the slices' logits equal the f32 kernel's: the slices did not run");
     assert!(worst(&vs_f32) <= 1e-2, "attention_tc slices vs the f32 kernel: {:.2e}", worst(&vs_f32));
     assert!(worst(&vs_cpu) <= FAST_TOL, "attention_tc slices vs the CPU oracle: {:.2e}", worst(&vs_cpu));
 }

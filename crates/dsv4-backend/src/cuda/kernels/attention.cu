@@ -912,8 +912,11 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_HG, ATT_MINB) attention(fl
 #define ATC_MINT 2  // key tiles a slice takes at least (decode-sized calls, see attention_tc's slices)
 #endif
 
-// Key slices of a row of `ntiles` key tiles: at least ATC_MINT tiles each, at most zs.
-__device__ __forceinline__ int atc_slices(int ntiles, int zs) { return min(zs, max(1, (ntiles + ATC_MINT - 1) / ATC_MINT)); }
+// Key slices of a row of `ntiles` key tiles: at least ATC_MINT tiles each, at most zs (and
+// ATT_S, the partials' room a head).
+__device__ __forceinline__ int atc_slices(int ntiles, int zs) {
+    return min(min(zs, ATT_S), max(1, (ntiles + ATC_MINT - 1) / ATC_MINT));
+}
 
 extern "C" __global__ void __launch_bounds__(256, 1)
     attention_tc(float* out, const float* q, const float* kv, const float* ring, int win, int rcap,
@@ -963,8 +966,9 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     int lo_slot = rcap > 0 ? (int)(lo % rcap) : 0;
     __shared__ unsigned atc_sel[ATC_SELMAX];
     bool sel_sm = has_sel && ncomp <= ATC_SELMAX;
-    if (sel_sm)
-        for (int i = tid; i < ncomp; i += 256) atc_sel[i] = sel[(long long)t * topk + i];
+    if (sel_sm)  // the entries of this slice's tiles (all of them unsliced)
+        for (int i = max(0, tb * ATC_KT - nwin) + tid; i < min(ncomp, te * ATC_KT - nwin); i += 256)
+            atc_sel[i] = sel[(long long)t * topk + i];
     auto key = [&](int j) -> const float* {
         if (j < nwin) {
             long long pp = lo + j;
