@@ -6,7 +6,8 @@
 # flash-b64 (batches 1 / 16 / 64 on contexts cloned from one prefilled sequence),
 # fusions (the decode fusions off / on at batches 1, 16, 64), rowcaps (the 2- and 4-row int8
 # kernels against the general ones: steps, verify, kernel table), attslices (decode attention on
-# attention_tc's key slices against the f32 kernel), flash-served (43 q2 layers in
+# attention_tc's key slices against the f32 kernel), l2pf (L2 prefetch blocks in HC_PRE),
+# flash-served (43 q2 layers in
 # serve's exact mode), flash-bf16 (4 bf16 layers), prefill (issue 12's prefill figures and a
 # stage profile), hf (HF transformers' prefill beside dsv4's), serve (bench_serve at 1 / 16 /
 # 64). Writes each part's output
@@ -109,6 +110,27 @@ for part in $PARTS; do
         done
         DSV4_ATT_TC_SLICES=1 CTX=4096 bash tools/device/profile.sh 4 q2 1 > /dev/null 2>&1
         sed -n '/^one step/,$p' "$OUT/ncu-q2-1.txt" | head -30 >> "$S"
+        ;;
+    l2pf)
+        # PERF.md v25 lever 4: L2 prefetch blocks in the HC_PRE launch (DSV4_L2_PREFETCH=blocks:
+        # the attention's wq_a / wkv / wq_b, then the router and the shared expert), 4 q2 layers
+        # at batches 1 and 16 with 0 (builtin) / 16 / 32 / 64 blocks; then 43 layers with 0 and 32
+        # and one 4-layer step's kernels with 32 (ncu: gemv1xg / gemv1x4 should shorten).
+        for bs in 1 16; do
+            LAYERS=4 BATCH=$bs bash tools/device/ab_step.sh DSV4_L2_PREFETCH=16 DSV4_L2_PREFETCH=32 DSV4_L2_PREFETCH=64 \
+                > "$OUT/l2pf-ab$bs.txt" 2>&1
+            echo "4 q2 layers, batch $bs (builtin = no prefetch):" >> "$S"
+            cat "$OUT/l2pf-ab$bs.txt" >> "$S"
+        done
+        for pf in 32 0; do
+            DSV4_L2_PREFETCH=$pf timeout 200 $B bench --backend cuda --synthetic flash --layers 43 --weights q2 --contexts '' \
+                --reserve 16x4096 --decode-fill clone --decode-batches 1,2,16 --decode-context 4096 --decode-tokens 32 \
+                --verify-drafts 1,2,4 > "$OUT/l2pf-$pf.txt" 2>&1
+            echo "flash q2 43 layers, DSV4_L2_PREFETCH=$pf: exit $?" >> "$S"
+            grep -E '^(decode batch.*ms|verify batch +1|warning)' "$OUT/l2pf-$pf.txt" | cut -c1-150 >> "$S"
+        done
+        DSV4_L2_PREFETCH=32 CTX=4096 TAG=-l2pf bash tools/device/profile.sh 4 q2 1 > /dev/null 2>&1
+        sed -n '/^one step/,$p' "$OUT/ncu-q2-1-l2pf.txt" | head -30 >> "$S"
         ;;
     flash-served)
         # The 43-layer q2 decode in the mode `dsv4 serve` runs by default (exact: f32 activations

@@ -190,10 +190,19 @@ fn run<B: Backend>(
     for (l, lw) in w.layers.iter().enumerate() {
         let names = ["attn.hc_pre", "attn.norm", "attn.residual"];
         let next = Some(&lw.hc_ffn);
-        x = sub_block(&mut cx, l, &x, (&lw.hc_attn, next), &lw.attn_norm, names, |cx, a| attention(cx, l, lw, a));
+        // The attention's first products (its input's wq_a / wkv, then wq_b) may be prefetched
+        // under HC_PRE; the FFN's router and shared expert likewise.
+        let pf = [&lw.attn.wq_a, &lw.attn.wkv, &lw.attn.wq_b];
+        x = sub_block(&mut cx, l, &x, SubHc { hc: &lw.hc_attn, next, prefetch: &pf }, &lw.attn_norm, names, |cx, a| {
+            attention(cx, l, lw, a)
+        });
         let names = ["ffn.hc_pre", "ffn.norm", "ffn.residual"];
         let next = w.layers.get(l + 1).map(|n| &n.hc_attn);
-        x = sub_block(&mut cx, l, &x, (&lw.hc_ffn, next), &lw.ffn_norm, names, |cx, f| moe(cx, l, lw, f));
+        let sh = &lw.ffn.shared;
+        let pf = [&lw.ffn.gate, &sh.w1, &sh.w3, &sh.w2];
+        x = sub_block(&mut cx, l, &x, SubHc { hc: &lw.hc_ffn, next, prefetch: &pf }, &lw.ffn_norm, names, |cx, f| {
+            moe(cx, l, lw, f)
+        });
         if let (Some(h), Some(j)) = (hidden.as_mut(), outs.taps.iter().position(|&t| t == l)) {
             b.stream_mean_into(h, j * cfg.hidden, &x, cfg.hc_mult);
         }
@@ -209,19 +218,27 @@ fn run<B: Backend>(
     Forwarded { logits, hidden, stages: cx.probes.unwrap_or_default() }
 }
 
+/// A sub-block's mHC weights: its HC_PRE's, the next sub-block's (none after the last layer) and
+/// the weights its body reads first ([`Backend::prefetch`]).
+struct SubHc<'w, W> {
+    hc: &'w Hc<W>,
+    next: Option<&'w Hc<W>>,
+    prefetch: &'w [&'w W],
+}
+
 /// One pre-norm sub-block through mHC: collapse the streams (HC_PRE), normalise, run `body`,
-/// and mix its output back into the streams (HC_POST). `names` label those three stages;
-/// `next` is the HC_PRE the result feeds (none after the last layer).
+/// and mix its output back into the streams (HC_POST). `names` label those three stages.
 fn sub_block<'a, 'c, B: Backend>(
     cx: &mut Ctx<'a, 'c, B>,
     l: usize,
     x: &B::T,
-    (hc, next): (&Hc<B::W>, Option<&Hc<B::W>>),
+    SubHc { hc, next, prefetch }: SubHc<'_, B::W>,
     norm: &B::W,
     names: [&'static str; 3],
     body: impl FnOnce(&mut Ctx<'a, 'c, B>, &B::T) -> B::T,
 ) -> B::T {
     let (b, cfg) = (cx.b, cx.cfg);
+    b.prefetch(prefetch);
     let (y, a, post, comb) = b.hc_pre_norm(x, hc, norm, cfg);
     cx.cap(Some(l), names[0], &y);
     cx.cap(Some(l), names[1], &a);

@@ -228,3 +228,32 @@ fn cuda_decode_fusions_are_bitwise() {
         }
     }
 }
+
+/// L2 prefetch blocks in the HC_PRE launch (`set_l2_prefetch`: the forward names the attention's
+/// wq_a, wkv and wq_b, then the router and the shared expert) change no value and no kernel
+/// count: they add blocks to a launch, not launches. The HF fixture in fast and exact mode,
+/// chunks of up to 16 rows beside another sequence (every HC_PRE of at most 64 rows takes them),
+/// then decode steps, with 0 and with 16 prefetch blocks; bitwise equal.
+#[test]
+fn cuda_l2_prefetch_changes_no_value() {
+    let Some(b) = gpu() else { return };
+    let dir = fixtures_dir().join(FIXTURE);
+    let mut m = Model::load(b, &dir, 3, false).unwrap();
+    let prompt = tokens(80, m.cfg.vocab_size, 7);
+    let other = tokens(30, m.cfg.vocab_size, 8);
+    let chunks = [3, 13, 1, 16, 7, 2, 6, 16, 9, 7];
+    for exact in [false, true] {
+        m.backend.set_exact(exact);
+        m.backend.set_l2_prefetch(0);
+        let plain = run(&mut m, &prompt, &chunks, Some(&other[..]), false, 17);
+        let k0 = m.recorded_kernels(2, 2).expect("the decode step was recorded (DSV4_GRAPHS=0?)");
+        m.backend.set_l2_prefetch(16);
+        let pf = run(&mut m, &prompt, &chunks, Some(&other[..]), false, 17);
+        let k = m.recorded_kernels(2, 2).expect("the decode step was recorded");
+        m.backend.set_l2_prefetch(0);
+        let d = first_difference(&plain, &pf);
+        assert!(d.is_none(), "exact {exact}: logits row {d:?} differs with L2 prefetch blocks");
+        assert_eq!(k, k0, "exact {exact}: L2 prefetch changed the decode step's launches");
+        println!("exact {exact}: L2 prefetch blocks change no value ({k} kernels a decode step)");
+    }
+}

@@ -652,8 +652,33 @@ pub struct CudaBackend {
     route_fused: std::sync::atomic::AtomicBool,
     /// The indexer's scores and top-k in one launch (see [`CudaBackend::set_index_fused`]).
     index_fused: std::sync::atomic::AtomicBool,
+    /// Prefetch blocks an HC_PRE launch adds (see [`CudaBackend::set_l2_prefetch`]).
+    l2_blocks: std::sync::atomic::AtomicU32,
+    /// Weight planes ([`Backend::prefetch`]) the next HC_PRE launch prefetches: (address, bytes).
+    l2_pending: std::sync::Mutex<Vec<(u64, u64)>>,
     pub(crate) fusion: Fusion,
 }
+
+/// hc.cu's `L2Ranges` (common.cuh): up to [`L2_RANGES`] weight ranges and the blocks that
+/// prefetch them, by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct L2Ranges {
+    ptr: [u64; L2_RANGES],
+    bytes: [u64; L2_RANGES],
+    n: i32,
+    blocks: i32,
+}
+
+/// `L2_RANGES` of common.cuh.
+const L2_RANGES: usize = 8;
+/// Rows up to which an HC_PRE launch takes prefetch blocks (decode and verify steps: their
+/// products stream each weight once at a few rows; prefill's tiles are bound by arithmetic).
+const L2_PREFETCH_ROWS: usize = 64;
+
+// SAFETY: #[repr(C)] plain data, the field order and types of common.cuh's struct (two arrays
+// of 8-byte words, two ints: no padding).
+unsafe impl launch::KernelStruct for L2Ranges {}
 
 /// Fusions that change launches but no value, each on by default and off with its variable set
 /// to 0 (for A/B timing): `DSV4_X8_TWINS` (RMSNorms write int8 twins), `DSV4_SHARED_X8` (the
@@ -1044,6 +1069,39 @@ impl CudaBackend {
         self.attention_tc_slices.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Blocks an HC_PRE launch of at most 64 rows adds to prefetch the weights the forward
+    /// names next ([`Backend::prefetch`]: the attention's wq_a, wkv and wq_b; the router and the
+    /// shared expert) into L2 with `cp.async.bulk.prefetch` while HC_PRE's own two blocks run:
+    /// those products then read L2 rather than HBM (PERF.md v25: HC_PRE and the attention leave
+    /// ~100 µs of a 216 µs layer to latency-bound kernels at a few % of DRAM bandwidth). 0 (the
+    /// default, `DSV4_L2_PREFETCH` sets it) adds none; no value ever changes.
+    pub fn set_l2_prefetch(&self, blocks: u32) {
+        self.l2_blocks.store(blocks, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
+    }
+
+    pub fn l2_prefetch(&self) -> u32 {
+        self.l2_blocks.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The ranges [`Backend::prefetch`] named since the last HC_PRE launch (taken: each is
+    /// prefetched once), with the blocks to prefetch them for a launch of `rows` rows.
+    fn take_l2_ranges(&self, rows: usize) -> L2Ranges {
+        let pending = std::mem::take(&mut *self.l2_pending.lock().unwrap());
+        let mut r = L2Ranges { ptr: [0; L2_RANGES], bytes: [0; L2_RANGES], n: 0, blocks: 0 };
+        let blocks = self.l2_prefetch();
+        if blocks == 0 || rows > L2_PREFETCH_ROWS || pending.is_empty() {
+            return r;
+        }
+        for (i, &(p, b)) in pending.iter().take(L2_RANGES).enumerate() {
+            r.ptr[i] = p;
+            r.bytes[i] = b;
+        }
+        r.n = pending.len().min(L2_RANGES) as i32;
+        r.blocks = blocks as i32;
+        r
+    }
+
     /// Whether fast-mode indexer scores of prefill-sized calls (256 rows and more, V4-Flash's
     /// 64 heads of 128) take `index_score_tc` (bf16 queries and entries on tensor cores, f32
     /// sums) or the f32 kernel. Starts on unless `DSV4_INDEX_TC=0`.
@@ -1171,6 +1229,10 @@ impl CudaBackend {
             gemv_twin: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_GEMV_TWIN")),
             att_fused: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_ATT_FUSED")),
             gemv4: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_GEMV4")),
+            l2_blocks: std::sync::atomic::AtomicU32::new(
+                std::env::var("DSV4_L2_PREFETCH").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(0),
+            ),
+            l2_pending: std::sync::Mutex::new(Vec::new()),
             row_caps: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_ROW_CAPS").map_or(true, |v| v.trim() != "0"),
             ),
@@ -1689,6 +1751,24 @@ impl Backend for CudaBackend {
         "cuda"
     }
 
+    fn prefetch(&self, ws: &[&CudaWeight]) {
+        if self.l2_prefetch() == 0 {
+            return;
+        }
+        fn range<T>(s: &CudaSlice<T>, stream: &CudaStream) -> (u64, u64) {
+            (launch::KernelArg::word(s, stream), (s.len() * std::mem::size_of::<T>()) as u64)
+        }
+        let mut p = self.l2_pending.lock().unwrap();
+        p.clear();
+        for w in ws {
+            match (&w.q, &w.bf) {
+                (Some(q), _) => p.extend([range(&q.blocks, &self.stream), range(&q.scales, &self.stream)]),
+                (None, Some(bf)) => p.push(range(bf, &self.stream)),
+                (None, None) => p.push(range(&w.data, &self.stream)),
+            }
+        }
+    }
+
     fn upload(&self, t: HostTensor) -> Result<CudaWeight, LoadError> {
         let (rows, cols) = match t.shape.as_slice() {
             [c] => (1, *c),
@@ -2110,6 +2190,7 @@ impl Backend for CudaBackend {
     ) -> (CudaTensor, CudaTensor, CudaTensor, CudaTensor) {
         let (n, d, rows) = (cfg.hc_mult, cfg.hidden, x.rows);
         let threads = self.norm_threads(d);
+        let pf = self.take_l2_ranges(rows);
         // The head's partial sums take one thread each.
         if !self.fusion.hc_norm || rows == 0 || threads as usize <= (2 + n) * n {
             let (y, post, comb) = self.hc_pre(x, hc, cfg);
@@ -2126,10 +2207,11 @@ impl Backend for CudaBackend {
         // Prefill-sized calls with V4's shapes form post and comb in a launch of their own, a
         // warp a row (hc_pre_sink_rows): a sink block held a whole SM for one warp's work.
         let sink_apart = rows >= HC_DOT_ROWS_MIN && n == 4 && d <= 4 * threads as usize;
-        let blocks = if sink_apart { 1 } else { 2 };
+        let blocks = if sink_apart { 1 } else { 2 } + pf.blocks as u32;
         let lc = LaunchConfig { grid_dim: (blocks, rows as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types and sizes match the kernel's signature (xq/xd hold the whole
-        // norm's codes and scales when `twin`).
+        // norm's codes and scales when `twin`; `pf` is common.cuh's L2Ranges by value, its
+        // ranges inside weights that live as long as the model).
         ck(
             unsafe {
                 self.stream
@@ -2151,6 +2233,7 @@ impl Backend for CudaBackend {
                     .arg(&cfg.rms_eps)
                     .arg(&cfg.hc_eps)
                     .arg(&(twin as i32))
+                    .arg_struct(&pf)
                     .launch(lc)
             },
             "hc_pre_apply_norm",

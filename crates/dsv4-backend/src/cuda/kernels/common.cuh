@@ -31,6 +31,41 @@ __device__ __forceinline__ void pdl_enter_after(unsigned dep) {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+// Up to L2_RANGES weight ranges the next kernels read (cuda/mod.rs `L2Ranges`), pulled into L2
+// by `blocks` extra blocks of a latency-bound kernel's grid while its own blocks run. Such a
+// block reads nothing a kernel writes (weights), so it skips pdl_enter and exits at once after
+// queueing its share: the grid still completes after its predecessor (its own blocks wait).
+#define L2_RANGES 8
+struct L2Ranges {
+    unsigned long long ptr[L2_RANGES];
+    unsigned long long bytes[L2_RANGES];
+    int n, blocks;
+};
+
+// Prefetch block b's share: the ranges' 16-byte-aligned interiors in chunks of 16 KB, chunk c
+// to thread c mod (blocks · blockDim) (cp.async.bulk.prefetch: a hint, no completion to wait for).
+__device__ __forceinline__ void l2_prefetch_share(const L2Ranges& r, int b) {
+    const unsigned long long CH = 16384;
+    long long stride = (long long)r.blocks * blockDim.x;
+    for (long long c = (long long)b * blockDim.x + threadIdx.x;; c += stride) {
+        long long k = c;
+        int i = 0;
+        unsigned long long lo = 0, hi = 0;
+        for (; i < r.n && i < L2_RANGES; i++) {
+            lo = (r.ptr[i] + 15) & ~15ull;
+            hi = (r.ptr[i] + r.bytes[i]) & ~15ull;
+            long long nc = hi > lo ? (long long)((hi - lo + CH - 1) / CH) : 0;
+            if (k < nc) break;
+            k -= nc;
+        }
+        if (i >= r.n || i >= L2_RANGES) return;
+        unsigned long long a = lo + (unsigned long long)k * CH, g;
+        unsigned sz = (unsigned)(hi - a < CH ? hi - a : CH);
+        asm volatile("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(a));
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(g), "r"(sz) : "memory");
+    }
+}
+
 #define GRID_STRIDE(i, total) \
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (total); \
          i += (long long)gridDim.x * blockDim.x)
