@@ -534,6 +534,24 @@ fn cuda_bf16_fast_path_close_to_cpu() {
     assert!(max <= FAST_TOL_ALL, "max row rel err {max}");
 }
 
+/// A tiny model with Flash's attention shape (64 heads of 512, a window of 128, top-k 512): a
+/// Swa, a Csa (ratio 4) and an Hca (ratio 8) layer, every layer hash-routed.
+fn flash_heads_dir() -> tempfile::TempDir {
+    let mut cfg = tiny_config(512);
+    cfg.n_heads = 64;
+    cfg.head_dim = 512;
+    cfg.window = 128;
+    cfg.index_topk = 512;
+    cfg.layers = vec![
+        LayerSpec { attn: AttnKind::Swa, ratio: 0, hash_moe: true },
+        LayerSpec { attn: AttnKind::Csa, ratio: 4, hash_moe: true },
+        LayerSpec { attn: AttnKind::Hca, ratio: 8, hash_moe: true },
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    write_random(dir.path(), &cfg, 8);
+    dir
+}
+
 /// Prefill chunks' attention on tensor cores (`attention_tc`: Flash's 64 heads of 512, calls of
 /// 256 rows and more in fast mode) against the f32 kernel on the same GPU and against the CPU
 /// oracle. The model routes every layer by hash and its CSA layer selects every visible entry
@@ -547,18 +565,7 @@ fn cuda_bf16_fast_path_close_to_cpu() {
 fn cuda_prefill_attention_tc_matches_f32_kernel() {
     let Some(b) = gpu() else { return };
     b.set_exact(false);
-    let mut cfg = tiny_config(512);
-    cfg.n_heads = 64;
-    cfg.head_dim = 512;
-    cfg.window = 128;
-    cfg.index_topk = 512;
-    cfg.layers = vec![
-        LayerSpec { attn: AttnKind::Swa, ratio: 0, hash_moe: true },
-        LayerSpec { attn: AttnKind::Csa, ratio: 4, hash_moe: true },
-        LayerSpec { attn: AttnKind::Hca, ratio: 8, hash_moe: true },
-    ];
-    let dir = tempfile::tempdir().unwrap();
-    write_random(dir.path(), &cfg, 8);
+    let dir = flash_heads_dir();
     let mut gpu = Model::load(b, dir.path(), 2, false).unwrap();
     let mut cpu = cpu_bf16(dir.path(), 1);
     let v = cpu.cfg.vocab_size;
@@ -611,18 +618,7 @@ fn cuda_prefill_attention_tc_matches_f32_kernel() {
 fn cuda_decode_attention_slices_match_f32_kernel() {
     let Some(b) = gpu() else { return };
     b.set_exact(false);
-    let mut cfg = tiny_config(512);
-    cfg.n_heads = 64;
-    cfg.head_dim = 512;
-    cfg.window = 128;
-    cfg.index_topk = 512;
-    cfg.layers = vec![
-        LayerSpec { attn: AttnKind::Swa, ratio: 0, hash_moe: true },
-        LayerSpec { attn: AttnKind::Csa, ratio: 4, hash_moe: true },
-        LayerSpec { attn: AttnKind::Hca, ratio: 8, hash_moe: true },
-    ];
-    let dir = tempfile::tempdir().unwrap();
-    write_random(dir.path(), &cfg, 8);
+    let dir = flash_heads_dir();
     let mut gpu = Model::load(b, dir.path(), 6, false).unwrap();
     let mut cpu = cpu_bf16(dir.path(), 2);
     let v = cpu.cfg.vocab_size;

@@ -5,7 +5,7 @@ use super::launch::Kernel;
 use super::state::CudaCache;
 use super::{block_for, cfg1d, ck, CudaBackend, CudaRows, CudaSel, CudaTensor, CudaWeight};
 use crate::backend::{Backend, CompSlot};
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::{CudaSlice, LaunchConfig};
 use dsv4_model::weights::Compressor;
 use dsv4_model::Config;
 
@@ -321,6 +321,72 @@ const ATC_HEADS: usize = 64;
 /// of 16, rows of 520 bf16).
 pub(crate) const ATC_SMEM: usize = (ATC_HEADS + 2 * 16) * 520 * 2;
 
+/// What `attention_tc` reads of a layer's state and the call, but the window ring (see
+/// [`attention_tc`]).
+struct AtcKeys<'a> {
+    q: &'a CudaTensor,
+    kv: &'a CudaTensor,
+    entries: &'a CudaSlice<f32>,
+    cap: usize,
+    m: usize,
+    sel: &'a CudaSlice<u32>,
+    has_sel: i32,
+    topk: usize,
+    sinks: &'a CudaWeight,
+    rows: &'a CudaRows,
+    win: usize,
+    rcap: usize,
+}
+
+/// `attention_tc` over rows `t0..t0 + rows` (block (row, 64 heads, slice)): `slices` = 1 writes
+/// each row's output (prefill-sized calls); more cut each row's key tiles into that many slices
+/// at most, whose partials go to `part` for `attention_merge` (decode-sized calls).
+fn attention_tc(
+    b: &CudaBackend,
+    k: &AtcKeys,
+    ring: &CudaSlice<f32>,
+    out: &mut CudaTensor,
+    part: &CudaSlice<f32>,
+    (t0, rows): (usize, usize),
+    slices: usize,
+) {
+    let h = k.q.cols / 512;
+    let lc = LaunchConfig {
+        grid_dim: (rows as u32, (h / ATC_HEADS) as u32, slices as u32),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: ATC_SMEM as u32,
+    };
+    // SAFETY: argument types and buffer sizes match the kernel (q and out [n, h·512], the
+    // state's ring and entries as the f32 kernel reads them, `part` tile rows × h × ATT_S slices
+    // of 514 floats where `slices` > 1).
+    ck(
+        unsafe {
+            b.stream
+                .kernel(&b.k.attention_tc)
+                .arg(&mut out.data)
+                .arg(&k.q.data)
+                .arg(&k.kv.data)
+                .arg(ring)
+                .arg(&(k.win as i32))
+                .arg(&(k.rcap as i32))
+                .arg(k.entries)
+                .arg(&(k.cap as i32))
+                .arg(&(k.m as i32))
+                .arg(k.sel)
+                .arg(&k.has_sel)
+                .arg(&(k.topk as i32))
+                .arg(&k.sinks.data)
+                .arg(k.rows.dev.as_ref())
+                .arg(&(k.rows.len() as i32))
+                .arg(&(h as i32))
+                .arg(part)
+                .arg(&(t0 as i32))
+                .launch(lc)
+        },
+        "attention_tc",
+    );
+}
+
 /// Attention of every (row, head), then the chunk's KV rows enter the window ring (the last
 /// `window + MAX_ROLLBACK` of each segment, so that a rollback finds its window).
 #[allow(clippy::too_many_arguments)]
@@ -356,40 +422,9 @@ pub fn attend(
     let tc = tc_fits && n >= b.attention_tc_rows();
     // Decode-sized calls: attention_tc's key slices, then attention_merge.
     let slices = tc_fits && !tc && b.attention_tc_slices();
+    let keys = AtcKeys { q, kv, entries, cap, m, sel: seli, has_sel, topk, sinks, rows, win, rcap };
     if tc {
-        let lc = LaunchConfig {
-            grid_dim: (n as u32, (h / ATC_HEADS) as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: ATC_SMEM as u32,
-        };
-        // SAFETY: argument types and buffer sizes match the kernel (q and out [n, h·512], the
-        // state's ring and entries as the f32 kernel reads them).
-        ck(
-            unsafe {
-                b.stream
-                    .kernel(&b.k.attention_tc)
-                    .arg(&mut out.data)
-                    .arg(&q.data)
-                    .arg(&kv.data)
-                    .arg(&ls.ring)
-                    .arg(&wi)
-                    .arg(&rci)
-                    .arg(entries)
-                    .arg(&(cap as i32))
-                    .arg(&(m as i32))
-                    .arg(seli)
-                    .arg(&has_sel)
-                    .arg(&(topk as i32))
-                    .arg(&sinks.data)
-                    .arg(rows.dev.as_ref())
-                    .arg(&ni)
-                    .arg(&(h as i32))
-                    .arg(&b.dummy_f32)
-                    .arg(&0i32)
-                    .launch(lc)
-            },
-            "attention_tc",
-        );
+        attention_tc(b, &keys, &ls.ring, &mut out, &b.dummy_f32, (0, n), 1);
     }
     // The decode kernel's epilogue (`set_att_fused`): the inverse RoPE and the output's int8
     // codes where the merge forms it, the window ring's rows written by the kernel where no slot
@@ -426,37 +461,7 @@ pub fn attend(
             if slices {
                 // Block (row, 64 heads, slice): each row's key tiles over up to ATTN_SLICES
                 // blocks (attention_tc's `part` writes), then one warp a head merges them.
-                let lc = LaunchConfig {
-                    grid_dim: (rows_here as u32, (h / ATC_HEADS) as u32, ATTN_SLICES as u32),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: ATC_SMEM as u32,
-                };
-                ck(
-                    unsafe {
-                        b.stream
-                            .kernel(&b.k.attention_tc)
-                            .arg(&mut out.data)
-                            .arg(&q.data)
-                            .arg(&kv.data)
-                            .arg(&ls.ring)
-                            .arg(&wi)
-                            .arg(&rci)
-                            .arg(entries)
-                            .arg(&(cap as i32))
-                            .arg(&(m as i32))
-                            .arg(seli)
-                            .arg(&has_sel)
-                            .arg(&(topk as i32))
-                            .arg(&sinks.data)
-                            .arg(rows.dev.as_ref())
-                            .arg(&ni)
-                            .arg(&(h as i32))
-                            .arg(&mut part)
-                            .arg(&(t0 as i32))
-                            .launch(lc)
-                    },
-                    "attention_tc (slices)",
-                );
+                attention_tc(b, &keys, &ls.ring, &mut out, &part, (t0, rows_here), ATTN_SLICES);
                 let lc = LaunchConfig {
                     grid_dim: (rows_here as u32, groups as u32, 1),
                     block_dim: (32 * ATTN_HEADS_PER_BLOCK as u32, 1, 1),
