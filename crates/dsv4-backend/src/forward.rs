@@ -328,7 +328,9 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
         }
         _ => None,
     };
-    // Rotated back by position already (the inverse RoPE is part of the attention's output).
+    // Rotated back by position already (the inverse RoPE is part of the attention's output);
+    // wo_a may be prefetched under it.
+    b.prefetch(&[&aw.wo_a]);
     let o = b.attention(cx.cache, l, &q, &kv, sel.as_ref(), &aw.sinks, cx.rows, freqs, cfg);
     cx.cap(li, "attn.core", &o);
     let z = b.grouped_matmul(&o, &aw.wo_a, cfg.o_groups);

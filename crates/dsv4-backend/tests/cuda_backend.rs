@@ -685,6 +685,46 @@ fn cuda_decode_attention_slices_match_f32_kernel() {
     assert!(worst(&vs_cpu) <= FAST_TOL, "attention_tc slices vs the CPU oracle: {:.2e}", worst(&vs_cpu));
 }
 
+/// L2 prefetch blocks (`set_l2_prefetch`) over weights of many 16 KB chunks (Flash's attention
+/// heads: wq_b and wo_a of 64 × 512 columns, a few MB each) change no value: a 40-token prompt
+/// in chunks of 16, 16 and 8 rows, then 4 decode rows, with 0 and with 64 blocks (each HC_PRE and
+/// attention launch then spreads its chunks over many blocks, in the f32 kernel's and in the
+/// slices' grid), bitwise equal in fast mode with the attention slices off and on.
+#[test]
+fn cuda_l2_prefetch_of_large_weights_changes_no_value() {
+    let Some(b) = gpu() else { return };
+    b.set_exact(false);
+    let dir = flash_heads_dir();
+    let mut gpu = Model::load(b, dir.path(), 4, false).unwrap();
+    let v = gpu.cfg.vocab_size;
+    let toks = tokens(44, v, 4400);
+    for slices in [false, true] {
+        gpu.backend.set_attention_tc_slices(slices);
+        let mut logits = Vec::new();
+        for blocks in [0, 64] {
+            gpu.backend.set_l2_prefetch(blocks);
+            let before = gpu.backend.l2_prefetch_launches();
+            let s = gpu.alloc_seq().unwrap();
+            let mut out = Vec::new();
+            let mut off = 0;
+            for n in [16, 16, 8, 1, 1, 1, 1] {
+                let all: Vec<usize> = (0..n).collect();
+                out.extend(gpu.forward(&Batch::chunk(s, off, &toks[off..off + n]).unwrap(), &all).unwrap());
+                off += n;
+            }
+            gpu.free_seq(s);
+            let ran = gpu.backend.l2_prefetch_launches() - before;
+            assert_eq!(ran > 0, blocks > 0, "slices {slices}, {blocks} blocks: {ran} launches carried prefetch blocks");
+            assert!(out.iter().all(|x| x.is_finite()), "slices {slices}, {blocks} blocks: a logit is not finite");
+            logits.push(out);
+        }
+        let d = logits[0].iter().zip(&logits[1]).position(|(a, b)| a.to_bits() != b.to_bits());
+        assert!(d.is_none(), "slices {slices}: logit {d:?} differs with L2 prefetch blocks");
+    }
+    gpu.backend.set_l2_prefetch(0);
+    gpu.backend.set_attention_tc_slices(false);
+}
+
 /// Prefill chunks' indexer scores on tensor cores (`index_score_tc`: Flash's indexer of 64
 /// heads × 128, calls of 256 rows and more in fast mode) against the f32 `index_score` on the
 /// same GPU, and against the CPU oracle. Two 722-token prompts, every layer hash-routed (no

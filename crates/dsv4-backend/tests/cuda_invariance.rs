@@ -229,11 +229,12 @@ fn cuda_decode_fusions_are_bitwise() {
     }
 }
 
-/// L2 prefetch blocks in the HC_PRE launch (`set_l2_prefetch`: the forward names the attention's
-/// wq_a, wkv and wq_b, then the router and the shared expert) change no value and no kernel
-/// count: they add blocks to a launch, not launches. The HF fixture in fast and exact mode,
-/// chunks of up to 16 rows beside another sequence (every HC_PRE of at most 64 rows takes them),
-/// then decode steps, with 0 and with 16 prefetch blocks; bitwise equal.
+/// L2 prefetch blocks in the HC_PRE and attention launches (`set_l2_prefetch`: the forward names
+/// the attention's wq_a, wkv and wq_b, its wo_a, then the router and the shared expert) change no
+/// value and no kernel count: they add blocks to a launch, not launches. The HF fixture in fast
+/// and exact mode, chunks of up to 16 rows beside another sequence (every HC_PRE of at most 64
+/// rows takes them), then decode steps, with 0 and with 16 prefetch blocks; bitwise equal, and
+/// launches carried prefetch blocks only in the second run (`l2_prefetch_launches`).
 #[test]
 fn cuda_l2_prefetch_changes_no_value() {
     let Some(b) = gpu() else { return };
@@ -245,12 +246,17 @@ fn cuda_l2_prefetch_changes_no_value() {
     for exact in [false, true] {
         m.backend.set_exact(exact);
         m.backend.set_l2_prefetch(0);
+        let l0 = m.backend.l2_prefetch_launches();
         let plain = run(&mut m, &prompt, &chunks, Some(&other[..]), false, 17);
         let k0 = m.recorded_kernels(2, 2).expect("the decode step was recorded (DSV4_GRAPHS=0?)");
+        let l1 = m.backend.l2_prefetch_launches();
         m.backend.set_l2_prefetch(16);
         let pf = run(&mut m, &prompt, &chunks, Some(&other[..]), false, 17);
         let k = m.recorded_kernels(2, 2).expect("the decode step was recorded");
+        let l2 = m.backend.l2_prefetch_launches();
         m.backend.set_l2_prefetch(0);
+        assert_eq!(l1, l0, "exact {exact}: prefetch blocks launched with the prefetch off");
+        assert!(l2 > l1, "exact {exact}: no launch carried prefetch blocks");
         let d = first_difference(&plain, &pf);
         assert!(d.is_none(), "exact {exact}: logits row {d:?} differs with L2 prefetch blocks");
         assert_eq!(k, k0, "exact {exact}: L2 prefetch changed the decode step's launches");

@@ -3,7 +3,7 @@
 
 use super::launch::Kernel;
 use super::state::CudaCache;
-use super::{block_for, cfg1d, ck, CudaBackend, CudaRows, CudaSel, CudaTensor, CudaWeight};
+use super::{block_for, cfg1d, ck, CudaBackend, CudaRows, CudaSel, CudaTensor, CudaWeight, L2Ranges};
 use crate::backend::{Backend, CompSlot};
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use dsv4_model::weights::Compressor;
@@ -338,7 +338,8 @@ struct AtcKeys<'a> {
     rcap: usize,
 }
 
-/// `attention_tc` over rows `t0..t0 + rows` (block (row, 64 heads, slice)): `slices` = 1 writes
+/// `attention_tc` over rows `t0..t0 + rows` (block (row, 64 heads, slice)), with `pf`'s L2
+/// prefetch blocks past the rows: `slices` = 1 writes
 /// each row's output (prefill-sized calls); more cut each row's key tiles into that many slices
 /// at most, whose partials go to `part` for `attention_merge` (decode-sized calls).
 fn attention_tc(
@@ -347,12 +348,12 @@ fn attention_tc(
     ring: &CudaSlice<f32>,
     out: &mut CudaTensor,
     part: &CudaSlice<f32>,
-    (t0, rows): (usize, usize),
-    slices: usize,
+    (t0, rows, slices): (usize, usize, usize),
+    pf: &L2Ranges,
 ) {
     let h = k.q.cols / 512;
     let lc = LaunchConfig {
-        grid_dim: (rows as u32, (h / ATC_HEADS) as u32, slices as u32),
+        grid_dim: ((rows + pf.layers as usize) as u32, (h / ATC_HEADS) as u32, slices as u32),
         block_dim: (256, 1, 1),
         shared_mem_bytes: ATC_SMEM as u32,
     };
@@ -381,6 +382,7 @@ fn attention_tc(
                 .arg(&(h as i32))
                 .arg(part)
                 .arg(&(t0 as i32))
+                .arg_struct(pf)
                 .launch(lc)
         },
         "attention_tc",
@@ -422,9 +424,19 @@ pub fn attend(
     let tc = tc_fits && n >= b.attention_tc_rows();
     // Decode-sized calls: attention_tc's key slices, then attention_merge.
     let slices = tc_fits && !tc && b.attention_tc_slices();
+    // The weights the forward named next (wo_a), prefetched by extra x layers of the first
+    // launch below (blocks a layer: the grid's y·z).
+    let per_layer = if tc {
+        h / ATC_HEADS
+    } else if slices {
+        h / ATC_HEADS * ATTN_SLICES
+    } else {
+        h.div_ceil(ATTN_HEADS_PER_BLOCK) * ATTN_SLICES
+    };
+    let pf = b.take_l2_ranges(n, per_layer);
     let keys = AtcKeys { q, kv, entries, cap, m, sel: seli, has_sel, topk, sinks, rows, win, rcap };
     if tc {
-        attention_tc(b, &keys, &ls.ring, &mut out, &b.dummy_f32, (0, n), 1);
+        attention_tc(b, &keys, &ls.ring, &mut out, &b.dummy_f32, (0, n, 1), &pf);
     }
     // The decode kernel's epilogue (`set_att_fused`): the inverse RoPE and the output's int8
     // codes where the merge forms it, the window ring's rows written by the kernel where no slot
@@ -456,12 +468,13 @@ pub fn attend(
         let epi = if fused { 1 | (2 * twin as i32) } else { 0 };
         // SAFETY (every launch): argument types and buffer sizes match the kernels; `part` and `done`
         // hold `tile` rows, and each launch covers at most `tile` rows from `t0`.
+        let pf_at = |t0: usize| if t0 == 0 { &pf } else { &L2Ranges::NONE };
         for t0 in (0..n).step_by(tile) {
             let rows_here = (n - t0).min(tile);
             if slices {
                 // Block (row, 64 heads, slice): each row's key tiles over up to ATTN_SLICES
                 // blocks (attention_tc's `part` writes), then one warp a head merges them.
-                attention_tc(b, &keys, &ls.ring, &mut out, &part, (t0, rows_here), ATTN_SLICES);
+                attention_tc(b, &keys, &ls.ring, &mut out, &part, (t0, rows_here, ATTN_SLICES), pf_at(t0));
                 let lc = LaunchConfig {
                     grid_dim: (rows_here as u32, groups as u32, 1),
                     block_dim: (32 * ATTN_HEADS_PER_BLOCK as u32, 1, 1),
@@ -500,7 +513,7 @@ pub fn attend(
                 continue;
             }
             let lc = LaunchConfig {
-                grid_dim: (rows_here as u32, groups as u32, ATTN_SLICES as u32),
+                grid_dim: ((rows_here + pf_at(t0).layers as usize) as u32, groups as u32, ATTN_SLICES as u32),
                 block_dim: (32 * ATTN_HEADS_PER_BLOCK as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
@@ -535,6 +548,7 @@ pub fn attend(
                         .arg(&mut oq)
                         .arg(&mut od)
                         .arg(&(ringw as i32))
+                        .arg_struct(pf_at(t0))
                         .launch(lc)
                 },
                 "attention",

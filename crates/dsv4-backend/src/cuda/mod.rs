@@ -656,6 +656,8 @@ pub struct CudaBackend {
     l2_blocks: std::sync::atomic::AtomicU32,
     /// Weight planes ([`Backend::prefetch`]) the next HC_PRE launch prefetches: (address, bytes).
     l2_pending: std::sync::Mutex<Vec<(u64, u64)>>,
+    /// Launches that carried prefetch blocks ([`CudaBackend::l2_prefetch_launches`]).
+    l2_launches: std::sync::atomic::AtomicU64,
     pub(crate) fusion: Fusion,
 }
 
@@ -663,11 +665,16 @@ pub struct CudaBackend {
 /// prefetch them, by value.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct L2Ranges {
+pub(crate) struct L2Ranges {
     ptr: [u64; L2_RANGES],
     bytes: [u64; L2_RANGES],
     n: i32,
-    blocks: i32,
+    /// Grid layers of prefetch blocks a launch adds past its own (0: none).
+    pub(crate) layers: i32,
+}
+
+impl L2Ranges {
+    pub(crate) const NONE: L2Ranges = L2Ranges { ptr: [0; L2_RANGES], bytes: [0; L2_RANGES], n: 0, layers: 0 };
 }
 
 /// `L2_RANGES` of common.cuh.
@@ -1069,13 +1076,14 @@ impl CudaBackend {
         self.attention_tc_slices.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Blocks an HC_PRE launch of at most 64 rows adds to prefetch the weights the forward
-    /// names next ([`Backend::prefetch`]: the attention's wq_a, wkv and wq_b; the router and the
-    /// shared expert) into L2 with `cp.async.bulk.prefetch` while HC_PRE's own two blocks run:
+    /// Blocks an HC_PRE or attention launch of at most 64 rows adds to prefetch the weights the
+    /// forward names next ([`Backend::prefetch`]: the attention's wq_a, wkv and wq_b, its wo_a;
+    /// the router and the shared expert) into L2 with `cp.async.bulk.prefetch` while the launch's own blocks run:
     /// those products then read L2 rather than HBM (PERF.md v25: HC_PRE and the attention leave
     /// ~100 µs of a 216 µs layer to latency-bound kernels at a few % of DRAM bandwidth). 0 (the
     /// default, `DSV4_L2_PREFETCH` sets it) adds none; no value ever changes.
     pub fn set_l2_prefetch(&self, blocks: u32) {
+        self.l2_pending.lock().unwrap().clear();
         self.l2_blocks.store(blocks, std::sync::atomic::Ordering::Relaxed);
         self.bump_settings();
     }
@@ -1084,12 +1092,14 @@ impl CudaBackend {
         self.l2_blocks.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// The ranges [`Backend::prefetch`] named since the last HC_PRE launch (taken: each is
-    /// prefetched once), with the blocks to prefetch them for a launch of `rows` rows.
-    fn take_l2_ranges(&self, rows: usize) -> L2Ranges {
+    /// The ranges [`Backend::prefetch`] named since the last launch that took them (taken:
+    /// each is prefetched once), for a launch of `rows` rows whose extra grid layers hold
+    /// `per_layer` blocks each: as many layers as [`Self::l2_prefetch`]'s blocks fill (at most
+    /// two blocks an SM in all).
+    pub(crate) fn take_l2_ranges(&self, rows: usize, per_layer: usize) -> L2Ranges {
         let pending = std::mem::take(&mut *self.l2_pending.lock().unwrap());
-        let mut r = L2Ranges { ptr: [0; L2_RANGES], bytes: [0; L2_RANGES], n: 0, blocks: 0 };
-        let blocks = self.l2_prefetch();
+        let mut r = L2Ranges::NONE;
+        let blocks = (self.l2_prefetch() as usize).min(2 * self.sms);
         if blocks == 0 || rows > L2_PREFETCH_ROWS || pending.is_empty() {
             return r;
         }
@@ -1098,8 +1108,14 @@ impl CudaBackend {
             r.bytes[i] = b;
         }
         r.n = pending.len().min(L2_RANGES) as i32;
-        r.blocks = blocks as i32;
+        r.layers = blocks.div_ceil(per_layer.max(1)) as i32;
+        self.l2_launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         r
+    }
+
+    /// Launches that have carried L2 prefetch blocks (a test's evidence that they ran).
+    pub fn l2_prefetch_launches(&self) -> u64 {
+        self.l2_launches.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether fast-mode indexer scores of prefill-sized calls (256 rows and more, V4-Flash's
@@ -1233,6 +1249,7 @@ impl CudaBackend {
                 std::env::var("DSV4_L2_PREFETCH").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(0),
             ),
             l2_pending: std::sync::Mutex::new(Vec::new()),
+            l2_launches: std::sync::atomic::AtomicU64::new(0),
             row_caps: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_ROW_CAPS").map_or(true, |v| v.trim() != "0"),
             ),
@@ -2190,7 +2207,9 @@ impl Backend for CudaBackend {
     ) -> (CudaTensor, CudaTensor, CudaTensor, CudaTensor) {
         let (n, d, rows) = (cfg.hc_mult, cfg.hidden, x.rows);
         let threads = self.norm_threads(d);
-        let pf = self.take_l2_ranges(rows);
+        // Prefetch blocks as extra rows of the grid (the blocks of a row: 2, or 1 apart).
+        let sink_apart = rows >= HC_DOT_ROWS_MIN && n == 4 && d <= 4 * threads as usize;
+        let pf = self.take_l2_ranges(rows, if sink_apart { 1 } else { 2 });
         // The head's partial sums take one thread each.
         if !self.fusion.hc_norm || rows == 0 || threads as usize <= (2 + n) * n {
             let (y, post, comb) = self.hc_pre(x, hc, cfg);
@@ -2206,9 +2225,12 @@ impl Backend for CudaBackend {
         // Block 0 of a row: the mix and the norm (rms_norm's block size); block 1: post, comb.
         // Prefill-sized calls with V4's shapes form post and comb in a launch of their own, a
         // warp a row (hc_pre_sink_rows): a sink block held a whole SM for one warp's work.
-        let sink_apart = rows >= HC_DOT_ROWS_MIN && n == 4 && d <= 4 * threads as usize;
-        let blocks = if sink_apart { 1 } else { 2 } + pf.blocks as u32;
-        let lc = LaunchConfig { grid_dim: (blocks, rows as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        let blocks = if sink_apart { 1 } else { 2 };
+        let lc = LaunchConfig {
+            grid_dim: (blocks, (rows + pf.layers as usize) as u32, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
         // SAFETY: argument types and sizes match the kernel's signature (xq/xd hold the whole
         // norm's codes and scales when `twin`; `pf` is common.cuh's L2Ranges by value, its
         // ranges inside weights that live as long as the model).

@@ -718,6 +718,7 @@ __device__ __forceinline__ void att_merge_head(float* out, const float* ph, int 
     }
 }
 
+// Blocks past the rows (the last pf.layers of x) prefetch pf's weight ranges into L2 instead.
 // Sink-softmax attention (values are the keys), flash-decoding style. Block (row, head group,
 // slice): slice s of the row's S (see ATT_MINK) takes its keys [s·nk/S, (s+1)·nk/S) in groups of
 // ATT_KG, copied (cp.async) into a ring of ATT_ST shared-memory stages: ATT_ST − 1 groups' loads
@@ -736,7 +737,8 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_HG, ATT_MINB) attention(fl
                                      const unsigned* sel, int has_sel, int topk, const float* sinks,
                                      const unsigned* rows, int n, int t0, int heads, int d, float scale,
                                      const double* freqs, int npairs, int epi, signed char* oq, float* od,
-                                     int ringw) {
+                                     int ringw, L2Ranges pf) {
+    if (l2_prefetch_block(pf, 0)) return;  // past the rows: L2 prefetch (common.cuh)
     pdl_enter();
     if (ringw && blockIdx.y == 0 && blockIdx.z == 0) {
         int t = t0 + blockIdx.x;
@@ -921,7 +923,9 @@ __device__ __forceinline__ int atc_slices(int ntiles, int zs) {
 extern "C" __global__ void __launch_bounds__(256, 1)
     attention_tc(float* out, const float* q, const float* kv, const float* ring, int win, int rcap,
                  const float* entries, int cap, int m, const unsigned* sel, int has_sel, int topk,
-                 const float* sinks, const unsigned* rows, int n, int heads, float* part, int t0) {
+                 const float* sinks, const unsigned* rows, int n, int heads, float* part, int t0,
+                 L2Ranges pf) {
+    if (l2_prefetch_block(pf, 0)) return;  // past the rows: L2 prefetch (common.cuh)
     pdl_enter();
     const int d = 512;
     extern __shared__ __align__(16) unsigned short atc_sm[];

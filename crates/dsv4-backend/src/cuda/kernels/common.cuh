@@ -32,22 +32,24 @@ __device__ __forceinline__ void pdl_enter_after(unsigned dep) {
 }
 
 // Up to L2_RANGES weight ranges the next kernels read (cuda/mod.rs `L2Ranges`), pulled into L2
-// by `blocks` extra blocks of a latency-bound kernel's grid while its own blocks run. Such a
-// block reads nothing a kernel writes (weights), so it skips pdl_enter and exits at once after
-// queueing its share: the grid still completes after its predecessor (its own blocks wait).
+// by the blocks of `layers` extra layers of a latency-bound kernel's grid (along x or y, as the
+// kernel says) while its own blocks run. Such a block reads nothing a kernel writes (weights),
+// so it skips pdl_enter and exits at once after queueing its share: the grid still completes
+// after its predecessor (its own blocks wait).
 #define L2_RANGES 8
 struct L2Ranges {
     unsigned long long ptr[L2_RANGES];
     unsigned long long bytes[L2_RANGES];
-    int n, blocks;
+    int n, layers;
 };
 
-// Prefetch block b's share: the ranges' 16-byte-aligned interiors in chunks of 16 KB, chunk c
-// to thread c mod (blocks · blockDim) (cp.async.bulk.prefetch: a hint, no completion to wait for).
-__device__ __forceinline__ void l2_prefetch_share(const L2Ranges& r, int b) {
+// Share `b` of `nb`: the ranges' 16-byte-aligned interiors in chunks of 16 KB, chunk c to block
+// c mod nb (consecutive chunks on different blocks' copy engines), then to its threads in turn
+// (cp.async.bulk.prefetch: a hint, no completion to wait for).
+__device__ __forceinline__ void l2_prefetch_share(const L2Ranges& r, int b, int nb) {
     const unsigned long long CH = 16384;
-    long long stride = (long long)r.blocks * blockDim.x;
-    for (long long c = (long long)b * blockDim.x + threadIdx.x;; c += stride) {
+    long long stride = (long long)nb * blockDim.x;
+    for (long long c = (long long)threadIdx.x * nb + b;; c += stride) {
         long long k = c;
         int i = 0;
         unsigned long long lo = 0, hi = 0;
@@ -64,6 +66,19 @@ __device__ __forceinline__ void l2_prefetch_share(const L2Ranges& r, int b) {
         asm volatile("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(a));
         asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(g), "r"(sz) : "memory");
     }
+}
+
+// Whether this block lies in the grid's last r.layers layers along x (dim 0) or y (dim 1): if
+// so it has queued its share of r's prefetch (every block of those layers takes one) and the
+// kernel returns.
+__device__ __forceinline__ bool l2_prefetch_block(const L2Ranges& r, int dim) {
+    if (r.layers <= 0) return false;
+    int gx = gridDim.x, gy = gridDim.y, gz = gridDim.z, bx = blockIdx.x, by = blockIdx.y, bz = blockIdx.z;
+    int first = (dim == 0 ? gx : gy) - r.layers, at = dim == 0 ? bx : by;
+    if (at < first) return false;
+    int other = dim == 0 ? by : bx, nother = dim == 0 ? gy : gx;
+    l2_prefetch_share(r, ((at - first) * nother + other) * gz + bz, r.layers * nother * gz);
+    return true;
 }
 
 #define GRID_STRIDE(i, total) \

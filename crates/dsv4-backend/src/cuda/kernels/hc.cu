@@ -661,15 +661,12 @@ extern "C" __global__ void __launch_bounds__(256) hc_pre_sink_rows(float* post, 
 // comb; block 0 mixes the whole row into y, then normalises it (rms_norm_slice: the same
 // operations, in the same order, as the `rms_norm` launch of this block size) into `a`, with the
 // int8 twin when `twin`. n = 4 and d ≤ 4·blockDim (V4) take hc_pre_norm_row and hc_sink_row.
-// The last pf.blocks blocks of x (row 0's) prefetch pf's ranges into L2 instead (common.cuh).
+// The blocks of the last pf.layers rows of y prefetch pf's ranges into L2 instead (common.cuh).
 extern "C" __global__ void __launch_bounds__(1024) hc_pre_apply_norm(float* y, float* a, signed char* xq, float* xd, float* post, float* comb,
                                              const float* __restrict__ x, const float* __restrict__ part,
                                              const float* base, const float* scale, const float* nw, int n, int d,
                                              int iters, float rms_eps, float hc_eps, int twin, L2Ranges pf) {
-    if ((int)blockIdx.x >= (int)gridDim.x - pf.blocks) {
-        if (blockIdx.y == 0) l2_prefetch_share(pf, (int)blockIdx.x - ((int)gridDim.x - pf.blocks));
-        return;
-    }
+    if (l2_prefetch_block(pf, 1)) return;
     pdl_enter();
     __shared__ float pre[MAX_HC];
     __shared__ float sh[32];
