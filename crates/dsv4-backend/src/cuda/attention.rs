@@ -339,9 +339,9 @@ struct AtcKeys<'a> {
 }
 
 /// `attention_tc` over rows `t0..t0 + rows` (block (row, 64 heads, slice)), with `pf`'s L2
-/// prefetch blocks past the rows: `slices` = 1 writes
-/// each row's output (prefill-sized calls); more cut each row's key tiles into that many slices
-/// at most, whose partials go to `part` for `attention_merge` (decode-sized calls).
+/// prefetch blocks past the rows: `slices` = 1 writes each row's output (prefill-sized calls);
+/// more cut each row's key tiles into that many slices at most, whose partials go to `part` for
+/// `attention_merge` (decode-sized calls).
 fn attention_tc(
     b: &CudaBackend,
     k: &AtcKeys,

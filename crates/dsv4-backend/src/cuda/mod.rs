@@ -652,17 +652,18 @@ pub struct CudaBackend {
     route_fused: std::sync::atomic::AtomicBool,
     /// The indexer's scores and top-k in one launch (see [`CudaBackend::set_index_fused`]).
     index_fused: std::sync::atomic::AtomicBool,
-    /// Prefetch blocks an HC_PRE launch adds (see [`CudaBackend::set_l2_prefetch`]).
+    /// Prefetch blocks an HC_PRE or attention launch adds (see [`CudaBackend::set_l2_prefetch`]).
     l2_blocks: std::sync::atomic::AtomicU32,
-    /// Weight planes ([`Backend::prefetch`]) the next HC_PRE launch prefetches: (address, bytes).
+    /// Weight planes ([`Backend::prefetch`]) the next launch that takes them prefetches:
+    /// (address, bytes).
     l2_pending: std::sync::Mutex<Vec<(u64, u64)>>,
     /// Launches that carried prefetch blocks ([`CudaBackend::l2_prefetch_launches`]).
     l2_launches: std::sync::atomic::AtomicU64,
     pub(crate) fusion: Fusion,
 }
 
-/// hc.cu's `L2Ranges` (common.cuh): up to [`L2_RANGES`] weight ranges and the blocks that
-/// prefetch them, by value.
+/// common.cuh's `L2Ranges`: up to [`L2_RANGES`] weight ranges and the grid layers of blocks
+/// that prefetch them, by value.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub(crate) struct L2Ranges {
@@ -679,7 +680,7 @@ impl L2Ranges {
 
 /// `L2_RANGES` of common.cuh.
 const L2_RANGES: usize = 8;
-/// Rows up to which an HC_PRE launch takes prefetch blocks (decode and verify steps: their
+/// Rows up to which a launch takes prefetch blocks (decode and verify steps: their
 /// products stream each weight once at a few rows; prefill's tiles are bound by arithmetic).
 const L2_PREFETCH_ROWS: usize = 64;
 
@@ -1078,10 +1079,11 @@ impl CudaBackend {
 
     /// Blocks an HC_PRE or attention launch of at most 64 rows adds to prefetch the weights the
     /// forward names next ([`Backend::prefetch`]: the attention's wq_a, wkv and wq_b, its wo_a;
-    /// the router and the shared expert) into L2 with `cp.async.bulk.prefetch` while the launch's own blocks run:
-    /// those products then read L2 rather than HBM (PERF.md v25: HC_PRE and the attention leave
-    /// ~100 µs of a 216 µs layer to latency-bound kernels at a few % of DRAM bandwidth). 0 (the
-    /// default, `DSV4_L2_PREFETCH` sets it) adds none; no value ever changes.
+    /// the router and the shared expert) into L2 with `cp.async.bulk.prefetch` while the
+    /// launch's own blocks run: those products then read L2 rather than HBM (PERF.md v25:
+    /// HC_PRE and the attention leave ~100 µs of a 216 µs layer to latency-bound kernels at a
+    /// few % of DRAM bandwidth). 0 (the default, `DSV4_L2_PREFETCH` sets it) adds none; no value
+    /// ever changes.
     pub fn set_l2_prefetch(&self, blocks: u32) {
         self.l2_pending.lock().unwrap().clear();
         self.l2_blocks.store(blocks, std::sync::atomic::Ordering::Relaxed);
