@@ -55,6 +55,11 @@ pub struct BenchArgs {
     /// (l from --verify-drafts, default 1,2,3,4) completes the round.
     #[arg(long)]
     pub dspark_round: bool,
+    /// `--dspark-round`: the synthetic drafter's weight layout (as `--weights`); empty: the
+    /// target's. ds4's DSpark GGUF for V4-Flash is ~5.6 GiB (3 stages with quantised experts),
+    /// where the drafter drawn in bf16 is 42.8 GB.
+    #[arg(long, default_value = "")]
+    pub dspark_weights: String,
     /// Longest prefill chunk.
     #[arg(long, default_value_t = 512)]
     pub prefill_chunk: usize,

@@ -418,7 +418,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if a.dspark_round {
         let target = Target { m: &mut m, seqs: &seqs, pos: &mut pos };
-        dspark_round(&cfg, &batches, dctx, a.decode_tokens.max(1), target, &mut results)?;
+        let scheme = if a.dspark_weights.is_empty() { &a.weights } else { &a.dspark_weights };
+        check_scheme(scheme, "--dspark-weights")?;
+        dspark_round(&cfg, scheme, &batches, dctx, a.decode_tokens.max(1), target, &mut results)?;
     }
     if m.backend_and_cache().1.generation != reserved_generation {
         println!("warning: the state grew after the reservation for the timed steps (a figure may hold a re-record)");
@@ -612,8 +614,10 @@ fn measured_rounds(
 /// do); the drafter is timed as is (it has its 3 full stages). Then whole rounds are measured on
 /// the target itself ([`measured_rounds`]: draft, verify with the taps, commit), with no
 /// extrapolation when the bench runs all 43 layers.
+#[allow(clippy::too_many_arguments)]
 fn dspark_round(
     cfg: &Config,
+    scheme: &str,
     batches: &[usize],
     dctx: usize,
     reps: usize,
@@ -633,15 +637,20 @@ fn dspark_round(
     let free0 = db.mem_free();
     let t0 = Instant::now();
     let mut seed = 7_000_000u64;
+    // In the layout `scheme`, by the target's rule (`packed_format`: the stages' experts, their
+    // attention projections and the head packed as the target's are).
     let w = DrafterWeights::walk(cfg, &dcfg, 3, |s| -> Result<_> {
         seed += 1;
-        Ok(db.upload_random(&s.name, s.shape, s.mean, s.std, seed))
+        Ok(match packed_format(scheme, &s.name, s.shape) {
+            Some(f) => db.upload_random_packed(f, s.shape[0], s.shape[1], s.std, seed),
+            None => db.upload_random(&s.name, s.shape, s.mean, s.std, seed),
+        })
     })?;
     db.synchronize();
     let free1 = db.mem_free();
     let d = Drafter::new(db, cfg.clone(), dcfg.clone(), w);
     eprintln!(
-        "dspark: synthetic V4-Flash drafter (3 stages, γ = {}, Markov rank {}) drawn on the device in {:.1} s, {:.1} GB",
+        "dspark: synthetic V4-Flash drafter (3 stages, γ = {}, Markov rank {}, weights {scheme}) drawn on the device in {:.1} s, {:.1} GB",
         dcfg.block_size,
         dcfg.markov_rank,
         t0.elapsed().as_secs_f64(),
