@@ -7,6 +7,7 @@
 # fusions (the decode fusions off / on at batches 1, 16, 64), rowcaps (the 2- and 4-row int8
 # kernels against the general ones: steps, verify, kernel table), attslices (decode attention on
 # attention_tc's key slices against the f32 kernel), l2pf (L2 prefetch blocks in HC_PRE),
+# hcprobe (HC_PRE's apply launched twice: cold against warm),
 # flash-served (43 q2 layers in
 # serve's exact mode), flash-bf16 (4 bf16 layers), prefill (issue 12's prefill figures and a
 # stage profile), hf (HF transformers' prefill beside dsv4's), serve (bench_serve at 1 / 16 /
@@ -131,6 +132,16 @@ for part in $PARTS; do
         done
         DSV4_L2_PREFETCH=32 CTX=4096 TAG=-l2pf bash tools/device/profile.sh 4 q2 1 > /dev/null 2>&1
         sed -n '/^one step/,$p' "$OUT/ncu-q2-1-l2pf.txt" | head -30 >> "$S"
+        ;;
+    hcprobe)
+        # PERF.md v25 lever 2: hc_pre_apply_norm launched twice in a row (DSV4_PROBE_HC_TWICE=1;
+        # it reads nothing it writes, so the values are unchanged): in one 4-layer step's ncu
+        # launch order the first of each pair is the step's cold launch, the second runs with
+        # the code and data just used. A much shorter second launch points at the instruction
+        # cache (39 % of its stalls waited for an instruction fetch).
+        DSV4_PROBE_HC_TWICE=1 CTX=4096 TAG=-hc2 bash tools/device/profile.sh 4 q2 1 > /dev/null 2>&1
+        echo "hc_pre_apply_norm twice (cold, warm), 4 q2 layers at ctx 4096:" >> "$S"
+        grep -E 'hc_pre_apply_norm|hc_pre_dot' "$OUT/ncu-q2-1-hc2.txt" | head -24 >> "$S"
         ;;
     flash-served)
         # The 43-layer q2 decode in the mode `dsv4 serve` runs by default (exact: f32 activations
