@@ -146,10 +146,10 @@ pub trait Backend: Send + Sync {
     fn stream_mean_into(&self, out: &mut Self::T, col: usize, x: &Self::T, n: usize);
     /// HC_PRE (spec §4.3): returns `(y [rows, d], post [rows, n], comb [rows, n·n])`.
     fn hc_pre(&self, x: &Self::T, hc: &Hc<Self::W>, cfg: &Config) -> (Self::T, Self::T, Self::T);
-    /// A hint that the weights `ws` are read soon after the next [`Backend::hc_pre_norm`]: a
-    /// backend may pull them into a cache while that latency-bound step runs (the CUDA backend:
-    /// L2 prefetch blocks in its HC_PRE launch, `CudaBackend::set_l2_prefetch`). Never changes
-    /// a value; the default does nothing.
+    /// A hint that the weights `ws` are read soon after the next latency-bound step (the next
+    /// [`Backend::hc_pre_norm`] or [`Backend::attention`]): a backend may pull them into a cache
+    /// while that step runs (the CUDA backend: L2 prefetch blocks in its HC_PRE and attention
+    /// launches, `CudaBackend::set_l2_prefetch`). Never changes a value; the default does nothing.
     fn prefetch(&self, _ws: &[&Self::W]) {}
     /// HC_PRE and the sub-block's RMSNorm of `y` (one launch where a backend fuses them; the
     /// same values): `(y, norm(y), post, comb)`.
