@@ -103,11 +103,12 @@ def hot_loop(sass):
     return [op for a, op, _ in ins if lo <= a <= hi]
 
 
-def report(tools, nvrtc, name, kernels, rev, usage=False):
+def report(tools, nvrtc, name, kernels, rev, usage=False, defines=()):
     with tempfile.TemporaryDirectory() as d:
         p, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+        pre = "".join(f"#define {k} {v}\n" for k, _, v in (x.partition("=") for x in defines))
         with open(p, "w") as f:
-            f.write(ptx(nvrtc, source(name, rev), os.path.basename(name)))
+            f.write(ptx(nvrtc, pre + source(name, rev), os.path.basename(name)))
         r = subprocess.run([os.path.join(tools, "bin", "ptxas"), "-arch=sm_90a", "-O3", "-v", p, "-o", cubin],
                            check=True, capture_output=True, text=True)
         if usage:
@@ -144,13 +145,15 @@ def main():
     ap.add_argument("file")
     ap.add_argument("kernels", nargs="+")
     ap.add_argument("--usage", action="store_true", help="also print ptxas's registers, spills and shared memory")
+    ap.add_argument("-D", dest="defines", action="append", default=[],
+                    help="NAME=VALUE prepended as a #define (the launcher's macros, e.g. X8_PIPE=4)")
     a = ap.parse_args()
     lib = os.path.join(a.cuda, "lib")
     so = next(f for f in sorted(os.listdir(lib)) if f.startswith("libnvrtc.so"))
     nvrtc = ctypes.CDLL(os.path.join(lib, so))
     if a.against:
-        report(a.cuda, nvrtc, a.file, a.kernels, a.against, a.usage)
-    report(a.cuda, nvrtc, a.file, a.kernels, None, a.usage)
+        report(a.cuda, nvrtc, a.file, a.kernels, a.against, a.usage, a.defines)
+    report(a.cuda, nvrtc, a.file, a.kernels, None, a.usage, a.defines)
 
 
 if __name__ == "__main__":

@@ -327,8 +327,10 @@ fn cuda_int8_products_match_the_twin() {
 /// gate/up, Q2_K down, Q8_0 shared expert, 6 slots), Q8_0 throughout with 7 slots (8 pairs, a
 /// warp each in the down kernel) and Q2_K throughout. inter = 512 or 256: h's 32-value groups
 /// are each finished by the last of 4 up blocks, whose counters every launch must leave zero,
-/// so each case runs three times. The sum is also held to the CPU oracle (2e-2, the int8
-/// activations' rounding as in `cuda_int8_products_match_the_twin`).
+/// so each case runs three times. The sum is also bitwise the first row of the same row twice
+/// (the several-row kernels) and held to the CPU oracle (2e-2, the int8 activations' rounding as
+/// in `cuda_int8_products_match_the_twin`). Rows of 1,280 and 768 values end a lane's batch
+/// part-way (DSV4_X8_PIPE's software-pipelined form).
 #[test]
 fn cuda_one_row_experts_in_two_launches_are_bitwise() {
     let Some(b) = gpu() else { return };
@@ -341,6 +343,9 @@ fn cuda_one_row_experts_in_two_launches_are_bitwise() {
         ((IQ2_XXS, Q2_K), (Q8_0, Q8_0), 6, (256, 512, 8)),
         ((Q8_0, Q8_0), (Q8_0, Q8_0), 7, (512, 256, 9)),
         ((Q2_K, Q2_K), (Q2_K, Q2_K), 2, (256, 512, 4)),
+        // Rows of 1,280 and 768 values: under DSV4_X8_PIPE, batches of 1,024 values a lane-row
+        // that end part-way through a row (and a row of several batches).
+        ((IQ2_XXS, Q2_K), (Q8_0, Q8_0), 6, (1280, 768, 8)),
     ];
     for (ci, (routed, shared, k, (d, inter, ne))) in cases.into_iter().enumerate() {
         let seed = 9000 + 100 * ci as u64;
@@ -382,6 +387,20 @@ fn cuda_one_row_experts_in_two_launches_are_bitwise() {
                     );
                 }
             }
+        }
+        // The same row twice takes the several-row kernels, each row bitwise its one-row sums
+        // and untouched by DSV4_X8_PIPE / DSV4_X8_OPW: so those variants of the one-row kernels
+        // are held to the same bits, not only to each other.
+        let twice = |t: &Tensor| -> CudaTensor {
+            let data: Vec<f32> = t.data.iter().chain(&t.data).copied().collect();
+            let w = b.upload(HostTensor::new("x", vec![2, t.cols], data)).unwrap();
+            CudaTensor::new(2, t.cols, w.data)
+        };
+        let x2 = b.rms_norm(&twice(&xc), None, d, 1e-6);
+        let r2 = b.route(&twice(&lc), Some(&bias_g), None, &c);
+        let both = b.to_host(&b.moe_shared(&x2, &r2, &gpu_e, 0, &sg[0], LIMIT).2);
+        for (i, (t, a)) in both[..d].iter().zip(&apart[2]).enumerate() {
+            assert_eq!(t.to_bits(), a.to_bits(), "{name}: sum[{i}] one row {a} vs the first of two {t}");
         }
         let rc = cpu.route(&lc, Some(&bias_c), None, &c);
         let want = cpu.add(&cpu.moe(&xh, &rc, &cpu_e, 0, LIMIT), &cpu.swiglu(&xh, &sc[0], LIMIT));

@@ -192,6 +192,30 @@ pub(crate) fn x8_opw() -> X8Opw {
     })
 }
 
+/// Chunks a lane loads a batch in the software-pipelined one-row kernels (quant.cu
+/// `xrows_pipe`: the next batch's weights load while the current one is decoded), or 0 for the
+/// load-then-decode form: `(experts, dense products)`. The experts' form only matters with
+/// several outputs a warp (`DSV4_X8_OPW`'s UP and DOWN; a warp of one output whose row is one
+/// batch has nothing to load ahead); the dense one pipelines within a row of several batches
+/// too. The sums are the same either way. `DSV4_X8_PIPE=E[,G]` (each 0, 1, 2 or 4; G defaults
+/// to 0) sets it; off by default until measured (PERF.md v26).
+pub(crate) fn x8_pipe() -> (usize, usize) {
+    static PIPE: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
+    *PIPE.get_or_init(|| {
+        let Ok(v) = std::env::var("DSV4_X8_PIPE") else { return (0, 0) };
+        let n: Vec<Option<usize>> = v.split(',').map(|t| t.trim().parse().ok()).collect();
+        let ok = |p: &Option<usize>| matches!(p, Some(0 | 1 | 2 | 4));
+        match n[..] {
+            [Some(e)] if ok(&n[0]) => (e, 0),
+            [Some(e), Some(g)] if n.iter().all(ok) => (e, g),
+            _ => {
+                tracing::warn!("DSV4_X8_PIPE={v:?} is not E[,G] (each 0, 1, 2 or 4); using 0,0");
+                (0, 0)
+            }
+        }
+    })
+}
+
 /// `quant.cu` with the IQ2_XXS tables of the CPU decoder and the outputs a warp prepended, and
 /// `gemm.cu` (the tensor-core tiles, which decode with quant.cu's functions) appended.
 pub fn source() -> String {
@@ -199,11 +223,13 @@ pub fn source() -> String {
     let gemm = super::kernel_source("gemm.cu", include_str!("kernels/gemm.cu"));
     let o = x8_opw();
     format!(
-        "#define X8_OPW_GEMV {}\n#define X8_OPW_UP {}\n#define X8_OPW_DOWN {}\n#define X8_OPWN_DOWN {}\n{}{body}\n{gemm}",
+        "#define X8_OPW_GEMV {}\n#define X8_OPW_UP {}\n#define X8_OPW_DOWN {}\n#define X8_OPWN_DOWN {}\n#define X8_PIPE {}\n#define X8_PIPE_GEMV {}\n{}{body}\n{gemm}",
         o.gemv,
         o.up,
         o.down,
         o.downn,
+        x8_pipe().0,
+        x8_pipe().1,
         crate::x8::iq2_tables_source("__device__ const")
     )
 }

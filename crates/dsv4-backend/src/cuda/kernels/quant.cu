@@ -823,6 +823,98 @@ __device__ __forceinline__ void xrows_dot(float* out, const u8* const* wr, const
     for (int j = 0; j < NR; j++) out[j] = warp_sum(acc[j]);
 }
 
+// Chunks a lane loads a batch in the pipelined form (X8_PIPE, the launcher's DSV4_X8_PIPE; 0:
+// xrows_dot's form) for a format of G rows an output: IQ2_XXS's 3 words a chunk take X8_PIPE,
+// the 9–10 words of Q8_0 and Q2_K fewer, so that two batches stay within the registers the
+// separate kernels held.
+#ifndef X8_PIPE
+#define X8_PIPE 0
+#endif
+#ifndef X8_PIPE_GEMV  // the same for the dense one-row products (gemv_x8's general form)
+#define X8_PIPE_GEMV 0
+#endif
+template <int F, int G, int PIPE = X8_PIPE>
+__device__ constexpr int pipe_u() {
+    return F == F_IQ2_XXS ? PIPE : (PIPE / (2 * G) > 1 ? PIPE / (2 * G) : 1);
+}
+
+// xrows_dot's sums for a warp with P outputs of G weight rows each (rows(p, g, w, s): output p's
+// row g), in the same order (an output's chunks c = 32·lane + 1024·i, then the butterfly), so
+// bitwise the same, but software-pipelined: the next batch of U chunks (the output's next, or
+// the next output's first) is loaded before the current one is decoded, so a warp always has
+// weight bytes in flight while it computes. xrows_dot loads a warp's batch, waits, decodes and
+// (one batch an output in the one-row expert kernels) exits: an SM's warps then waited and
+// computed in turn (ncu on moe_up1s: DRAM 31 %, issue IPC 1.5 of ~4, 35 % occupancy; PERF.md
+// v25). store(p, v) gets output p's G sums on every lane. Every thread of the block calls it
+// (`live` false: no loads, no stores); TABS as xrows_dot's.
+template <int F, int G, int U, bool TABS, bool EARLY = false, typename RowF, typename StoreF>
+__device__ __forceinline__ void xrows_pipe(int P, RowF rows, StoreF store, const signed char* __restrict__ xq,
+                                           const float* __restrict__ xd, int k, int lane, bool live) {
+    const int step = 1024 * U, nb = (k + step - 1) / step, T = P * nb;
+    XRaw ra[G][U], rb[G][U];
+    float acc[G];
+    int lp = 0, lb = 0;  // the next batch to load: output lp's batch lb
+    // Chunk c0 + 1024·u read as chunk c0 of planes advanced by u·1024 values (the same words:
+    // 1024 values are whole blocks of every int8 format), so a batch's loads share one address
+    // computation and take immediate offsets.
+    auto load = [&](XRaw(&r)[G][U]) {
+        int c0 = lane * 32 + step * lb;
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            const u8 *w, *s;
+            rows(lp, g, w, s);
+#pragma unroll
+            for (int u = 0; u < U; u++)
+                if (c0 + 1024 * u < k)
+                    r[g][u] = xraw32<F>(w + u * row_bytes(F, 1024), s + u * head_bytes(F, 1024), c0);
+        }
+        if (++lb == nb) lb = 0, lp++;
+    };
+    int ap = 0, ab = 0;  // the batch to decode: output ap's batch ab
+    auto apply = [&](const XRaw(&r)[G][U]) {
+        int c0 = lane * 32 + step * ab;
+        if (ab == 0)
+#pragma unroll
+            for (int g = 0; g < G; g++) acc[g] = 0.f;
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int c = c0 + 1024 * u;
+            if (c >= k) break;
+            int4 a = *(const int4*)(xq + c), b = *(const int4*)(xq + c + 16);
+            int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            float dx = xd[c >> 5];
+#pragma unroll
+            for (int g = 0; g < G; g++) acc[g] = xapply32_one<F>(r[g][u], c, x, dx, acc[g]);
+        }
+        if (++ab == nb) {
+            float v[G];
+#pragma unroll
+            for (int g = 0; g < G; g++) v[g] = warp_sum(acc[g]);
+            store(ap, v);
+            ab = 0, ap++;
+        }
+    };
+    if (live) load(ra);
+    if (EARLY) {  // xrows_dot's: the first batch's loads fly while the previous kernel ends
+        unsigned dep = 0;
+#pragma unroll
+        for (int g = 0; g < G; g++)
+#pragma unroll
+            for (int u = 0; u < U; u++)
+                if (live && lane * 32 + 1024 * u < k) dep ^= xraw_dep<F>(ra[g][u]);
+        pdl_enter_after(dep);
+    }
+    if (TABS) fill_tabs<F, true>();
+    if (!live) return;
+    for (int t = 0; t < T; t += 2) {  // two buffers, each decoded while the other fills
+        if (t + 1 < T) load(rb);
+        apply(ra);
+        if (t + 1 >= T) break;
+        if (t + 2 < T) load(ra);
+        apply(rb);
+    }
+}
+
 // After the block wrote its OB outputs o0.. of the row `row` (width values): the int8 codes and
 // scale of each 32-value group it completes (quant_block32 over the group, as quant_x8 forms
 // them). A block of fewer than 32 outputs counts itself in cnt[group] (zero between launches);
@@ -878,6 +970,21 @@ __device__ void gemv_x8(float* __restrict__ out, const signed char* __restrict__
     int o = (bx * Q_WARPS + wp) * P;
     bool live = o < m;
     long long xoff = live ? (long long)(o / rpg) * k : 0;
+    if constexpr (X8_PIPE_GEMV > 0 && U == 4) {  // the general form (not gemv1x4's one chunk a row)
+        long long rb = row_bytes(F, k);
+        auto rows = [&](int p, int, const u8*& rw, const u8*& rs) {
+            int oj = min(o + p, m - 1);  // outputs past m: the last row again, not stored
+            rw = w + oj * rb;
+            rs = scale_row(F, s, oj, k);
+        };
+        auto store = [&](int p, const float* v) {
+            if (lane == 0 && o + p < m) out[o + p] = v[0];
+        };
+        xrows_pipe<F, 1, pipe_u<F, 1, X8_PIPE_GEMV>(), true, true>(P, rows, store, xq + xoff, xd + xoff / 32, k, lane,
+                                                                   live);
+        if (TWIN) quant_groups<Q_WARPS * P>(out, oq, od, cnt, bx * Q_WARPS * P, m);
+        return;
+    }
     const u8* wr[P];
     const u8* sr[P];
 #pragma unroll
@@ -931,6 +1038,20 @@ __device__ __forceinline__ void up1_pair(float* __restrict__ hrow, const signed 
     constexpr int P = X8_OPW_UP;
     int lane = threadIdx.x & 31;
     long long rb = row_bytes(F, d);
+    if constexpr (X8_PIPE > 0) {
+        const u8 *w1 = (const u8*)ptrs[e], *w3 = (const u8*)ptrs[nexp + e];
+        const u8 *s1 = (const u8*)ptrs[3 * nexp + e], *s3 = (const u8*)ptrs[4 * nexp + e];
+        auto rows = [&](int p, int g, const u8*& w, const u8*& s) {
+            int oj = min(o + p, inter - 1);  // outputs past inter: the last row again, not stored
+            w = (g == 0 ? w1 : w3) + oj * rb;
+            s = scale_row(F, g == 0 ? s1 : s3, oj, d);
+        };
+        auto store = [&](int p, const float* v) {
+            if (lane == 0 && o + p < inter) hrow[o + p] = swiglu_q(v[0], v[1], limit);
+        };
+        xrows_pipe<F, 2, pipe_u<F, 2>(), true>(P, rows, store, xq, xd, d, lane, live);
+        return;
+    }
     const u8* wr[2 * P];
     const u8* sr[2 * P];
 #pragma unroll
@@ -985,6 +1106,22 @@ __device__ __forceinline__ void down1_pair(float* v, const signed char* __restri
                                            const unsigned long long* ptrs, int nexp, unsigned e, int c, int d,
                                            int inter, bool live) {
     constexpr int P = X8_OPW_DOWN;
+    if constexpr (X8_PIPE > 0) {
+        const u8 *w2 = (const u8*)ptrs[2 * nexp + e], *s2 = (const u8*)ptrs[5 * nexp + e];
+        long long rb = row_bytes(F, inter);
+        auto rows = [&](int p, int, const u8*& w, const u8*& s) {
+            int cj = min(c + p, d - 1);  // down_rows' rows
+            w = w2 + cj * rb;
+            s = scale_row(F, s2, cj, inter);
+        };
+        auto store = [&](int p, const float* r) {  // v[p], selected so v stays in registers
+#pragma unroll
+            for (int j = 0; j < P; j++)
+                if (j == p) v[j] = r[0];
+        };
+        xrows_pipe<F, 1, pipe_u<F, 1>(), TABS>(P, rows, store, hq, hd, inter, threadIdx.x & 31, live);
+        return;
+    }
     const u8* wr[P];
     const u8* sr[P];
     down_rows<F, P>(wr, sr, ptrs, nexp, e, c, d, inter);
