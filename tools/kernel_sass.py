@@ -50,7 +50,8 @@ def source(name, rev):
     if name == "quant.cu":
         src += ("__device__ const unsigned long long IQ2XXS_GRID[256] = {0};\n"
                 "__device__ const unsigned char KSIGNS_IQ2XS[128] = {0};\n"
-                "__device__ const unsigned long long KMASK_IQ2XS[128] = {0};\n")
+                "__device__ const unsigned long long KMASK_IQ2XS[128] = {0};\n"
+                "__device__ const unsigned long long IQ2XXS_SEL[256] = {0};\n")
     if "/" in name:  # a file outside the backend's kernels (tools/sass/: decode experiments)
         return src + read(name)
     if name == "quant.cu":  # one module with gemm.cu, as cuda/quant.rs builds it

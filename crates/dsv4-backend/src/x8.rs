@@ -171,8 +171,9 @@ pub fn dot_tiled(f: PackedFormat, row: &[u8], k: usize, xq: &[i8], xd: &[f32]) -
 }
 
 /// The IQ2_XXS tables as C declarations with `qualifier` (the CUDA kernels' and the host
-/// build's): the CPU decoder's grid and sign patterns, and each sign pattern as eight
-/// 0x00/0xff bytes (the int8 path negates those bytes with `(g ^ m) − m`).
+/// build's): the CPU decoder's grid and sign patterns, each sign pattern as eight 0x00/0xff
+/// bytes, and each grid entry's byte-permute selectors (`IQ2XXS_SEL`, what the kernels decode
+/// with: quant.cu `iq2_quad`).
 pub fn iq2_tables_source(qualifier: &str) -> String {
     let grid: Vec<String> = IQ2XXS_GRID.iter().map(|g| format!("0x{g:016x}ull")).collect();
     let signs: Vec<String> = KSIGNS_IQ2XS.iter().map(|s| s.to_string()).collect();
@@ -180,12 +181,31 @@ pub fn iq2_tables_source(qualifier: &str) -> String {
         .iter()
         .map(|&s| format!("0x{:016x}ull", (0..8).fold(0u64, |m, j| m | ((((s >> j) & 1) as u64) * 0xff) << (8 * j))))
         .collect();
+    // Each entry's byte-permute selectors (quant.cu `iq2_quad`): per value a nibble, the level of
+    // its magnitude (8, 25, 43 → 0, 1, 2); the low word the first quad's, the high the second's.
+    let sel: Vec<String> = IQ2XXS_GRID
+        .iter()
+        .map(|&g| {
+            let nib = |j: usize| -> u64 {
+                match (g >> (8 * j)) & 255 {
+                    0x08 => 0,
+                    0x19 => 1,
+                    0x2b => 2,
+                    b => panic!("IQ2_XXS grid byte {b:#x} is not 8, 25 or 43"),
+                }
+            };
+            let quad = |h: usize| (0..4).fold(0u64, |w, i| w | nib(4 * h + i) << (4 * i));
+            format!("0x{:016x}ull", quad(0) | quad(1) << 32)
+        })
+        .collect();
     format!(
         "{qualifier} unsigned long long IQ2XXS_GRID[256] = {{{}}};\n{qualifier} unsigned char KSIGNS_IQ2XS[128] = \
-         {{{}}};\n{qualifier} unsigned long long KMASK_IQ2XS[128] = {{{}}};\n",
+         {{{}}};\n{qualifier} unsigned long long KMASK_IQ2XS[128] = {{{}}};\n{qualifier} unsigned long long \
+         IQ2XXS_SEL[256] = {{{}}};\n",
         grid.join(","),
         signs.join(","),
-        masks.join(",")
+        masks.join(","),
+        sel.join(",")
     )
 }
 

@@ -39,6 +39,10 @@ static inline int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; i++) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
     return c;
 }
+static inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned n) {
+    unsigned long long v = ((unsigned long long)hi << 32) | lo;
+    return (unsigned)(v >> (n & 31));
+}
 static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
     unsigned char b[8];
     std::memcpy(b, &x, 4);
@@ -327,10 +331,10 @@ fn device_int8_products_built_for_the_host_equal_the_twin() {
 
 /// The synthetic draw's fix-up of random IQ2_XXS sign words (`iq2_even_signs`, built for the
 /// host) makes every word one `Planes::join` accepts, changes only the 8th sign of a grid entry
-/// (bit 30 − 2kk), and keeps the words that are already valid (those of GGUF blocks).
+/// (`iq2_sign_bit(2kk + 1, 3)`), and keeps the words that are already valid (those of GGUF blocks).
 #[test]
 fn iq2_even_signs_built_for_the_host_gives_gguf_sign_words() {
-    use dsv4_model::packed::{iq2_gguf_signs, iq2_sign_word};
+    use dsv4_model::packed::{iq2_gguf_signs, iq2_sign_bit, iq2_sign_word};
     let dir = tempfile::tempdir().unwrap();
     let Some(exe) = compile(dir.path()) else {
         println!("skipping: no C++ compiler");
@@ -351,7 +355,8 @@ fn iq2_even_signs_built_for_the_host_gives_gguf_sign_words() {
     assert!(out.status.success(), "host iq2_even_signs exited with {:?}", out.status);
     let got: Vec<u32> = out.stdout.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
     assert_eq!(got.len(), words.len());
-    let (mut fixed, eighth) = (0, 0x5500_0000u32);
+    let eighth: u32 = (0..4).map(|kk| 1u32 << iq2_sign_bit(2 * kk + 1, 3)).sum();
+    let mut fixed = 0;
     for (i, (&w, &g)) in words.iter().zip(&got).enumerate() {
         assert!(iq2_gguf_signs(g).is_some(), "word {i}: {w:08x} → {g:08x} has an odd grid entry");
         assert_eq!((w ^ g) & !eighth, 0, "word {i}: {w:08x} → {g:08x} changed more than the 8th signs");

@@ -138,12 +138,14 @@ impl PackedFormat {
 /// Q8_0, PERF.md v8); split, a lane loads its codes in one 8- or 16-byte load.
 ///
 /// IQ2_XXS (`iq2_signs`) is also repacked, so that its decode spends fewer instructions on
-/// signs (PERF.md v16). GGUF holds a 32-value sub-block as two words: 4 grid indices, and 4 × 7
-/// sign bits (each grid entry's 8th sign is implicit: an even number of negatives per 8 values)
-/// under a 4-bit scale. The planes hold, per sub-block, 8 code bytes: the grid word as it is,
-/// then a sign word with all 32 signs, bit `8i + 7 − q` the sign of value `4q + i` (quad `q` =
-/// 0..8 of 4 values, `i` = 0..4). So quad `q`'s byte mask (0xff where negative) is one shift
-/// and one sign-replicating byte permute, `prmt(s << q, 0, 0xBA98)`. The head of a block is 8
+/// signs (PERF.md v16, v26). GGUF holds a 32-value sub-block as two words: 4 grid indices, and
+/// 4 × 7 sign bits (each grid entry's 8th sign is implicit: an even number of negatives per 8
+/// values) under a 4-bit scale. The planes hold, per sub-block, 8 code bytes: the grid word as
+/// it is, then a sign word with all 32 signs, bit [`iq2_sign_bit`]`(q, i)` = `4i + q mod 4 +
+/// 16·⌊q / 4⌋` the sign of value `4q + i` (quad `q` = 0..8 of 4 values, `i` = 0..4). So one
+/// rotation puts quad `q`'s 4 signs at bits 2, 6, 10 and 14, the kernels or them into the quad's
+/// byte-permute selector (a nibble a value: the grid level 0..2, plus 4 where negative), and one
+/// `prmt` of the magnitudes (8, 25, 43) and their negatives gives the quad's signed codes. The head of a block is 8
 /// bytes, one 32-bit word per 128 values: the scales of its 4 sub-blocks (the `j`th's at bits
 /// 4j) in the low half, d (f16) in the high half, so d is held twice and a lane reads its
 /// chunk's d and scale in one 4-byte load. 72 bytes a block on the device instead of
@@ -160,6 +162,12 @@ pub struct Planes {
     pub iq2_signs: bool,
 }
 
+/// The bit of a planes sign word that holds the sign of value `4q + i` of its sub-block (see
+/// [`Planes`]).
+pub const fn iq2_sign_bit(q: u32, i: u32) -> u32 {
+    4 * i + (q & 3) + 16 * (q >> 2)
+}
+
 /// IQ2_XXS's 32 signs of a sub-block in the planes' order from GGUF's 4 × 7 stored bits (the low
 /// 28 bits of `aux`; the 8th sign of each grid entry is the parity of its 7).
 pub fn iq2_sign_word(aux: u32) -> u32 {
@@ -169,7 +177,7 @@ pub fn iq2_sign_word(aux: u32) -> u32 {
         let s8 = s7 | ((s7.count_ones() & 1) << 7);
         for j in 0..8 {
             let (q, i) = (2 * kk + j / 4, j % 4);
-            s |= ((s8 >> j) & 1) << (8 * i + 7 - q);
+            s |= ((s8 >> j) & 1) << iq2_sign_bit(q, i);
         }
     }
     s
@@ -183,7 +191,7 @@ pub fn iq2_gguf_signs(s: u32) -> Option<u32> {
         let mut s8 = 0u32;
         for j in 0..8 {
             let (q, i) = (2 * kk + j / 4, j % 4);
-            s8 |= ((s >> (8 * i + 7 - q)) & 1) << j;
+            s8 |= ((s >> iq2_sign_bit(q, i)) & 1) << j;
         }
         if s8.count_ones() % 2 == 1 {
             return None;
@@ -382,7 +390,7 @@ mod tests {
 
     /// The IQ2_XXS planes decoded on the host as the kernels read them (quant.cu's `iq2_scale` and
     /// `iq2_quads`): per 32-value sub-block j the scale from head word j / 4, and value 4q + i the
-    /// grid byte negated when bit 8i + 7 − q of the sign word is set.
+    /// grid byte negated when bit `iq2_sign_bit(q, i)` of the sign word is set.
     fn iq2_planes_decode(codes: &[u8], heads: &[u8]) -> Vec<f32> {
         let mut out = Vec::new();
         for (c, h) in codes.chunks_exact(64).zip(heads.chunks_exact(8)) {
@@ -395,7 +403,7 @@ mod tests {
                     let grid = quant::IQ2XXS_GRID[sub[q / 2] as usize].to_le_bytes();
                     for i in 0..4 {
                         let g = grid[4 * (q % 2) + i] as f32;
-                        out.push(if (s >> (8 * i + 7 - q)) & 1 == 1 { -(db * g) } else { db * g });
+                        out.push(if (s >> iq2_sign_bit(q as u32, i as u32)) & 1 == 1 { -(db * g) } else { db * g });
                     }
                 }
             }
@@ -445,8 +453,8 @@ mod tests {
             let e = pl.join(&c, &heads).unwrap_err();
             assert!(e.contains("block 1 sub-block 3"), "{e}");
             // Two signs of the same grid entry flipped keep it even (a valid, different block).
-            // (Bit 8i + 7 − q and bit 8(i + 1 mod 4) + 7 − q: values of the same quad.)
-            let partner = 8 * ((bit / 8 + 1) % 4) + bit % 8;
+            // (Values i and i + 1 mod 4 of the same quad: bits 4i + r and 4(i + 1 mod 4) + r.)
+            let partner = (bit & !12) | ((bit + 4) & 12);
             c[64 + 8 * 3 + 4 + partner / 8] ^= 1 << (partner % 8);
             let j = pl.join(&c, &heads).unwrap();
             assert_ne!(j, blocks);

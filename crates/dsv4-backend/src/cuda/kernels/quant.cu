@@ -9,8 +9,8 @@
 // in order. The GGUF formats are held as two planes (dsv4_model::packed::Planes, split by the
 // uploader): `w` the blocks' codes, `row_bytes(k)` a row, and `s` the rest of each block (d,
 // dmin, sub-block scales), `head_bytes(k)` a row — so a lane loads its codes in one aligned
-// 8- or 16-byte load. The tables IQ2XXS_GRID / KSIGNS_IQ2XS are prepended by the launcher from
-// the CPU decoder's own tables.
+// 8- or 16-byte load. The tables IQ2XXS_GRID / KSIGNS_IQ2XS / IQ2XXS_SEL are prepended by the
+// launcher from the CPU decoder's own tables.
 
 #define F_Q8_0 0
 #define F_Q4_K 1
@@ -23,16 +23,17 @@
 typedef unsigned char u8;
 typedef unsigned short u16;
 
-// IQ2_XXS's grid as the decode reads it: a copy in shared memory in the kernels (fill_tabs at
-// each kernel's start), where a warp's 32 lanes index it at scattered places (from global
-// memory through L1 such a load costs up to one wavefront per 128-byte line it touches, ~14 for
-// the 2 KB grid); the global itself in the host build of tests/quant_host.rs. The sign tables
-// are not read: the planes hold every sign (iq2_quads).
+// IQ2_XXS's grid as the decode reads it (IQ2XXS_SEL: each entry's two quads as byte-permute
+// selectors, see iq2_quad): a copy in shared memory in the kernels (fill_tabs at each kernel's
+// start), where a warp's 32 lanes index it at scattered places (from global memory through L1
+// such a load costs up to one wavefront per 128-byte line it touches, ~14 for the 2 KB table);
+// the global itself in the host build of tests/quant_host.rs. The sign tables are not read: the
+// planes hold every sign (iq2_quad).
 #ifdef __CUDACC_RTC__
-__shared__ unsigned long long S_GRID[256];
-#define TAB_GRID(i) S_GRID[i]
+__shared__ unsigned long long S_SEL[256];
+#define TAB_SEL(i) S_SEL[i]
 #else
-#define TAB_GRID(i) IQ2XXS_GRID[i]
+#define TAB_SEL(i) IQ2XXS_SEL[i]
 #endif
 
 // f16 → f32 is exact, so the device's one conversion instruction and the host build's integer
@@ -55,32 +56,42 @@ __device__ __forceinline__ float h2f(u16 h) {
 
 __device__ __forceinline__ u16 ld16(const u8* p) { return *(const u16*)p; }
 
-// Byte i of the result: 0xff where bit 8i + 7 of x is set, else 0 (PRMT's sign replication,
-// selector 0xBA98). Inline PTX: `__byte_perm` keeps only 3 bits of each selector nibble (NVRTC
-// passes 0xBA98 as 0x3210), and the 4th is the sign-replication bit.
-__device__ __forceinline__ unsigned sign_bytes(unsigned x) {
+// IQ2_XXS as the planes hold it (dsv4_model::packed::Planes): per 32-value sub-block the grid
+// word (4 grid indices) and a sign word whose bit 4i + q mod 4 + 16·⌊q / 4⌋ is the sign of value
+// 4q + i (quad q = 0..7; the 8th sign of each grid entry, implicit in GGUF, stored;
+// packed::iq2_sign_bit); per 128 values a head word, the 4 sub-blocks' scales (the jth's at bits
+// 4j) in its low half and d (f16) in its high half.
+// Quad q of a sub-block as signed int8 codes, from its selector `sel` (the grid entry's
+// IQ2XXS_SEL half: a nibble a value, the level 0..2 of its magnitude 8, 25, 43) and the sign
+// word: one rotation puts the quad's 4 signs at bits 2, 6, 10, 14, they are or-ed into the
+// nibbles (4 + level: a negative), and one byte permute picks each byte from the magnitudes
+// (bytes 0..2 of the first word) or their negatives (bytes 4..6). Three instructions a quad
+// where the sign mask, xor, and and add of the magnitudes took five (PERF.md v26). q may be a
+// runtime value (the tiles' lanes).
+// (Inline PTX: `__byte_perm` masks its selector to 3 bits a nibble, an AND that ptxas could not
+// fold into the LOP3 that merges signs and levels; these selectors never set the 4th bit.)
+__device__ __forceinline__ unsigned iq2_quad(unsigned sel, unsigned sg, int q) {
+    unsigned r = (unsigned)((q & 3) + 16 * (q >> 2) - 2) & 31u;
+    unsigned s = __funnelshift_r(sg, sg, r);  // a rotation right by r
 #ifdef __CUDA_ARCH__
-    unsigned m;
-    asm("prmt.b32 %0, %1, 0, 0xBA98;" : "=r"(m) : "r"(x));
-    return m;
+    unsigned v;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(v) : "r"(0x002B1908u), "r"(0x00D5E7F8u), "r"((s & 0x4444u) | sel));
+    return v;
 #else
-    return ((x >> 7) & 0x01010101u) * 255u;
+    return __byte_perm(0x002B1908u, 0x00D5E7F8u, (s & 0x4444u) | sel);
 #endif
 }
 
-// IQ2_XXS as the planes hold it (dsv4_model::packed::Planes): per 32-value sub-block the grid
-// word (4 grid indices) and a sign word whose bit 8i + 7 − q is the sign of value 4q + i (quad
-// q = 0..7; the 8th sign of each grid entry, implicit in GGUF, stored); per 128 values a head
-// word, the 4 sub-blocks' scales (the jth's at bits 4j) in its low half and d (f16) in its high
-// half.
-// Grid entry kk (quads 2kk, 2kk + 1) of a sub-block as two signed int8 words: the bytes whose
-// mask is 0xff are negated, (g ^ 0xff) + 1 = −g, with no carry out of a byte (grid values are
-// 8..43). One shift and one PRMT a quad's mask.
-__device__ __forceinline__ uint2 iq2_quads(unsigned long long grid, unsigned sg, int kk) {
-    unsigned mlo = sign_bytes(sg << (2 * kk)), mhi = sign_bytes(sg << (2 * kk + 1));
+// Grid index kk of a sub-block's grid word a: one byte permute (a shift and a mask took two
+// instructions, and the table address one more).
+__device__ __forceinline__ unsigned iq2_idx(unsigned a, int kk) { return __byte_perm(a, 0u, 0x4440u | kk); }
+
+// Grid entry kk (quads 2kk, 2kk + 1) of a sub-block as two signed int8 words (selectors: the
+// entry's IQ2XXS_SEL word).
+__device__ __forceinline__ uint2 iq2_quads(unsigned long long sel, unsigned sg, int kk) {
     uint2 q;
-    q.x = (((unsigned)grid) ^ mlo) + (mlo & 0x01010101u);
-    q.y = (((unsigned)(grid >> 32)) ^ mhi) + (mhi & 0x01010101u);
+    q.x = iq2_quad((unsigned)sel, sg, 2 * kk);
+    q.y = iq2_quad((unsigned)(sel >> 32), sg, 2 * kk + 1);
     return q;
 }
 
@@ -95,12 +106,21 @@ __device__ __forceinline__ float iq2_scale(unsigned hw, int c) {
     return __fmul_rn(__fmul_rn(h2f((u16)(hw >> 16)), 0.5f + (float)((hw >> ((c >> 3) & 12)) & 15u)), 0.25f);
 }
 
+// The bit of sign word holding value 4q + i's sign (see iq2_quad; packed::iq2_sign_bit).
+__device__ __forceinline__ int iq2_sign_bit(int q, int i) { return 4 * i + (q & 3) + 16 * (q >> 2); }
+
 // Sign word sg with an even number of negatives in each grid entry (the 8th sign of entry kk,
-// value 7: quad 2kk + 1, bit 30 − 2kk, set to the parity of the other 7), as GGUF holds it: the
+// value 7: quad 2kk + 1's value 3, set to the parity of the other 7), as GGUF holds it: the
 // synthetic draw (`iq2_even_signs_k`) of random planes.
 __device__ __forceinline__ unsigned iq2_even_signs(unsigned sg) {
 #pragma unroll
-    for (int kk = 0; kk < 4; kk++) sg ^= (unsigned)(__popc(sg & (0xC0C0C0C0u >> (2 * kk))) & 1) << (30 - 2 * kk);
+    for (int kk = 0; kk < 4; kk++) {
+        unsigned entry = 0;  // the entry's 8 bits
+#pragma unroll
+        for (int i = 0; i < 4; i++) entry |= (1u << iq2_sign_bit(2 * kk, i)) | (1u << iq2_sign_bit(2 * kk + 1, i));
+        unsigned last = 1u << iq2_sign_bit(2 * kk + 1, 3);
+        sg ^= (unsigned)(__popc(sg & entry) & 1) * last;
+    }
     return sg;
 }
 
@@ -255,14 +275,11 @@ __device__ __forceinline__ void deq8r(const Raw8& r, int c, float* y) {
         int kk = (c >> 3) & 3;
         unsigned a = r.u[1];
         float db = iq2_scale(r.u[0], c);
-        unsigned long long grid = TAB_GRID((a >> (8 * kk)) & 255);
-        // Value i of quad 2kk + h (values 8kk + 4h + i): its sign at bit 8i + 7 − h of sk.
-        unsigned lo = (unsigned)grid, hi = (unsigned)(grid >> 32), sk = r.u[2] << (2 * kk);
-        // ×(−1) is a flip of the sign bit, exactly.
+        // The entry's signed codes (iq2_quads) as Q8_0's: d·(−g) is −(d·g) exactly.
+        uint2 q = iq2_quads(TAB_SEL(iq2_idx(a, kk)), r.u[2], kk);
+        unsigned lo = q.x ^ 0x80808080u, hi = q.y ^ 0x80808080u;
 #pragma unroll
-        for (int j = 0; j < 8; j++)
-            y[j] = __uint_as_float(__float_as_uint(__fmul_rn(db, bytef(j < 4 ? lo : hi, j & 3, BIAS_U8))) ^
-                                   ((sk << (24 - 8 * (j & 3) + (j >> 2))) & 0x80000000u));
+        for (int j = 0; j < 8; j++) y[j] = __fmul_rn(db, bytef(j < 4 ? lo : hi, j & 3, BIAS_S8));
     } else if (F == F_FP8) {
         float sc = __uint_as_float(r.u[0]);
 #pragma unroll
@@ -383,7 +400,7 @@ __device__ __forceinline__ XChunk xdec32(const XRaw& r, int c) {
         ch.d[0] = iq2_scale(r.u[0], c);
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
-            uint2 q = iq2_quads(TAB_GRID((a >> (8 * kk)) & 255), r.u[2], kk);
+            uint2 q = iq2_quads(TAB_SEL(iq2_idx(a, kk)), r.u[2], kk);
             ch.q[2 * kk] = (int)q.x;
             ch.q[2 * kk + 1] = (int)q.y;
         }
@@ -433,30 +450,12 @@ __device__ __forceinline__ int dp4a_us(unsigned a, int b, int c) {
 }
 
 // xapply32(xdec32(r, c), ...) for a chunk that meets one activation row (xrows_dot): the same
-// value bit for bit. IQ2_XXS there takes q·x = g·x − 2·(g & neg)·x with g the grid magnitudes
-// (8..43, positive int8) and neg the bytes whose sign is negative: the same exact integer as
-// the signed codes' dot, for a mask (shift + PRMT), an AND and two dp4a a quad where the sign
-// flip spends the mask, an xor, an and, an add and one dp4a (−7 of ~83 instructions a chunk,
-// PERF.md v23). The several-row kernels keep the signed codes where a chunk meets R > 1 rows
-// (xrows_group; its groups of one row take this form).
+// value bit for bit. (IQ2_XXS's signed codes cost three instructions a quad since v26, so its
+// one-row form, q·x = g·x − 2·(g & neg)·x with two dp4a a quad, no longer pays: the general
+// form's.)
 template <int F>
 __device__ __forceinline__ float xapply32_one(const XRaw& r, int c, const int* x, float dx, float acc) {
-    if constexpr (F == F_IQ2_XXS) {
-        unsigned a = r.u[1], sg = r.u[2];
-        float d = iq2_scale(r.u[0], c);
-        int pos = 0, neg = 0;
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-            unsigned long long grid = TAB_GRID((a >> (8 * kk)) & 255);
-            unsigned glo = (unsigned)grid, ghi = (unsigned)(grid >> 32);
-            unsigned mlo = sign_bytes(sg << (2 * kk)), mhi = sign_bytes(sg << (2 * kk + 1));
-            pos = __dp4a((int)glo, x[2 * kk], pos);
-            pos = __dp4a((int)ghi, x[2 * kk + 1], pos);
-            neg = __dp4a((int)(glo & mlo), x[2 * kk], neg);
-            neg = __dp4a((int)(ghi & mhi), x[2 * kk + 1], neg);
-        }
-        return __fmaf_rn(__fmul_rn(d, dx), i2f_small(pos - 2 * neg), acc);
-    } else if constexpr (F == F_Q2_K) {
+    if constexpr (F == F_Q2_K) {
         // The codes where they lie (bits sh.. of each byte, masked, not shifted down: values
         // q·2^sh ≤ 192, unsigned for dp4a), then the group's sum shifted back, exactly (every
         // term is a multiple of 2^sh): one AND a word where the decode spent a shift and an AND.
@@ -491,12 +490,12 @@ __device__ __forceinline__ float xdot32(const u8* __restrict__ w, const u8* __re
 
 // ---- end of the per-lane decode (tests/quant_host.rs builds everything above for the host)
 
-// The block's copy of the IQ2_XXS grid (see TAB_GRID), before any thread of it decodes: the
+// The block's copy of the IQ2_XXS selectors (see TAB_SEL), before any thread of it decodes: the
 // first statement of every kernel that decodes (all of the block's threads reach it).
 template <int F, bool X8>
 __device__ __forceinline__ void fill_tabs() {
     if (F != F_IQ2_XXS) return;
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) S_GRID[i] = IQ2XXS_GRID[i];
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) S_SEL[i] = IQ2XXS_SEL[i];
     __syncthreads();
 }
 
@@ -1586,7 +1585,7 @@ __device__ __forceinline__ TDec tdec(const TRaw& r, int c, int t) {
         q2k_scales(r.u[2], r.u[3], o.d, o.m);
     } else {  // F_IQ2_XXS
         o.d[0] = iq2_scale(r.u[2], c);
-        uint2 q = iq2_quads(TAB_GRID((r.u[0] >> (8 * t)) & 255), r.u[1], t);  // values 8t..8t+7
+        uint2 q = iq2_quads(TAB_SEL(iq2_idx(r.u[0], t)), r.u[1], t);  // values 8t..8t+7
         o.lo = q.x;
         o.hi = q.y;
     }
