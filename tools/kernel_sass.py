@@ -107,7 +107,7 @@ def hot_loop(sass):
 def report(tools, nvrtc, name, kernels, rev, usage=False, defines=()):
     with tempfile.TemporaryDirectory() as d:
         p, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
-        pre = "".join(f"#define {k} {v}\n" for k, _, v in (x.partition("=") for x in defines))
+        pre = "".join(f"#define {k} {v if eq else 1}\n" for k, eq, v in (x.partition("=") for x in defines))
         with open(p, "w") as f:
             f.write(ptx(nvrtc, pre + source(name, rev), os.path.basename(name)))
         r = subprocess.run([os.path.join(tools, "bin", "ptxas"), "-arch=sm_90a", "-O3", "-v", p, "-o", cubin],

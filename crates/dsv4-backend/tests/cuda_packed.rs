@@ -396,11 +396,17 @@ fn cuda_one_row_experts_in_two_launches_are_bitwise() {
             let w = b.upload(HostTensor::new("x", vec![2, t.cols], data)).unwrap();
             CudaTensor::new(2, t.cols, w.data)
         };
+        // (Two rows on the dp4a kernels whatever DSV4_X8_MAX_ROWS: not the tiles or cuBLAS.)
+        b.set_x8_rows(64);
         let x2 = b.rms_norm(&twice(&xc), None, d, 1e-6);
         let r2 = b.route(&twice(&lc), Some(&bias_g), None, &c);
-        let both = b.to_host(&b.moe_shared(&x2, &r2, &gpu_e, 0, &sg[0], LIMIT).2);
-        for (i, (t, a)) in both[..d].iter().zip(&apart[2]).enumerate() {
-            assert_eq!(t.to_bits(), a.to_bits(), "{name}: sum[{i}] one row {a} vs the first of two {t}");
+        let both = b.moe_shared(&x2, &r2, &gpu_e, 0, &sg[0], LIMIT);
+        for (what, (t, a)) in
+            ["routed", "shared", "sum"].iter().zip([&both.0, &both.1, &both.2].into_iter().zip(&apart))
+        {
+            for (i, (t, a)) in b.to_host(t)[..d].iter().zip(a).enumerate() {
+                assert_eq!(t.to_bits(), a.to_bits(), "{name}: {what}[{i}] one row {a} vs the first of two {t}");
+            }
         }
         let rc = cpu.route(&lc, Some(&bias_c), None, &c);
         let want = cpu.add(&cpu.moe(&xh, &rc, &cpu_e, 0, LIMIT), &cpu.swiglu(&xh, &sc[0], LIMIT));

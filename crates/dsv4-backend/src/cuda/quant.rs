@@ -194,11 +194,13 @@ pub(crate) fn x8_opw() -> X8Opw {
 
 /// Chunks a lane loads a batch in the software-pipelined one-row kernels (quant.cu
 /// `xrows_pipe`: the next batch's weights load while the current one is decoded), or 0 for the
-/// load-then-decode form: `(experts, dense products)`. The experts' form only matters with
-/// several outputs a warp (`DSV4_X8_OPW`'s UP and DOWN; a warp of one output whose row is one
-/// batch has nothing to load ahead); the dense one pipelines within a row of several batches
-/// too. The sums are the same either way. `DSV4_X8_PIPE=E[,G]` (each 0, 1, 2 or 4; G defaults
-/// to 0) sets it; off by default until measured (PERF.md v26).
+/// load-then-decode form: `(experts, dense products)`, for IQ2_XXS rows; Q8_0 and Q2_K rows
+/// then load one chunk a batch (where the load-then-decode form loads 2–4). Nonzero, it applies
+/// to every one-row expert kernel (the shared expert's too) whatever `DSV4_X8_OPW`, though it
+/// can only overlap work across outputs with several outputs a warp (its UP and DOWN); within an
+/// output it overlaps the batches of a row longer than one batch. The sums are the same either
+/// way. `DSV4_X8_PIPE=E[,G]` (each 0, 1, 2 or 4; G defaults to 0) sets it; off by default until
+/// measured (PERF.md v26).
 pub(crate) fn x8_pipe() -> (usize, usize) {
     static PIPE: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
     *PIPE.get_or_init(|| {

@@ -823,18 +823,20 @@ __device__ __forceinline__ void xrows_dot(float* out, const u8* const* wr, const
 }
 
 // Chunks a lane loads a batch in the pipelined form (X8_PIPE, the launcher's DSV4_X8_PIPE; 0:
-// xrows_dot's form) for a format of G rows an output: IQ2_XXS's 3 words a chunk take X8_PIPE,
-// the 9–10 words of Q8_0 and Q2_K fewer, so that two batches stay within the registers the
-// separate kernels held.
+// xrows_dot's form) in the expert kernels: IQ2_XXS's 3 words a chunk take X8_PIPE; the 9–10
+// words of Q8_0 and Q2_K one chunk a batch (with two chunks their two buffers took 20–40
+// registers more than xrows_dot's one). Offline sm_90a, 4 and 8 outputs a warp: moe_up1s 80
+// registers at X8_PIPE = 2 (as without), 96 at 4 (2 blocks an SM instead of 3); moe_down1s
+// 60 → 64.
 #ifndef X8_PIPE
 #define X8_PIPE 0
 #endif
 #ifndef X8_PIPE_GEMV  // the same for the dense one-row products (gemv_x8's general form)
 #define X8_PIPE_GEMV 0
 #endif
-template <int F, int G, int PIPE = X8_PIPE>
+template <int F>
 __device__ constexpr int pipe_u() {
-    return F == F_IQ2_XXS ? PIPE : (PIPE / (2 * G) > 1 ? PIPE / (2 * G) : 1);
+    return F == F_IQ2_XXS ? X8_PIPE : 1;
 }
 
 // xrows_dot's sums for a warp with P outputs of G weight rows each (rows(p, g, w, s): output p's
@@ -894,7 +896,9 @@ __device__ __forceinline__ void xrows_pipe(int P, RowF rows, StoreF store, const
         }
     };
     if (live) load(ra);
-    if (EARLY) {  // xrows_dot's: the first batch's loads fly while the previous kernel ends
+    // xrows_dot's EARLY: the first batch's loads fly while the previous kernel ends (only output
+    // 0's here, where xrows_dot issued every output's first batch).
+    if (EARLY) {
         unsigned dep = 0;
 #pragma unroll
         for (int g = 0; g < G; g++)
@@ -979,8 +983,10 @@ __device__ void gemv_x8(float* __restrict__ out, const signed char* __restrict__
         auto store = [&](int p, const float* v) {
             if (lane == 0 && o + p < m) out[o + p] = v[0];
         };
-        xrows_pipe<F, 1, pipe_u<F, 1, X8_PIPE_GEMV>(), true, true>(P, rows, store, xq + xoff, xd + xoff / 32, k, lane,
-                                                                   live);
+        // IQ2_XXS rows X8_PIPE_GEMV chunks a batch, the wider formats half as many (one output's
+        // two buffers: gemv1x_q8_0 keeps its 62 registers at X8_PIPE_GEMV = 4).
+        constexpr int PU = F == F_IQ2_XXS ? X8_PIPE_GEMV : (X8_PIPE_GEMV + 1) / 2;
+        xrows_pipe<F, 1, PU, true, true>(P, rows, store, xq + xoff, xd + xoff / 32, k, lane, live);
         if (TWIN) quant_groups<Q_WARPS * P>(out, oq, od, cnt, bx * Q_WARPS * P, m);
         return;
     }
@@ -1048,7 +1054,7 @@ __device__ __forceinline__ void up1_pair(float* __restrict__ hrow, const signed 
         auto store = [&](int p, const float* v) {
             if (lane == 0 && o + p < inter) hrow[o + p] = swiglu_q(v[0], v[1], limit);
         };
-        xrows_pipe<F, 2, pipe_u<F, 2>(), true>(P, rows, store, xq, xd, d, lane, live);
+        xrows_pipe<F, 2, pipe_u<F>(), true>(P, rows, store, xq, xd, d, lane, live);
         return;
     }
     const u8* wr[2 * P];
@@ -1118,7 +1124,7 @@ __device__ __forceinline__ void down1_pair(float* v, const signed char* __restri
             for (int j = 0; j < P; j++)
                 if (j == p) v[j] = r[0];
         };
-        xrows_pipe<F, 1, pipe_u<F, 1>(), TABS>(P, rows, store, hq, hd, inter, threadIdx.x & 31, live);
+        xrows_pipe<F, 1, pipe_u<F>(), TABS>(P, rows, store, hq, hd, inter, threadIdx.x & 31, live);
         return;
     }
     const u8* wr[P];
