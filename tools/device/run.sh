@@ -139,7 +139,8 @@ for part in $PARTS; do
         # lane loads a batch in the experts' / the dense products' form, 0 = off; DSV4_X8_OPW:
         # outputs a warp) held to the same bits under four settings (odd batch counts with 3
         # outputs a warp in the down kernels): the int8 products against their CPU twin, one row's
-        # experts against the separate launches and the several-row kernels.
+        # experts against the separate launches and the several-row kernels; then the pipelined
+        # bf16 decode product (DSV4_GEMVT_PIPE=1) against 16 rows' kernel.
         : > "$OUT/pipe-tests.txt"
         for cfg in "DSV4_X8_PIPE=4,4 DSV4_X8_OPW=4,4,8" "DSV4_X8_PIPE=1,1 DSV4_X8_OPW=2,2,2" \
             "DSV4_X8_PIPE=2,2 DSV4_X8_OPW=1,8,8" "DSV4_X8_PIPE=1,1 DSV4_X8_OPW=1,2,3"; do
@@ -149,13 +150,18 @@ for part in $PARTS; do
             grep -E -A3 '^test .*FAILED|panicked' /tmp/pipe-test.txt | head -8 >> "$S"
             cat /tmp/pipe-test.txt >> "$OUT/pipe-tests.txt"
         done
+        DSV4_GEMVT_PIPE=1 RUST_BACKTRACE=1 timeout 200 .devbin/tests/cuda_packed --test-threads 1 bf16 > /tmp/pipe-test.txt 2>&1
+        echo "cuda_packed bf16 with DSV4_GEMVT_PIPE=1: exit $? $(grep -E '^test result' /tmp/pipe-test.txt | tail -1)" >> "$S"
+        grep -E -A3 '^test .*FAILED|panicked' /tmp/pipe-test.txt | head -8 >> "$S"
+        cat /tmp/pipe-test.txt >> "$OUT/pipe-tests.txt"
         ;;
     pipe)
         # PERF.md v26's A/B (after pipe-tests): 4 q2 layers at batch 1 with each setting (two
         # passes), then 43 layers with the fastest pass-2 setting (builtin included: then only
         # the builtin runs) and the builtin.
         V=("DSV4_X8_OPW=1,4,8+DSV4_X8_PIPE=2" "DSV4_X8_OPW=1,4,8+DSV4_X8_PIPE=4" "DSV4_X8_OPW=1,8,8+DSV4_X8_PIPE=2"
-           "DSV4_X8_OPW=1,2,4+DSV4_X8_PIPE=2" "DSV4_X8_PIPE=0,2" "DSV4_X8_PIPE=0,4" "DSV4_X8_OPW=2,4,8+DSV4_X8_PIPE=2,2")
+           "DSV4_X8_OPW=1,2,4+DSV4_X8_PIPE=2" "DSV4_X8_PIPE=0,2" "DSV4_X8_PIPE=0,4" "DSV4_X8_OPW=2,4,8+DSV4_X8_PIPE=2,2"
+           "DSV4_GEMVT_PIPE=1" "DSV4_X8_OPW=1,4,8+DSV4_X8_PIPE=2,2+DSV4_GEMVT_PIPE=1")
         LAYERS=4 BATCH=1 bash tools/device/ab_step.sh "${V[@]}" > "$OUT/pipe-ab1.txt" 2>&1
         echo "4 q2 layers, batch 1 (builtin = load-then-decode, one output a warp):" >> "$S"
         cat "$OUT/pipe-ab1.txt" >> "$S"

@@ -34,6 +34,15 @@ pub fn gemv_rows() -> usize {
     *ROWS.get_or_init(|| std::env::var("DSV4_GEMV_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(GEMV_ROWS))
 }
 
+/// Whether the fast-mode bf16 products of at most 8 rows take `gemvtp_bf16` (the same bits,
+/// the next k blocks' weights loading while the current ones' mma run) instead of
+/// `gemvt_bf16`: `DSV4_GEMVT_PIPE=1`. Off by default until measured (PERF.md v26: the decode's
+/// compressor and indexer products ran at 1.7 TB/s, about one block an SM).
+pub(crate) fn gemvt_pipe() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DSV4_GEMVT_PIPE").is_ok_and(|v| v.trim() == "1"))
+}
+
 /// Whether fast-mode bf16 products of up to [`gemv_rows`] rows take `gemvt_bf16` (default) or,
 /// with `DSV4_BF16_TILES=0`, the f32-activation GEMV kernels (both batch invariant).
 fn gemv_tiles() -> bool {
@@ -208,6 +217,7 @@ impl CudaBackend {
         }
         let f = match (tiles, n) {
             (true, n) if n > 8 => &self.k.gemvt16_bf16,
+            (true, _) if gemvt_pipe() => &self.k.gemvtp_bf16,
             (true, _) => &self.k.gemvt_bf16,
             (false, 1) => &self.k.gemv1_bf16,
             (false, _) => &self.k.gemv_bf16,

@@ -218,6 +218,8 @@ pub(crate) struct Kernels {
     pub gemvt_bf16: CudaFunction,
     /// `gemvt_bf16`'s bits with one k block in flight a warp (more than 8 rows).
     pub gemvt16_bf16: CudaFunction,
+    /// `gemvt_bf16`'s bits, software-pipelined (`DSV4_GEMVT_PIPE=1`, bf16.rs `gemvt_pipe`).
+    pub gemvtp_bf16: CudaFunction,
     pub cast_bf16: CudaFunction,
     pub moe_sort: CudaFunction,
     pub moe_gather_bf16: CudaFunction,
@@ -517,6 +519,7 @@ impl Kernels {
                 "gemv1_bf16",
                 "gemvt_bf16",
                 "gemvt16_bf16",
+                "gemvtp_bf16",
             ],
         )?
         .into_iter();
@@ -576,6 +579,7 @@ impl Kernels {
             gemv1_bf16: n(&mut bf),
             gemvt_bf16: n(&mut bf),
             gemvt16_bf16: n(&mut bf),
+            gemvtp_bf16: n(&mut bf),
         })
     }
 }

@@ -161,11 +161,14 @@ __device__ __forceinline__ void mma_bf16(float* d, unsigned a0, unsigned a1, uns
 }
 
 // U: k32 blocks whose weight loads a warp issues before any of their mma. The blocks' order is
-// the same for every U, so the two instances below give the same bits and the launcher picks by
+// the same for every U, so the instances below give the same bits and the launcher picks by
 // row count (H200, 4 q2 layers: U = 4 is 0.04 ms a step faster at batch 1, where the block
 // count is m / 16 and each warp's bytes in flight set the rate; U = 1 is 0.2 ms faster at
-// batch 16, with fewer registers).
-template <int U>
+// batch 16, with fewer registers). PIPE: two buffers of U blocks, the next U's loads issued
+// before the current U's mma (gemvtp_bf16): without, a warp's k loop waits a memory round trip
+// every U blocks with nothing in flight, and a decode product of m / 16 = 32–128 blocks (about
+// one an SM) held 32 KB an SM in flight, 1.7 TB/s (ncu, PERF.md v25).
+template <int U, bool PIPE = false>
 __device__ __forceinline__ void gemvt_body(float* out, const float* x, const unsigned short* w, int n, int k, int m,
                                            int ldx, int rpg, int bx) {
     __shared__ float part[8][16][17];  // [warp][output][row] (+1: no bank conflicts on the merge)
@@ -179,35 +182,49 @@ __device__ __forceinline__ void gemvt_body(float* out, const float* x, const uns
     const float* xb = x + (long long)(r0 + min(g + 8, nr - 1)) * ldx + xoff;
     bool two = nr > 8;
     float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
-    uint4 A[U], B[U];
-    auto load = [&](int kb0) {
+    uint4 A[U], B[U], A2[PIPE ? U : 1], B2[PIPE ? U : 1];
+    auto load = [&](uint4* a, uint4* b, int kb0) {
 #pragma unroll
         for (int u = 0; u < U; u++)
-            if (kb0 + 256 * u < k) A[u] = ldg_stream(wa + kb0 + 256 * u), B[u] = ldg_stream(wb + kb0 + 256 * u);
+            if (kb0 + 256 * u < k) a[u] = ldg_stream(wa + kb0 + 256 * u), b[u] = ldg_stream(wb + kb0 + 256 * u);
     };
-    // Weights never change during a forward (the weight draws synchronise after writing them),
-    // so the first loads are issued before PDL's wait: they fly while the previous kernel ends
-    // (pdl_enter_after).
-    load(32 * wp);
-    unsigned dep = 0;
-#pragma unroll
-    for (int u = 0; u < U; u++)
-        if (32 * wp + 256 * u < k) dep ^= A[u].x ^ B[u].x;
-    pdl_enter_after(dep);
-    for (int kb0 = 32 * wp; kb0 < k; kb0 += 256 * U) {
-        if (kb0 != 32 * wp) load(kb0);
+    auto math = [&](const uint4* a, const uint4* b, int kb0) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int kb = kb0 + 256 * u;
             if (kb >= k) break;
             float4 p = *(const float4*)(xa + kb), q = *(const float4*)(xa + kb + 4);
-            mma_bf16(d0, A[u].x, B[u].x, A[u].y, B[u].y, bf2_pack(p.x, p.y), bf2_pack(p.z, p.w));
-            mma_bf16(d0, A[u].z, B[u].z, A[u].w, B[u].w, bf2_pack(q.x, q.y), bf2_pack(q.z, q.w));
+            mma_bf16(d0, a[u].x, b[u].x, a[u].y, b[u].y, bf2_pack(p.x, p.y), bf2_pack(p.z, p.w));
+            mma_bf16(d0, a[u].z, b[u].z, a[u].w, b[u].w, bf2_pack(q.x, q.y), bf2_pack(q.z, q.w));
             if (two) {
                 float4 u4 = *(const float4*)(xb + kb), v = *(const float4*)(xb + kb + 4);
-                mma_bf16(d1, A[u].x, B[u].x, A[u].y, B[u].y, bf2_pack(u4.x, u4.y), bf2_pack(u4.z, u4.w));
-                mma_bf16(d1, A[u].z, B[u].z, A[u].w, B[u].w, bf2_pack(v.x, v.y), bf2_pack(v.z, v.w));
+                mma_bf16(d1, a[u].x, b[u].x, a[u].y, b[u].y, bf2_pack(u4.x, u4.y), bf2_pack(u4.z, u4.w));
+                mma_bf16(d1, a[u].z, b[u].z, a[u].w, b[u].w, bf2_pack(v.x, v.y), bf2_pack(v.z, v.w));
             }
+        }
+    };
+    // Weights never change during a forward (the weight draws synchronise after writing them),
+    // so the first loads are issued before PDL's wait: they fly while the previous kernel ends
+    // (pdl_enter_after).
+    load(A, B, 32 * wp);
+    unsigned dep = 0;
+#pragma unroll
+    for (int u = 0; u < U; u++)
+        if (32 * wp + 256 * u < k) dep ^= A[u].x ^ B[u].x;
+    pdl_enter_after(dep);
+    if constexpr (PIPE) {
+        for (int kb0 = 32 * wp; kb0 < k; kb0 += 512 * U) {  // A, B hold kb0's blocks
+            int kb1 = kb0 + 256 * U;
+            if (kb1 < k) load(A2, B2, kb1);
+            math(A, B, kb0);
+            if (kb1 >= k) break;
+            if (kb1 + 256 * U < k) load(A, B, kb1 + 256 * U);
+            math(A2, B2, kb1);
+        }
+    } else {
+        for (int kb0 = 32 * wp; kb0 < k; kb0 += 256 * U) {
+            if (kb0 != 32 * wp) load(A, B, kb0);
+            math(A, B, kb0);
         }
     }
     // d[0], d[1]: output g, rows 2t, 2t + 1 of the n8 tile; d[2], d[3]: output g + 8.
@@ -237,6 +254,12 @@ extern "C" __global__ void __launch_bounds__(256) gemvt_bf16(BfGroup g, const fl
 extern "C" __global__ void __launch_bounds__(256) gemvt16_bf16(BfGroup g, const float* x, int n, int k, int ldx) {
     int bx = blockIdx.x, e = bfg_entry(g, &bx);
     gemvt_body<1>(g.out[e], x, g.w[e], n, k, g.m[e], ldx, g.rpg[e], bx);
+}
+
+// gemvt_bf16's bits with the next 4 blocks' loads in flight during the current 4's mma.
+extern "C" __global__ void __launch_bounds__(256) gemvtp_bf16(BfGroup g, const float* x, int n, int k, int ldx) {
+    int bx = blockIdx.x, e = bfg_entry(g, &bx);
+    gemvt_body<4, true>(g.out[e], x, g.w[e], n, k, g.m[e], ldx, g.rpg[e], bx);
 }
 
 // Eight values a thread (two 16-byte loads, one 16-byte store: the scalar version moved 0.7 TB/s,
