@@ -762,6 +762,23 @@ extern "C" __global__ void quant_x8(signed char* __restrict__ xq, float* __restr
 #define X8_OPWN_DOWN 1
 #endif
 
+// acc[j] plus weight row j's chunks c0 + 1024·u (raw[j][u], u < U, those below k) times one row
+// of int8 activations, chunk by chunk in that order (a batch of xrows_dot and xrows_pipe).
+template <int F, int NR, int U>
+__device__ __forceinline__ void xapply_batch(float* acc, const XRaw (&raw)[NR][U], int c0,
+                                             const signed char* __restrict__ xq, const float* __restrict__ xd, int k) {
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        int c = c0 + 1024 * u;
+        if (c >= k) break;
+        int4 a = *(const int4*)(xq + c), b = *(const int4*)(xq + c + 16);
+        int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        float dx = xd[c >> 5];
+#pragma unroll
+        for (int j = 0; j < NR; j++) acc[j] = xapply32_one<F>(raw[j][u], c, x, dx, acc[j]);
+    }
+}
+
 // out[j] = weight row j (codes wr[j], heads sr[j]) · one row of int8 activations, for NR rows,
 // each sum over the row's 32-value chunks c = 32·lane + 1024·i in that order, then the warp's
 // butterfly (the order of the multi-row kernels, so bitwise the same whatever NR; xq 16-byte
@@ -788,18 +805,7 @@ __device__ __forceinline__ void xrows_dot(float* out, const u8* const* wr, const
             for (int j = 0; j < NR; j++)
                 if (live && c0 + 1024 * u < k) raw[j][u] = xraw32<F>(wr[j], sr[j], c0 + 1024 * u);
     };
-    auto apply = [&](int c0) {
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            int c = c0 + 1024 * u;
-            if (c >= k) break;
-            int4 a = *(const int4*)(xq + c), b = *(const int4*)(xq + c + 16);
-            int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-            float dx = xd[c >> 5];
-#pragma unroll
-            for (int j = 0; j < NR; j++) acc[j] = xapply32_one<F>(raw[j][u], c, x, dx, acc[j]);
-        }
-    };
+    auto apply = [&](int c0) { xapply_batch<F, NR, U>(acc, raw, c0, xq, xd, k); };
     int c0 = lane * 32;
     load(c0);
     if (EARLY) {
@@ -877,16 +883,7 @@ __device__ __forceinline__ void xrows_pipe(int P, RowF rows, StoreF store, const
         if (ab == 0)
 #pragma unroll
             for (int g = 0; g < G; g++) acc[g] = 0.f;
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            int c = c0 + 1024 * u;
-            if (c >= k) break;
-            int4 a = *(const int4*)(xq + c), b = *(const int4*)(xq + c + 16);
-            int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-            float dx = xd[c >> 5];
-#pragma unroll
-            for (int g = 0; g < G; g++) acc[g] = xapply32_one<F>(r[g][u], c, x, dx, acc[g]);
-        }
+        xapply_batch<F, G, U>(acc, r, c0, xq, xd, k);
         if (++ab == nb) {
             float v[G];
 #pragma unroll
