@@ -170,19 +170,13 @@ pub fn dot_tiled(f: PackedFormat, row: &[u8], k: usize, xq: &[i8], xd: &[f32]) -
     sums[0]
 }
 
-/// The IQ2_XXS tables as C declarations with `qualifier` (the CUDA kernels' and the host
-/// build's): the CPU decoder's grid and sign patterns, each sign pattern as eight 0x00/0xff
-/// bytes, and each grid entry's byte-permute selectors (`IQ2XXS_SEL`, what the kernels decode
-/// with: quant.cu `iq2_quad`).
+/// The IQ2_XXS table the kernels decode with, as a C declaration with `qualifier` (the CUDA
+/// kernels' and the host build's): each grid entry's byte-permute selectors (`IQ2XXS_SEL`,
+/// quant.cu `iq2_quad`), a nibble a value, the level of its magnitude (8, 25, 43 → 0, 1, 2); the
+/// low word the entry's first quad, the high word its second. (The grid itself and GGUF's sign
+/// patterns are not declared: the planes hold every sign, so a `quant.cu` of the old sign order
+/// fails to compile here rather than decode wrongly.)
 pub fn iq2_tables_source(qualifier: &str) -> String {
-    let grid: Vec<String> = IQ2XXS_GRID.iter().map(|g| format!("0x{g:016x}ull")).collect();
-    let signs: Vec<String> = KSIGNS_IQ2XS.iter().map(|s| s.to_string()).collect();
-    let masks: Vec<String> = KSIGNS_IQ2XS
-        .iter()
-        .map(|&s| format!("0x{:016x}ull", (0..8).fold(0u64, |m, j| m | ((((s >> j) & 1) as u64) * 0xff) << (8 * j))))
-        .collect();
-    // Each entry's byte-permute selectors (quant.cu `iq2_quad`): per value a nibble, the level of
-    // its magnitude (8, 25, 43 → 0, 1, 2); the low word the first quad's, the high the second's.
     let sel: Vec<String> = IQ2XXS_GRID
         .iter()
         .map(|&g| {
@@ -198,15 +192,7 @@ pub fn iq2_tables_source(qualifier: &str) -> String {
             format!("0x{:016x}ull", quad(0) | quad(1) << 32)
         })
         .collect();
-    format!(
-        "{qualifier} unsigned long long IQ2XXS_GRID[256] = {{{}}};\n{qualifier} unsigned char KSIGNS_IQ2XS[128] = \
-         {{{}}};\n{qualifier} unsigned long long KMASK_IQ2XS[128] = {{{}}};\n{qualifier} unsigned long long \
-         IQ2XXS_SEL[256] = {{{}}};\n",
-        grid.join(","),
-        signs.join(","),
-        masks.join(","),
-        sel.join(",")
-    )
+    format!("{qualifier} unsigned long long IQ2XXS_SEL[256] = {{{}}};\n", sel.join(","))
 }
 
 #[cfg(test)]

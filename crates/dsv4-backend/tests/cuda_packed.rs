@@ -949,8 +949,11 @@ fn cuda_bf16_products_are_row_invariant() {
     // (m, k, groups): a partial 16-output tile (44 outputs, one group); a grouped projection of
     // 32 outputs a group (tiles); one of k = 264 (not a multiple of 32: the GEMV kernel); k =
     // 3,328: a warp's k blocks in four batches of 4, the last partial (gemvtp_bf16's two
-    // buffers, DSV4_GEMVT_PIPE=1), against 16 rows (gemvt16_bf16, never pipelined).
-    for (m, k, groups) in [(44usize, 512usize, 1usize), (64, 256, 2), (44, 264, 2), (40, 3328, 1)] {
+    // buffers, DSV4_GEMVT_PIPE=1), against 16 rows (gemvt16_bf16, never pipelined); k = 2,304:
+    // three batches (an odd count, the last in the first buffer); k = 160: warps with no block.
+    for (m, k, groups) in
+        [(44usize, 512usize, 1usize), (64, 256, 2), (44, 264, 2), (40, 3328, 1), (40, 2304, 1), (40, 160, 1)]
+    {
         let w: Vec<f32> = (0..m * k).map(|_| dsv4_backend::bf16::round_bf16(r.gen_range(-0.1f32..0.1))).collect();
         let wt = b.upload(HostTensor::new("layers.0.attn.wq.weight", vec![m, k], w.clone())).unwrap();
         for (exact, n) in [(false, 1usize), (false, 3), (false, 16), (true, 21)] {

@@ -63,7 +63,7 @@ template <int F> static void row(const u8* w, const u8* s, int k, float* out) {
 // Format ids + 100: the int8 path's `xdot32` over each 32-value chunk, the activations and
 // their scales following the row's heads (k int8, then k/32 floats); the accumulator starts at
 // 0.375.
-// ONE: the one-row kernels' form instead (`xapply32_one`, IQ2_XXS's split dot), ids + 150.
+// ONE: the one-row kernels' form instead (`xapply32_one`), ids + 150.
 template <int F, bool ONE = false> static void xrow(const u8* w, const u8* s, int k, float* out) {
     const u8* h = s;
     s += head_bytes(F, k);
@@ -281,7 +281,7 @@ fn device_dequant_built_for_the_host_equals_the_cpu_decoders() {
 
 /// The int8 path's per-chunk product (`xdot32`) built for the host equals its CPU twin
 /// (`dsv4_backend::x8::xdot32`) bit for bit, for the three formats it serves; so does the
-/// one-row kernels' form (`xapply32_one`: IQ2_XXS as g·x − 2·(g & neg)·x).
+/// one-row kernels' form (`xapply32_one`: Q2_K's codes masked in place).
 #[test]
 fn device_int8_products_built_for_the_host_equal_the_twin() {
     use dsv4_backend::x8;

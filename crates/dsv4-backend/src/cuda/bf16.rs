@@ -36,8 +36,10 @@ pub fn gemv_rows() -> usize {
 
 /// Whether the fast-mode bf16 products of at most 8 rows take `gemvtp_bf16` (the same bits,
 /// the next k blocks' weights loading while the current ones' mma run) instead of
-/// `gemvt_bf16`: `DSV4_GEMVT_PIPE=1`. Off by default until measured (PERF.md v26: the decode's
-/// compressor and indexer products ran at 1.7 TB/s, about one block an SM).
+/// `gemvt_bf16`: `DSV4_GEMVT_PIPE=1`. Every such product (in the q2 model the compressor and
+/// indexer projections, in a bf16 model all of them) then holds 118 registers a thread instead
+/// of 80 (2 blocks an SM instead of 3). Off by default until measured (PERF.md v26: the q2
+/// decode's compressor and indexer products ran at 1.7 TB/s, about one block an SM).
 pub(crate) fn gemvt_pipe() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("DSV4_GEMVT_PIPE").is_ok_and(|v| v.trim() == "1"))

@@ -9,8 +9,8 @@
 // in order. The GGUF formats are held as two planes (dsv4_model::packed::Planes, split by the
 // uploader): `w` the blocks' codes, `row_bytes(k)` a row, and `s` the rest of each block (d,
 // dmin, sub-block scales), `head_bytes(k)` a row — so a lane loads its codes in one aligned
-// 8- or 16-byte load. The tables IQ2XXS_GRID / KSIGNS_IQ2XS / IQ2XXS_SEL are prepended by the
-// launcher from the CPU decoder's own tables.
+// 8- or 16-byte load. The table IQ2XXS_SEL is prepended by the launcher, formed from the CPU
+// decoder's grid (x8.rs `iq2_tables_source`).
 
 #define F_Q8_0 0
 #define F_Q4_K 1
