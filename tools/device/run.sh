@@ -158,7 +158,7 @@ for part in $PARTS; do
     pipe)
         # PERF.md v26's A/B (after pipe-tests): 4 q2 layers at batch 1 with each setting (two
         # passes), then 43 layers with the fastest pass-2 setting (builtin included: then only
-        # the builtin runs) and the builtin.
+        # the builtin runs) and the builtin, and the winner's 4-layer step under ncu.
         V=("DSV4_X8_OPW=1,4,8+DSV4_X8_PIPE=2" "DSV4_X8_OPW=1,4,8+DSV4_X8_PIPE=4" "DSV4_X8_OPW=1,8,8+DSV4_X8_PIPE=2"
            "DSV4_X8_OPW=1,2,4+DSV4_X8_PIPE=2" "DSV4_X8_PIPE=0,2" "DSV4_X8_PIPE=0,4" "DSV4_X8_OPW=2,4,8+DSV4_X8_PIPE=2,2"
            "DSV4_GEMVT_PIPE=1" "DSV4_X8_OPW=1,4,8+DSV4_X8_PIPE=2,2+DSV4_GEMVT_PIPE=1")
@@ -179,6 +179,13 @@ for part in $PARTS; do
             echo "flash q2 43 layers, $v: exit $?" >> "$S"
             grep -E '^(decode batch.*ms|verify batch +1|warning)' "$OUT/pipe-43-$tag.txt" | cut -c1-150 >> "$S"
         done
+        # The winner's kernels one by one (ncu): did moe_up1s / moe_down1s / gemvt shorten?
+        if [ "$tags" != off ]; then
+            IFS='+' read -ra envs <<< "$best"
+            env "${envs[@]}" CTX=4096 TAG=-pipe bash tools/device/profile.sh 4 q2 1 > /dev/null 2>&1
+            echo "ncu, 4 q2 layers at context 4096, batch 1, with $best:" >> "$S"
+            grep -E 'moe_up1s|moe_down1s|gemv1x|gemvt|gemv_route|one step' "$OUT/ncu-q2-1-pipe.txt" | head -16 >> "$S"
+        fi
         ;;
     hcprobe)
         # PERF.md v25 lever 2: hc_pre_apply_norm launched twice in a row (DSV4_PROBE_HC_TWICE=1;
