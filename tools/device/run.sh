@@ -8,7 +8,8 @@
 # kernels against the general ones: steps, verify, kernel table), attslices (decode attention on
 # attention_tc's key slices against the f32 kernel), l2pf (L2 prefetch blocks in HC_PRE),
 # hcprobe (HC_PRE's apply launched twice: cold against warm), pipe-tests and pipe (the
-# software-pipelined one-row int8 kernels: bitwise checks; A/Bs at 4 and 43 layers),
+# software-pipelined one-row int8 kernels: bitwise checks; A/Bs at 4 and 43 layers), prof16
+# (a batch-16 step's kernels under ncu),
 # flash-served (43 q2 layers in
 # serve's exact mode), flash-bf16 (4 bf16 layers), prefill (issue 12's prefill figures and a
 # stage profile), hf (HF transformers' prefill beside dsv4's), serve (bench_serve at 1 / 16 /
@@ -186,6 +187,14 @@ for part in $PARTS; do
             echo "ncu, 4 q2 layers at context 4096, batch 1, with $best:" >> "$S"
             grep -E 'moe_up1s|moe_down1s|gemv1x|gemvt|gemv_route|one step' "$OUT/ncu-q2-1-pipe.txt" | head -16 >> "$S"
         fi
+        ;;
+    prof16)
+        # Where a batch-16 step goes now (issue 11: 1,000 tok/s; last profiled in the eighth
+        # session): one 4-layer step at context 4096 under ncu, with whatever defaults and
+        # environment this build has.
+        CTX=4096 TAG=-b16 bash tools/device/profile.sh 4 q2 16 > /dev/null 2>&1
+        echo "ncu, 4 q2 layers at context 4096, batch 16:" >> "$S"
+        sed -n '/^one step/,$p' "$OUT/ncu-q2-16-b16.txt" | head -30 >> "$S"
         ;;
     hcprobe)
         # PERF.md v25 lever 2: hc_pre_apply_norm launched twice in a row (DSV4_PROBE_HC_TWICE=1;
