@@ -38,8 +38,9 @@ pub fn gemv_rows() -> usize {
 /// the next k blocks' weights loading while the current ones' mma run) instead of
 /// `gemvt_bf16`: `DSV4_GEMVT_PIPE=1`. Every such product (in the q2 model the compressor and
 /// indexer projections, in a bf16 model all of them) then holds 118 registers a thread instead
-/// of 80 (2 blocks an SM instead of 3). Off by default until measured (PERF.md v26: the q2
-/// decode's compressor and indexer products ran at 1.7 TB/s, about one block an SM).
+/// of 80 (2 blocks an SM instead of 3). Off by default (PERF.md v26: the q2 decode's compressor
+/// and indexer products ran at 1.7 TB/s, about one block an SM; pipelined, −3 % on an H100,
+/// within a step's spread).
 pub(crate) fn gemvt_pipe() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("DSV4_GEMVT_PIPE").is_ok_and(|v| v.trim() == "1"))

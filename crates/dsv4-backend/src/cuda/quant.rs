@@ -199,8 +199,9 @@ pub(crate) fn x8_opw() -> X8Opw {
 /// to every one-row expert kernel (the shared expert's too) whatever `DSV4_X8_OPW`, though it
 /// can only overlap work across outputs with several outputs a warp (its UP and DOWN); within an
 /// output it overlaps the batches of a row longer than one batch. The sums are the same either
-/// way. `DSV4_X8_PIPE=E[,G]` (each 0, 1, 2 or 4; G defaults to 0) sets it; off by default until
-/// measured (PERF.md v26).
+/// way. `DSV4_X8_PIPE=E[,G]` (each 0, 1, 2 or 4; G defaults to 0) sets it; off by default: no
+/// faster at 4 layers on an H100 (PERF.md v26: moe_up1s −3 %, moe_down1s +25 % at 8 outputs a
+/// warp).
 pub(crate) fn x8_pipe() -> (usize, usize) {
     static PIPE: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
     *PIPE.get_or_init(|| {
