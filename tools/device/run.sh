@@ -9,7 +9,8 @@
 # attention_tc's key slices against the f32 kernel), l2pf (L2 prefetch blocks in HC_PRE),
 # hcprobe (HC_PRE's apply launched twice: cold against warm), pipe-tests and pipe (the
 # software-pipelined one-row int8 kernels: bitwise checks; A/Bs at 4 and 43 layers), prof16
-# (a batch-16 step's kernels under ncu),
+# (a batch-16 step's kernels under ncu), v27 and v27b (PERF.md v27's checks and A/Bs), stalls (ncu's
+# stall reasons of the slow kernels at batches 64 / 16 / 1),
 # flash-served (43 q2 layers in
 # serve's exact mode), flash-bf16 (4 bf16 layers), prefill (issue 12's prefill figures and a
 # stage profile), hf (HF transformers' prefill beside dsv4's), serve (bench_serve at 1 / 16 /
@@ -195,6 +196,52 @@ for part in $PARTS; do
         CTX=4096 TAG=-b16 bash tools/device/profile.sh 4 q2 16 > /dev/null 2>&1
         echo "ncu, 4 q2 layers at context 4096, batch 16:" >> "$S"
         sed -n '/^one step/,$p' "$OUT/ncu-q2-16-b16.txt" | head -30 >> "$S"
+        ;;
+    v27)
+        # PERF.md v27 (the binary's defaults: XT_CG 4, attention_merge on (row, head) blocks, the
+        # expert and tile rounds loops at 1 round): the bitwise checks (cuda_packed also at 4 rounds
+        # of each kind), then the 4-layer A/B at batch 16: the slices on; cg1 (one tile class a pass,
+        # as before: `variants.sh "cg1=sed:quant.cu:s/define XT_CG 4/define XT_CG 1/"`); rounds of the
+        # several-row expert kernels (DSV4_X8_ROUNDS) at 80 registers and, pf2, at 2 blocks an SM
+        # (128 registers, no spills); the tile kernels' rounds (DSV4_TILE_ROUNDS).
+        for t in cuda_packed cuda_invariance; do
+            timeout 300 .devbin/tests/$t --test-threads 1 > "$OUT/test-$t.txt" 2>&1
+            echo "test $t: exit $? $(grep -E '^test result' "$OUT/test-$t.txt" | tail -1)" >> "$S"
+            grep -E -A3 '^test .*FAILED|panicked' "$OUT/test-$t.txt" | head -12 >> "$S"
+        done
+        DSV4_X8_ROUNDS=4 DSV4_TILE_ROUNDS=4 timeout 300 .devbin/tests/cuda_packed --test-threads 1 > "$OUT/test-rounds.txt" 2>&1
+        echo "test cuda_packed, 4 rounds: exit $? $(grep -E '^test result' "$OUT/test-rounds.txt" | tail -1)" >> "$S"
+        grep -E -A3 '^test .*FAILED|panicked' "$OUT/test-rounds.txt" | head -12 >> "$S"
+        timeout 200 .devbin/tests/cuda_backend --test-threads 1 slices > "$OUT/test-slices.txt" 2>&1
+        echo "test cuda_backend slices: exit $? $(grep -E '^test result' "$OUT/test-slices.txt" | tail -1)" >> "$S"
+        grep -E -A3 '^test .*FAILED|panicked' "$OUT/test-slices.txt" | head -12 >> "$S"
+        K=DSV4_CUDA_KERNELS=$PWD/.devbin/kvar
+        echo "4 q2 layers, batch 16:" >> "$S"
+        LAYERS=4 BATCH=16 bash tools/device/ab_step.sh DSV4_ATT_TC_SLICES=1 .devbin/kvar/cg1 DSV4_X8_ROUNDS=4 \
+            $K/pf2+DSV4_X8_ROUNDS=4 DSV4_TILE_ROUNDS=4 >> "$S" 2>&1
+        # Batch 1: the slices, nohint (hc.cu and dense.cu without the weights' L2 hints before PDL's
+        # wait: `#undef PRE_WAIT_L2` / `#define PRE_WAIT_L2 0` at their tops).
+        echo "4 q2 layers, batch 1:" >> "$S"
+        LAYERS=4 BATCH=1 bash tools/device/ab_step.sh DSV4_ATT_TC_SLICES=1 .devbin/kvar/nohint >> "$S" 2>&1
+        ;;
+    v27b)
+        # v27's other A/Bs: batch 16 at 8 rounds, batch 64 (the tile kernels' rounds, the slices).
+        K=DSV4_CUDA_KERNELS=$PWD/.devbin/kvar
+        echo "4 q2 layers, batch 16:" >> "$S"
+        LAYERS=4 BATCH=16 bash tools/device/ab_step.sh DSV4_X8_ROUNDS=8 $K/pf2+DSV4_X8_ROUNDS=8 >> "$S" 2>&1
+        echo "4 q2 layers, batch 64:" >> "$S"
+        EXTRA="--reserve 64x4096 --decode-fill clone" LAYERS=4 BATCH=64 bash tools/device/ab_step.sh DSV4_TILE_ROUNDS=4 DSV4_TILE_ROUNDS=8 DSV4_ATT_TC_SLICES=1 >> "$S" 2>&1
+        ;;
+    stalls)
+        # Why the slow kernels of batches 64, 16 and 1 are slow (tools/device/ncu_stalls.sh), and
+        # where a batch-64 step goes.
+        CTX=4096 TAG=-b64 bash tools/device/profile.sh 4 q2 64 > /dev/null 2>&1
+        echo "ncu, 4 q2 layers at context 4096, batch 64:" >> "$S"
+        sed -n '/^one step/,$p' "$OUT/ncu-q2-64-b64.txt" | head -24 >> "$S"
+        BATCH=64 bash tools/device/ncu_stalls.sh 'moe_upt|moe_downt|gemvt' 4 4 > /dev/null 2>&1
+        BATCH=16 bash tools/device/ncu_stalls.sh 'moe_upx|moe_downx|gemvt28|attention' 4 5 > /dev/null 2>&1
+        BATCH=1 DSV4_ATT_TC_SLICES=1 bash tools/device/ncu_stalls.sh 'moe_up1s|moe_down1s|gemv1x4|attention|hc_pre_apply' 4 7 > /dev/null 2>&1
+        cat "$OUT"/stalls-*.txt >> "$S"
         ;;
     hcprobe)
         # PERF.md v25 lever 2: hc_pre_apply_norm launched twice in a row (DSV4_PROBE_HC_TWICE=1;

@@ -473,11 +473,12 @@ pub fn attend(
             let rows_here = (n - t0).min(tile);
             if slices {
                 // Block (row, 64 heads, slice): each row's key tiles over up to ATTN_SLICES
-                // blocks (attention_tc's `part` writes), then one warp a head merges them.
+                // blocks (attention_tc's `part` writes), then a block a (row, head) merges them,
+                // a thread two columns (d = 512 here).
                 attention_tc(b, &keys, &ls.ring, &mut out, &part, (t0, rows_here, ATTN_SLICES), pf_at(t0));
                 let lc = LaunchConfig {
-                    grid_dim: (rows_here as u32, groups as u32, 1),
-                    block_dim: (32 * ATTN_HEADS_PER_BLOCK as u32, 1, 1),
+                    grid_dim: (rows_here as u32, h as u32, 1),
+                    block_dim: ((d / 2) as u32, 1, 1),
                     shared_mem_bytes: 0,
                 };
                 ck(

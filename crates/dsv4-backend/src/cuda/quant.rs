@@ -192,6 +192,30 @@ pub(crate) fn x8_opw() -> X8Opw {
     })
 }
 
+/// Output-tile rounds a block of the int8 tile kernels (`gemvt*`, `moe_upt`, `moe_downt`: a
+/// block's tiles strided over a grid of 1 / rounds the blocks, for grids of at least 264 blocks
+/// a round): `DSV4_TILE_ROUNDS` (1 to 16; default 1). As [`x8_rounds`]: a block's setup (the
+/// table fill, the expert's pointers and pairs) paid once for several tiles; the same sums.
+pub(crate) fn tile_rounds(blocks: usize) -> usize {
+    static R: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let r = *R.get_or_init(|| env_rounds("DSV4_TILE_ROUNDS"));
+    r.min(blocks / 264).max(1)
+}
+
+fn env_rounds(var: &str) -> usize {
+    std::env::var(var).ok().and_then(|v| v.trim().parse().ok()).filter(|r| (1..=16).contains(r)).unwrap_or(1)
+}
+
+/// Output rounds a block of the several-row warp expert kernels (`moe_upx`, `moe_downx*`: an
+/// expert's outputs strided over a grid of 1 / rounds the blocks): `DSV4_X8_ROUNDS` (1 to 16;
+/// default 1). Each block pays a chain of dependent loads (the active list, the offsets, the
+/// weight pointers, the pair order) before its weights can load; more rounds pay it once for
+/// several outputs, fewer blocks stay in flight. The sums are the same either way.
+pub(crate) fn x8_rounds() -> usize {
+    static R: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *R.get_or_init(|| env_rounds("DSV4_X8_ROUNDS"))
+}
+
 /// Chunks a lane loads a batch in the software-pipelined one-row kernels (quant.cu
 /// `xrows_pipe`: the next batch's weights load while the current one is decoded), or 0 for the
 /// load-then-decode form: `(experts, dense products)`, for IQ2_XXS rows; Q8_0 and Q2_K rows
@@ -597,7 +621,8 @@ impl CudaBackend {
                 && (groups == 1 || (m / groups).is_multiple_of(TILE_OUTPUTS));
             let (kernel, cfg) = if tiles {
                 let (nt, w) = tile_gemv(n, m);
-                let grid = (n.div_ceil(TILE_ROWS * nt) as u32, m.div_ceil(TILE_OUTPUTS) as u32, 1);
+                let (gx, gy) = (n.div_ceil(TILE_ROWS * nt), m.div_ceil(TILE_OUTPUTS));
+                let grid = (gx as u32, gy.div_ceil(tile_rounds(gx * gy)) as u32, 1);
                 let cfg = LaunchConfig { grid_dim: grid, block_dim: (32 * w as u32, 1, 1), shared_mem_bytes: 0 };
                 (self.qk.of(&format!("gemvt{nt}{w}"), q.format), cfg)
             } else if n == 1 && self.gemv4_fits(k, m / groups) {

@@ -641,7 +641,8 @@ __device__ __forceinline__ void att_cp_wait() { asm volatile("cp.async.wait_grou
 
 // The merge of one (row t, head h) by one warp: the row's S slice partials at ph ((max, sum, o)
 // each, d + 2 floats apart, slice order) with the sink, then the epilogue `epi` (see attention).
-// The f32 kernel's last slice block and attention_merge (after attention_tc's slices) run it.
+// The f32 kernel's last slice block runs it (attention_merge, after attention_tc's slices, forms
+// the same values on more threads).
 __device__ __forceinline__ void att_merge_head(float* out, const float* ph, int S, float sink, int t, int h,
                                                const unsigned* rows, int n, int heads, int d, const double* freqs,
                                                int npairs, int epi, signed char* oq, float* od) {
@@ -1150,24 +1151,28 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     }
 }
 
-// attention_tc's key slices merged (decode-sized calls): block (row, ATT_HG heads), a warp a
-// head running the f32 kernel's merge and epilogue (att_merge_head: the sink, then `epi`'s
-// inverse RoPE and int8 codes) over the row's S slices (zs: the slice launch's gridDim.z). ringw:
-// block (row, 0) writes the row's kv into the ring, after every slice has read the ring.
-extern "C" __global__ void __launch_bounds__(32 * ATT_HG) attention_merge(float* out, const float* part, float* ring,
-                                                                         const float* kv, int win, int rcap, int m,
-                                                                         int has_sel, int topk, const float* sinks,
-                                                                         const unsigned* rows, int n, int t0, int heads,
-                                                                         int d, const double* freqs, int npairs,
-                                                                         int epi, signed char* oq, float* od,
-                                                                         int ringw, int zs) {
+// attention_tc's key slices merged (decode-sized calls): block (row, head), thread i taking
+// columns 2i and 2i + 1 (blockDim ≥ d / 2). Every value is att_merge_head's: each thread forms
+// the same maximum, denominator and slice weights (the same operations in the same order) and
+// adds its columns' slice values in slice order; the inverse RoPE's pairs are a thread's two
+// columns; a 32-column block's int8 codes are quant_block32's over 16 threads (the maximum is
+// exact whatever the order, and any NaN or ±∞ in the block gives codes 0 and scale NaN). A warp a
+// head over ATT_HG-head blocks left ~8 SMs busy at batch 1 and took ~15–22 µs (PERF.md v26); here
+// every slice value of the (row, head) is loaded at once, on heads × rows blocks. ringw: block
+// (row, head 0) writes the row's kv into the ring, after every slice has read the ring.
+extern "C" __global__ void __launch_bounds__(MAX_D / 2) attention_merge(float* out, const float* part, float* ring,
+                                                                       const float* kv, int win, int rcap, int m,
+                                                                       int has_sel, int topk, const float* sinks,
+                                                                       const unsigned* rows, int n, int t0, int heads,
+                                                                       int d, const double* freqs, int npairs,
+                                                                       int epi, signed char* oq, float* od,
+                                                                       int ringw, int zs) {
     pdl_enter();
-    int t = t0 + blockIdx.x, h = blockIdx.y * ATT_HG + (threadIdx.x >> 5);
-    if (ringw && blockIdx.y == 0) {
+    int t = t0 + blockIdx.x, h = blockIdx.y, c = 2 * threadIdx.x;
+    if (ringw && h == 0) {
         long long slot = (long long)ROW_SEQ(t) * rcap + ROW_POS(t) % rcap;
-        for (int c = threadIdx.x; c < d; c += blockDim.x) ring[slot * d + c] = kv[(long long)t * d + c];
+        for (int j = threadIdx.x; j < d; j += blockDim.x) ring[slot * d + j] = kv[(long long)t * d + j];
     }
-    if (h >= heads) return;
     long long p = ROW_POS(t);
     long long lo = p + 1 > win ? p + 1 - win : 0;
     int nk = (int)(p - lo + 1);
@@ -1175,9 +1180,67 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_HG) attention_merge(float*
         int vis = (int)((p + 1) / m);
         nk += has_sel ? min(topk, vis) : vis;
     }
-    int S = atc_slices((nk + ATC_KT - 1) / ATC_KT, zs);
-    att_merge_head(out, part + ((long long)blockIdx.x * heads + h) * ATT_S * (d + 2), S, sinks[h], t, h, rows, n,
-                   heads, d, freqs, npairs, epi, oq, od);
+    const int S = atc_slices((nk + ATC_KT - 1) / ATC_KT, zs);
+    const float* ph = part + ((long long)blockIdx.x * heads + h) * ATT_S * (d + 2);
+    bool in = c < d;  // d even: a thread's two columns are both in or both out
+    // Every load at once: the slices' two values of this thread (8-byte aligned: d + 2 even) and
+    // their statistics (the same addresses in every thread).
+    float2 v[ATT_S];
+    float ms[ATT_S], ls[ATT_S];
+#pragma unroll
+    for (int u = 0; u < ATT_S; u++) {
+        bool on = u < S;
+        v[u] = on && in ? __ldcg((const float2*)(ph + u * (d + 2) + c)) : make_float2(0.f, 0.f);
+        ms[u] = on ? __ldcg(ph + u * (d + 2) + d) : -INFINITY;
+        ls[u] = on ? __ldcg(ph + u * (d + 2) + d + 1) : 0.f;
+    }
+    float sink = sinks[h];
+    float M = sink;
+#pragma unroll
+    for (int u = 0; u < ATT_S; u++)
+        if (u < S) M = fmaxf(M, ms[u]);
+    float den = expf(sink - M);
+#pragma unroll
+    for (int u = 0; u < ATT_S; u++)
+        if (u < S) den += ls[u] * expf(ms[u] - M);
+    float a0 = 0.f, a1 = 0.f;
+#pragma unroll
+    for (int u = 0; u < ATT_S; u++)
+        if (u < S) {
+            float wj = expf(ms[u] - M) / den;
+            a0 += v[u].x * wj;
+            a1 += v[u].y * wj;
+        }
+    if (epi & 1) {  // the pair (c, c + 1): r0 = d − 2·npairs is even
+        int r0 = d - 2 * npairs;
+        if (in && c >= r0) {
+            double th = (double)p * freqs[(c - r0) >> 1];
+            th = -th;
+            float sn = (float)sin(th), cs = (float)cos(th);
+            float e0 = a0 * cs - a1 * sn, e1 = a0 * sn + a1 * cs;
+            a0 = e0;
+            a1 = e1;
+        }
+    }
+    long long base = ((long long)t * heads + h) * d;
+    if (in) *(float2*)(out + base + c) = make_float2(a0, a1);
+    if (epi & 2) {  // d a multiple of 32: the 16 threads of a half warp hold one block
+        float mx = fmaxf(fabsf(a0), fabsf(a1));
+        int bad = !(fabsf(a0) <= 3.402823466e38f) || !(fabsf(a1) <= 3.402823466e38f);
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) {
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            bad |= __shfl_xor_sync(0xffffffffu, bad, o);
+        }
+        float dd = __fdiv_rn(mx, 127.f);
+        float id = dd != 0.f ? __fdiv_rn(1.f, dd) : 0.f;
+        int q0 = bad ? 0 : (int)roundf(__fmul_rn(a0, id)), q1 = bad ? 0 : (int)roundf(__fmul_rn(a1, id));
+        if (in) {
+            oq[base + c] = (signed char)max(-127, min(127, q0));
+            oq[base + c + 1] = (signed char)max(-127, min(127, q1));
+            if ((threadIdx.x & 15) == 0) od[(base + c) >> 5] = bad ? __int_as_float(0x7fc00000) : dd;
+        }
+    }
 }
 
 // ---- Indexer scores of many rows on tensor cores (prefill chunks; V4-Flash's indexer of 64

@@ -19,6 +19,27 @@ __device__ __forceinline__ void pdl_enter() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+// A hint from the calling thread: L2 prefetch of [p, p + bytes)'s 16-byte-aligned interior
+// (cp.async.bulk.prefetch: nothing to wait for; a GGUF row's codes and heads are 16-byte
+// multiples at 16-byte-aligned offsets in the V4 shapes, so the interior is the whole row).
+__device__ __forceinline__ void l2_hint(const void* p, long long bytes) {
+    unsigned long long a = (unsigned long long)p, lo = (a + 15) & ~15ull, hi = (a + bytes) & ~15ull;
+    if (hi <= lo) return;
+    unsigned long long g;
+    asm volatile("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(lo));
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(g), "r"((unsigned)(hi - lo)) : "memory");
+}
+
+// Before pdl_enter in the latency-bound kernels: l2_hint of a weight span (nothing a kernel
+// writes during a forward), so that its DRAM latency passes while the previous grid ends and the
+// loads after the wait meet L2. A macro, so that a kernel file's variant can turn the hints off
+// (`#undef PRE_WAIT_L2` / `#define PRE_WAIT_L2 0` at its top: the A/B).
+#define PRE_WAIT_L2 1
+#define WEIGHT_HINT(p, bytes)                      \
+    do {                                           \
+        if (PRE_WAIT_L2) l2_hint((p), (bytes));    \
+    } while (0)
+
 // pdl_enter after loads of data no kernel writes during a forward (weights), so that they fly
 // while the previous kernel ends. ptxas hoists a plain wait above every load (it only delays
 // them; tools/sass/pdl_order_probe.cu), so the wait is made to depend on `dep`, a value formed

@@ -74,6 +74,7 @@ extern "C" __global__ void swiglu_act(float* h, const float* g, const float* u, 
 extern "C" __global__ void __launch_bounds__(1024) rms_norm(float* out, signed char* xq, float* xd, const float* x, const float* w, int has_w,
                                     int group, float eps, int twin, const unsigned* rows, int n, int heads,
                                     const double* freqs, int npairs) {
+    if (has_w && threadIdx.x == 0) WEIGHT_HINT(w, 4LL * group);
     pdl_enter();
     __shared__ float sh[32];
     long long base = (long long)blockIdx.x * group;
@@ -187,11 +188,12 @@ struct NormJobs {
 
 extern "C" __global__ void __launch_bounds__(1024) norm_many(NormJobs jobs, const unsigned* rows, int n,
                                                              const double* freqs) {
-    pdl_enter();
-    __shared__ float sh[32];
     static_assert(NJ_MAX == 2, "the job is chosen by a select, not a runtime index (no local copy)");
     int e = jobs.count > 1 && (int)blockIdx.x >= jobs.j[1].b0;
     const NormJob jb = e ? jobs.j[1] : jobs.j[0];
+    if (jb.nt > 0 && jb.has_w && threadIdx.x == 0) WEIGHT_HINT(jb.w, 4LL * jb.group);
+    pdl_enter();
+    __shared__ float sh[32];
     int bx = blockIdx.x - jb.b0;
     if (jb.nt > 0) {
         long long pos = jb.npairs > 0 ? (long long)ROW_POS(bx / jb.heads) : 0;
@@ -311,6 +313,7 @@ __device__ __forceinline__ void gemv_f32_block(float* out, const float* x, const
 }
 
 extern "C" __global__ void gemv_f32(float* out, const float* x, const float* w, int n, int k, int m) {
+    if (threadIdx.x == 0 && (int)blockIdx.x < m) WEIGHT_HINT(w + (long long)blockIdx.x * k, 4LL * k);  // the block's row
     pdl_enter();
     __shared__ float sh[32];
     gemv_f32_block(out, x, w, n, k, m, sh);
@@ -323,6 +326,7 @@ extern "C" __global__ void gemv_f32(float* out, const float* x, const float* w, 
 extern "C" __global__ void gemv_route(float* out, const float* x, const float* w, int n, int k, int m, unsigned* cnt,
                                       unsigned* ids, float* wts, const float* bias, const unsigned* hash,
                                       const unsigned* rows, int use_hash, int topk, int norm_topk, float scale) {
+    if (threadIdx.x == 0 && (int)blockIdx.x < m) WEIGHT_HINT(w + (long long)blockIdx.x * k, 4LL * k);  // the block's row
     pdl_enter();
     __shared__ float sh[32];
     __shared__ unsigned ch[32][MAX_K];

@@ -235,8 +235,17 @@ __device__ __forceinline__ void hc_dot_block(float* part, const float* __restric
     }
 }
 
+// The fn rows and columns hc_dot_block's block reads (8 rows of its column slice: threads 0..7),
+// asked of L2 before the wait (WEIGHT_HINT).
+__device__ __forceinline__ void hc_dot_hint(const float* fn, int mix, int width) {
+    int o = blockIdx.y * 8 + threadIdx.x, per = (width + HC_SPLIT - 1) / HC_SPLIT, c0 = blockIdx.x * per;
+    if (threadIdx.x < 8 && o < mix && blockIdx.z == 0)
+        WEIGHT_HINT(fn + (long long)o * width + c0, 4LL * (min(width, c0 + per) - c0));
+}
+
 extern "C" __global__ void hc_pre_dot(float* part, const float* __restrict__ x, const float* __restrict__ fn,
                                       int rows, int mix, int width) {
+    hc_dot_hint(fn, mix, width);
     pdl_enter();
     hc_dot_block<false>(part, x, fn, rows, mix, width, nullptr, nullptr, nullptr, nullptr, 0, 0);
 }
@@ -246,6 +255,7 @@ extern "C" __global__ void hc_pre_dot(float* part, const float* __restrict__ x, 
 extern "C" __global__ void hc_post_dot(float* out, float* part, const float* f, const float* x, const float* post,
                                        const float* comb, const float* __restrict__ fn, int rows, int n, int d,
                                        int mix) {
+    hc_dot_hint(fn, mix, n * d);
     pdl_enter();
     hc_dot_block<true>(part, x, fn, rows, mix, n * d, out, f, post, comb, n, d);
 }
@@ -667,6 +677,7 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre_apply_norm(float* y, f
                                              const float* base, const float* scale, const float* nw, int n, int d,
                                              int iters, float rms_eps, float hc_eps, int twin, L2Ranges pf) {
     if (l2_prefetch_block(pf, 1)) return;
+    if (blockIdx.x == 0 && threadIdx.x == 0) WEIGHT_HINT(nw, 4LL * d);  // the norm's weight
     pdl_enter();
     __shared__ float pre[MAX_HC];
     __shared__ float sh[32];

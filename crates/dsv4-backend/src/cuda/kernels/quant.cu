@@ -1315,7 +1315,11 @@ __device__ void gemvn_x8(float* __restrict__ out, const signed char* __restrict_
 
 // Routed experts of several token rows on int8 activations (see moe_up_q): an expert's pairs in
 // groups of up to 8, each group's gate and up products in one pass (their loads in flight
-// together).
+// together). A warp takes outputs o, o + 8·gridDim.y, ...: a grid of fewer blocks
+// (DSV4_X8_ROUNDS) pays the block's chain of dependent loads (the table fill, active, off, ptrs,
+// order) once for several outputs, and each round asks L2 for the next one's rows (lanes 0..3:
+// gate and up codes and heads) while it decodes. (The loop costs registers: offline sm_90a,
+// moe_upx_iq2_xxs's spills grow from 80 to 208 bytes at its 80-register bound.)
 template <int F>
 __device__ void moe_upn_x8(float* __restrict__ h, const signed char* __restrict__ xq, const float* __restrict__ xd,
                            const unsigned* order, const unsigned* off, const unsigned* active,
@@ -1323,29 +1327,39 @@ __device__ void moe_upn_x8(float* __restrict__ h, const signed char* __restrict_
     if (blockIdx.x >= active[nexp]) return;
     unsigned e = active[blockIdx.x];
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int o = blockIdx.y * Q_WARPS + wp;
-    if (o >= inter) return;
     long long rb = row_bytes(F, d);
-    const u8* wr[2] = {(const u8*)ptrs[e] + o * rb, (const u8*)ptrs[nexp + e] + o * rb};
-    const u8* sr[2] = {scale_row(F, (const u8*)ptrs[3 * nexp + e], o, d),
-                       scale_row(F, (const u8*)ptrs[4 * nexp + e], o, d)};
     unsigned b0 = off[e];
     int cnt = (int)(off[e + 1] - b0);
-    float g[4];  // a group's gate values (groups of up to 4 from r0 a multiple of 4)
-    xrows_all<F, 2>(wr, sr, cnt, d, lane,
-                    [&](int r, const signed char*& q, const float*& s) {
-                        long long t = order[b0 + r] / k;
-                        q = xq + t * d;
-                        s = xd + t * d / 32;
-                    },
-                    [&](int w, int r, float v) {
-                        if (w == 0) g[r & 3] = v;
-                        else if (lane == 0) h[(long long)order[b0 + r] * inter + o] = swiglu_q(g[r & 3], v, limit);
-                    });
+    for (int o = blockIdx.y * Q_WARPS + wp; o < inter; o += gridDim.y * Q_WARPS) {
+        const u8* wr[2] = {(const u8*)ptrs[e] + o * rb, (const u8*)ptrs[nexp + e] + o * rb};
+        const u8* sr[2] = {scale_row(F, (const u8*)ptrs[3 * nexp + e], o, d),
+                           scale_row(F, (const u8*)ptrs[4 * nexp + e], o, d)};
+        int on = o + gridDim.y * Q_WARPS;
+        if (on < inter && lane < 4) {
+            long long step = (long long)(on - o);
+            // Selects, not wr[lane]: a runtime index would put the arrays in local memory.
+            const u8* p = lane == 0 ? wr[0] : lane == 1 ? wr[1] : lane == 2 ? sr[0] : sr[1];
+            l2_hint(p + step * (lane < 2 ? rb : head_bytes(F, d)), lane < 2 ? rb : head_bytes(F, d));
+        }
+        float g[4];  // a group's gate values (groups of up to 4 from r0 a multiple of 4)
+        xrows_all<F, 2>(wr, sr, cnt, d, lane,
+                        [&](int r, const signed char*& q, const float*& s) {
+                            long long t = order[b0 + r] / k;
+                            q = xq + t * d;
+                            s = xd + t * d / 32;
+                        },
+                        [&](int w, int r, float v) {
+                            if (w == 0) g[r & 3] = v;
+                            else if (lane == 0)
+                                h[(long long)order[b0 + r] * inter + o] = swiglu_q(g[r & 3], v, limit);
+                        });
+    }
 }
 
 // X8_OPWN_DOWN (1 or 2) outputs a warp, sharing each activation load (the same sums). GM:
-// xrows_all's cap (an expert holds at most as many pairs as the call has rows).
+// xrows_all's cap (an expert holds at most as many pairs as the call has rows). Rounds as
+// moe_upn_x8 (outputs c, c + 8·P·gridDim.y, ...; the next round's P rows, codes and heads, asked
+// of L2 by lanes 0 and 1).
 template <int F, int GM = 8>
 __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restrict__ hq, const float* __restrict__ hd,
                              const unsigned* order, const unsigned* off, const unsigned* active,
@@ -1354,22 +1368,28 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
     if (blockIdx.x >= active[nexp]) return;
     unsigned e = active[blockIdx.x];
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int c = (blockIdx.y * Q_WARPS + wp) * P;
-    if (c >= d) return;
     unsigned b0 = off[e];
     int cnt = (int)(off[e + 1] - b0);
-    const u8* wr[P];
-    const u8* sr[P];
-    down_rows<F, P>(wr, sr, ptrs, nexp, e, c, d, inter);
-    xrows_all<F, P, GM>(wr, sr, cnt, inter, lane,
-                    [&](int r, const signed char*& q, const float*& s) {
-                        long long p = order[b0 + r];
-                        q = hq + p * inter;
-                        s = hd + p * inter / 32;
-                    },
-                    [&](int w, int r, float v) {
-                        if (lane == 0 && c + w < d) y[(long long)order[b0 + r] * d + c + w] = v;
-                    });
+    for (int c = (blockIdx.y * Q_WARPS + wp) * P; c < d; c += gridDim.y * Q_WARPS * P) {
+        const u8* wr[P];
+        const u8* sr[P];
+        down_rows<F, P>(wr, sr, ptrs, nexp, e, c, d, inter);
+        int cn = c + gridDim.y * Q_WARPS * P;
+        if (cn < d && lane < 2) {
+            int np = min(P, d - cn);
+            long long rb = row_bytes(F, inter), hb = head_bytes(F, inter), step = (long long)(cn - c);
+            l2_hint(lane == 0 ? wr[0] + step * rb : sr[0] + step * hb, np * (lane == 0 ? rb : hb));
+        }
+        xrows_all<F, P, GM>(wr, sr, cnt, inter, lane,
+                            [&](int r, const signed char*& q, const float*& s) {
+                                long long p = order[b0 + r];
+                                q = hq + p * inter;
+                                s = hd + p * inter / 32;
+                            },
+                            [&](int w, int r, float v) {
+                                if (lane == 0 && c + w < d) y[(long long)order[b0 + r] * d + c + w] = v;
+                            });
+    }
 }
 
 #define X8_KERNELS(F, N, UPB, DNB, DNB2)                                                                                           \
@@ -1597,11 +1617,15 @@ __device__ __forceinline__ TDec tdec(const TRaw& r, int c, int t) {
 
 __device__ __forceinline__ int brev5(int t) { return (int)(__brev((unsigned)t) >> 27); }
 
+#ifndef XT_CG
+#define XT_CG 4  // xtile's classes a pass, at most (1: one class a pass, the chunks of one class ahead)
+#endif
+
 // The 16-output tile at o0 (outputs past m: the last row again, not stored) of P weight matrices
 // (codes w[p], heads s[p], k values a row) against the same 8·NT activation rows. xrow(r, q, d)
 // gives tile row r's int8 codes and block scales (both nullptr for a row past the tile's live
 // rows). store(o, r, v) gets v[0..P] of every output o < m and tile row r < nrows, from one
-// thread. W warps take 32 / W classes each, U chunks loaded ahead; each class sum goes to `red`
+// thread. W warps take 32 / W classes each, U chunks (of up to XT_CG classes) loaded ahead; each class sum goes to `red`
 // (32·P·16·8·NT floats), and the block adds the 32 in the butterfly's tree. Every thread of the
 // block must call it (barriers).
 template <int F, int NT, int P, int W, int U, typename XR, typename ST>
@@ -1625,55 +1649,67 @@ __device__ __forceinline__ void xtile(const u8* const* w, const u8* const* s, in
     const float* bd[NT];
 #pragma unroll
     for (int j = 0; j < NT; j++) xrow(8 * j + g, bq[j], bd[j]);
+    // CG of the warp's classes a pass, each with its own sums, and UU chunks of each loaded ahead:
+    // a batch's U = CG·UU chunks are in flight together whatever the chunks a class (k = 1024,
+    // wq_b: one chunk a class, so one class a pass loaded one chunk and waited for it, 32 / W
+    // times in turn). A class's chunks are still added in their order, so every sum is the same.
+    constexpr int CW = 32 / W, CG0 = XT_CG < U ? XT_CG : U, CG = CG0 < CW ? CG0 : CW, UU = U / CG;
+    static_assert(CW % CG == 0 && U % CG == 0, "a pass takes whole classes and whole chunk steps");
 #pragma unroll 1
-    for (int tt = wp * (32 / W); tt < (wp + 1) * (32 / W); tt++) {
-        int l = brev5(tt);
-        float acc[P][NT][4];
+    for (int tb = wp * CW; tb < (wp + 1) * CW; tb += CG) {
+        int cl[CG];
+        float acc[CG][P][NT][4];
 #pragma unroll
-        for (int p = 0; p < P; p++)
+        for (int q = 0; q < CG; q++) {
+            cl[q] = 32 * brev5(tb + q);
 #pragma unroll
-            for (int j = 0; j < NT; j++)
+            for (int p = 0; p < P; p++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) acc[p][j][e] = 0.f;
-        for (int c0 = 32 * l; c0 < k; c0 += 1024 * U) {
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) acc[q][p][j][e] = 0.f;
+        }
+        for (int i0 = 0; i0 < k; i0 += 1024 * UU) {
+            // Slot v = u·CG + q: class q's chunk at cl[q] + i0 + 1024·u.
             TRaw raw[U][P][2];
             unsigned bw[U][NT][2];
             float dx[U][NT][2];
 #pragma unroll
-            for (int u = 0; u < U; u++) {
-                int c = c0 + 1024 * u;
+            for (int v = 0; v < U; v++) {
+                int c = cl[v % CG] + i0 + 1024 * (v / CG);
                 if (c < k) {
 #pragma unroll
                     for (int p = 0; p < P; p++)
 #pragma unroll
-                        for (int h = 0; h < 2; h++) raw[u][p][h] = traw<F>(wr[p][h], sr[p][h], c, t);
+                        for (int h = 0; h < 2; h++) raw[v][p][h] = traw<F>(wr[p][h], sr[p][h], c, t);
 #pragma unroll
                     for (int j = 0; j < NT; j++) {
                         if (F == F_Q2_K) {
-                            bw[u][j][0] = bq[j] ? *(const unsigned*)(bq[j] + c + 4 * t) : 0u;
-                            bw[u][j][1] = bq[j] ? *(const unsigned*)(bq[j] + c + 16 + 4 * t) : 0u;
+                            bw[v][j][0] = bq[j] ? *(const unsigned*)(bq[j] + c + 4 * t) : 0u;
+                            bw[v][j][1] = bq[j] ? *(const unsigned*)(bq[j] + c + 16 + 4 * t) : 0u;
                         } else {
                             uint2 b = bq[j] ? *(const uint2*)(bq[j] + c + 8 * t) : make_uint2(0u, 0u);
-                            bw[u][j][0] = b.x;
-                            bw[u][j][1] = b.y;
+                            bw[v][j][0] = b.x;
+                            bw[v][j][1] = b.y;
                         }
-                        dx[u][j][0] = bq[j] ? bd[j][c >> 5] : 0.f;  // row g's; see below
+                        dx[v][j][0] = bq[j] ? bd[j][c >> 5] : 0.f;  // row g's; see below
                     }
                 }
             }
 #pragma unroll
-            for (int u = 0; u < U; u++) {
-                int c = c0 + 1024 * u;
-                if (c >= k) break;
+            for (int v = 0; v < U; v++) {
+                const int q = v % CG;
+                int c = cl[q] + i0 + 1024 * (v / CG);
+                if (c >= k) continue;  // warp-uniform
 #pragma unroll
                 for (int j = 0; j < NT; j++) {  // C's columns: rows 2t and 2t+1
-                    float dg = dx[u][j][0];
-                    dx[u][j][0] = __shfl_sync(0xffffffffu, dg, 8 * t);
-                    dx[u][j][1] = __shfl_sync(0xffffffffu, dg, 8 * t + 4);
+                    float dg = dx[v][j][0];
+                    dx[v][j][0] = __shfl_sync(0xffffffffu, dg, 8 * t);
+                    dx[v][j][1] = __shfl_sync(0xffffffffu, dg, 8 * t + 4);
                 }
 #pragma unroll
                 for (int p = 0; p < P; p++) {
-                    TDec a0 = tdec<F>(raw[u][p][0], c, t), a1 = tdec<F>(raw[u][p][1], c, t);
+                    TDec a0 = tdec<F>(raw[v][p][0], c, t), a1 = tdec<F>(raw[v][p][1], c, t);
 #pragma unroll
                     for (int j = 0; j < NT; j++) {
                         if (F == F_Q2_K) {
@@ -1683,8 +1719,8 @@ __device__ __forceinline__ void xtile(const u8* const* w, const u8* const* s, in
 #pragma unroll
                             for (int gi = 0; gi < 2; gi++) {
                                 int is[4];
-                                mma_k16(is, gi ? a0.hi : a0.lo, gi ? a1.hi : a1.lo, bw[u][j][gi]);
-                                int xs = __dp4a(0x01010101, (int)bw[u][j][gi], 0);
+                                mma_k16(is, gi ? a0.hi : a0.lo, gi ? a1.hi : a1.lo, bw[v][j][gi]);
+                                int xs = __dp4a(0x01010101, (int)bw[v][j][gi], 0);
                                 xs += __shfl_xor_sync(0xffffffffu, xs, 1);
                                 xs += __shfl_xor_sync(0xffffffffu, xs, 2);
                                 int xs0 = __shfl_sync(0xffffffffu, xs, 8 * t);
@@ -1692,20 +1728,20 @@ __device__ __forceinline__ void xtile(const u8* const* w, const u8* const* s, in
 #pragma unroll
                                 for (int e = 0; e < 4; e++) {
                                     const TDec& a = e < 2 ? a0 : a1;
-                                    float dxe = dx[u][j][e & 1], v = acc[p][j][e];
-                                    v = __fmaf_rn(__fmul_rn(dxe, a.d[gi]), i2f_small(is[e]), v);
-                                    v = __fmaf_rn(-__fmul_rn(dxe, a.m[gi]), i2f_small((e & 1) ? xs1 : xs0), v);
-                                    acc[p][j][e] = v;
+                                    float dxe = dx[v][j][e & 1], r = acc[q][p][j][e];
+                                    r = __fmaf_rn(__fmul_rn(dxe, a.d[gi]), i2f_small(is[e]), r);
+                                    r = __fmaf_rn(-__fmul_rn(dxe, a.m[gi]), i2f_small((e & 1) ? xs1 : xs0), r);
+                                    acc[q][p][j][e] = r;
                                 }
                             }
                         } else {
                             int is[4];
-                            mma_k32(is, a0.lo, a1.lo, a0.hi, a1.hi, bw[u][j][0], bw[u][j][1]);
+                            mma_k32(is, a0.lo, a1.lo, a0.hi, a1.hi, bw[v][j][0], bw[v][j][1]);
 #pragma unroll
                             for (int e = 0; e < 4; e++) {
                                 const TDec& a = e < 2 ? a0 : a1;
-                                acc[p][j][e] =
-                                    __fmaf_rn(__fmul_rn(a.d[0], dx[u][j][e & 1]), i2f_small(is[e]), acc[p][j][e]);
+                                acc[q][p][j][e] = __fmaf_rn(__fmul_rn(a.d[0], dx[v][j][e & 1]), i2f_small(is[e]),
+                                                            acc[q][p][j][e]);
                             }
                         }
                     }
@@ -1713,14 +1749,16 @@ __device__ __forceinline__ void xtile(const u8* const* w, const u8* const* s, in
             }
         }
 #pragma unroll
-        for (int p = 0; p < P; p++)
+        for (int q = 0; q < CG; q++)
 #pragma unroll
-            for (int j = 0; j < NT; j++)
+            for (int p = 0; p < P; p++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    int oo = g + 8 * (e >> 1), rr = 8 * j + 2 * t + (e & 1);
-                    red[((tt * P + p) * 16 + oo) * NR + rr] = acc[p][j][e];
-                }
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        int oo = g + 8 * (e >> 1), rr = 8 * j + 2 * t + (e & 1);
+                        red[(((tb + q) * P + p) * 16 + oo) * NR + rr] = acc[q][p][j][e];
+                    }
     }
     __syncthreads();
     // The 32 class sums (in bit-reversed class order) in the tree: neighbours, pairs of pairs, ...
@@ -1749,19 +1787,23 @@ template <int F, int NT, int W>
 __device__ void gemvt_x8(float* __restrict__ out, const signed char* __restrict__ xq, const float* __restrict__ xd,
                          const u8* __restrict__ w, const u8* __restrict__ s, int n, int k, int m, int ldx, int rpg) {
     __shared__ float red[32 * 16 * 8 * NT];
-    int o0 = blockIdx.y * 16, r0 = blockIdx.x * 8 * NT;
-    long long xoff = (long long)(o0 / rpg) * k;
+    int r0 = blockIdx.x * 8 * NT;
     const u8* wp[1] = {w};
     const u8* sp[1] = {s};
-    xtile<F, NT, 1, W, 4>(
-        wp, sp, o0, m, k,
-        [&](int r, const signed char*& q, const float*& d) {
-            bool live = r0 + r < n;
-            long long e = (long long)(r0 + r) * ldx + xoff;
-            q = live ? xq + e : nullptr;
-            d = live ? xd + e / 32 : nullptr;
-        },
-        n - r0, [&](int o, int r, const float* v) { out[(long long)(r0 + r) * m + o] = v[0]; }, red);
+    // Output tiles o0, o0 + 16·gridDim.y, ... (DSV4_TILE_ROUNDS: a block's setup paid once for several).
+#pragma unroll 1
+    for (int o0 = blockIdx.y * 16; o0 < m; o0 += gridDim.y * 16) {
+        long long xoff = (long long)(o0 / rpg) * k;
+        xtile<F, NT, 1, W, 4>(
+            wp, sp, o0, m, k,
+            [&](int r, const signed char*& q, const float*& d) {
+                bool live = r0 + r < n;
+                long long e = (long long)(r0 + r) * ldx + xoff;
+                q = live ? xq + e : nullptr;
+                d = live ? xd + e / 32 : nullptr;
+            },
+            n - r0, [&](int o, int r, const float* v) { out[(long long)(r0 + r) * m + o] = v[0]; }, red);
+    }
 }
 
 // Routed experts of several token rows on tensor-core tiles (see moe_upn_x8: the same results):
@@ -1774,26 +1816,28 @@ __device__ void moe_upt_x8(float* __restrict__ h, const signed char* __restrict_
     __shared__ float red[32 * 2 * 16 * 8 * NT];
     if (blockIdx.x >= active[nexp]) return;  // uniform in the block
     unsigned e = active[blockIdx.x];
-    int o0 = blockIdx.y * 16;
     const u8* wp[2] = {(const u8*)ptrs[e], (const u8*)ptrs[nexp + e]};
     const u8* sp[2] = {(const u8*)ptrs[3 * nexp + e], (const u8*)ptrs[4 * nexp + e]};
     unsigned b0 = off[e];
     int cnt = (int)(off[e + 1] - b0);
-    for (int r0 = 0; r0 < cnt; r0 += 8 * NT) {
-        xtile<F, NT, 2, W, 2>(
-            wp, sp, o0, inter, d,
-            [&](int r, const signed char*& q, const float*& s) {
-                bool live = r0 + r < cnt;
-                long long tk = live ? order[b0 + r0 + r] / k : 0;
-                q = live ? xq + tk * d : nullptr;
-                s = live ? xd + tk * d / 32 : nullptr;
-            },
-            cnt - r0,
-            [&](int o, int r, const float* v) {
-                h[(long long)order[b0 + r0 + r] * inter + o] = swiglu_q(v[0], v[1], limit);
-            },
-            red);
-    }
+    // Output tiles o0, o0 + 16·gridDim.y, ... (DSV4_TILE_ROUNDS, as gemvt_x8).
+#pragma unroll 1
+    for (int o0 = blockIdx.y * 16; o0 < inter; o0 += gridDim.y * 16)
+        for (int r0 = 0; r0 < cnt; r0 += 8 * NT) {
+            xtile<F, NT, 2, W, 2>(
+                wp, sp, o0, inter, d,
+                [&](int r, const signed char*& q, const float*& s) {
+                    bool live = r0 + r < cnt;
+                    long long tk = live ? order[b0 + r0 + r] / k : 0;
+                    q = live ? xq + tk * d : nullptr;
+                    s = live ? xd + tk * d / 32 : nullptr;
+                },
+                cnt - r0,
+                [&](int o, int r, const float* v) {
+                    h[(long long)order[b0 + r0 + r] * inter + o] = swiglu_q(v[0], v[1], limit);
+                },
+                red);
+        }
 }
 
 template <int F, int NT, int W>
@@ -1803,22 +1847,24 @@ __device__ void moe_downt_x8(float* __restrict__ y, const signed char* __restric
     __shared__ float red[32 * 16 * 8 * NT];
     if (blockIdx.x >= active[nexp]) return;  // uniform in the block
     unsigned e = active[blockIdx.x];
-    int o0 = blockIdx.y * 16;
     const u8* wp[1] = {(const u8*)ptrs[2 * nexp + e]};
     const u8* sp[1] = {(const u8*)ptrs[5 * nexp + e]};
     unsigned b0 = off[e];
     int cnt = (int)(off[e + 1] - b0);
-    for (int r0 = 0; r0 < cnt; r0 += 8 * NT) {
-        xtile<F, NT, 1, W, 2>(
-            wp, sp, o0, d, inter,
-            [&](int r, const signed char*& q, const float*& s) {
-                bool live = r0 + r < cnt;
-                long long pr = live ? order[b0 + r0 + r] : 0;
-                q = live ? hq + pr * inter : nullptr;
-                s = live ? hd + pr * inter / 32 : nullptr;
-            },
-            cnt - r0, [&](int o, int r, const float* v) { y[(long long)order[b0 + r0 + r] * d + o] = v[0]; }, red);
-    }
+#pragma unroll 1
+    for (int o0 = blockIdx.y * 16; o0 < d; o0 += gridDim.y * 16)  // rounds as moe_upt_x8
+        for (int r0 = 0; r0 < cnt; r0 += 8 * NT) {
+            xtile<F, NT, 1, W, 2>(
+                wp, sp, o0, d, inter,
+                [&](int r, const signed char*& q, const float*& s) {
+                    bool live = r0 + r < cnt;
+                    long long pr = live ? order[b0 + r0 + r] : 0;
+                    q = live ? hq + pr * inter : nullptr;
+                    s = live ? hd + pr * inter / 32 : nullptr;
+                },
+                cnt - r0, [&](int o, int r, const float* v) { y[(long long)order[b0 + r0 + r] * d + o] = v[0]; },
+                red);
+        }
 }
 
 // Tile kernels: gemvt_{n}{w}_F (NT = n n-tiles of 8 rows, w warps), moe_upt_F, moe_downt_F.
