@@ -199,36 +199,35 @@ for part in $PARTS; do
         ;;
     v27)
         # PERF.md v27 (the binary's defaults: XT_CG 4, attention_merge on (row, head) blocks, the
-        # expert and tile rounds loops at 1 round): the bitwise checks (cuda_packed also at 4 rounds
-        # of each kind), then the 4-layer A/B at batch 16: the slices on; cg1 (one tile class a pass,
-        # as before: `variants.sh "cg1=sed:quant.cu:s/define XT_CG 4/define XT_CG 1/"`); rounds of the
-        # several-row expert kernels (DSV4_X8_ROUNDS) at 80 registers and, pf2, at 2 blocks an SM
-        # (128 registers, no spills); the tile kernels' rounds (DSV4_TILE_ROUNDS).
-        for t in cuda_packed cuda_invariance; do
-            timeout 300 .devbin/tests/$t --test-threads 1 > "$OUT/test-$t.txt" 2>&1
-            echo "test $t: exit $? $(grep -E '^test result' "$OUT/test-$t.txt" | tail -1)" >> "$S"
-            grep -E -A3 '^test .*FAILED|panicked' "$OUT/test-$t.txt" | head -12 >> "$S"
-        done
-        DSV4_X8_ROUNDS=4 DSV4_TILE_ROUNDS=4 timeout 300 .devbin/tests/cuda_packed --test-threads 1 > "$OUT/test-rounds.txt" 2>&1
-        echo "test cuda_packed, 4 rounds: exit $? $(grep -E '^test result' "$OUT/test-rounds.txt" | tail -1)" >> "$S"
-        grep -E -A3 '^test .*FAILED|panicked' "$OUT/test-rounds.txt" | head -12 >> "$S"
-        timeout 200 .devbin/tests/cuda_backend --test-threads 1 slices > "$OUT/test-slices.txt" 2>&1
-        echo "test cuda_backend slices: exit $? $(grep -E '^test result' "$OUT/test-slices.txt" | tail -1)" >> "$S"
-        grep -E -A3 '^test .*FAILED|panicked' "$OUT/test-slices.txt" | head -12 >> "$S"
-        K=DSV4_CUDA_KERNELS=$PWD/.devbin/kvar
+        # weights' L2 hints before PDL's wait, the expert and tile rounds loops at 1 round), most
+        # wanted first (a call may stop at its limit): the default's bitwise checks, the 4-layer A/B
+        # at batch 16 (the slices on; rounds of the several-row expert kernels, DSV4_X8_ROUNDS, and
+        # of the tiles, DSV4_TILE_ROUNDS; cg1: one tile class a pass as before,
+        # `variants.sh "cg1=sed:quant.cu:s/define XT_CG 4/define XT_CG 1/"`), the opt-ins' checks,
+        # then batch 1 (the slices; nohint: hc.cu and dense.cu without the hints, `#undef
+        # PRE_WAIT_L2` / `#define PRE_WAIT_L2 0` at their tops).
+        t1() {  # NAME [ENV...] BINARY [FILTER]: one test binary, its result into the summary
+            local name=$1; shift
+            env "$@" --test-threads 1 > "$OUT/test-$name.txt" 2>&1
+            echo "test $name: exit $? $(grep -E '^test result' "$OUT/test-$name.txt" | tail -1)" >> "$S"
+            grep -E -A3 '^test .*FAILED|panicked' "$OUT/test-$name.txt" | head -12 >> "$S"
+        }
+        t1 invariance timeout 200 .devbin/tests/cuda_invariance
+        t1 packed timeout 200 .devbin/tests/cuda_packed
         echo "4 q2 layers, batch 16:" >> "$S"
-        LAYERS=4 BATCH=16 bash tools/device/ab_step.sh DSV4_ATT_TC_SLICES=1 .devbin/kvar/cg1 DSV4_X8_ROUNDS=4 \
-            $K/pf2+DSV4_X8_ROUNDS=4 DSV4_TILE_ROUNDS=4 >> "$S" 2>&1
-        # Batch 1: the slices, nohint (hc.cu and dense.cu without the weights' L2 hints before PDL's
-        # wait: `#undef PRE_WAIT_L2` / `#define PRE_WAIT_L2 0` at their tops).
+        LAYERS=4 BATCH=16 bash tools/device/ab_step.sh DSV4_X8_ROUNDS=4 DSV4_ATT_TC_SLICES=1 DSV4_TILE_ROUNDS=4 \
+            .devbin/kvar/cg1 >> "$S" 2>&1
+        t1 packed-rounds DSV4_X8_ROUNDS=4 DSV4_TILE_ROUNDS=4 timeout 200 .devbin/tests/cuda_packed
+        t1 slices timeout 200 .devbin/tests/cuda_backend slices
         echo "4 q2 layers, batch 1:" >> "$S"
         LAYERS=4 BATCH=1 bash tools/device/ab_step.sh DSV4_ATT_TC_SLICES=1 .devbin/kvar/nohint >> "$S" 2>&1
         ;;
     v27b)
-        # v27's other A/Bs: batch 16 at 8 rounds, batch 64 (the tile kernels' rounds, the slices).
+        # v27's other A/Bs: batch 16 at 8 rounds and pf2 (2 blocks an SM: 128 registers, no spills),
+        # batch 64 (the tile kernels' rounds, the slices).
         K=DSV4_CUDA_KERNELS=$PWD/.devbin/kvar
         echo "4 q2 layers, batch 16:" >> "$S"
-        LAYERS=4 BATCH=16 bash tools/device/ab_step.sh DSV4_X8_ROUNDS=8 $K/pf2+DSV4_X8_ROUNDS=8 >> "$S" 2>&1
+        LAYERS=4 BATCH=16 bash tools/device/ab_step.sh DSV4_X8_ROUNDS=8 $K/pf2+DSV4_X8_ROUNDS=4 $K/pf2+DSV4_X8_ROUNDS=8 >> "$S" 2>&1
         echo "4 q2 layers, batch 64:" >> "$S"
         EXTRA="--reserve 64x4096 --decode-fill clone" LAYERS=4 BATCH=64 bash tools/device/ab_step.sh DSV4_TILE_ROUNDS=4 DSV4_TILE_ROUNDS=8 DSV4_ATT_TC_SLICES=1 >> "$S" 2>&1
         ;;
