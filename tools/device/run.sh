@@ -9,7 +9,7 @@
 # attention_tc's key slices against the f32 kernel), l2pf (L2 prefetch blocks in HC_PRE),
 # hcprobe (HC_PRE's apply launched twice: cold against warm), pipe-tests and pipe (the
 # software-pipelined one-row int8 kernels: bitwise checks; A/Bs at 4 and 43 layers), prof16
-# (a batch-16 step's kernels under ncu), v27 and v27b (PERF.md v27's checks and A/Bs), stalls (ncu's
+# (a batch-16 step's kernels under ncu), v27, v27q (a short form) and v27b (PERF.md v27's checks and A/Bs), stalls (ncu's
 # stall reasons of the slow kernels at batches 64 / 16 / 1),
 # flash-served (43 q2 layers in
 # serve's exact mode), flash-bf16 (4 bf16 layers), prefill (issue 12's prefill figures and a
@@ -219,6 +219,22 @@ for part in $PARTS; do
             .devbin/kvar/cg1 >> "$S" 2>&1
         t1 packed-rounds DSV4_X8_ROUNDS=4 DSV4_TILE_ROUNDS=4 timeout 200 .devbin/tests/cuda_packed
         t1 slices timeout 200 .devbin/tests/cuda_backend slices
+        echo "4 q2 layers, batch 1:" >> "$S"
+        LAYERS=4 BATCH=1 bash tools/device/ab_step.sh DSV4_ATT_TC_SLICES=1 .devbin/kvar/nohint >> "$S" 2>&1
+        ;;
+    v27q)
+        # v27 in ~5 minutes (what a short device call fits): the batch-16 A/B (rounds 4, the
+        # slices), the default's bitwise checks, then batch 1 (the slices, nohint).
+        t1() {  # NAME [ENV...] BINARY [FILTER]: one test binary, its result into the summary
+            local name=$1; shift
+            env "$@" --test-threads 1 > "$OUT/test-$name.txt" 2>&1
+            echo "test $name: exit $? $(grep -E '^test result' "$OUT/test-$name.txt" | tail -1)" >> "$S"
+            grep -E -A3 '^test .*FAILED|panicked' "$OUT/test-$name.txt" | head -12 >> "$S"
+        }
+        echo "4 q2 layers, batch 16:" >> "$S"
+        LAYERS=4 BATCH=16 bash tools/device/ab_step.sh DSV4_X8_ROUNDS=4 DSV4_ATT_TC_SLICES=1 >> "$S" 2>&1
+        t1 invariance timeout 120 .devbin/tests/cuda_invariance
+        t1 packed timeout 120 .devbin/tests/cuda_packed
         echo "4 q2 layers, batch 1:" >> "$S"
         LAYERS=4 BATCH=1 bash tools/device/ab_step.sh DSV4_ATT_TC_SLICES=1 .devbin/kvar/nohint >> "$S" 2>&1
         ;;
