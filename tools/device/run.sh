@@ -25,6 +25,12 @@ S=$OUT/summary.txt
 B=.devbin/dsv4
 [ -s "$S" ] || nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$S" 2>&1
 PARTS=${*:-tests kernels flash-exact flash-int8}
+t1() {  # NAME [ENV...] BINARY [FILTER]: one test binary, its result into the summary
+    local name=$1; shift
+    env "$@" --test-threads 1 > "$OUT/test-$name.txt" 2>&1
+    echo "test $name: exit $? $(grep -E '^test result' "$OUT/test-$name.txt" | tail -1)" >> "$S"
+    grep -E -A3 '^test .*FAILED|panicked' "$OUT/test-$name.txt" | head -12 >> "$S"
+}
 for part in $PARTS; do
     case $part in
     tests)
@@ -206,12 +212,6 @@ for part in $PARTS; do
         # `variants.sh "cg1=sed:quant.cu:s/define XT_CG 4/define XT_CG 1/"`), the opt-ins' checks,
         # then batch 1 (the slices; nohint: hc.cu and dense.cu without the hints, `#undef
         # PRE_WAIT_L2` / `#define PRE_WAIT_L2 0` at their tops).
-        t1() {  # NAME [ENV...] BINARY [FILTER]: one test binary, its result into the summary
-            local name=$1; shift
-            env "$@" --test-threads 1 > "$OUT/test-$name.txt" 2>&1
-            echo "test $name: exit $? $(grep -E '^test result' "$OUT/test-$name.txt" | tail -1)" >> "$S"
-            grep -E -A3 '^test .*FAILED|panicked' "$OUT/test-$name.txt" | head -12 >> "$S"
-        }
         t1 invariance timeout 200 .devbin/tests/cuda_invariance
         t1 packed timeout 200 .devbin/tests/cuda_packed
         echo "4 q2 layers, batch 16:" >> "$S"
@@ -225,12 +225,6 @@ for part in $PARTS; do
     v27q)
         # v27 in ~5 minutes (what a short device call fits): the batch-16 A/B (rounds 4, the
         # slices), the default's bitwise checks, then batch 1 (the slices, nohint).
-        t1() {  # NAME [ENV...] BINARY [FILTER]: one test binary, its result into the summary
-            local name=$1; shift
-            env "$@" --test-threads 1 > "$OUT/test-$name.txt" 2>&1
-            echo "test $name: exit $? $(grep -E '^test result' "$OUT/test-$name.txt" | tail -1)" >> "$S"
-            grep -E -A3 '^test .*FAILED|panicked' "$OUT/test-$name.txt" | head -12 >> "$S"
-        }
         echo "4 q2 layers, batch 16:" >> "$S"
         LAYERS=4 BATCH=16 bash tools/device/ab_step.sh DSV4_X8_ROUNDS=4 DSV4_ATT_TC_SLICES=1 >> "$S" 2>&1
         t1 invariance timeout 120 .devbin/tests/cuda_invariance
