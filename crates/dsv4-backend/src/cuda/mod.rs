@@ -1079,9 +1079,9 @@ impl CudaBackend {
     /// (one warp a head, ~120 instructions a key and head: 25–35 µs a layer at batch 1 and
     /// context 4096, PERF.md v25). bf16 queries, keys and weights with f32 sums, as prefill's
     /// attention_tc; the slices are a function of the row alone, so a row's result never
-    /// depends on its batch. Off by default (`DSV4_ATT_TC_SLICES=1`; `run.sh tests attslices` is
-    /// the check and the A/B): on an H100 at 4 layers the slices plus the merge launch took
-    /// 141 µs against the f32 kernel's 131 (PERF.md v26); with [`Self::set_attention_tc`].
+    /// depends on its batch. On by default since the merge runs on (row, head) blocks
+    /// (`DSV4_ATT_TC_SLICES=0` turns it off): 4 q2 layers on an H200, batch 1 −4.5 %, batch 16
+    /// −2.6 % (PERF.md v27); with [`Self::set_attention_tc`].
     pub fn set_attention_tc_slices(&self, on: bool) {
         self.attention_tc_slices.store(on, std::sync::atomic::Ordering::Relaxed);
         self.bump_settings();
@@ -1270,7 +1270,7 @@ impl CudaBackend {
                 std::env::var("DSV4_ROW_CAPS").map_or(true, |v| v.trim() != "0"),
             ),
             attention_tc_slices: std::sync::atomic::AtomicBool::new(
-                std::env::var("DSV4_ATT_TC_SLICES").is_ok_and(|v| v.trim() == "1"),
+                std::env::var("DSV4_ATT_TC_SLICES").map_or(true, |v| v.trim() != "0"),
             ),
             norm_group: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_NORM_GROUP")),
             route_fused: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_ROUTE_FUSED")),
