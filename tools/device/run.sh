@@ -10,7 +10,7 @@
 # hcprobe (HC_PRE's apply launched twice: cold against warm), pipe-tests and pipe (the
 # software-pipelined one-row int8 kernels: bitwise checks; A/Bs at 4 and 43 layers), prof16
 # (a batch-16 step's kernels under ncu), v27, v27q (a short form) and v27b (PERF.md v27's checks and A/Bs), stalls (ncu's
-# stall reasons of the slow kernels at batches 64 / 16 / 1),
+# stall reasons of the slow kernels at batches 64 / 16 / 1), v28 / v28b (the IQ2_XXS selectors' copies, tile rounds with L2 hints),
 # flash-served (43 q2 layers in
 # serve's exact mode), flash-bf16 (4 bf16 layers), prefill (issue 12's prefill figures and a
 # stage profile), hf (HF transformers' prefill beside dsv4's), serve (bench_serve at 1 / 16 /
@@ -240,6 +240,32 @@ for part in $PARTS; do
         LAYERS=4 BATCH=16 bash tools/device/ab_step.sh DSV4_X8_ROUNDS=8 $K/pf2+DSV4_X8_ROUNDS=4 $K/pf2+DSV4_X8_ROUNDS=8 >> "$S" 2>&1
         echo "4 q2 layers, batch 64:" >> "$S"
         EXTRA="--reserve 64x4096 --decode-fill clone" LAYERS=4 BATCH=64 bash tools/device/ab_step.sh DSV4_TILE_ROUNDS=4 DSV4_TILE_ROUNDS=8 DSV4_ATT_TC_SLICES=1 >> "$S" 2>&1
+        ;;
+    v28)
+        # PERF.md v28 on the binaries of 9e5be25 (kernel directories from variants.sh: v28 = this
+        # quant.cu; sel1 = v28 with one IQ2_XXS selector copy, `s/define SEL_COPIES 16/define
+        # SEL_COPIES 1/`; cg1 = v28 with XT_CG 1; q778 = quant.cu of 778582c, before v27's rounds
+        # loops and XT_CG): the bitwise checks under v28, then the 4-layer A/Bs at batches 16, 1
+        # and 64 (tile rounds, whose loop now asks L2 for the next tile). ~9 minutes.
+        K=DSV4_CUDA_KERNELS=$PWD/.devbin/kvar
+        t1 packed-v28 $K/v28 timeout 150 .devbin/tests/cuda_packed
+        echo "4 q2 layers, batch 16:" >> "$S"
+        LAYERS=4 BATCH=16 bash tools/device/ab_step.sh .devbin/kvar/v28 .devbin/kvar/sel1 .devbin/kvar/cg1 .devbin/kvar/q778 \
+            $K/v28+DSV4_TILE_ROUNDS=8 >> "$S" 2>&1
+        echo "4 q2 layers, batch 1:" >> "$S"
+        LAYERS=4 BATCH=1 bash tools/device/ab_step.sh .devbin/kvar/v28 >> "$S" 2>&1
+        echo "4 q2 layers, batch 64:" >> "$S"
+        EXTRA="--reserve 64x4096 --decode-fill clone" LAYERS=4 BATCH=64 bash tools/device/ab_step.sh $K/v28+DSV4_TILE_ROUNDS=8 >> "$S" 2>&1
+        t1 invariance-v28 $K/v28 timeout 150 .devbin/tests/cuda_invariance
+        ;;
+    v28b)
+        # v28's other checks: tile rounds with the hints bitwise, 8 selector copies, rounds 4.
+        K=DSV4_CUDA_KERNELS=$PWD/.devbin/kvar
+        t1 packed-v28-tr8 $K/v28 DSV4_TILE_ROUNDS=8 timeout 200 .devbin/tests/cuda_packed
+        echo "4 q2 layers, batch 16:" >> "$S"
+        LAYERS=4 BATCH=16 bash tools/device/ab_step.sh .devbin/kvar/sel8 $K/v28+DSV4_TILE_ROUNDS=4 >> "$S" 2>&1
+        echo "4 q2 layers, batch 64:" >> "$S"
+        EXTRA="--reserve 64x4096 --decode-fill clone" LAYERS=4 BATCH=64 bash tools/device/ab_step.sh .devbin/kvar/v28 $K/v28+DSV4_TILE_ROUNDS=4 >> "$S" 2>&1
         ;;
     stalls)
         # Why the slow kernels of batches 64, 16 and 1 are slow (tools/device/ncu_stalls.sh), and

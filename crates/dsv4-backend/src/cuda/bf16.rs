@@ -469,14 +469,9 @@ fn x8_pairs(
     let (ki, di, ii, nei) = (s.k as i32, s.d as i32, s.inter as i32, s.nexp as i32);
     let all = super::quant::x8_opw();
     let o = if x.rows == 1 { all } else { super::quant::X8Opw { gemv: 1, up: 1, down: all.downn, downn: 1 } };
-    // Warp kernels: 8 outputs a block (per_warp each); tile kernels: 16 a block. The several-row
-    // warp kernels and the tile kernels stride over their outputs, so a grid of 1 / rounds the
-    // blocks takes them all.
-    let rounds = |cols: usize| match (tiles, x.rows > 1) {
-        (true, _) => super::quant::tile_rounds(p.blocks as usize * cols.div_ceil(16)),
-        (false, true) => super::quant::x8_rounds(),
-        (false, false) => 1,
-    };
+    // Warp kernels: 8 outputs a block (per_warp each); tile kernels: 16 a block. The tile
+    // kernels stride over their output tiles, so a grid of 1 / rounds the blocks takes them all.
+    let rounds = |cols: usize| if tiles { super::quant::tile_rounds(p.blocks as usize * cols.div_ceil(16)) } else { 1 };
     let grid = |cols: usize, per_warp: usize| LaunchConfig {
         grid_dim: (p.blocks, cols.div_ceil(if tiles { 16 } else { 8 * per_warp }).div_ceil(rounds(cols)) as u32, 1),
         block_dim: (256, 1, 1),

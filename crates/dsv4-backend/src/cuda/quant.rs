@@ -194,26 +194,19 @@ pub(crate) fn x8_opw() -> X8Opw {
 
 /// Output-tile rounds a block of the int8 tile kernels (`gemvt*`, `moe_upt`, `moe_downt`: a
 /// block's tiles strided over a grid of 1 / rounds the blocks, for grids of at least 264 blocks
-/// a round): `DSV4_TILE_ROUNDS` (1 to 16; default 1). As [`x8_rounds`]: a block's setup (the
-/// table fill, the expert's pointers and pairs) paid once for several tiles; the same sums.
+/// a round): `DSV4_TILE_ROUNDS` (1 to 16; default 1). A block's setup (the table fill, the
+/// expert's pointers and pairs) is paid once for several tiles, and each tile asks L2 for the
+/// next one's weights while it computes (quant.cu `tile_hint`); the same sums.
 pub(crate) fn tile_rounds(blocks: usize) -> usize {
     static R: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let r = *R.get_or_init(|| env_rounds("DSV4_TILE_ROUNDS"));
+    let r = *R.get_or_init(|| {
+        std::env::var("DSV4_TILE_ROUNDS")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .filter(|r| (1..=16).contains(r))
+            .unwrap_or(1)
+    });
     r.min(blocks / 264).max(1)
-}
-
-fn env_rounds(var: &str) -> usize {
-    std::env::var(var).ok().and_then(|v| v.trim().parse().ok()).filter(|r| (1..=16).contains(r)).unwrap_or(1)
-}
-
-/// Output rounds a block of the several-row warp expert kernels (`moe_upx`, `moe_downx*`: an
-/// expert's outputs strided over a grid of 1 / rounds the blocks): `DSV4_X8_ROUNDS` (1 to 16;
-/// default 1). Each block pays a chain of dependent loads (the active list, the offsets, the
-/// weight pointers, the pair order) before its weights can load; more rounds pay it once for
-/// several outputs, fewer blocks stay in flight. The sums are the same either way.
-pub(crate) fn x8_rounds() -> usize {
-    static R: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *R.get_or_init(|| env_rounds("DSV4_X8_ROUNDS"))
 }
 
 /// Chunks a lane loads a batch in the software-pipelined one-row kernels (quant.cu

@@ -29,11 +29,30 @@ typedef unsigned short u16;
 // such a load costs up to one wavefront per 128-byte line it touches, ~14 for the 2 KB table);
 // the global itself in the host build of tests/quant_host.rs. The sign tables are not read: the
 // planes hold every sign (iq2_quad).
+//
+// The warp kernels' int8 decode (xdec32: fill_tabs<F, true>) reads SEL_COPIES interleaved
+// copies (entry i's copy j at 8-byte slot SEL_COPIES·i + j), a lane its copy j = lane mod
+// SEL_COPIES. A 64-bit shared load is served a half warp at a time, and with one copy its 16
+// lanes' random entries hit a bank pair ~3 times (ncu: 5.7 wavefronts a warp's lookup, 65 % of
+// moe_up1s's shared wavefronts, a third of its issue stalls; PERF.md v26); with 16 copies each
+// lane of a half warp has its own bank pair: 2 wavefronts, the least a 64-bit load takes. 32 KB a
+// block (a power of two copies; 8 give ~4 wavefronts). The int8 tensor-core tiles (tdec) and the
+// dequantising tiles of prefill (deq8r) keep one copy (fill_tabs<F, false>): their own shared
+// memory (the tiles' 16–32 KB class sums) plus 32 KB would pass the 48 KB of static shared
+// memory a kernel may declare, and the module would fail to load.
+#ifndef SEL_COPIES
+#define SEL_COPIES 16
+#endif
+static_assert(SEL_COPIES >= 1 && SEL_COPIES <= 16 && (SEL_COPIES & (SEL_COPIES - 1)) == 0,
+              "SEL_COPIES: a power of two (the lane mask), at most 16 (32 KB)");
 #ifdef __CUDACC_RTC__
 __shared__ unsigned long long S_SEL[256];
+__shared__ __align__(16) unsigned long long S_SELX[256 * SEL_COPIES];
 #define TAB_SEL(i) S_SEL[i]
+#define TAB_SELX(i) S_SELX[(i) * SEL_COPIES + (threadIdx.x & (SEL_COPIES - 1))]
 #else
 #define TAB_SEL(i) IQ2XXS_SEL[i]
+#define TAB_SELX(i) IQ2XXS_SEL[i]
 #endif
 
 // f16 → f32 is exact, so the device's one conversion instruction and the host build's integer
@@ -400,7 +419,7 @@ __device__ __forceinline__ XChunk xdec32(const XRaw& r, int c) {
         ch.d[0] = iq2_scale(r.u[0], c);
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
-            uint2 q = iq2_quads(TAB_SEL(iq2_idx(a, kk)), r.u[2], kk);
+            uint2 q = iq2_quads(TAB_SELX(iq2_idx(a, kk)), r.u[2], kk);
             ch.q[2 * kk] = (int)q.x;
             ch.q[2 * kk + 1] = (int)q.y;
         }
@@ -492,10 +511,22 @@ __device__ __forceinline__ float xdot32(const u8* __restrict__ w, const u8* __re
 
 // The block's copy of the IQ2_XXS selectors (see TAB_SEL), before any thread of it decodes: the
 // first statement of every kernel that decodes (all of the block's threads reach it).
+// X8: the int8 kernels' interleaved copies (TAB_SELX), two copies a 16-byte store (consecutive
+// threads, consecutive slots: no bank conflict), else deq8r's one copy.
 template <int F, bool X8>
 __device__ __forceinline__ void fill_tabs() {
     if (F != F_IQ2_XXS) return;
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) S_SEL[i] = IQ2XXS_SEL[i];
+    if (X8 && SEL_COPIES > 1) {
+        constexpr int H = SEL_COPIES > 1 ? SEL_COPIES / 2 : 1;
+        for (int i = threadIdx.x; i < 256 * H; i += blockDim.x) {
+            unsigned long long v = IQ2XXS_SEL[i / H];
+            ((ulonglong2*)S_SELX)[i] = make_ulonglong2(v, v);
+        }
+    } else if (X8) {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) S_SELX[i] = IQ2XXS_SEL[i];
+    } else {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) S_SEL[i] = IQ2XXS_SEL[i];
+    }
     __syncthreads();
 }
 
@@ -1315,11 +1346,10 @@ __device__ void gemvn_x8(float* __restrict__ out, const signed char* __restrict_
 
 // Routed experts of several token rows on int8 activations (see moe_up_q): an expert's pairs in
 // groups of up to 8, each group's gate and up products in one pass (their loads in flight
-// together). A warp takes outputs o, o + 8·gridDim.y, ...: a grid of fewer blocks
-// (DSV4_X8_ROUNDS) pays the block's chain of dependent loads (the table fill, active, off, ptrs,
-// order) once for several outputs, and each round asks L2 for the next one's rows (lanes 0..3:
-// gate and up codes and heads) while it decodes. (The loop costs registers: offline sm_90a,
-// moe_upx_iq2_xxs's spills grow from 80 to 208 bytes at its 80-register bound.)
+// together). A warp one output. (v27's rounds, a warp striding over several outputs to pay the
+// block's chain once, gained 1.6 % at batch 16 where 23 % was predicted, and their loop raised
+// this kernel's spills from 60 to 380 bytes and moe_downx_q2_k's from 12 to 224 at the
+// 80-register bound: removed, PERF.md v28.)
 template <int F>
 __device__ void moe_upn_x8(float* __restrict__ h, const signed char* __restrict__ xq, const float* __restrict__ xd,
                            const unsigned* order, const unsigned* off, const unsigned* active,
@@ -1327,39 +1357,29 @@ __device__ void moe_upn_x8(float* __restrict__ h, const signed char* __restrict_
     if (blockIdx.x >= active[nexp]) return;
     unsigned e = active[blockIdx.x];
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int o = blockIdx.y * Q_WARPS + wp;
+    if (o >= inter) return;
     long long rb = row_bytes(F, d);
+    const u8* wr[2] = {(const u8*)ptrs[e] + o * rb, (const u8*)ptrs[nexp + e] + o * rb};
+    const u8* sr[2] = {scale_row(F, (const u8*)ptrs[3 * nexp + e], o, d),
+                       scale_row(F, (const u8*)ptrs[4 * nexp + e], o, d)};
     unsigned b0 = off[e];
     int cnt = (int)(off[e + 1] - b0);
-    for (int o = blockIdx.y * Q_WARPS + wp; o < inter; o += gridDim.y * Q_WARPS) {
-        const u8* wr[2] = {(const u8*)ptrs[e] + o * rb, (const u8*)ptrs[nexp + e] + o * rb};
-        const u8* sr[2] = {scale_row(F, (const u8*)ptrs[3 * nexp + e], o, d),
-                           scale_row(F, (const u8*)ptrs[4 * nexp + e], o, d)};
-        int on = o + gridDim.y * Q_WARPS;
-        if (on < inter && lane < 4) {
-            long long step = (long long)(on - o);
-            // Selects, not wr[lane]: a runtime index would put the arrays in local memory.
-            const u8* p = lane == 0 ? wr[0] : lane == 1 ? wr[1] : lane == 2 ? sr[0] : sr[1];
-            l2_hint(p + step * (lane < 2 ? rb : head_bytes(F, d)), lane < 2 ? rb : head_bytes(F, d));
-        }
-        float g[4];  // a group's gate values (groups of up to 4 from r0 a multiple of 4)
-        xrows_all<F, 2>(wr, sr, cnt, d, lane,
-                        [&](int r, const signed char*& q, const float*& s) {
-                            long long t = order[b0 + r] / k;
-                            q = xq + t * d;
-                            s = xd + t * d / 32;
-                        },
-                        [&](int w, int r, float v) {
-                            if (w == 0) g[r & 3] = v;
-                            else if (lane == 0)
-                                h[(long long)order[b0 + r] * inter + o] = swiglu_q(g[r & 3], v, limit);
-                        });
-    }
+    float g[4];  // a group's gate values (groups of up to 4 from r0 a multiple of 4)
+    xrows_all<F, 2>(wr, sr, cnt, d, lane,
+                    [&](int r, const signed char*& q, const float*& s) {
+                        long long t = order[b0 + r] / k;
+                        q = xq + t * d;
+                        s = xd + t * d / 32;
+                    },
+                    [&](int w, int r, float v) {
+                        if (w == 0) g[r & 3] = v;
+                        else if (lane == 0) h[(long long)order[b0 + r] * inter + o] = swiglu_q(g[r & 3], v, limit);
+                    });
 }
 
 // X8_OPWN_DOWN (1 or 2) outputs a warp, sharing each activation load (the same sums). GM:
-// xrows_all's cap (an expert holds at most as many pairs as the call has rows). Rounds as
-// moe_upn_x8 (outputs c, c + 8·P·gridDim.y, ...; the next round's P rows, codes and heads, asked
-// of L2 by lanes 0 and 1).
+// xrows_all's cap (an expert holds at most as many pairs as the call has rows).
 template <int F, int GM = 8>
 __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restrict__ hq, const float* __restrict__ hd,
                              const unsigned* order, const unsigned* off, const unsigned* active,
@@ -1368,28 +1388,22 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
     if (blockIdx.x >= active[nexp]) return;
     unsigned e = active[blockIdx.x];
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int c = (blockIdx.y * Q_WARPS + wp) * P;
+    if (c >= d) return;
     unsigned b0 = off[e];
     int cnt = (int)(off[e + 1] - b0);
-    for (int c = (blockIdx.y * Q_WARPS + wp) * P; c < d; c += gridDim.y * Q_WARPS * P) {
-        const u8* wr[P];
-        const u8* sr[P];
-        down_rows<F, P>(wr, sr, ptrs, nexp, e, c, d, inter);
-        int cn = c + gridDim.y * Q_WARPS * P;
-        if (cn < d && lane < 2) {
-            int np = min(P, d - cn);
-            long long rb = row_bytes(F, inter), hb = head_bytes(F, inter), step = (long long)(cn - c);
-            l2_hint(lane == 0 ? wr[0] + step * rb : sr[0] + step * hb, np * (lane == 0 ? rb : hb));
-        }
-        xrows_all<F, P, GM>(wr, sr, cnt, inter, lane,
-                            [&](int r, const signed char*& q, const float*& s) {
-                                long long p = order[b0 + r];
-                                q = hq + p * inter;
-                                s = hd + p * inter / 32;
-                            },
-                            [&](int w, int r, float v) {
-                                if (lane == 0 && c + w < d) y[(long long)order[b0 + r] * d + c + w] = v;
-                            });
-    }
+    const u8* wr[P];
+    const u8* sr[P];
+    down_rows<F, P>(wr, sr, ptrs, nexp, e, c, d, inter);
+    xrows_all<F, P, GM>(wr, sr, cnt, inter, lane,
+                    [&](int r, const signed char*& q, const float*& s) {
+                        long long p = order[b0 + r];
+                        q = hq + p * inter;
+                        s = hd + p * inter / 32;
+                    },
+                    [&](int w, int r, float v) {
+                        if (lane == 0 && c + w < d) y[(long long)order[b0 + r] * d + c + w] = v;
+                    });
 }
 
 #define X8_KERNELS(F, N, UPB, DNB, DNB2)                                                                                           \
@@ -1781,6 +1795,22 @@ __device__ __forceinline__ void xtile(const u8* const* w, const u8* const* s, in
     __syncthreads();  // red is free again
 }
 
+// With rounds (DSV4_TILE_ROUNDS): a block's next output tile, rows on .. on + 16 of each of the
+// np weight matrices (codes w[p], heads s[p], k values a row), asked of L2 by threads 0..2·np − 1
+// before this tile's work, so that the next tile's loads meet L2 while this one's mma and class
+// tree run (a tile kernel's block holds ~17 KB of weights in flight only while it loads them:
+// gemvt28 on wq_b ran at 0.83 TB/s, PERF.md v28). A hint changes no value.
+template <int F, int NP>
+__device__ __forceinline__ void tile_hint(const u8* const* w, const u8* const* s, int on, int m, int k) {
+    int i = threadIdx.x;
+    if (on >= m || i >= 2 * NP) return;
+    bool second = NP > 1 && i >= 2;  // selects, not w[i >> 1]: a runtime index puts w in local memory
+    const u8* wi = second ? w[NP - 1] : w[0];
+    const u8* si = second ? s[NP - 1] : s[0];
+    long long rows = min(16, m - on), rb = (i & 1) ? head_bytes(F, k) : row_bytes(F, k);
+    l2_hint((i & 1) ? scale_row(F, si, on, k) : wi + (long long)on * row_bytes(F, k), rows * rb);
+}
+
 // out[r, o] for n rows on tensor-core tiles (see gemvn_x8: the same results); grid (row tiles of
 // 8·NT, output tiles of 16). rpg a multiple of 16 (a tile's outputs share their activations).
 template <int F, int NT, int W>
@@ -1793,6 +1823,7 @@ __device__ void gemvt_x8(float* __restrict__ out, const signed char* __restrict_
     // Output tiles o0, o0 + 16·gridDim.y, ... (DSV4_TILE_ROUNDS: a block's setup paid once for several).
 #pragma unroll 1
     for (int o0 = blockIdx.y * 16; o0 < m; o0 += gridDim.y * 16) {
+        tile_hint<F, 1>(wp, sp, o0 + gridDim.y * 16, m, k);
         long long xoff = (long long)(o0 / rpg) * k;
         xtile<F, NT, 1, W, 4>(
             wp, sp, o0, m, k,
@@ -1822,7 +1853,8 @@ __device__ void moe_upt_x8(float* __restrict__ h, const signed char* __restrict_
     int cnt = (int)(off[e + 1] - b0);
     // Output tiles o0, o0 + 16·gridDim.y, ... (DSV4_TILE_ROUNDS, as gemvt_x8).
 #pragma unroll 1
-    for (int o0 = blockIdx.y * 16; o0 < inter; o0 += gridDim.y * 16)
+    for (int o0 = blockIdx.y * 16; o0 < inter; o0 += gridDim.y * 16) {
+        tile_hint<F, 2>(wp, sp, o0 + gridDim.y * 16, inter, d);
         for (int r0 = 0; r0 < cnt; r0 += 8 * NT) {
             xtile<F, NT, 2, W, 2>(
                 wp, sp, o0, inter, d,
@@ -1838,6 +1870,7 @@ __device__ void moe_upt_x8(float* __restrict__ h, const signed char* __restrict_
                 },
                 red);
         }
+    }
 }
 
 template <int F, int NT, int W>
@@ -1852,7 +1885,8 @@ __device__ void moe_downt_x8(float* __restrict__ y, const signed char* __restric
     unsigned b0 = off[e];
     int cnt = (int)(off[e + 1] - b0);
 #pragma unroll 1
-    for (int o0 = blockIdx.y * 16; o0 < d; o0 += gridDim.y * 16)  // rounds as moe_upt_x8
+    for (int o0 = blockIdx.y * 16; o0 < d; o0 += gridDim.y * 16) {  // rounds as moe_upt_x8
+        tile_hint<F, 1>(wp, sp, o0 + gridDim.y * 16, d, inter);
         for (int r0 = 0; r0 < cnt; r0 += 8 * NT) {
             xtile<F, NT, 1, W, 2>(
                 wp, sp, o0, d, inter,
@@ -1865,6 +1899,7 @@ __device__ void moe_downt_x8(float* __restrict__ y, const signed char* __restric
                 cnt - r0, [&](int o, int r, const float* v) { y[(long long)order[b0 + r0 + r] * d + o] = v[0]; },
                 red);
         }
+    }
 }
 
 // Tile kernels: gemvt_{n}{w}_F (NT = n n-tiles of 8 rows, w warps), moe_upt_F, moe_downt_F.
@@ -1873,7 +1908,7 @@ __device__ void moe_downt_x8(float* __restrict__ y, const signed char* __restric
         float* out, const signed char* xq, const float* xd, const u8* w, const u8* s, int n, int k, int m, int ldx, \
         int rpg) {                                                                                                   \
         pdl_enter();                                                                                                 \
-        fill_tabs<F, true>();                                                                                        \
+        fill_tabs<F, false>();                                                                                        \
         gemvt_x8<F, NT, W>(out, xq, xd, w, s, n, k, m, ldx, rpg);                                                    \
     }
 
@@ -1886,14 +1921,14 @@ __device__ void moe_downt_x8(float* __restrict__ y, const signed char* __restric
         float* h, const signed char* xq, const float* xd, const unsigned* order, const unsigned* off,               \
         const unsigned* active, const unsigned long long* ptrs, int nexp, int k, int d, int inter, float limit) {    \
         pdl_enter();                                                                                                 \
-        fill_tabs<F, true>();                                                                                        \
+        fill_tabs<F, false>();                                                                                        \
         moe_upt_x8<F, 1, 8>(h, xq, xd, order, off, active, ptrs, nexp, k, d, inter, limit);                          \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(256) moe_downt_##N(                                                 \
         float* y, const signed char* hq, const float* hd, const unsigned* order, const unsigned* off,               \
         const unsigned* active, const unsigned long long* ptrs, int nexp, int d, int inter) {                        \
         pdl_enter();                                                                                                 \
-        fill_tabs<F, true>();                                                                                        \
+        fill_tabs<F, false>();                                                                                        \
         moe_downt_x8<F, 1, 8>(y, hq, hd, order, off, active, ptrs, nexp, d, inter);                                  \
     }
 
