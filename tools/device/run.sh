@@ -9,10 +9,9 @@
 # attention_tc's key slices against the f32 kernel), l2pf (L2 prefetch blocks in HC_PRE),
 # hcprobe (HC_PRE's apply launched twice: cold against warm), pipe-tests and pipe (the
 # software-pipelined one-row int8 kernels: bitwise checks; A/Bs at 4 and 43 layers), prof16
-# (a batch-16 step's kernels under ncu), v27, v27q (a short form) and v27b (PERF.md v27's checks and A/Bs), stalls (ncu's
-# stall reasons of the slow kernels at batches 64 / 16 / 1), v28 / v28b (the IQ2_XXS selectors' copies, tile rounds with L2 hints),
-# flash-served (43 q2 layers in
-# serve's exact mode), flash-bf16 (4 bf16 layers), prefill (issue 12's prefill figures and a
+# (a batch-16 step's kernels under ncu), stalls (ncu's stall reasons of the slow kernels at
+# batches 64 / 16 / 1), v28, v28q (a short form) and v28b (PERF.md v28: the IQ2_XXS selectors'
+# copies, tile rounds with L2 hints), flash-served (43 q2 layers in serve's exact mode), flash-bf16 (4 bf16 layers), prefill (issue 12's prefill figures and a
 # stage profile), hf (HF transformers' prefill beside dsv4's), serve (bench_serve at 1 / 16 /
 # 64). Writes each part's output
 # and a summary to $OUT (or /tmp/dsv4-out); the device tool brings back at most 8 files.
@@ -203,44 +202,6 @@ for part in $PARTS; do
         echo "ncu, 4 q2 layers at context 4096, batch 16:" >> "$S"
         sed -n '/^one step/,$p' "$OUT/ncu-q2-16-b16.txt" | head -30 >> "$S"
         ;;
-    v27)
-        # PERF.md v27 (the binary's defaults: XT_CG 4, attention_merge on (row, head) blocks, the
-        # weights' L2 hints before PDL's wait, the expert and tile rounds loops at 1 round), most
-        # wanted first (a call may stop at its limit): the default's bitwise checks, the 4-layer A/B
-        # at batch 16 (the slices on; rounds of the several-row expert kernels, DSV4_X8_ROUNDS, and
-        # of the tiles, DSV4_TILE_ROUNDS; cg1: one tile class a pass as before,
-        # `variants.sh "cg1=sed:quant.cu:s/define XT_CG 4/define XT_CG 1/"`), the opt-ins' checks,
-        # then batch 1 (the slices; nohint: hc.cu and dense.cu without the hints, `#undef
-        # PRE_WAIT_L2` / `#define PRE_WAIT_L2 0` at their tops).
-        t1 invariance timeout 200 .devbin/tests/cuda_invariance
-        t1 packed timeout 200 .devbin/tests/cuda_packed
-        echo "4 q2 layers, batch 16:" >> "$S"
-        LAYERS=4 BATCH=16 bash tools/device/ab_step.sh DSV4_X8_ROUNDS=4 DSV4_ATT_TC_SLICES=1 DSV4_TILE_ROUNDS=4 \
-            .devbin/kvar/cg1 >> "$S" 2>&1
-        t1 packed-rounds DSV4_X8_ROUNDS=4 DSV4_TILE_ROUNDS=4 timeout 200 .devbin/tests/cuda_packed
-        t1 slices timeout 200 .devbin/tests/cuda_backend slices
-        echo "4 q2 layers, batch 1:" >> "$S"
-        LAYERS=4 BATCH=1 bash tools/device/ab_step.sh DSV4_ATT_TC_SLICES=1 .devbin/kvar/nohint >> "$S" 2>&1
-        ;;
-    v27q)
-        # v27 in ~5 minutes (what a short device call fits): the batch-16 A/B (rounds 4, the
-        # slices), the default's bitwise checks, then batch 1 (the slices, nohint).
-        echo "4 q2 layers, batch 16:" >> "$S"
-        LAYERS=4 BATCH=16 bash tools/device/ab_step.sh DSV4_X8_ROUNDS=4 DSV4_ATT_TC_SLICES=1 >> "$S" 2>&1
-        t1 invariance timeout 120 .devbin/tests/cuda_invariance
-        t1 packed timeout 120 .devbin/tests/cuda_packed
-        echo "4 q2 layers, batch 1:" >> "$S"
-        LAYERS=4 BATCH=1 bash tools/device/ab_step.sh DSV4_ATT_TC_SLICES=1 .devbin/kvar/nohint >> "$S" 2>&1
-        ;;
-    v27b)
-        # v27's other A/Bs: batch 16 at 8 rounds and pf2 (2 blocks an SM: 128 registers, no spills),
-        # batch 64 (the tile kernels' rounds, the slices).
-        K=DSV4_CUDA_KERNELS=$PWD/.devbin/kvar
-        echo "4 q2 layers, batch 16:" >> "$S"
-        LAYERS=4 BATCH=16 bash tools/device/ab_step.sh DSV4_X8_ROUNDS=8 $K/pf2+DSV4_X8_ROUNDS=4 $K/pf2+DSV4_X8_ROUNDS=8 >> "$S" 2>&1
-        echo "4 q2 layers, batch 64:" >> "$S"
-        EXTRA="--reserve 64x4096 --decode-fill clone" LAYERS=4 BATCH=64 bash tools/device/ab_step.sh DSV4_TILE_ROUNDS=4 DSV4_TILE_ROUNDS=8 DSV4_ATT_TC_SLICES=1 >> "$S" 2>&1
-        ;;
     v28)
         # PERF.md v28 on the binaries of 9e5be25 (kernel directories from variants.sh: v28 = this
         # quant.cu; sel1 = v28 with one IQ2_XXS selector copy, `s/define SEL_COPIES 16/define
@@ -250,7 +211,7 @@ for part in $PARTS; do
         K=DSV4_CUDA_KERNELS=$PWD/.devbin/kvar
         t1 packed-v28 $K/v28 timeout 150 .devbin/tests/cuda_packed
         echo "4 q2 layers, batch 16:" >> "$S"
-        LAYERS=4 BATCH=16 bash tools/device/ab_step.sh .devbin/kvar/v28 .devbin/kvar/sel1 .devbin/kvar/cg1 .devbin/kvar/q778 \
+        LAYERS=4 BATCH=16 bash tools/device/ab_step.sh .devbin/kvar/v28 .devbin/kvar/sel1 .devbin/kvar/q778 \
             $K/v28+DSV4_TILE_ROUNDS=8 >> "$S" 2>&1
         echo "4 q2 layers, batch 1:" >> "$S"
         LAYERS=4 BATCH=1 bash tools/device/ab_step.sh .devbin/kvar/v28 >> "$S" 2>&1
@@ -258,12 +219,22 @@ for part in $PARTS; do
         EXTRA="--reserve 64x4096 --decode-fill clone" LAYERS=4 BATCH=64 bash tools/device/ab_step.sh $K/v28+DSV4_TILE_ROUNDS=8 >> "$S" 2>&1
         t1 invariance-v28 $K/v28 timeout 150 .devbin/tests/cuda_invariance
         ;;
+    v28q)
+        # v28 in ~4 minutes: the bitwise check under v28, batch 16 (v28, q778) and batch 1.
+        K=DSV4_CUDA_KERNELS=$PWD/.devbin/kvar
+        echo "4 q2 layers, batch 16:" >> "$S"
+        LAYERS=4 BATCH=16 bash tools/device/ab_step.sh .devbin/kvar/v28 .devbin/kvar/q778 >> "$S" 2>&1
+        t1 packed-v28 $K/v28 timeout 150 .devbin/tests/cuda_packed
+        echo "4 q2 layers, batch 1:" >> "$S"
+        LAYERS=4 BATCH=1 bash tools/device/ab_step.sh .devbin/kvar/v28 >> "$S" 2>&1
+        ;;
     v28b)
-        # v28's other checks: tile rounds with the hints bitwise, 8 selector copies, rounds 4.
+        # v28's other checks: tile rounds with the hints bitwise; at batch 16 cg1, 8 selector copies,
+        # pf2 (v28 with the several-row expert kernels at 2 blocks an SM: no spills), rounds 4.
         K=DSV4_CUDA_KERNELS=$PWD/.devbin/kvar
         t1 packed-v28-tr8 $K/v28 DSV4_TILE_ROUNDS=8 timeout 200 .devbin/tests/cuda_packed
         echo "4 q2 layers, batch 16:" >> "$S"
-        LAYERS=4 BATCH=16 bash tools/device/ab_step.sh .devbin/kvar/sel8 $K/v28+DSV4_TILE_ROUNDS=4 >> "$S" 2>&1
+        LAYERS=4 BATCH=16 bash tools/device/ab_step.sh .devbin/kvar/v28 .devbin/kvar/cg1 .devbin/kvar/sel8 .devbin/kvar/pf2 $K/v28+DSV4_TILE_ROUNDS=4 >> "$S" 2>&1
         echo "4 q2 layers, batch 64:" >> "$S"
         EXTRA="--reserve 64x4096 --decode-fill clone" LAYERS=4 BATCH=64 bash tools/device/ab_step.sh .devbin/kvar/v28 $K/v28+DSV4_TILE_ROUNDS=4 >> "$S" 2>&1
         ;;
