@@ -49,7 +49,17 @@ static_assert(SEL_COPIES >= 1 && SEL_COPIES <= 16 && (SEL_COPIES & (SEL_COPIES -
 __shared__ unsigned long long S_SEL[256];
 __shared__ __align__(16) unsigned long long S_SELX[256 * SEL_COPIES];
 #define TAB_SEL(i) S_SEL[i]
-#define TAB_SELX(i) S_SELX[(i) * SEL_COPIES + (threadIdx.x & (SEL_COPIES - 1))]
+// The address as the lane's copy (a shared-window address, formed once) plus i·8·SEL_COPIES: one
+// IMAD a lookup. (As an index ptxas spent two, the second adding the window base, which on sm_90
+// is not a constant: it holds the block's place in its cluster.) Volatile, so that the load
+// stays after fill_tabs's barrier.
+__device__ __forceinline__ unsigned long long tab_selx(unsigned i) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(S_SELX) + 8u * (threadIdx.x & (SEL_COPIES - 1));
+    unsigned long long v;
+    asm volatile("ld.shared.u64 %0, [%1];" : "=l"(v) : "r"(a + i * (8u * SEL_COPIES)));
+    return v;
+}
+#define TAB_SELX(i) tab_selx(i)
 #else
 #define TAB_SEL(i) IQ2XXS_SEL[i]
 #define TAB_SELX(i) IQ2XXS_SEL[i]
