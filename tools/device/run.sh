@@ -10,10 +10,11 @@
 # hcprobe (HC_PRE's apply launched twice: cold against warm), pipe-tests and pipe (the
 # software-pipelined one-row int8 kernels: bitwise checks; A/Bs at 4 and 43 layers), prof16
 # (a batch-16 step's kernels under ncu), stalls (ncu's stall reasons of the slow kernels at
-# batches 64 / 16 / 1), v28, v28q (a short form) and v28b (PERF.md v28: the IQ2_XXS selectors'
-# copies, tile rounds with L2 hints), flash-served (43 q2 layers in serve's exact mode), flash-bf16 (4 bf16 layers), prefill (issue 12's prefill figures and a
-# stage profile), hf (HF transformers' prefill beside dsv4's), serve (bench_serve at 1 / 16 /
-# 64). Writes each part's output
+# batches 64 / 16 / 1), v28 (PERF.md v28's open questions: the IQ2_XXS selectors' copies,
+# XT_CG, tile rounds with L2 hints), flash-served (43 q2 layers in serve's exact mode),
+# flash-bf16 (4 bf16 layers), prefill (issue 12's prefill figures and a stage profile), hf (HF
+# transformers' prefill beside dsv4's), serve (bench_serve at 1 / 16 / 64). Writes each part's
+# output
 # and a summary to $OUT (or /tmp/dsv4-out); the device tool brings back at most 8 files.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -203,40 +204,20 @@ for part in $PARTS; do
         sed -n '/^one step/,$p' "$OUT/ncu-q2-16-b16.txt" | head -30 >> "$S"
         ;;
     v28)
-        # PERF.md v28 on the binaries of 9e5be25 (kernel directories from variants.sh: v28 = this
-        # quant.cu; sel1 = v28 with one IQ2_XXS selector copy, `s/define SEL_COPIES 16/define
-        # SEL_COPIES 1/`; cg1 = v28 with XT_CG 1; q778 = quant.cu of 778582c, before v27's rounds
-        # loops and XT_CG): the bitwise checks under v28, then the 4-layer A/Bs at batches 16, 1
-        # and 64 (tile rounds, whose loop now asks L2 for the next tile). ~9 minutes.
+        # PERF.md v28's open questions on a build of its defaults (one selector copy, XT_CG 4, no
+        # tile rounds), with kernel directories from variants.sh: sel8 / sel16 (`s/define
+        # SEL_COPIES 1/define SEL_COPIES 8/`, 16), cg1 (`s/define XT_CG 4/define XT_CG 1/`):
+        # sel8's bitwise checks, then the 4-layer A/Bs at batches 16 (three passes' worth: the
+        # H100's spread was ±3 %) and 64. ~6 minutes.
         K=DSV4_CUDA_KERNELS=$PWD/.devbin/kvar
-        t1 packed-v28 $K/v28 timeout 150 .devbin/tests/cuda_packed
-        echo "4 q2 layers, batch 16:" >> "$S"
-        LAYERS=4 BATCH=16 bash tools/device/ab_step.sh .devbin/kvar/v28 .devbin/kvar/sel1 .devbin/kvar/q778 \
-            $K/v28+DSV4_TILE_ROUNDS=8 >> "$S" 2>&1
-        echo "4 q2 layers, batch 1:" >> "$S"
-        LAYERS=4 BATCH=1 bash tools/device/ab_step.sh .devbin/kvar/v28 >> "$S" 2>&1
+        t1 packed-sel8 $K/sel8 timeout 150 .devbin/tests/cuda_packed
+        for b in 16 16; do
+            echo "4 q2 layers, batch $b:" >> "$S"
+            LAYERS=4 BATCH=$b bash tools/device/ab_step.sh .devbin/kvar/sel8 .devbin/kvar/sel16 .devbin/kvar/cg1 >> "$S" 2>&1
+        done
         echo "4 q2 layers, batch 64:" >> "$S"
-        EXTRA="--reserve 64x4096 --decode-fill clone" LAYERS=4 BATCH=64 bash tools/device/ab_step.sh $K/v28+DSV4_TILE_ROUNDS=8 >> "$S" 2>&1
-        t1 invariance-v28 $K/v28 timeout 150 .devbin/tests/cuda_invariance
-        ;;
-    v28q)
-        # v28 in ~4 minutes: the bitwise check under v28, batch 16 (v28, q778) and batch 1.
-        K=DSV4_CUDA_KERNELS=$PWD/.devbin/kvar
-        echo "4 q2 layers, batch 16:" >> "$S"
-        LAYERS=4 BATCH=16 bash tools/device/ab_step.sh .devbin/kvar/v28 .devbin/kvar/q778 >> "$S" 2>&1
-        t1 packed-v28 $K/v28 timeout 150 .devbin/tests/cuda_packed
-        echo "4 q2 layers, batch 1:" >> "$S"
-        LAYERS=4 BATCH=1 bash tools/device/ab_step.sh .devbin/kvar/v28 >> "$S" 2>&1
-        ;;
-    v28b)
-        # v28's other checks: tile rounds with the hints bitwise; at batch 16 cg1, 8 selector copies,
-        # pf2 (v28 with the several-row expert kernels at 2 blocks an SM: no spills), rounds 4.
-        K=DSV4_CUDA_KERNELS=$PWD/.devbin/kvar
-        t1 packed-v28-tr8 $K/v28 DSV4_TILE_ROUNDS=8 timeout 200 .devbin/tests/cuda_packed
-        echo "4 q2 layers, batch 16:" >> "$S"
-        LAYERS=4 BATCH=16 bash tools/device/ab_step.sh .devbin/kvar/v28 .devbin/kvar/cg1 .devbin/kvar/sel8 .devbin/kvar/pf2 $K/v28+DSV4_TILE_ROUNDS=4 >> "$S" 2>&1
-        echo "4 q2 layers, batch 64:" >> "$S"
-        EXTRA="--reserve 64x4096 --decode-fill clone" LAYERS=4 BATCH=64 bash tools/device/ab_step.sh .devbin/kvar/v28 $K/v28+DSV4_TILE_ROUNDS=4 >> "$S" 2>&1
+        EXTRA="--reserve 64x4096 --decode-fill clone" LAYERS=4 BATCH=64 bash tools/device/ab_step.sh .devbin/kvar/sel8 \
+            DSV4_TILE_ROUNDS=8 >> "$S" 2>&1
         ;;
     stalls)
         # Why the slow kernels of batches 64, 16 and 1 are slow (tools/device/ncu_stalls.sh), and

@@ -30,18 +30,19 @@ typedef unsigned short u16;
 // the global itself in the host build of tests/quant_host.rs. The sign tables are not read: the
 // planes hold every sign (iq2_quad).
 //
-// The warp kernels' int8 decode (xdec32: fill_tabs<F, true>) reads SEL_COPIES interleaved
+// The warp kernels' int8 decode (xdec32: fill_tabs<F, true>) can read SEL_COPIES interleaved
 // copies (entry i's copy j at 8-byte slot SEL_COPIES·i + j), a lane its copy j = lane mod
 // SEL_COPIES. A 64-bit shared load is served a half warp at a time, and with one copy its 16
 // lanes' random entries hit a bank pair ~3 times (ncu: 5.7 wavefronts a warp's lookup, 65 % of
-// moe_up1s's shared wavefronts, a third of its issue stalls; PERF.md v26); with 16 copies each
-// lane of a half warp has its own bank pair: 2 wavefronts, the least a 64-bit load takes. 32 KB a
-// block (a power of two copies; 8 give ~4 wavefronts). The int8 tensor-core tiles (tdec) and the
-// dequantising tiles of prefill (deq8r) keep one copy (fill_tabs<F, false>): their own shared
-// memory (the tiles' 16–32 KB class sums) plus 32 KB would pass the 48 KB of static shared
-// memory a kernel may declare, and the module would fail to load.
+// moe_up1s's shared wavefronts; PERF.md v26); with 16 copies each lane of a half warp has its
+// own bank pair (2 wavefronts). Measured (PERF.md v28, H100, 4 q2 layers): 16 copies +2 % a
+// batch-16 step (every block fills 32 KB: ~650 MB of shared stores a layer for ~350 MB of
+// weights), 8 copies −2 % (within the noise), batch 1 unchanged; so one copy by default. The
+// int8 tensor-core tiles (tdec) and prefill's dequantising tiles (deq8r) always keep one copy
+// (fill_tabs<F, false>): their own 16–32 KB of shared memory plus 32 KB would pass the 48 KB
+// of static shared memory a kernel may declare, and the module would fail to load.
 #ifndef SEL_COPIES
-#define SEL_COPIES 16
+#define SEL_COPIES 1
 #endif
 static_assert(SEL_COPIES >= 1 && SEL_COPIES <= 16 && (SEL_COPIES & (SEL_COPIES - 1)) == 0,
               "SEL_COPIES: a power of two (the lane mask), at most 16 (32 KB)");
