@@ -121,6 +121,12 @@ def report(tools, nvrtc, name, kernels, rev, usage=False, defines=()):
                     cur = m.group(1)
                 elif cur in kernels and ("registers" in ln or "spill" in ln):
                     print(f"{rev or 'worktree':>10} {cur}: {ln.split(':', 1)[-1].strip()}")
+                    # Static shared memory past 48 KB fails at module load (ptxas 12.9 says so;
+                    # 13.5 only reports the size): the module would not load on the device.
+                    m = re.search(r"(\d+) bytes smem", ln)
+                    if m and int(m.group(1)) > 48 * 1024:
+                        print(f"{rev or 'worktree':>10} {cur}: ERROR {m.group(1)} bytes of static shared memory "
+                              "(more than 48 KB: the module fails to load)")
                 elif cur in kernels and "warning" in ln:  # e.g. wgmma serialized
                     print(f"{rev or 'worktree':>10} {cur}: {ln.strip()}")
         env = dict(os.environ, PATH=os.path.join(tools, "bin") + os.pathsep + os.environ.get("PATH", ""))
