@@ -4,7 +4,8 @@
 # metrics (tools/ncu_stalls.py): duration, DRAM and issue use, occupancy, registers, shared
 # memory bank conflicts and the largest warp stall reasons (cycles a warp between issues).
 #   run(command: "BATCH=16 bash tools/device/ncu_stalls.sh REGEX [LAYERS] [COUNT]", carry: [".devbin"])
-# CTX (4096) is the decode context, BATCH (1) the rows a step; TAG names the output
+# CTX (4096) is the decode context, BATCH (1) the rows a step, EXTRA more bench arguments (as
+# profile.sh's); TAG names the output
 # ($OUT/stalls-$BATCH$TAG.txt).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,7 +17,7 @@ R=/tmp/stalls-$BS$TAG
 DSV4_PROFILE_CAPTURE=1 timeout 300 "$NCU" --profile-from-start off --graph-profiling node --set full \
     --clock-control none --cache-control none -k "regex:$RE" -c "$C" -f -o "$R" \
     .devbin/dsv4 bench --backend cuda --synthetic flash --layers "$L" --weights q2 --contexts '' \
-    --decode-batches "$BS" --decode-context "$CTX" --decode-tokens 1 > /tmp/stalls.out 2> /tmp/stalls.err
+    --decode-batches "$BS" --decode-context "$CTX" --decode-tokens 1 ${EXTRA:-} > /tmp/stalls.out 2> /tmp/stalls.err
 echo "ncu: exit $?"
 tail -3 /tmp/stalls.err
 "$NCU" -i "$R.ncu-rep" --page raw --csv --print-units base > "$R.csv" 2> /dev/null

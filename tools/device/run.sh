@@ -220,15 +220,19 @@ for part in $PARTS; do
             DSV4_TILE_ROUNDS=8 >> "$S" 2>&1
         ;;
     stalls)
-        # Why the slow kernels of batches 64, 16 and 1 are slow (tools/device/ncu_stalls.sh), and
-        # where a batch-64 step goes.
-        CTX=4096 TAG=-b64 bash tools/device/profile.sh 4 q2 64 > /dev/null 2>&1
+        # Why the slow kernels of batches 16, 64 and 1 are slow (tools/device/ncu_stalls.sh), and
+        # where a batch-64 step goes; most wanted first, each table into the summary as it comes
+        # (a call may stop at its limit).
+        BATCH=16 bash tools/device/ncu_stalls.sh 'moe_upx|moe_downx|gemvt28' 4 3 > /dev/null 2>&1
+        cat "$OUT"/stalls-16.txt >> "$S" 2>/dev/null
+        X64="--reserve 64x4096 --decode-fill clone"
+        EXTRA=$X64 CTX=4096 TAG=-b64 bash tools/device/profile.sh 4 q2 64 > /dev/null 2>&1
         echo "ncu, 4 q2 layers at context 4096, batch 64:" >> "$S"
         sed -n '/^one step/,$p' "$OUT/ncu-q2-64-b64.txt" | head -24 >> "$S"
-        BATCH=64 bash tools/device/ncu_stalls.sh 'moe_upt|moe_downt|gemvt' 4 4 > /dev/null 2>&1
-        BATCH=16 bash tools/device/ncu_stalls.sh 'moe_upx|moe_downx|gemvt28|attention' 4 5 > /dev/null 2>&1
-        BATCH=1 DSV4_ATT_TC_SLICES=1 bash tools/device/ncu_stalls.sh 'moe_up1s|moe_down1s|gemv1x4|attention|hc_pre_apply' 4 7 > /dev/null 2>&1
-        cat "$OUT"/stalls-*.txt >> "$S"
+        EXTRA=$X64 BATCH=64 bash tools/device/ncu_stalls.sh 'moe_upx|moe_downx|gemvt|moe_upt|moe_downt' 4 4 > /dev/null 2>&1
+        cat "$OUT"/stalls-64.txt >> "$S" 2>/dev/null
+        BATCH=1 bash tools/device/ncu_stalls.sh 'moe_up1s|moe_down1s|gemv1x4|hc_pre_apply' 4 5 > /dev/null 2>&1
+        cat "$OUT"/stalls-1.txt >> "$S" 2>/dev/null
         ;;
     hcprobe)
         # PERF.md v25 lever 2: hc_pre_apply_norm launched twice in a row (DSV4_PROBE_HC_TWICE=1;
