@@ -1582,30 +1582,56 @@ struct TRaw {
     unsigned u[4];
 };
 
+// The lane's offset within a chunk's codes of one output row (traw's loads): Q8_0 its 8 values at
+// 8t, Q2_K its words at 4t and 16 + 4t, IQ2_XXS the whole sub-block (none).
 template <int F>
-__device__ __forceinline__ TRaw traw(const u8* __restrict__ w, const u8* __restrict__ s, int c, int t) {
+__device__ __forceinline__ int tlane(int t) {
+    return F == F_Q8_0 ? 8 * t : F == F_Q2_K ? 4 * t : 0;
+}
+
+// traw's loads from wl, the row's codes plus tlane<F>(t) (xtile forms it once a tile).
+// A weight word through the read-only path (ld.global.nc: the weights never change while
+// kernels run; xtile's row pointers are opaque to the compiler, which would otherwise issue
+// generic loads).
+template <typename T>
+__device__ __forceinline__ T ldw(const u8* p) {
+#ifdef __CUDA_ARCH__
+    return __ldg((const T*)p);
+#else
+    return *(const T*)p;
+#endif
+}
+
+// traw's loads from wl, the row's codes plus tlane<F>(t) (xtile forms it once a tile).
+template <int F>
+__device__ __forceinline__ TRaw traw_l(const u8* __restrict__ wl, const u8* __restrict__ s, unsigned c) {
     TRaw r;
     if (F == F_Q8_0) {
-        uint2 q = *(const uint2*)(w + c + 8 * t);  // values 8t..8t+7 (see tdec)
+        uint2 q = ldw<uint2>(wl + c);  // values 8t..8t+7 (see tdec)
         r.u[0] = q.x;
         r.u[1] = q.y;
-        r.u[2] = ld16(s + 2 * (c >> 5));
+        r.u[2] = ldw<unsigned short>(s + 2 * (c >> 5));
         r.u[3] = 0;
     } else if (F == F_Q2_K) {
-        const u8* b = w + 64 * (c >> 8) + 32 * ((c & 255) >> 7);
+        const u8* b = wl + 64 * (c >> 8) + 32 * ((c & 255) >> 7);
         const u8* hd = s + 20 * (c >> 8);
-        r.u[0] = *(const unsigned*)(b + 4 * t);
-        r.u[1] = *(const unsigned*)(b + 16 + 4 * t);
-        r.u[2] = *(const unsigned*)(hd + 16);
-        r.u[3] = ld16(hd + ((c & 255) >> 4));
+        r.u[0] = ldw<unsigned>(b);
+        r.u[1] = ldw<unsigned>(b + 16);
+        r.u[2] = ldw<unsigned>(hd + 16);
+        r.u[3] = ldw<unsigned short>(hd + ((c & 255) >> 4));
     } else {  // F_IQ2_XXS
-        uint2 q = *(const uint2*)(w + 8 * (c >> 5));
+        uint2 q = ldw<uint2>(wl + 8 * (c >> 5));
         r.u[0] = q.x;
         r.u[1] = q.y;
-        r.u[2] = iq2_head(s, c);
+        r.u[2] = ldw<unsigned>(s + 4 * (c >> 7));  // iq2_head
         r.u[3] = 0;
     }
     return r;
+}
+
+template <int F>
+__device__ __forceinline__ TRaw traw(const u8* __restrict__ w, const u8* __restrict__ s, int c, int t) {
+    return traw_l<F>(w + tlane<F>(t), s, c);
 }
 
 // The lane's two A words of one output row and the row's scales as xdec32 forms them: d[g] per
@@ -1646,18 +1672,32 @@ __device__ __forceinline__ int brev5(int t) { return (int)(__brev((unsigned)t) >
 #define XT_CG 4  // xtile's classes a pass, at most (1: one class a pass, the chunks of one class ahead)
 #endif
 
+// The pointer as an opaque value: ptxas keeps it in its register instead of recomputing it from
+// the row index at every use (under register pressure it rematerialised xtile's 64-bit row
+// addresses, with the live-row selects, for every chunk).
+template <typename T>
+__device__ __forceinline__ void keep_reg(T*& p) {
+#ifdef __CUDA_ARCH__
+    asm volatile("" : "+l"(p));
+#endif
+}
+
 // The 16-output tile at o0 (outputs past m: the last row again, not stored) of P weight matrices
 // (codes w[p], heads s[p], k values a row) against the same 8·NT activation rows. xrow(r, q, d)
-// gives tile row r's int8 codes and block scales (both nullptr for a row past the tile's live
-// rows). store(o, r, v) gets v[0..P] of every output o < m and tile row r < nrows, from one
-// thread. W warps take 32 / W classes each, U chunks (of up to XT_CG classes) loaded ahead; each class sum goes to `red`
-// (32·P·16·8·NT floats), and the block adds the 32 in the butterfly's tree. Every thread of the
-// block must call it (barriers).
+// gives tile row r's int8 codes and block scales (r < nrows: a row past the tile's live rows
+// reads the last live one, whose sums there are not stored). store(o, r, v) gets v[0..P] of
+// every output o < m and tile row r < nrows, from one thread. W warps take 32 / W consecutive
+// classes t each (a subtree of the butterfly's tree), CG classes a pass with U chunks loaded
+// ahead; a warp adds its classes' sums in registers in the tree's order (within a pass, then
+// the passes as a binary counter), `red` (W·P·16·8·NT floats) takes the W subtree sums, and the
+// block adds them in the tree. Every thread of the block must call it (barriers).
 template <int F, int NT, int P, int W, int U, typename XR, typename ST>
 __device__ __forceinline__ void xtile(const u8* const* w, const u8* const* s, int o0, int m, int k, XR xrow, int nrows,
                                       ST store, float* red) {
     constexpr int NR = 8 * NT;
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    // The lane's row pointers, its offsets folded in once (the loads then add only the chunk's
+    // offset; recomputing 64-bit row addresses a chunk was most of the loop's instructions).
     const u8* wr[P][2];
     const u8* sr[P][2];
 #pragma unroll
@@ -1665,24 +1705,39 @@ __device__ __forceinline__ void xtile(const u8* const* w, const u8* const* s, in
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             int o = min(o0 + g + 8 * h, m - 1);
-            wr[p][h] = w[p] + (long long)o * row_bytes(F, k);
+            wr[p][h] = w[p] + (long long)o * row_bytes(F, k) + tlane<F>(t);
             sr[p][h] = scale_row(F, s[p], o, k);
         }
-    // Per n-tile: row g's codes and block scales (this lane's B words; the scales of C's columns,
-    // rows 2t and 2t+1, come from lanes 8t and 8t + 4 by shuffles).
+    // Per n-tile: row g's codes at the lane's offset and its block scales (this lane's B words;
+    // the scales of C's columns, rows 2t and 2t+1, come from lanes 8t and 8t + 4 by shuffles).
     const signed char* bq[NT];
     const float* bd[NT];
 #pragma unroll
-    for (int j = 0; j < NT; j++) xrow(8 * j + g, bq[j], bd[j]);
+    for (int j = 0; j < NT; j++) {
+        xrow(min(8 * j + g, nrows - 1), bq[j], bd[j]);
+        bq[j] += (F == F_Q2_K ? 4 : 8) * t;
+        keep_reg(bq[j]);
+        keep_reg(bd[j]);
+    }
+#pragma unroll
+    for (int p = 0; p < P; p++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            keep_reg(wr[p][h]);
+            keep_reg(sr[p][h]);
+        }
     // CG of the warp's classes a pass, each with its own sums, and UU chunks of each loaded ahead:
     // a batch's U = CG·UU chunks are in flight together whatever the chunks a class (k = 1024,
-    // wq_b: one chunk a class, so one class a pass loaded one chunk and waited for it, 32 / W
-    // times in turn). A class's chunks are still added in their order, so every sum is the same.
+    // wq_b: one chunk a class). A class's chunks are still added in their order.
     constexpr int CW = 32 / W, CG0 = XT_CG < U ? XT_CG : U, CG = CG0 < CW ? CG0 : CW, UU = U / CG;
-    static_assert(CW % CG == 0 && U % CG == 0, "a pass takes whole classes and whole chunk steps");
-#pragma unroll 1
-    for (int tb = wp * CW; tb < (wp + 1) * CW; tb += CG) {
-        int cl[CG];
+    constexpr int PASSES = CW / CG, LV = PASSES >= 4 ? 2 : PASSES >= 2 ? 1 : 0;
+    static_assert(CW % CG == 0 && U % CG == 0 && PASSES <= 4, "a pass takes whole classes and whole chunk steps");
+    float stk[LV > 0 ? LV : 1][P][NT][4];  // the passes' pending left subtrees
+    float sub[P][NT][4];                    // the warp's subtree sum
+#pragma unroll
+    for (int pass = 0; pass < PASSES; pass++) {
+        int tb = wp * CW + pass * CG;
+        unsigned cl[CG];
         float acc[CG][P][NT][4];
 #pragma unroll
         for (int q = 0; q < CG; q++) {
@@ -1694,38 +1749,39 @@ __device__ __forceinline__ void xtile(const u8* const* w, const u8* const* s, in
 #pragma unroll
                     for (int e = 0; e < 4; e++) acc[q][p][j][e] = 0.f;
         }
-        for (int i0 = 0; i0 < k; i0 += 1024 * UU) {
+#pragma unroll 1
+        for (unsigned i0 = 0; i0 < (unsigned)k; i0 += 1024 * UU) {
             // Slot v = u·CG + q: class q's chunk at cl[q] + i0 + 1024·u.
             TRaw raw[U][P][2];
             unsigned bw[U][NT][2];
             float dx[U][NT][2];
 #pragma unroll
             for (int v = 0; v < U; v++) {
-                int c = cl[v % CG] + i0 + 1024 * (v / CG);
-                if (c < k) {
+                unsigned c = cl[v % CG] + i0 + 1024 * (v / CG);
+                if (c < (unsigned)k) {
 #pragma unroll
                     for (int p = 0; p < P; p++)
 #pragma unroll
-                        for (int h = 0; h < 2; h++) raw[v][p][h] = traw<F>(wr[p][h], sr[p][h], c, t);
+                        for (int h = 0; h < 2; h++) raw[v][p][h] = traw_l<F>(wr[p][h], sr[p][h], c);
 #pragma unroll
                     for (int j = 0; j < NT; j++) {
                         if (F == F_Q2_K) {
-                            bw[v][j][0] = bq[j] ? *(const unsigned*)(bq[j] + c + 4 * t) : 0u;
-                            bw[v][j][1] = bq[j] ? *(const unsigned*)(bq[j] + c + 16 + 4 * t) : 0u;
+                            bw[v][j][0] = *(const unsigned*)(bq[j] + c);
+                            bw[v][j][1] = *(const unsigned*)(bq[j] + c + 16);
                         } else {
-                            uint2 b = bq[j] ? *(const uint2*)(bq[j] + c + 8 * t) : make_uint2(0u, 0u);
+                            uint2 b = *(const uint2*)(bq[j] + c);
                             bw[v][j][0] = b.x;
                             bw[v][j][1] = b.y;
                         }
-                        dx[v][j][0] = bq[j] ? bd[j][c >> 5] : 0.f;  // row g's; see below
+                        dx[v][j][0] = bd[j][c >> 5];  // row g's; see below
                     }
                 }
             }
 #pragma unroll
             for (int v = 0; v < U; v++) {
                 const int q = v % CG;
-                int c = cl[q] + i0 + 1024 * (v / CG);
-                if (c >= k) continue;  // warp-uniform
+                unsigned c = cl[q] + i0 + 1024 * (v / CG);
+                if (c >= (unsigned)k) continue;  // warp-uniform
 #pragma unroll
                 for (int j = 0; j < NT; j++) {  // C's columns: rows 2t and 2t+1
                     float dg = dx[v][j][0];
@@ -1773,32 +1829,63 @@ __device__ __forceinline__ void xtile(const u8* const* w, const u8* const* s, in
                 }
             }
         }
+        // The pass's CG classes (consecutive t from a multiple of CG: a subtree) in the tree.
 #pragma unroll
-        for (int q = 0; q < CG; q++)
+        for (int st = 1; st < CG; st *= 2)
+#pragma unroll
+            for (int q = 0; q < CG; q += 2 * st)
+#pragma unroll
+                for (int p = 0; p < P; p++)
+#pragma unroll
+                    for (int j = 0; j < NT; j++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++) acc[q][p][j][e] = acc[q][p][j][e] + acc[q + st][p][j][e];
+        // Then pass `pass` as leaf `pass` of the passes' tree: a binary counter (pass is a
+        // constant here, so every branch and index below is resolved at compile time).
+        int l = 0;
+#pragma unroll
+        for (; l < LV; l++) {
+            if (!((pass >> l) & 1)) break;
 #pragma unroll
             for (int p = 0; p < P; p++)
 #pragma unroll
                 for (int j = 0; j < NT; j++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        int oo = g + 8 * (e >> 1), rr = 8 * j + 2 * t + (e & 1);
-                        red[(((tb + q) * P + p) * 16 + oo) * NR + rr] = acc[q][p][j][e];
-                    }
+                    for (int e = 0; e < 4; e++) acc[0][p][j][e] = stk[l][p][j][e] + acc[0][p][j][e];
+        }
+#pragma unroll
+        for (int p = 0; p < P; p++)
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    if (pass == PASSES - 1) sub[p][j][e] = acc[0][p][j][e];
+                    else stk[l < LV ? l : 0][p][j][e] = acc[0][p][j][e];
+                }
     }
+#pragma unroll
+    for (int p = 0; p < P; p++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int oo = g + 8 * (e >> 1), rr = 8 * j + 2 * t + (e & 1);
+                red[((wp * P + p) * 16 + oo) * NR + rr] = sub[p][j][e];
+            }
     __syncthreads();
-    // The 32 class sums (in bit-reversed class order) in the tree: neighbours, pairs of pairs, ...
+    // The W subtree sums (in class order) in the tree: neighbours, pairs of pairs, ...
     for (int i = threadIdx.x; i < 16 * NR; i += 32 * W) {
         int oo = i / NR, rr = i % NR;
         float v[P];
 #pragma unroll
         for (int p = 0; p < P; p++) {
-            float a[32];
+            float a[W];
 #pragma unroll
-            for (int q = 0; q < 32; q++) a[q] = red[((q * P + p) * 16 + oo) * NR + rr];
+            for (int q = 0; q < W; q++) a[q] = red[((q * P + p) * 16 + oo) * NR + rr];
 #pragma unroll
-            for (int st = 1; st < 32; st *= 2)
+            for (int st = 1; st < W; st *= 2)
 #pragma unroll
-                for (int q = 0; q < 32; q += 2 * st) a[q] = a[q] + a[q + st];
+                for (int q = 0; q < W; q += 2 * st) a[q] = a[q] + a[q + st];
             v[p] = a[0];
         }
         if (o0 + oo < m && rr < nrows) store(o0 + oo, rr, v);
@@ -1827,7 +1914,7 @@ __device__ __forceinline__ void tile_hint(const u8* const* w, const u8* const* s
 template <int F, int NT, int W>
 __device__ void gemvt_x8(float* __restrict__ out, const signed char* __restrict__ xq, const float* __restrict__ xd,
                          const u8* __restrict__ w, const u8* __restrict__ s, int n, int k, int m, int ldx, int rpg) {
-    __shared__ float red[32 * 16 * 8 * NT];
+    __shared__ float red[W * 16 * 8 * NT];
     int r0 = blockIdx.x * 8 * NT;
     const u8* wp[1] = {w};
     const u8* sp[1] = {s};
@@ -1855,7 +1942,7 @@ template <int F, int NT, int W>
 __device__ void moe_upt_x8(float* __restrict__ h, const signed char* __restrict__ xq, const float* __restrict__ xd,
                            const unsigned* order, const unsigned* off, const unsigned* active,
                            const unsigned long long* ptrs, int nexp, int k, int d, int inter, float limit) {
-    __shared__ float red[32 * 2 * 16 * 8 * NT];
+    __shared__ float red[W * 2 * 16 * 8 * NT];
     if (blockIdx.x >= active[nexp]) return;  // uniform in the block
     unsigned e = active[blockIdx.x];
     const u8* wp[2] = {(const u8*)ptrs[e], (const u8*)ptrs[nexp + e]};
@@ -1888,7 +1975,7 @@ template <int F, int NT, int W>
 __device__ void moe_downt_x8(float* __restrict__ y, const signed char* __restrict__ hq, const float* __restrict__ hd,
                              const unsigned* order, const unsigned* off, const unsigned* active,
                              const unsigned long long* ptrs, int nexp, int d, int inter) {
-    __shared__ float red[32 * 16 * 8 * NT];
+    __shared__ float red[W * 16 * 8 * NT];
     if (blockIdx.x >= active[nexp]) return;  // uniform in the block
     unsigned e = active[blockIdx.x];
     const u8* wp[1] = {(const u8*)ptrs[2 * nexp + e]};
@@ -1913,9 +2000,21 @@ __device__ void moe_downt_x8(float* __restrict__ y, const signed char* __restric
     }
 }
 
+// Warps an SM the tile kernels are built to hold (__launch_bounds__'s minimum blocks: 256 / (32·W)
+// blocks of 32·W threads cap a thread at 65536 / 256 = 256 / 8... registers; 0: no minimum). At
+// the default the dense tiles took 98–124 registers: 2 blocks of 8 warps an SM, 1 of 16.
+#ifndef TILE_WARPS_SM
+#define TILE_WARPS_SM 0
+#endif
+#if TILE_WARPS_SM > 0
+#define TILE_BOUNDS(W) __launch_bounds__(32 * (W), TILE_WARPS_SM / (W))
+#else
+#define TILE_BOUNDS(W) __launch_bounds__(32 * (W))
+#endif
+
 // Tile kernels: gemvt_{n}{w}_F (NT = n n-tiles of 8 rows, w warps), moe_upt_F, moe_downt_F.
 #define TILE_GEMV(F, N, NT, W)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(32 * W) gemvt##NT##W##_##N(                                         \
+    extern "C" __global__ void TILE_BOUNDS(W) gemvt##NT##W##_##N(                                                    \
         float* out, const signed char* xq, const float* xd, const u8* w, const u8* s, int n, int k, int m, int ldx, \
         int rpg) {                                                                                                   \
         pdl_enter();                                                                                                 \
@@ -1928,14 +2027,14 @@ __device__ void moe_downt_x8(float* __restrict__ y, const signed char* __restric
     TILE_GEMV(F, N, 2, 8)                                                                                            \
     TILE_GEMV(F, N, 1, 16)                                                                                           \
     TILE_GEMV(F, N, 2, 16)                                                                                           \
-    extern "C" __global__ void __launch_bounds__(256) moe_upt_##N(                                                   \
+    extern "C" __global__ void TILE_BOUNDS(8) moe_upt_##N(                                                                                                             \
         float* h, const signed char* xq, const float* xd, const unsigned* order, const unsigned* off,               \
         const unsigned* active, const unsigned long long* ptrs, int nexp, int k, int d, int inter, float limit) {    \
         pdl_enter();                                                                                                 \
         fill_tabs<F, false>();                                                                                        \
         moe_upt_x8<F, 1, 8>(h, xq, xd, order, off, active, ptrs, nexp, k, d, inter, limit);                          \
     }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(256) moe_downt_##N(                                                 \
+    extern "C" __global__ void TILE_BOUNDS(8) moe_downt_##N(                                                                                                         \
         float* y, const signed char* hq, const float* hd, const unsigned* order, const unsigned* off,               \
         const unsigned* active, const unsigned long long* ptrs, int nexp, int d, int inter) {                        \
         pdl_enter();                                                                                                 \
