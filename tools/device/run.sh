@@ -11,7 +11,7 @@
 # software-pipelined one-row int8 kernels: bitwise checks; A/Bs at 4 and 43 layers), prof16
 # (a batch-16 step's kernels under ncu), stalls (ncu's stall reasons of the slow kernels at
 # batches 64 / 16 / 1), v28 (PERF.md v28's open questions: the IQ2_XXS selectors' copies,
-# XT_CG, tile rounds with L2 hints), flash-served (43 q2 layers in serve's exact mode),
+# XT_CG, tile rounds with L2 hints), v29 (the dense tiles' blocks an SM under ncu), flash-served (43 q2 layers in serve's exact mode),
 # flash-bf16 (4 bf16 layers), prefill (issue 12's prefill figures and a stage profile), hf (HF
 # transformers' prefill beside dsv4's), serve (bench_serve at 1 / 16 / 64). Writes each part's
 # output
@@ -218,6 +218,21 @@ for part in $PARTS; do
         echo "4 q2 layers, batch 64:" >> "$S"
         EXTRA="--reserve 64x4096 --decode-fill clone" LAYERS=4 BATCH=64 bash tools/device/ab_step.sh .devbin/kvar/sel8 \
             DSV4_TILE_ROUNDS=8 >> "$S" 2>&1
+        ;;
+    v29)
+        # PERF.md v29: the dense tiles' blocks an SM. One 4-layer batch-16 step under ncu with the
+        # built-in kernels (U = 4 chunks ahead, 128 registers: 2 blocks of 8 warps an SM), xtu2
+        # (U = 2, 90 registers: still 2) and xtu2w24 (U = 2 held to 80 registers: 3 blocks), from
+        # `variants.sh "xtu2=sed:quant.cu:s/xtile<F, NT, 1, W, 4>(/xtile<F, NT, 1, W, 2>(/"
+        # "xtu2w24=sed:quant.cu:s/xtile<F, NT, 1, W, 4>(/xtile<F, NT, 1, W, 2>(/;s/define
+        # TILE_WARPS_SM 0/define TILE_WARPS_SM 24/"`: the gemvt lines of each.
+        for v in builtin xtu2 xtu2w24; do
+            E=()
+            [ $v = builtin ] || E=("DSV4_CUDA_KERNELS=$PWD/.devbin/kvar/$v")
+            env "${E[@]}" CTX=4096 TAG=-$v bash tools/device/profile.sh 4 q2 16 > /dev/null 2>&1
+            echo "ncu, 4 q2 layers at context 4096, batch 16, $v:" >> "$S"
+            grep -E '^(gemvt|one step)' "$OUT/ncu-q2-16-$v.txt" | head -6 >> "$S"
+        done
         ;;
     stalls)
         # Why the slow kernels of batches 16, 64 and 1 are slow (tools/device/ncu_stalls.sh), and
