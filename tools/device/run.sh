@@ -11,7 +11,7 @@
 # software-pipelined one-row int8 kernels: bitwise checks; A/Bs at 4 and 43 layers), prof16
 # (a batch-16 step's kernels under ncu), stalls (ncu's stall reasons of the slow kernels at
 # batches 64 / 16 / 1), v28 (PERF.md v28's open questions: the IQ2_XXS selectors' copies,
-# XT_CG, tile rounds with L2 hints), v29 (the dense tiles' blocks an SM under ncu), flash-served (43 q2 layers in serve's exact mode),
+# XT_CG, tile rounds with L2 hints), v29 (the dense tiles' blocks an SM under ncu), v29cp (the dense Q8_0 tiles on cp.async: checks, ncu, A/B), flash-served (43 q2 layers in serve's exact mode),
 # flash-bf16 (4 bf16 layers), prefill (issue 12's prefill figures and a stage profile), hf (HF
 # transformers' prefill beside dsv4's), serve (bench_serve at 1 / 16 / 64). Writes each part's
 # output
@@ -232,6 +232,22 @@ for part in $PARTS; do
             env "${E[@]}" CTX=4096 TAG=-$v bash tools/device/profile.sh 4 q2 16 > /dev/null 2>&1
             echo "ncu, 4 q2 layers at context 4096, batch 16, $v:" >> "$S"
             grep -E '^(gemvt|one step)' "$OUT/ncu-q2-16-$v.txt" | head -6 >> "$S"
+        done
+        ;;
+    v29cp)
+        # PERF.md v29: the dense Q8_0 tiles on cp.async (gemvtc, the default) against registers
+        # (DSV4_TILE_CP=0): the bitwise checks (cuda_packed runs both), one batch-16 step under
+        # ncu each way (the gemvt lines), then the step A/B at batches 16 and 8.
+        t1 packed timeout 200 .devbin/tests/cuda_packed
+        t1 invariance timeout 100 .devbin/tests/cuda_invariance
+        for cp in 1 0; do
+            DSV4_TILE_CP=$cp CTX=4096 TAG=-cp$cp bash tools/device/profile.sh 4 q2 16 > /dev/null 2>&1
+            echo "ncu, 4 q2 layers at context 4096, batch 16, DSV4_TILE_CP=$cp:" >> "$S"
+            grep -E '^(gemvt|one step)' "$OUT/ncu-q2-16-cp$cp.txt" | head -8 >> "$S"
+        done
+        for b in 16 8; do
+            echo "4 q2 layers, batch $b (builtin: cp.async):" >> "$S"
+            LAYERS=4 BATCH=$b bash tools/device/ab_step.sh DSV4_TILE_CP=0 >> "$S" 2>&1
         done
         ;;
     stalls)

@@ -204,11 +204,16 @@ fn cuda_int8_products_match_the_twin() {
         // built for that many (gemvx2, gemvx4: `set_row_caps`), and the tensor-core tiles' (one
         // n-tile of 8, two of 8, several blocks of 16 rows): each row bitwise its twin, so a
         // row's result does not depend on the rows beside it.
+        // The tiles (8 rows and more) both with their chunks staged by cp.async (Q8_0's
+        // `gemvtc`, the default) and held in registers (`gemvt`): `caps` picks the second.
         let sizes = [1, 2, 3, 4, 8, 15, 33];
-        for (n, caps) in
-            sizes.into_iter().flat_map(|n| [(n, false), (n, true)]).filter(|&(n, c)| !c || (2..=4).contains(&n))
+        for (n, caps) in sizes
+            .into_iter()
+            .flat_map(|n| [(n, false), (n, true)])
+            .filter(|&(n, c)| !c || (2..=4).contains(&n) || n >= 8)
         {
             b.set_row_caps(caps);
+            b.set_tile_cp(!(caps && n >= 8));
             let (xg, xc) = activations(&b, n, k, 77 + fi as u64);
             let got = b.to_host(&b.matmul(&xg, &w));
             for r in 0..n {
@@ -225,11 +230,15 @@ fn cuda_int8_products_match_the_twin() {
             }
             let e = rel_err(&got, &reference(&xc, &p.dequantize(m, k), m, k, 1));
             println!(
-                "int8 {} {n} rows (row caps {caps}): bitwise the twin; {e:.2e} from the exact product",
-                format.name()
+                "int8 {} {n} rows (row caps {caps}, tiles by cp.async {}): bitwise the twin; {e:.2e} from the exact \
+                 product",
+                format.name(),
+                b.tile_cp()
             );
             assert!(e <= 2e-2, "int8 {} vs exact: {e:.2e}", format.name());
         }
+        b.set_row_caps(false);
+        b.set_tile_cp(true);
         // The grouped projection (wo_a's shape): two groups of 32 outputs, each over its own k
         // inputs; tiles of 16 outputs never straddle the groups.
         if k == 512 {

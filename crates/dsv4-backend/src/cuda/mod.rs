@@ -610,6 +610,8 @@ pub struct CudaBackend {
     x8_rows: std::sync::atomic::AtomicUsize,
     /// Which int8 products take the tensor-core tiles ([`quant::X8Tiles`] as u8).
     x8_tiles: std::sync::atomic::AtomicU8,
+    /// The dense Q8_0 tiles stage their chunks by cp.async ([`Self::set_tile_cp`]).
+    tile_cp: std::sync::atomic::AtomicBool,
     /// Most rows a dense packed product runs on gemm.cu's tiles ([`Self::set_tiles_dense_rows`]).
     tiles_dense: std::sync::atomic::AtomicUsize,
     /// The routed experts' 128-row tiles on wgmma ([`Self::set_pgemm_wgmma`]).
@@ -1017,6 +1019,18 @@ impl CudaBackend {
         quant::X8Tiles::from_u8(self.x8_tiles.load(std::sync::atomic::Ordering::Relaxed))
     }
 
+    /// Whether the dense Q8_0 tiles copy their chunks into shared memory by cp.async
+    /// (`gemvtc`, PERF.md v29) or load them into registers (`gemvt`): the same sums either way.
+    /// Starts at `DSV4_TILE_CP` (on unless 0).
+    pub fn set_tile_cp(&self, on: bool) {
+        self.tile_cp.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
+    }
+
+    pub fn tile_cp(&self) -> bool {
+        self.tile_cp.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Most rows a dense packed product above the int8 path's rows runs on gemm.cu's
     /// tensor-core tiles (the weight decoded in the tile load); more rows take the bf16 scratch
     /// and cuBLAS. Starts at [`gemm::TILES_DENSE_ROWS`] (`DSV4_PGEMM_DENSE_ROWS`): the tiles
@@ -1224,6 +1238,9 @@ impl CudaBackend {
             int8: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_INT8").map_or(true, |v| v.trim() != "0")),
             x8_rows: std::sync::atomic::AtomicUsize::new(quant::qgemv_rows_env()),
             x8_tiles: std::sync::atomic::AtomicU8::new(quant::X8Tiles::from_env() as u8),
+            tile_cp: std::sync::atomic::AtomicBool::new(
+                std::env::var("DSV4_TILE_CP").map_or(true, |v| v.trim() != "0"),
+            ),
             attention_tc: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_ATT_TC").map_or(true, |v| v.trim() != "0"),
             ),

@@ -92,6 +92,17 @@ fn gemvx_name(n: usize, caps: bool) -> &'static str {
 const TILE_OUTPUTS: usize = 16;
 const TILE_ROWS: usize = 8;
 
+/// The tile kernels' shapes: (n-tiles of 8 rows, warps) a block.
+const TILE_SHAPES: [(usize, usize); 4] = [(1, 8), (2, 8), (1, 16), (2, 16)];
+
+/// Dynamic shared memory of `gemvtc{nt}{w}_q8_0` (quant.cu `gemvt_cp`): each warp's ring of
+/// XTC_ST = 2 stages of XTC_U = 4 chunk slots, a slot `xtc_slot(nt)` bytes (the tile's 16 weight
+/// rows' codes and scale words, the 8·nt activation rows' codes and scales).
+fn xtc_smem(nt: usize, w: usize) -> usize {
+    let slot = 512 + 64 + 32 * 8 * nt + 4 * 8 * nt;
+    w * 2 * 4 * slot
+}
+
 /// The tile product kernel for `n` rows and `m` outputs: n-tiles a block (1 or 2) and warps a
 /// block (16 where the grid would not fill the GPU twice over, else 8); all give the same sums.
 fn tile_gemv(n: usize, m: usize) -> (usize, usize) {
@@ -312,9 +323,12 @@ impl QuantKernels {
             ] {
                 names.push(format!("{k}_{f}"));
             }
-            for (nt, w) in [(1, 8), (2, 8), (1, 16), (2, 16)] {
+            for (nt, w) in TILE_SHAPES {
                 names.push(format!("gemvt{nt}{w}_{f}"));
             }
+        }
+        for (nt, w) in TILE_SHAPES {
+            names.push(format!("gemvtc{nt}{w}_q8_0"));
         }
         for (r, s) in FFN1_PAIRS {
             for k in ["moe_up1s", "moe_down1s"] {
@@ -324,11 +338,18 @@ impl QuantKernels {
         let mut m = HashMap::new();
         for n in names {
             let f = module.load_function(&n)?;
-            if n.starts_with("pgemm") {
-                // The tensor-core tiles' stages take more than the default 48 KB.
+            // The tensor-core tiles' stages (prefill's pgemm, the dense tiles' cp.async rings)
+            // take more than the default 48 KB.
+            let ring = TILE_SHAPES.into_iter().find(|&(nt, w)| n == format!("gemvtc{nt}{w}_q8_0"));
+            let smem = if n.starts_with("pgemm") {
+                Some(super::gemm::PG_SMEM_MAX)
+            } else {
+                ring.map(|(nt, w)| xtc_smem(nt, w))
+            };
+            if let Some(bytes) = smem {
                 f.set_attribute(
                     cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    super::gemm::PG_SMEM_MAX as i32,
+                    bytes as i32,
                 )?;
             }
             m.insert(n, f);
@@ -616,8 +637,11 @@ impl CudaBackend {
                 let (nt, w) = tile_gemv(n, m);
                 let (gx, gy) = (n.div_ceil(TILE_ROWS * nt), m.div_ceil(TILE_OUTPUTS));
                 let grid = (gx as u32, gy.div_ceil(tile_rounds(gx * gy)) as u32, 1);
-                let cfg = LaunchConfig { grid_dim: grid, block_dim: (32 * w as u32, 1, 1), shared_mem_bytes: 0 };
-                (self.qk.of(&format!("gemvt{nt}{w}"), q.format), cfg)
+                // The cp.async form: Q8_0 with each row's scale pairs 4-byte aligned (k / 32 even).
+                let cp = self.tile_cp() && q.format == PackedFormat::Q8_0 && (k / blk).is_multiple_of(2);
+                let smem = if cp { xtc_smem(nt, w) as u32 } else { 0 };
+                let cfg = LaunchConfig { grid_dim: grid, block_dim: (32 * w as u32, 1, 1), shared_mem_bytes: smem };
+                (self.qk.of(&format!("{}{nt}{w}", if cp { "gemvtc" } else { "gemvt" }), q.format), cfg)
             } else if n == 1 && self.gemv4_fits(k, m / groups) {
                 let cfg = LaunchConfig { grid_dim: (m.div_ceil(Q_WARPS * 4) as u32, 1, 1), ..cfg };
                 (self.qk.of("gemv1x4", q.format), cfg)

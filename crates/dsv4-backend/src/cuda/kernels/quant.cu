@@ -1909,6 +1909,184 @@ __device__ __forceinline__ void tile_hint(const u8* const* w, const u8* const* s
     l2_hint((i & 1) ? scale_row(F, si, on, k) : wi + (long long)on * row_bytes(F, k), rows * rb);
 }
 
+// ---- The dense Q8_0 tiles on cp.async (PERF.md v29: xtile held a warp's chunks in registers,
+// 2 KB of weights a warp in flight during its loads and none while it decoded and waited on the
+// block's barrier; wq_b ran at ~1.2 TB/s on the H100). Each warp copies its batches (U chunk
+// slots of xtile's classes) into its own ring of XTC_ST stages in dynamic shared memory: the
+// weight codes of the tile's 16 rows, the 4-byte words holding their scales, the activation
+// rows' codes and scales. The next batch (of this tile, or of the block's next tile) is in flight
+// while this one is decoded and across the tile's barrier. The operations on the words and their
+// order are xtile's, so every value is the same.
+#ifndef XTC_ST
+#define XTC_ST 2  // stages a warp's ring
+#endif
+#define XTC_U 4  // chunk slots a stage
+
+// Bytes of one slot: the weight codes (16 rows × 32), the rows' scale words (16 × 4), the
+// activation codes (8·NT rows × 32) and scales (8·NT × 4).
+__host__ __device__ constexpr int xtc_slot(int nt) { return 512 + 64 + 32 * 8 * nt + 4 * 8 * nt; }
+
+__device__ __forceinline__ void xtc_cp16(const void* dst, const void* src) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void xtc_cp4(const void* dst, const void* src) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void xtc_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void xtc_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(XTC_ST - 1) : "memory"); }
+
+// gemvt_x8 for Q8_0 (k / 32 even: a scale pair's word is 4-byte aligned) with the dynamic shared
+// memory W·XTC_ST·XTC_U·xtc_slot(NT) bytes (the launcher's `xtc_smem`); red: W·16·8·NT floats.
+template <int NT, int W>
+__device__ void gemvt_cp(float* __restrict__ out, const signed char* __restrict__ xq, const float* __restrict__ xd,
+                         const u8* __restrict__ w, const u8* __restrict__ s, int n, int k, int m, int ldx, int rpg,
+                         float* red) {
+    extern __shared__ __align__(16) unsigned char xtc_ring[];
+    constexpr int NR = 8 * NT, U = XTC_U, SB = xtc_slot(NT);
+    constexpr int CW = 32 / W, CG0 = XT_CG < U ? XT_CG : U, CG = CG0 < CW ? CG0 : CW, UU = U / CG;
+    constexpr int PASSES = CW / CG, LV = PASSES >= 4 ? 2 : PASSES >= 2 ? 1 : 0;
+    static_assert(CW % CG == 0 && U % CG == 0 && PASSES <= 4, "a pass takes whole classes and whole chunk steps");
+    int wp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int r0 = blockIdx.x * NR, nrows = n - r0;
+    long long rb = row_bytes(F_Q8_0, k), hb = head_bytes(F_Q8_0, k);
+    unsigned char* ring = xtc_ring + wp * XTC_ST * U * SB;
+    const int nb = (k + 1024 * UU - 1) / (1024 * UU);  // batches a pass
+    const int ostep = gridDim.y * 16;
+    // The issue cursor: the next batch to copy (tile io, pass ip, batch ib) and its stage.
+    int io = blockIdx.y * 16, ip = 0, ib = 0, ist = 0;
+    auto issue = [&]() {
+        if (io < m) {
+            unsigned char* base = ring + ist * U * SB;
+            long long xoff = (long long)(io / rpg) * k;
+            const u8* wa = w + min(io + (lane >> 1), m - 1) * rb + 16 * (lane & 1);
+            const u8* sa = s + min(io + (lane & 15), m - 1) * hb;
+            long long xr = (long long)(r0 + min(lane >> 1, nrows - 1)) * ldx + xoff;
+            const signed char* xb = xq + xr + 16 * (lane & 1);
+            const float* db = xd + ((long long)(r0 + min(lane & (NR - 1), nrows - 1)) * ldx + xoff) / 32;
+#pragma unroll
+            for (int v = 0; v < U; v++) {
+                unsigned c = 32 * brev5(wp * CW + ip * CG + v % CG) + ib * 1024 * UU + 1024 * (v / CG);
+                if (c < (unsigned)k) {
+                    unsigned char* sl = base + v * SB;
+                    xtc_cp16(sl + 32 * (lane >> 1) + 16 * (lane & 1), wa + c);
+                    if (lane < 16) xtc_cp4(sl + 512 + 4 * lane, sa + 2 * ((c >> 5) & ~1u));
+                    if ((lane >> 1) < NR) xtc_cp16(sl + 576 + 32 * (lane >> 1) + 16 * (lane & 1), xb + c);
+                    if (lane < NR) xtc_cp4(sl + 576 + 32 * NR + 4 * lane, db + (c >> 5));
+                }
+            }
+            if (++ib == nb) {
+                ib = 0;
+                if (++ip == PASSES) ip = 0, io += ostep;
+            }
+        }
+        xtc_commit();  // (empty past the last tile: every wait counts the same groups)
+        ist = ist + 1 == XTC_ST ? 0 : ist + 1;
+    };
+#pragma unroll
+    for (int i = 0; i < XTC_ST - 1; i++) issue();
+    int cst = 0;  // the stage of the batch decoded next
+#pragma unroll 1
+    for (int o0 = blockIdx.y * 16; o0 < m; o0 += ostep) {
+        float stk[LV > 0 ? LV : 1][NT][4];
+        float sub[NT][4];
+#pragma unroll
+        for (int pass = 0; pass < PASSES; pass++) {
+            int tb = wp * CW + pass * CG;
+            unsigned cl[CG];
+            float acc[CG][NT][4];
+#pragma unroll
+            for (int q = 0; q < CG; q++) {
+                cl[q] = 32 * brev5(tb + q);
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) acc[q][j][e] = 0.f;
+            }
+#pragma unroll 1
+            for (int b = 0; b < nb; b++) {
+                issue();
+                xtc_wait();
+                __syncwarp();
+                const unsigned char* base = ring + cst * U * SB;
+                unsigned i0 = b * 1024 * UU;
+#pragma unroll
+                for (int v = 0; v < U; v++) {
+                    const int q = v % CG;
+                    unsigned c = cl[q] + i0 + 1024 * (v / CG);
+                    if (c >= (unsigned)k) continue;  // warp-uniform
+                    const unsigned char* sl = base + v * SB;
+                    // tdec's Q8_0 words of rows g and g + 8 (values 8t..8t+7) and their scales.
+                    uint2 a0 = *(const uint2*)(sl + 32 * g + 8 * t), a1 = *(const uint2*)(sl + 32 * (g + 8) + 8 * t);
+                    int sh = 16 * ((c >> 5) & 1);
+                    float d0 = h2f((u16)(*(const unsigned*)(sl + 512 + 4 * g) >> sh));
+                    float d1 = h2f((u16)(*(const unsigned*)(sl + 512 + 4 * (g + 8)) >> sh));
+#pragma unroll
+                    for (int j = 0; j < NT; j++) {
+                        uint2 bw = *(const uint2*)(sl + 576 + 32 * (8 * j + g) + 8 * t);
+                        const float* dxs = (const float*)(sl + 576 + 32 * NR) + 8 * j + 2 * t;
+                        float dx[2] = {dxs[0], dxs[1]};  // C's columns: rows 2t and 2t+1
+                        int is[4];
+                        mma_k32(is, a0.x, a1.x, a0.y, a1.y, bw.x, bw.y);
+#pragma unroll
+                        for (int e = 0; e < 4; e++)
+                            acc[q][j][e] = __fmaf_rn(__fmul_rn(e < 2 ? d0 : d1, dx[e & 1]), i2f_small(is[e]), acc[q][j][e]);
+                    }
+                }
+                __syncwarp();  // the stage is read before a later issue() overwrites it
+                cst = cst + 1 == XTC_ST ? 0 : cst + 1;
+            }
+            // The pass's classes, then the passes' binary counter: xtile's tree.
+#pragma unroll
+            for (int st = 1; st < CG; st *= 2)
+#pragma unroll
+                for (int q = 0; q < CG; q += 2 * st)
+#pragma unroll
+                    for (int j = 0; j < NT; j++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++) acc[q][j][e] = acc[q][j][e] + acc[q + st][j][e];
+            int l = 0;
+#pragma unroll
+            for (; l < LV; l++) {
+                if (!((pass >> l) & 1)) break;
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) acc[0][j][e] = stk[l][j][e] + acc[0][j][e];
+            }
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    if (pass == PASSES - 1) sub[j][e] = acc[0][j][e];
+                    else stk[l < LV ? l : 0][j][e] = acc[0][j][e];
+                }
+        }
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int oo = g + 8 * (e >> 1), rr = 8 * j + 2 * t + (e & 1);
+                red[(wp * 16 + oo) * NR + rr] = sub[j][e];
+            }
+        __syncthreads();
+        for (int i = threadIdx.x; i < 16 * NR; i += 32 * W) {
+            int oo = i / NR, rr = i % NR;
+            float a[W];
+#pragma unroll
+            for (int q = 0; q < W; q++) a[q] = red[(q * 16 + oo) * NR + rr];
+#pragma unroll
+            for (int st = 1; st < W; st *= 2)
+#pragma unroll
+                for (int q = 0; q < W; q += 2 * st) a[q] = a[q] + a[q + st];
+            if (o0 + oo < m && rr < nrows) out[(long long)(r0 + rr) * m + o0 + oo] = a[0];
+        }
+        __syncthreads();  // red is free again
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
 // out[r, o] for n rows on tensor-core tiles (see gemvn_x8: the same results); grid (row tiles of
 // 8·NT, output tiles of 16). rpg a multiple of 16 (a tile's outputs share their activations).
 template <int F, int NT, int W>
@@ -2021,6 +2199,20 @@ __device__ void moe_downt_x8(float* __restrict__ y, const signed char* __restric
         fill_tabs<F, false>();                                                                                        \
         gemvt_x8<F, NT, W>(out, xq, xd, w, s, n, k, m, ldx, rpg);                                                    \
     }
+
+// The cp.async dense tiles (Q8_0): gemvtc_{n}{w}_q8_0, the same arguments and grid as gemvt's.
+#define TILE_GEMV_CP(NT, W)                                                                                          \
+    extern "C" __global__ void TILE_BOUNDS(W) gemvtc##NT##W##_q8_0(                                                  \
+        float* out, const signed char* xq, const float* xd, const u8* w, const u8* s, int n, int k, int m, int ldx, \
+        int rpg) {                                                                                                   \
+        __shared__ float red[W * 16 * 8 * NT];                                                                       \
+        pdl_enter();                                                                                                 \
+        gemvt_cp<NT, W>(out, xq, xd, w, s, n, k, m, ldx, rpg, red);                                                 \
+    }
+TILE_GEMV_CP(1, 8)
+TILE_GEMV_CP(2, 8)
+TILE_GEMV_CP(1, 16)
+TILE_GEMV_CP(2, 16)
 
 #define TILE_KERNELS(F, N)                                                                                           \
     TILE_GEMV(F, N, 1, 8)                                                                                            \
