@@ -235,9 +235,9 @@ for part in $PARTS; do
         done
         ;;
     v29cp)
-        # PERF.md v29: the dense Q8_0 tiles on cp.async (gemvtc, the default) against registers
-        # (DSV4_TILE_CP=0): the bitwise checks (cuda_packed runs both), one batch-16 step under
-        # ncu each way (the gemvt lines), then the step A/B at batches 16 and 8.
+        # PERF.md v29: the dense Q8_0 tiles on cp.async (gemvtc, DSV4_TILE_CP=1) against registers
+        # (the default): the bitwise checks (cuda_packed runs both), one batch-16 step under ncu
+        # each way (the gemvt lines), then the step A/B at batches 16 and 8.
         t1 packed timeout 200 .devbin/tests/cuda_packed
         t1 invariance timeout 100 .devbin/tests/cuda_invariance
         for cp in 1 0; do
@@ -246,8 +246,8 @@ for part in $PARTS; do
             grep -E '^(gemvt|one step)' "$OUT/ncu-q2-16-cp$cp.txt" | head -8 >> "$S"
         done
         for b in 16 8; do
-            echo "4 q2 layers, batch $b (builtin: cp.async):" >> "$S"
-            LAYERS=4 BATCH=$b bash tools/device/ab_step.sh DSV4_TILE_CP=0 >> "$S" 2>&1
+            echo "4 q2 layers, batch $b:" >> "$S"
+            LAYERS=4 BATCH=$b bash tools/device/ab_step.sh DSV4_TILE_CP=1 >> "$S" 2>&1
         done
         ;;
     stalls)

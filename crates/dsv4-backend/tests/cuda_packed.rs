@@ -205,7 +205,7 @@ fn cuda_int8_products_match_the_twin() {
         // n-tile of 8, two of 8, several blocks of 16 rows): each row bitwise its twin, so a
         // row's result does not depend on the rows beside it.
         // The tiles (8 rows and more) both with their chunks staged by cp.async (Q8_0's
-        // `gemvtc`, the default) and held in registers (`gemvt`): `caps` picks the second.
+        // `gemvtc`) and held in registers (`gemvt`, the default): `caps` picks the second.
         let sizes = [1, 2, 3, 4, 8, 15, 33];
         for (n, caps) in sizes
             .into_iter()
@@ -238,9 +238,9 @@ fn cuda_int8_products_match_the_twin() {
             assert!(e <= 2e-2, "int8 {} vs exact: {e:.2e}", format.name());
         }
         b.set_row_caps(false);
-        b.set_tile_cp(true);
-        // The grouped projection (wo_a's shape): two groups of 32 outputs, each over its own k
-        // inputs; tiles of 16 outputs never straddle the groups.
+        b.set_tile_cp(true); // the grouped projection below on the cp.async tiles too
+                             // The grouped projection (wo_a's shape): two groups of 32 outputs, each over its own k
+                             // inputs; tiles of 16 outputs never straddle the groups.
         if k == 512 {
             let pg = random_packed(format, 64, k, 60 + fi as u64);
             let wg = b.upload(host("layers.0.attn.wo_a.weight", 64, k, &pg)).unwrap();
@@ -261,6 +261,7 @@ fn cuda_int8_products_match_the_twin() {
                 }
             }
         }
+        b.set_tile_cp(false);
         // A product on an RMSNorm's output reuses the int8 codes the norm wrote beside it: bitwise
         // the product on a copy of the norm's values (quantised by the product itself).
         for n in [1, 3] {

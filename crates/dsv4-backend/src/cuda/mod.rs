@@ -1021,7 +1021,7 @@ impl CudaBackend {
 
     /// Whether the dense Q8_0 tiles copy their chunks into shared memory by cp.async
     /// (`gemvtc`, PERF.md v29) or load them into registers (`gemvt`): the same sums either way.
-    /// Starts at `DSV4_TILE_CP` (on unless 0).
+    /// Starts at `DSV4_TILE_CP` (off unless 1: measured 6 % slower on the H100, PERF.md v29).
     pub fn set_tile_cp(&self, on: bool) {
         self.tile_cp.store(on, std::sync::atomic::Ordering::Relaxed);
         self.bump_settings();
@@ -1238,9 +1238,7 @@ impl CudaBackend {
             int8: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_INT8").map_or(true, |v| v.trim() != "0")),
             x8_rows: std::sync::atomic::AtomicUsize::new(quant::qgemv_rows_env()),
             x8_tiles: std::sync::atomic::AtomicU8::new(quant::X8Tiles::from_env() as u8),
-            tile_cp: std::sync::atomic::AtomicBool::new(
-                std::env::var("DSV4_TILE_CP").map_or(true, |v| v.trim() != "0"),
-            ),
+            tile_cp: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_TILE_CP").is_ok_and(|v| v.trim() == "1")),
             attention_tc: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_ATT_TC").map_or(true, |v| v.trim() != "0"),
             ),
