@@ -1682,6 +1682,83 @@ __device__ __forceinline__ void keep_reg(T*& p) {
 #endif
 }
 
+// The tiles' class tree (xtile, gemvt_cp). A warp's pass ends with its CG class sums acc[0..CG]
+// (consecutive t from a multiple of CG: a subtree): they are added in the tree, then pushed as
+// leaf `pass` of the passes' tree, a binary counter over stk; after the last pass, sub holds the
+// warp's subtree sum. pass is a constant where this is inlined (an unrolled loop), so every
+// branch and index is resolved at compile time.
+template <int CG, int P, int NT, int PASSES, int LV>
+__device__ __forceinline__ void tile_push(float (&acc)[CG][P][NT][4], float (&stk)[LV > 0 ? LV : 1][P][NT][4],
+                                          float (&sub)[P][NT][4], int pass) {
+#pragma unroll
+    for (int st = 1; st < CG; st *= 2)
+#pragma unroll
+        for (int q = 0; q < CG; q += 2 * st)
+#pragma unroll
+            for (int p = 0; p < P; p++)
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) acc[q][p][j][e] = acc[q][p][j][e] + acc[q + st][p][j][e];
+    int l = 0;
+#pragma unroll
+    for (; l < LV; l++) {
+        if (!((pass >> l) & 1)) break;
+#pragma unroll
+        for (int p = 0; p < P; p++)
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[0][p][j][e] = stk[l][p][j][e] + acc[0][p][j][e];
+    }
+#pragma unroll
+    for (int p = 0; p < P; p++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                if (pass == PASSES - 1) sub[p][j][e] = acc[0][p][j][e];
+                else stk[l < LV ? l : 0][p][j][e] = acc[0][p][j][e];
+            }
+}
+
+// Then the block's W warps' subtree sums (in class order) through red (W·P·16·8·NT floats) in
+// the tree: neighbours, pairs of pairs, ...; store(o, r, v) gets v[0..P] of every output o < m
+// and tile row r < nrows, from one thread. Every thread of the block calls it (barriers).
+template <int P, int NT, int W, typename ST>
+__device__ __forceinline__ void tile_reduce(const float (&sub)[P][NT][4], float* red, int o0, int m, int nrows,
+                                            ST store) {
+    constexpr int NR = 8 * NT;
+    int wp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int p = 0; p < P; p++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int oo = g + 8 * (e >> 1), rr = 8 * j + 2 * t + (e & 1);
+                red[((wp * P + p) * 16 + oo) * NR + rr] = sub[p][j][e];
+            }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 16 * NR; i += 32 * W) {
+        int oo = i / NR, rr = i % NR;
+        float v[P];
+#pragma unroll
+        for (int p = 0; p < P; p++) {
+            float a[W];
+#pragma unroll
+            for (int q = 0; q < W; q++) a[q] = red[((q * P + p) * 16 + oo) * NR + rr];
+#pragma unroll
+            for (int st = 1; st < W; st *= 2)
+#pragma unroll
+                for (int q = 0; q < W; q += 2 * st) a[q] = a[q] + a[q + st];
+            v[p] = a[0];
+        }
+        if (o0 + oo < m && rr < nrows) store(o0 + oo, rr, v);
+    }
+    __syncthreads();  // red is free again
+}
+
 // The 16-output tile at o0 (outputs past m: the last row again, not stored) of P weight matrices
 // (codes w[p], heads s[p], k values a row) against the same 8·NT activation rows. xrow(r, q, d)
 // gives tile row r's int8 codes and block scales (r < nrows: a row past the tile's live rows
@@ -1829,68 +1906,9 @@ __device__ __forceinline__ void xtile(const u8* const* w, const u8* const* s, in
                 }
             }
         }
-        // The pass's CG classes (consecutive t from a multiple of CG: a subtree) in the tree.
-#pragma unroll
-        for (int st = 1; st < CG; st *= 2)
-#pragma unroll
-            for (int q = 0; q < CG; q += 2 * st)
-#pragma unroll
-                for (int p = 0; p < P; p++)
-#pragma unroll
-                    for (int j = 0; j < NT; j++)
-#pragma unroll
-                        for (int e = 0; e < 4; e++) acc[q][p][j][e] = acc[q][p][j][e] + acc[q + st][p][j][e];
-        // Then pass `pass` as leaf `pass` of the passes' tree: a binary counter (pass is a
-        // constant here, so every branch and index below is resolved at compile time).
-        int l = 0;
-#pragma unroll
-        for (; l < LV; l++) {
-            if (!((pass >> l) & 1)) break;
-#pragma unroll
-            for (int p = 0; p < P; p++)
-#pragma unroll
-                for (int j = 0; j < NT; j++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) acc[0][p][j][e] = stk[l][p][j][e] + acc[0][p][j][e];
-        }
-#pragma unroll
-        for (int p = 0; p < P; p++)
-#pragma unroll
-            for (int j = 0; j < NT; j++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    if (pass == PASSES - 1) sub[p][j][e] = acc[0][p][j][e];
-                    else stk[l < LV ? l : 0][p][j][e] = acc[0][p][j][e];
-                }
+        tile_push<CG, P, NT, PASSES, LV>(acc, stk, sub, pass);
     }
-#pragma unroll
-    for (int p = 0; p < P; p++)
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int oo = g + 8 * (e >> 1), rr = 8 * j + 2 * t + (e & 1);
-                red[((wp * P + p) * 16 + oo) * NR + rr] = sub[p][j][e];
-            }
-    __syncthreads();
-    // The W subtree sums (in class order) in the tree: neighbours, pairs of pairs, ...
-    for (int i = threadIdx.x; i < 16 * NR; i += 32 * W) {
-        int oo = i / NR, rr = i % NR;
-        float v[P];
-#pragma unroll
-        for (int p = 0; p < P; p++) {
-            float a[W];
-#pragma unroll
-            for (int q = 0; q < W; q++) a[q] = red[((q * P + p) * 16 + oo) * NR + rr];
-#pragma unroll
-            for (int st = 1; st < W; st *= 2)
-#pragma unroll
-                for (int q = 0; q < W; q += 2 * st) a[q] = a[q] + a[q + st];
-            v[p] = a[0];
-        }
-        if (o0 + oo < m && rr < nrows) store(o0 + oo, rr, v);
-    }
-    __syncthreads();  // red is free again
+    tile_reduce<P, NT, W>(sub, red, o0, m, nrows, store);
 }
 
 // With rounds (DSV4_TILE_ROUNDS): a block's next output tile, rows on .. on + 16 of each of the
@@ -1989,20 +2007,20 @@ __device__ void gemvt_cp(float* __restrict__ out, const signed char* __restrict_
     int cst = 0;  // the stage of the batch decoded next
 #pragma unroll 1
     for (int o0 = blockIdx.y * 16; o0 < m; o0 += ostep) {
-        float stk[LV > 0 ? LV : 1][NT][4];
-        float sub[NT][4];
+        float stk[LV > 0 ? LV : 1][1][NT][4];
+        float sub[1][NT][4];
 #pragma unroll
         for (int pass = 0; pass < PASSES; pass++) {
             int tb = wp * CW + pass * CG;
             unsigned cl[CG];
-            float acc[CG][NT][4];
+            float acc[CG][1][NT][4];
 #pragma unroll
             for (int q = 0; q < CG; q++) {
                 cl[q] = 32 * brev5(tb + q);
 #pragma unroll
                 for (int j = 0; j < NT; j++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++) acc[q][j][e] = 0.f;
+                    for (int e = 0; e < 4; e++) acc[q][0][j][e] = 0.f;
             }
 #pragma unroll 1
             for (int b = 0; b < nb; b++) {
@@ -2031,58 +2049,17 @@ __device__ void gemvt_cp(float* __restrict__ out, const signed char* __restrict_
                         mma_k32(is, a0.x, a1.x, a0.y, a1.y, bw.x, bw.y);
 #pragma unroll
                         for (int e = 0; e < 4; e++)
-                            acc[q][j][e] = __fmaf_rn(__fmul_rn(e < 2 ? d0 : d1, dx[e & 1]), i2f_small(is[e]), acc[q][j][e]);
+                            acc[q][0][j][e] =
+                                __fmaf_rn(__fmul_rn(e < 2 ? d0 : d1, dx[e & 1]), i2f_small(is[e]), acc[q][0][j][e]);
                     }
                 }
                 __syncwarp();  // the stage is read before a later issue() overwrites it
                 cst = cst + 1 == XTC_ST ? 0 : cst + 1;
             }
-            // The pass's classes, then the passes' binary counter: xtile's tree.
-#pragma unroll
-            for (int st = 1; st < CG; st *= 2)
-#pragma unroll
-                for (int q = 0; q < CG; q += 2 * st)
-#pragma unroll
-                    for (int j = 0; j < NT; j++)
-#pragma unroll
-                        for (int e = 0; e < 4; e++) acc[q][j][e] = acc[q][j][e] + acc[q + st][j][e];
-            int l = 0;
-#pragma unroll
-            for (; l < LV; l++) {
-                if (!((pass >> l) & 1)) break;
-#pragma unroll
-                for (int j = 0; j < NT; j++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) acc[0][j][e] = stk[l][j][e] + acc[0][j][e];
-            }
-#pragma unroll
-            for (int j = 0; j < NT; j++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    if (pass == PASSES - 1) sub[j][e] = acc[0][j][e];
-                    else stk[l < LV ? l : 0][j][e] = acc[0][j][e];
-                }
+            tile_push<CG, 1, NT, PASSES, LV>(acc, stk, sub, pass);
         }
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int oo = g + 8 * (e >> 1), rr = 8 * j + 2 * t + (e & 1);
-                red[(wp * 16 + oo) * NR + rr] = sub[j][e];
-            }
-        __syncthreads();
-        for (int i = threadIdx.x; i < 16 * NR; i += 32 * W) {
-            int oo = i / NR, rr = i % NR;
-            float a[W];
-#pragma unroll
-            for (int q = 0; q < W; q++) a[q] = red[(q * 16 + oo) * NR + rr];
-#pragma unroll
-            for (int st = 1; st < W; st *= 2)
-#pragma unroll
-                for (int q = 0; q < W; q += 2 * st) a[q] = a[q] + a[q + st];
-            if (o0 + oo < m && rr < nrows) out[(long long)(r0 + rr) * m + o0 + oo] = a[0];
-        }
-        __syncthreads();  // red is free again
+        tile_reduce<1, NT, W>(sub, red, o0, m, nrows,
+                              [&](int o, int r, const float* v) { out[(long long)(r0 + r) * m + o] = v[0]; });
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
 }
