@@ -11,7 +11,7 @@
 # software-pipelined one-row int8 kernels: bitwise checks; A/Bs at 4 and 43 layers), prof16
 # (a batch-16 step's kernels under ncu), stalls (ncu's stall reasons of the slow kernels at
 # batches 64 / 16 / 1), v28 (PERF.md v28's open questions: the IQ2_XXS selectors' copies,
-# XT_CG, tile rounds with L2 hints), v29 (the dense tiles' blocks an SM under ncu), v29cp (the dense Q8_0 tiles on cp.async: checks, ncu, A/B), flash-served (43 q2 layers in serve's exact mode),
+# XT_CG, tile rounds with L2 hints), v29 (the dense tiles' blocks an SM under ncu), v29cp (the dense Q8_0 tiles on cp.async: checks, ncu, A/B), b64ab (batch 64's products on the int8 tiles), flash-served (43 q2 layers in serve's exact mode),
 # flash-bf16 (4 bf16 layers), prefill (issue 12's prefill figures and a stage profile), hf (HF
 # transformers' prefill beside dsv4's), serve (bench_serve at 1 / 16 / 64). Writes each part's
 # output
@@ -249,6 +249,15 @@ for part in $PARTS; do
             echo "4 q2 layers, batch $b:" >> "$S"
             LAYERS=4 BATCH=$b bash tools/device/ab_step.sh DSV4_TILE_CP=1 >> "$S" 2>&1
         done
+        ;;
+    b64ab)
+        # PERF.md "Next (after v29)": batch 64's products on other paths, one 4-layer step each,
+        # two passes: the dense products on the int8 tiles instead of prefill's bf16 pgemm64
+        # (DSV4_X8_MAX_ROWS=64: 4 row tiles of 16 read each weight from L2 after the first) and
+        # the routed experts on the int8 tiles too (DSV4_X8_TILES=all).
+        echo "4 q2 layers, batch 64:" >> "$S"
+        EXTRA="--reserve 64x4096 --decode-fill clone" LAYERS=4 BATCH=64 bash tools/device/ab_step.sh \
+            DSV4_X8_MAX_ROWS=64 DSV4_X8_MAX_ROWS=64+DSV4_X8_TILES=all >> "$S" 2>&1
         ;;
     stalls)
         # Why the slow kernels of batches 16, 64 and 1 are slow (tools/device/ncu_stalls.sh), and
