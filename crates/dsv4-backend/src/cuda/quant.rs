@@ -682,6 +682,10 @@ impl CudaBackend {
             }
             // SAFETY: argument types and buffer sizes match the kernel; xq holds the rows'
             // codes (16-byte aligned: a fresh allocation, rows and chunks of multiples of 32).
+            // gemvtc's 16- and 4-byte cp.async copies read the codes and scales from their own
+            // allocations, rows of k (a multiple of 32) and k / 16 bytes (k / 32 even: a multiple
+            // of 4), and the launch carries the ring `xtc_smem` sizes, its function attribute set
+            // at load.
             ck(
                 unsafe {
                     self.stream
