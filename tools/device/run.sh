@@ -11,7 +11,7 @@
 # software-pipelined one-row int8 kernels: bitwise checks; A/Bs at 4 and 43 layers), prof16
 # (a batch-16 step's kernels under ncu), stalls (ncu's stall reasons of the slow kernels at
 # batches 64 / 16 / 1), v28 (PERF.md v28's open questions: the IQ2_XXS selectors' copies,
-# XT_CG, tile rounds with L2 hints), v29 (the dense tiles' blocks an SM under ncu), v29cp (the dense Q8_0 tiles on cp.async: checks, ncu, A/B), b64ab (batch 64's products on the int8 tiles), flash-served (43 q2 layers in serve's exact mode),
+# XT_CG, tile rounds with L2 hints), v29 (the dense tiles' blocks an SM under ncu), v29cp (the dense Q8_0 tiles on cp.async: checks, ncu, A/B), v30 (HC_PRE's pole; per-instruction stall samples), v30xs (expert activations staged in shared memory), v30pre (moe_upx's table after its first loads), v30sink (the Sinkhorn's dummy lanes), b64ab (batch 64's products on the int8 tiles), flash-served (43 q2 layers in serve's exact mode),
 # flash-bf16 (4 bf16 layers), prefill (issue 12's prefill figures and a stage profile), hf (HF
 # transformers' prefill beside dsv4's), serve (bench_serve at 1 / 16 / 64). Writes each part's
 # output
@@ -248,6 +248,83 @@ for part in $PARTS; do
         for b in 16 8; do
             echo "4 q2 layers, batch $b:" >> "$S"
             LAYERS=4 BATCH=$b bash tools/device/ab_step.sh DSV4_TILE_CP=1 >> "$S" 2>&1
+        done
+        ;;
+    v30)
+        # PERF.md v30: HC_PRE's apply at batch 1 (which block is its pole: sink1 runs one Sinkhorn
+        # iteration, norm0 skips block 0's mix and norm; both timing probes with wrong values,
+        # from `variants.sh`), then where the warps of hc_pre_apply_norm, moe_up1s (batch 1)
+        # and moe_upx (batch 16) wait, instruction by instruction (ncu_source.sh).
+        for v in builtin sink1 norm0; do
+            E=()
+            [ $v = builtin ] || E=("DSV4_CUDA_KERNELS=$PWD/.devbin/kvar/$v")
+            env "${E[@]}" CTX=4096 TAG=-$v bash tools/device/profile.sh 4 q2 1 > /dev/null 2>&1
+            echo "ncu, 4 q2 layers at context 4096, batch 1, $v:" >> "$S"
+            grep -E '^(hc_|one step)' "$OUT/ncu-q2-1-$v.txt" | head -8 >> "$S"
+        done
+        TAG=-hc BATCH=1 bash tools/device/ncu_source.sh hc_pre_apply_norm 4 1 > /dev/null 2>&1
+        TAG=-up1s BATCH=1 bash tools/device/ncu_source.sh moe_up1s 4 1 > /dev/null 2>&1
+        TAG=-upx BATCH=16 bash tools/device/ncu_source.sh moe_upx 4 1 > /dev/null 2>&1
+        for t in 1-hc 1-up1s 16-upx; do head -12 "$OUT/source-$t.txt" >> "$S"; done
+        ;;
+    v30xs)
+        # PERF.md v30: the several-row expert kernels with their activation rows staged in shared
+        # memory (kernel directory xs from `variants.sh xs=patch:tools/device/patches/v30-xs.diff`,
+        # measured slower and not kept): the bitwise checks, the experts' ncu lines at batch 16,
+        # the step A/B at 16, 64, 8.
+        X=${XS:-.devbin/kvar/xs}
+        t1 packed env DSV4_CUDA_KERNELS=$PWD/$X timeout 200 .devbin/tests/cuda_packed
+        t1 invariance env DSV4_CUDA_KERNELS=$PWD/$X timeout 100 .devbin/tests/cuda_invariance
+        for v in builtin xs; do
+            E=()
+            [ $v = builtin ] || E=("DSV4_CUDA_KERNELS=$PWD/$X")
+            env "${E[@]}" CTX=4096 TAG=-$v bash tools/device/profile.sh 4 q2 16 > /dev/null 2>&1
+            echo "ncu, 4 q2 layers at context 4096, batch 16, $v:" >> "$S"
+            grep -E '^(moe_|one step)' "$OUT/ncu-q2-16-$v.txt" | head -6 >> "$S"
+        done
+        for b in 16 64 8; do
+            echo "4 q2 layers, batch $b:" >> "$S"
+            E=""
+            [ $b = 64 ] && E="--reserve 64x4096 --decode-fill clone"
+            EXTRA="$E" LAYERS=4 BATCH=$b bash tools/device/ab_step.sh $X >> "$S" 2>&1
+        done
+        ;;
+    v30pre)
+        # PERF.md v30: moe_upx's table filled after its first weight loads (pre3: the loads'
+        # DRAM trip before the table's L2 trip and barrier; pre2: the same with 2 blocks an SM,
+        # no spills) and upb2 (2 blocks an SM alone), kernel directories from `variants.sh
+        # V=patch:tools/device/patches/v30-V.diff` (none kept): pre2's bitwise checks, the
+        # experts' ncu lines at batch 16, the step A/B at 16 and 64.
+        t1 packed env DSV4_CUDA_KERNELS=$PWD/.devbin/kvar/pre2 timeout 200 .devbin/tests/cuda_packed
+        t1 invariance env DSV4_CUDA_KERNELS=$PWD/.devbin/kvar/pre2 timeout 100 .devbin/tests/cuda_invariance
+        for v in builtin upb2 pre3 pre2; do
+            E=()
+            [ $v = builtin ] || E=("DSV4_CUDA_KERNELS=$PWD/.devbin/kvar/$v")
+            env "${E[@]}" CTX=4096 TAG=-$v bash tools/device/profile.sh 4 q2 16 > /dev/null 2>&1
+            echo "ncu, 4 q2 layers at context 4096, batch 16, $v: $(grep -E '^(moe_upx|one step)' "$OUT/ncu-q2-16-$v.txt" | tr -s ' ' | tr '\n' ';')" >> "$S"
+        done
+        for b in 16 64; do
+            echo "4 q2 layers, batch $b:" >> "$S"
+            E=""
+            [ $b = 64 ] && E="--reserve 64x4096 --decode-fill clone"
+            EXTRA="$E" LAYERS=4 BATCH=$b bash tools/device/ab_step.sh .devbin/kvar/upb2 .devbin/kvar/pre3 .devbin/kvar/pre2 >> "$S" 2>&1
+        done
+        ;;
+    v30sink)
+        # PERF.md v30: the Sinkhorn's dummy lanes divide 1, not 0 (kernel directory sinkfix: the
+        # fix's hc.cu, `variants.sh sinkfix=<fix>:hc.cu`, beside binaries without it): the HC
+        # checks, then batch 1's HC kernels under ncu and the step A/B at batches 1 and 16.
+        K=.devbin/kvar/${SINK:-sinkfix}
+        t1 packed-hc env DSV4_CUDA_KERNELS=$PWD/$K timeout 100 .devbin/tests/cuda_packed hc
+        for v in builtin sinkfix; do
+            E=()
+            [ $v = builtin ] || E=("DSV4_CUDA_KERNELS=$PWD/$K")
+            env "${E[@]}" CTX=4096 TAG=-$v bash tools/device/profile.sh 4 q2 1 > /dev/null 2>&1
+            echo "ncu, 4 q2 layers at context 4096, batch 1, $v: $(grep -E '^(hc_pre_apply_norm|one step)' "$OUT/ncu-q2-1-$v.txt" | tr -s ' ' | tr '\n' ';')" >> "$S"
+        done
+        for b in 1 16; do
+            echo "4 q2 layers, batch $b:" >> "$S"
+            LAYERS=4 BATCH=$b bash tools/device/ab_step.sh $K >> "$S" 2>&1
         done
         ;;
     b64ab)
