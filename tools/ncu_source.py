@@ -60,10 +60,18 @@ def main(path):
         reasons = [i for i, h in enumerate(head) if h.startswith("stall_") or "Stall" in h and i not in (samp,)]
         print(f"== {title}")
         print(f"columns: {len(head)}; rows: {len(data)}; samples column: {head[samp] if samp is not None else None}")
+        tot = sum(num(r[samp]) or 0 for r in data) if samp is not None else 0
+        # What v30 found by hand: slow-path calls taken (CALL.REL executed) and local memory
+        # (spills, indexed arrays) executed, with their samples.
+        for tag, ops in (("calls executed", ("CALL",)), ("local memory executed", ("STL", "LDL"))):
+            hits = [r for r in data
+                    if any(o in r[src].split()[:2] for o in ops) or any(t.startswith(ops) for t in r[src].split()[:2])]
+            n = sum((num(r[exe]) or 0) for r in hits) if exe is not None else 0
+            smp = sum((num(r[samp]) or 0) for r in hits) if samp is not None else 0
+            print(f"{tag}: {n:.0f} warp instructions, {smp:.0f} samples ({smp / max(tot, 1):.1%} of the samples)")
         if samp is None:
             print("  headers:", ", ".join(head[:60]))
             continue
-        tot = sum(num(r[samp]) or 0 for r in data)
         tex = sum(num(r[exe]) or 0 for r in data) if exe is not None else 0
         print(f"samples {tot:.0f}, warp instructions executed {tex:.0f}")
         by_op = Counter()

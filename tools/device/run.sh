@@ -11,7 +11,7 @@
 # software-pipelined one-row int8 kernels: bitwise checks; A/Bs at 4 and 43 layers), prof16
 # (a batch-16 step's kernels under ncu), stalls (ncu's stall reasons of the slow kernels at
 # batches 64 / 16 / 1), v28 (PERF.md v28's open questions: the IQ2_XXS selectors' copies,
-# XT_CG, tile rounds with L2 hints), v29 (the dense tiles' blocks an SM under ncu), v29cp (the dense Q8_0 tiles on cp.async: checks, ncu, A/B), v30 (HC_PRE's pole; per-instruction stall samples), v30xs (expert activations staged in shared memory), v30pre (moe_upx's table after its first loads), v30sink (the Sinkhorn's dummy lanes), b64ab (batch 64's products on the int8 tiles), flash-served (43 q2 layers in serve's exact mode),
+# XT_CG, tile rounds with L2 hints), v29 (the dense tiles' blocks an SM under ncu), v29cp (the dense Q8_0 tiles on cp.async: checks, ncu, A/B), v30 (HC_PRE's pole; per-instruction stall samples), v30xs (expert activations staged in shared memory), v30pre (moe_upx's table after its first loads), v30sink (the Sinkhorn's dummy lanes), srcall (every kernel's slow-path calls and local memory, ncu source counters), b64ab (batch 64's products on the int8 tiles), flash-served (43 q2 layers in serve's exact mode),
 # flash-bf16 (4 bf16 layers), prefill (issue 12's prefill figures and a stage profile), hf (HF
 # transformers' prefill beside dsv4's), serve (bench_serve at 1 / 16 / 64). Writes each part's
 # output
@@ -326,6 +326,14 @@ for part in $PARTS; do
             echo "4 q2 layers, batch $b:" >> "$S"
             LAYERS=4 BATCH=$b bash tools/device/ab_step.sh $K >> "$S" 2>&1
         done
+        ;;
+    srcall)
+        # PERF.md "Next (after v30)" item 2: every kernel of one batch-1 step under ncu's source
+        # counters (ncu_source.sh), a line each: slow-path calls and local memory executed.
+        TAG=-all BATCH=${SRC_BATCH:-1} bash tools/device/ncu_source.sh . 4 120 > /dev/null 2>&1
+        echo "ncu source counters, one batch-${SRC_BATCH:-1} step (kernel; calls; local memory):" >> "$S"
+        grep -E '^== |^calls executed|^local memory executed' "$OUT/source-${SRC_BATCH:-1}-all.txt" | paste -d' ' - - - \
+            | sed 's/== Kernel Name //' | sort | uniq -c | head -60 >> "$S"
         ;;
     b64ab)
         # PERF.md "Next (after v29)": batch 64's products on other paths, one 4-layer step each,
