@@ -12,12 +12,7 @@ mkdir -p "$OUT"
 RE=$1 L=${2:-4} C=${3:-1} CTX=${CTX:-4096} BS=${BATCH:-1} TAG=${TAG:-}
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 R=/tmp/source-$BS$TAG
-DSV4_PROFILE_CAPTURE=1 timeout 300 "$NCU" --profile-from-start off --graph-profiling node --set full \
-    --import-source no --clock-control none --cache-control none -k "regex:$RE" -c "$C" -f -o "$R" \
-    .devbin/dsv4 bench --backend cuda --synthetic flash --layers "$L" --weights q2 --contexts '' \
-    --decode-batches "$BS" --decode-context "$CTX" --decode-tokens 1 ${EXTRA:-} > /tmp/source.out 2> /tmp/source.err
-echo "ncu: exit $?"
-tail -3 /tmp/source.err
+BATCH=$BS CTX=$CTX bash tools/device/ncu_full.sh "$RE" "$L" "$C" "$R" --import-source no
 "$NCU" -i "$R.ncu-rep" --page source --csv --print-source sass > "$R.csv" 2> "$R.err"
 echo "source page: exit $? ($(wc -l < "$R.csv") lines)"
 head -3 "$R.err"

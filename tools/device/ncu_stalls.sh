@@ -14,12 +14,7 @@ mkdir -p "$OUT"
 RE=$1 L=${2:-4} C=${3:-4} CTX=${CTX:-4096} BS=${BATCH:-1} TAG=${TAG:-}
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 R=/tmp/stalls-$BS$TAG
-DSV4_PROFILE_CAPTURE=1 timeout 300 "$NCU" --profile-from-start off --graph-profiling node --set full \
-    --clock-control none --cache-control none -k "regex:$RE" -c "$C" -f -o "$R" \
-    .devbin/dsv4 bench --backend cuda --synthetic flash --layers "$L" --weights q2 --contexts '' \
-    --decode-batches "$BS" --decode-context "$CTX" --decode-tokens 1 ${EXTRA:-} > /tmp/stalls.out 2> /tmp/stalls.err
-echo "ncu: exit $?"
-tail -3 /tmp/stalls.err
+BATCH=$BS CTX=$CTX bash tools/device/ncu_full.sh "$RE" "$L" "$C" "$R"
 "$NCU" -i "$R.ncu-rep" --page raw --csv --print-units base > "$R.csv" 2> /dev/null
 cp "$R.csv" "$OUT/stalls-$BS$TAG.csv"
 python3 tools/ncu_stalls.py "$R.csv" > "$OUT/stalls-$BS$TAG.txt"

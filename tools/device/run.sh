@@ -11,7 +11,7 @@
 # software-pipelined one-row int8 kernels: bitwise checks; A/Bs at 4 and 43 layers), prof16
 # (a batch-16 step's kernels under ncu), stalls (ncu's stall reasons of the slow kernels at
 # batches 64 / 16 / 1), v28 (PERF.md v28's open questions: the IQ2_XXS selectors' copies,
-# XT_CG, tile rounds with L2 hints), v29 (the dense tiles' blocks an SM under ncu), v29cp (the dense Q8_0 tiles on cp.async: checks, ncu, A/B), v30 (HC_PRE's pole; per-instruction stall samples), v30xs (expert activations staged in shared memory), v30pre (moe_upx's table after its first loads), v30sink (the Sinkhorn's dummy lanes), srcall (every kernel's slow-path calls and local memory, ncu source counters), b64ab (batch 64's products on the int8 tiles), flash-served (43 q2 layers in serve's exact mode),
+# XT_CG, tile rounds with L2 hints), v29 (the dense tiles' blocks an SM under ncu), v29cp (the dense Q8_0 tiles on cp.async: checks, ncu, A/B), v30 (HC_PRE's pole; per-instruction stall samples), v30xs (expert activations staged in shared memory), v30pre (moe_upx's table after its first loads), v30sink (the Sinkhorn's dummy lanes), v31 (two pending kernel patches), srcall (every kernel's slow-path calls and local memory, ncu source counters), b64ab (batch 64's products on the int8 tiles), flash-served (43 q2 layers in serve's exact mode),
 # flash-bf16 (4 bf16 layers), prefill (issue 12's prefill figures and a stage profile), hf (HF
 # transformers' prefill beside dsv4's), serve (bench_serve at 1 / 16 / 64). Writes each part's
 # output
@@ -30,6 +30,28 @@ t1() {  # NAME [ENV...] BINARY [FILTER]: one test binary, its result into the su
     env "$@" --test-threads 1 > "$OUT/test-$name.txt" 2>&1
     echo "test $name: exit $? $(grep -E '^test result' "$OUT/test-$name.txt" | tail -1)" >> "$S"
     grep -E -A3 '^test .*FAILED|panicked' "$OUT/test-$name.txt" | head -12 >> "$S"
+}
+ncu_each() {  # BATCH REGEX VARIANT...: one 4-layer step under ncu with each kernel directory
+    # (.devbin/kvar/VARIANT; builtin: none), the kernels matching REGEX into the summary
+    local b=$1 re=$2 v
+    shift 2
+    for v in "$@"; do
+        local E=()
+        [ "$v" = builtin ] || E=("DSV4_CUDA_KERNELS=$PWD/.devbin/kvar/$v")
+        env "${E[@]}" CTX=4096 TAG=-$v bash tools/device/profile.sh 4 q2 "$b" > /dev/null 2>&1
+        echo "ncu, 4 q2 layers at context 4096, batch $b, $v: $(grep -E "^($re|one step)" "$OUT/ncu-q2-$b-$v.txt" \
+            | head -8 | tr -s ' ' | tr '\n' ';')" >> "$S"
+    done
+}
+ab_each() {  # BATCHES VARIANT...: the 4-layer step A/B (ab_step.sh) at each of the comma-separated batches
+    local bs=$1 b
+    shift
+    for b in ${bs//,/ }; do
+        echo "4 q2 layers, batch $b:" >> "$S"
+        local E=""
+        [ "$b" = 64 ] && E="--reserve 64x4096 --decode-fill clone"
+        EXTRA="$E" LAYERS=4 BATCH=$b bash tools/device/ab_step.sh "$@" >> "$S" 2>&1
+    done
 }
 for part in $PARTS; do
     case $part in
@@ -226,13 +248,7 @@ for part in $PARTS; do
         # `variants.sh "xtu2=sed:quant.cu:s/xtile<F, NT, 1, W, 4>(/xtile<F, NT, 1, W, 2>(/"
         # "xtu2w24=sed:quant.cu:s/xtile<F, NT, 1, W, 4>(/xtile<F, NT, 1, W, 2>(/;s/define
         # TILE_WARPS_SM 0/define TILE_WARPS_SM 24/"`: the gemvt lines of each.
-        for v in builtin xtu2 xtu2w24; do
-            E=()
-            [ $v = builtin ] || E=("DSV4_CUDA_KERNELS=$PWD/.devbin/kvar/$v")
-            env "${E[@]}" CTX=4096 TAG=-$v bash tools/device/profile.sh 4 q2 16 > /dev/null 2>&1
-            echo "ncu, 4 q2 layers at context 4096, batch 16, $v:" >> "$S"
-            grep -E '^(gemvt|one step)' "$OUT/ncu-q2-16-$v.txt" | head -6 >> "$S"
-        done
+        ncu_each 16 gemvt builtin xtu2 xtu2w24
         ;;
     v29cp)
         # PERF.md v29: the dense Q8_0 tiles on cp.async (gemvtc, DSV4_TILE_CP=1) against registers
@@ -255,13 +271,7 @@ for part in $PARTS; do
         # iteration, norm0 skips block 0's mix and norm; both timing probes with wrong values,
         # from `variants.sh`), then where the warps of hc_pre_apply_norm, moe_up1s (batch 1)
         # and moe_upx (batch 16) wait, instruction by instruction (ncu_source.sh).
-        for v in builtin sink1 norm0; do
-            E=()
-            [ $v = builtin ] || E=("DSV4_CUDA_KERNELS=$PWD/.devbin/kvar/$v")
-            env "${E[@]}" CTX=4096 TAG=-$v bash tools/device/profile.sh 4 q2 1 > /dev/null 2>&1
-            echo "ncu, 4 q2 layers at context 4096, batch 1, $v:" >> "$S"
-            grep -E '^(hc_|one step)' "$OUT/ncu-q2-1-$v.txt" | head -8 >> "$S"
-        done
+        ncu_each 1 hc_ builtin sink1 norm0
         TAG=-hc BATCH=1 bash tools/device/ncu_source.sh hc_pre_apply_norm 4 1 > /dev/null 2>&1
         TAG=-up1s BATCH=1 bash tools/device/ncu_source.sh moe_up1s 4 1 > /dev/null 2>&1
         TAG=-upx BATCH=16 bash tools/device/ncu_source.sh moe_upx 4 1 > /dev/null 2>&1
@@ -272,22 +282,10 @@ for part in $PARTS; do
         # memory (kernel directory xs from `variants.sh xs=patch:tools/device/patches/v30-xs.diff`,
         # measured slower and not kept): the bitwise checks, the experts' ncu lines at batch 16,
         # the step A/B at 16, 64, 8.
-        X=${XS:-.devbin/kvar/xs}
-        t1 packed env DSV4_CUDA_KERNELS=$PWD/$X timeout 200 .devbin/tests/cuda_packed
-        t1 invariance env DSV4_CUDA_KERNELS=$PWD/$X timeout 100 .devbin/tests/cuda_invariance
-        for v in builtin xs; do
-            E=()
-            [ $v = builtin ] || E=("DSV4_CUDA_KERNELS=$PWD/$X")
-            env "${E[@]}" CTX=4096 TAG=-$v bash tools/device/profile.sh 4 q2 16 > /dev/null 2>&1
-            echo "ncu, 4 q2 layers at context 4096, batch 16, $v:" >> "$S"
-            grep -E '^(moe_|one step)' "$OUT/ncu-q2-16-$v.txt" | head -6 >> "$S"
-        done
-        for b in 16 64 8; do
-            echo "4 q2 layers, batch $b:" >> "$S"
-            E=""
-            [ $b = 64 ] && E="--reserve 64x4096 --decode-fill clone"
-            EXTRA="$E" LAYERS=4 BATCH=$b bash tools/device/ab_step.sh $X >> "$S" 2>&1
-        done
+        t1 packed env DSV4_CUDA_KERNELS=$PWD/.devbin/kvar/xs timeout 200 .devbin/tests/cuda_packed
+        t1 invariance env DSV4_CUDA_KERNELS=$PWD/.devbin/kvar/xs timeout 100 .devbin/tests/cuda_invariance
+        ncu_each 16 moe_ builtin xs
+        ab_each 16,64,8 .devbin/kvar/xs
         ;;
     v30pre)
         # PERF.md v30: moe_upx's table filled after its first weight loads (pre3: the loads'
@@ -297,35 +295,28 @@ for part in $PARTS; do
         # experts' ncu lines at batch 16, the step A/B at 16 and 64.
         t1 packed env DSV4_CUDA_KERNELS=$PWD/.devbin/kvar/pre2 timeout 200 .devbin/tests/cuda_packed
         t1 invariance env DSV4_CUDA_KERNELS=$PWD/.devbin/kvar/pre2 timeout 100 .devbin/tests/cuda_invariance
-        for v in builtin upb2 pre3 pre2; do
-            E=()
-            [ $v = builtin ] || E=("DSV4_CUDA_KERNELS=$PWD/.devbin/kvar/$v")
-            env "${E[@]}" CTX=4096 TAG=-$v bash tools/device/profile.sh 4 q2 16 > /dev/null 2>&1
-            echo "ncu, 4 q2 layers at context 4096, batch 16, $v: $(grep -E '^(moe_upx|one step)' "$OUT/ncu-q2-16-$v.txt" | tr -s ' ' | tr '\n' ';')" >> "$S"
-        done
-        for b in 16 64; do
-            echo "4 q2 layers, batch $b:" >> "$S"
-            E=""
-            [ $b = 64 ] && E="--reserve 64x4096 --decode-fill clone"
-            EXTRA="$E" LAYERS=4 BATCH=$b bash tools/device/ab_step.sh .devbin/kvar/upb2 .devbin/kvar/pre3 .devbin/kvar/pre2 >> "$S" 2>&1
-        done
+        ncu_each 16 moe_upx builtin upb2 pre3 pre2
+        ab_each 16,64 .devbin/kvar/upb2 .devbin/kvar/pre3 .devbin/kvar/pre2
         ;;
     v30sink)
         # PERF.md v30: the Sinkhorn's dummy lanes divide 1, not 0 (kernel directory sinkfix: the
         # fix's hc.cu, `variants.sh sinkfix=<fix>:hc.cu`, beside binaries without it): the HC
         # checks, then batch 1's HC kernels under ncu and the step A/B at batches 1 and 16.
-        K=.devbin/kvar/${SINK:-sinkfix}
-        t1 packed-hc env DSV4_CUDA_KERNELS=$PWD/$K timeout 100 .devbin/tests/cuda_packed hc
-        for v in builtin sinkfix; do
-            E=()
-            [ $v = builtin ] || E=("DSV4_CUDA_KERNELS=$PWD/$K")
-            env "${E[@]}" CTX=4096 TAG=-$v bash tools/device/profile.sh 4 q2 1 > /dev/null 2>&1
-            echo "ncu, 4 q2 layers at context 4096, batch 1, $v: $(grep -E '^(hc_pre_apply_norm|one step)' "$OUT/ncu-q2-1-$v.txt" | tr -s ' ' | tr '\n' ';')" >> "$S"
-        done
-        for b in 1 16; do
-            echo "4 q2 layers, batch $b:" >> "$S"
-            LAYERS=4 BATCH=$b bash tools/device/ab_step.sh $K >> "$S" 2>&1
-        done
+        t1 packed-hc env DSV4_CUDA_KERNELS=$PWD/.devbin/kvar/sinkfix timeout 100 .devbin/tests/cuda_packed hc
+        ncu_each 1 hc_pre_apply_norm builtin sinkfix
+        ab_each 1,16 .devbin/kvar/sinkfix
+        ;;
+    v31)
+        # PERF.md "Next (after v30)" items 5 and 6, built and not yet measured: kernel directories
+        # ep (moe_upx's table after its pointers) and hl (hc_pre_apply_norm's V4 path straight),
+        # from `variants.sh ep=patch:tools/device/patches/v31-early-ptrs.diff
+        # hl=patch:tools/device/patches/v31-hc-layout.diff`: their checks, ncu lines, step A/Bs.
+        t1 packed env DSV4_CUDA_KERNELS=$PWD/.devbin/kvar/ep timeout 200 .devbin/tests/cuda_packed
+        t1 packed-hc env DSV4_CUDA_KERNELS=$PWD/.devbin/kvar/hl timeout 100 .devbin/tests/cuda_packed hc
+        ncu_each 1 hc_pre_apply_norm builtin hl
+        ncu_each 16 moe_upx builtin ep
+        ab_each 1 .devbin/kvar/hl
+        ab_each 16,64 .devbin/kvar/ep
         ;;
     srcall)
         # PERF.md "Next (after v30)" item 2: every kernel of one batch-1 step under ncu's source
