@@ -3,19 +3,23 @@
 #   run(command: "bash tools/device/run.sh [PART...]", carry: [".devbin"])
 # PARTs, in the order given (default: tests kernels flash-exact flash-int8): tests, kernels,
 # flash-exact, flash-int8 (the 43-layer q2 bench on the exact and the int8-activation products),
-# flash-b64 (batches 1 / 16 / 64 on contexts cloned from one prefilled sequence),
-# fusions (the decode fusions off / on at batches 1, 16, 64), rowcaps (the 2- and 4-row int8
-# kernels against the general ones: steps, verify, kernel table), attslices (decode attention on
-# attention_tc's key slices against the f32 kernel), l2pf (L2 prefetch blocks in HC_PRE),
-# hcprobe (HC_PRE's apply launched twice: cold against warm), pipe-tests and pipe (the
-# software-pipelined one-row int8 kernels: bitwise checks; A/Bs at 4 and 43 layers), prof16
-# (a batch-16 step's kernels under ncu), stalls (ncu's stall reasons of the slow kernels at
-# batches 64 / 16 / 1), v28 (PERF.md v28's open questions: the IQ2_XXS selectors' copies,
-# XT_CG, tile rounds with L2 hints), v29 (the dense tiles' blocks an SM under ncu), v29cp (the dense Q8_0 tiles on cp.async: checks, ncu, A/B), v30 (HC_PRE's pole; per-instruction stall samples), v30xs (expert activations staged in shared memory), v30pre (moe_upx's table after its first loads), v30sink (the Sinkhorn's dummy lanes), v31 (two pending kernel patches), srcall (every kernel's slow-path calls and local memory, ncu source counters), b64ab (batch 64's products on the int8 tiles), flash-served (43 q2 layers in serve's exact mode),
-# flash-bf16 (4 bf16 layers), prefill (issue 12's prefill figures and a stage profile), hf (HF
-# transformers' prefill beside dsv4's), serve (bench_serve at 1 / 16 / 64). Writes each part's
-# output
-# and a summary to $OUT (or /tmp/dsv4-out); the device tool brings back at most 8 files.
+# flash-b64 (batches 1 / 16 / 64 on contexts cloned from one prefilled sequence), fusions (the
+# decode fusions off / on at batches 1, 16, 64), rowcaps (the 2- and 4-row int8 kernels against
+# the general ones: steps, verify, kernel table), attslices (decode attention on attention_tc's
+# key slices against the f32 kernel), l2pf (L2 prefetch blocks in HC_PRE), hcprobe (HC_PRE's apply
+# launched twice: cold against warm), pipe-tests and pipe (the software-pipelined one-row int8
+# kernels: bitwise checks; A/Bs at 4 and 43 layers), prof16 (a batch-16 step's kernels under ncu),
+# stalls (ncu's stall reasons of the slow kernels at batches 64 / 16 / 1), v28 (PERF.md v28's open
+# questions: the IQ2_XXS selectors' copies, XT_CG, tile rounds with L2 hints), v29 (the dense
+# tiles' blocks an SM under ncu), v29cp (the dense Q8_0 tiles on cp.async: checks, ncu, A/B), v30
+# (HC_PRE's pole; per-instruction stall samples), v30xs (expert activations staged in shared
+# memory), v30pre (moe_upx's table after its first loads), v30sink (the Sinkhorn's dummy lanes),
+# v31 (two pending kernel patches), srcall (every kernel's slow-path calls and local memory, ncu
+# source counters), b64ab (batch 64's products on the int8 tiles), flash-served (43 q2 layers in
+# serve's exact mode), flash-bf16 (4 bf16 layers), prefill (issue 12's prefill figures and a stage
+# profile), hf (HF transformers' prefill beside dsv4's), serve (bench_serve at 1 / 16 / 64).
+# Writes each part's output and a summary to $OUT (or /tmp/dsv4-out); the device tool brings back
+# at most 8 files.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/dsv4-out}
