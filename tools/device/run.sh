@@ -426,10 +426,17 @@ for part in $PARTS; do
     serve)
         # bench_serve on the 43-layer q2 model at 1 / 16 / 64 (serve's default, exact mode: compare
         # with flash-served), with the engine's per-step split (forward, plan, snapshots).
-        timeout 420 python3 -u tools/bench_serve.py --spawn $B --backend cuda --concurrency 1,16,64 --max-tokens 64 \
+        # Each snapshot's phases (cuda/state.rs: download vs host ms) from the server's log.
+        rm -f /tmp/dsv4-serve-*.log
+        RUST_LOG=info,dsv4_backend::cuda::state=debug timeout 420 python3 -u tools/bench_serve.py --spawn $B \
+            --backend cuda --concurrency 1,16,64 --max-tokens 64 \
             --extra "--synthetic-flash-layers 43 --synthetic-flash-weights q2 --max-context 4096" > "$OUT/serve.txt" 2>&1
         echo "serve q2 43 layers: exit $?" >> "$S"
         grep -E '^\{' "$OUT/serve.txt" | cut -c1-400 >> "$S"
+        grep -h 'snapshot of' /tmp/dsv4-serve-*.log > "$OUT/serve-snapshots.txt" 2>/dev/null
+        awk '{for (i = 1; i < NF; i++) { if ($i == "download") d += $(i + 1); if ($i == "host") h += $(i + 1) } n++}
+             END { if (n) printf "snapshots: %d, mean download %.2f ms, host %.2f ms\n", n, d / n, h / n }' \
+            "$OUT/serve-snapshots.txt" >> "$S"
         ;;
     *) echo "unknown part $part" >> "$S" ;;
     esac

@@ -663,7 +663,9 @@ __device__ __forceinline__ void att_merge_head(float* out, const float* ph, int 
     for (int i = 0; i < S; i++) M = fmaxf(M, __shfl_sync(0xffffffffu, ms, i));
     float den = expf(sink - M);
     for (int i = 0; i < S; i++) den += __shfl_sync(0xffffffffu, ls, i) * expf(__shfl_sync(0xffffffffu, ms, i) - M);
-    float wgt = lane < S ? expf(ms - M) / den : 0.f;
+    // Lanes past S divide 1, never read: exp(−∞ − M) = 0 there, and a zero dividend would send
+    // the whole warp's division down its slow path (FCHK; the Sinkhorn's pattern, PERF.md v30).
+    float wgt = (lane < S ? expf(ms - M) : 1.f) / den;
     float* orow = out + ((long long)t * heads + h) * d;
     // Slices in order, ATT_CJ at a time with all their loads issued before the sums.
     float acc[MAX_D / 32];
