@@ -32,6 +32,23 @@ pub struct StepResult {
     pub nonfinite: Option<usize>,
 }
 
+/// A sequence's state saved by [`Backend::save_seq_deferred`]: ready, or the host half of a
+/// copy still in flight (it waits for the copy, then builds the state; any thread may run it).
+pub enum SavedState {
+    Ready(SeqState),
+    Pending(Box<dyn FnOnce() -> SeqState + Send>),
+}
+
+impl SavedState {
+    /// The state, waiting for a pending copy here.
+    pub fn wait(self) -> SeqState {
+        match self {
+            SavedState::Ready(s) => s,
+            SavedState::Pending(f) => f(),
+        }
+    }
+}
+
 pub trait Backend: Send + Sync {
     /// A weight resident on the backend.
     type W: Send + Sync;
@@ -80,6 +97,13 @@ pub trait Backend: Send + Sync {
     /// need it).
     fn save_seq(&self, _cache: &Self::Cache, _cfg: &Config, _seq: usize, _len: usize) -> Option<SeqState> {
         None
+    }
+    /// [`Backend::save_seq`] without waiting here: a backend whose state lives on a device
+    /// queues the copy behind the work already queued (so it holds the state as of now) and
+    /// returns [`SavedState::Pending`], whose closure waits for the copy and builds the state
+    /// on any thread; the others return the state at once.
+    fn save_seq_deferred(&self, cache: &Self::Cache, cfg: &Config, seq: usize, len: usize) -> Option<SavedState> {
+        self.save_seq(cache, cfg, seq, len).map(SavedState::Ready)
     }
     /// Cuts a sequence holding `have` tokens back to `len` (speculative rollback, no replay).
     fn truncate_seq(&self, _cache: &mut Self::Cache, _seq: usize, have: usize, len: usize) -> Result<(), String> {

@@ -16,8 +16,8 @@ pub mod model;
 pub mod synth;
 pub mod x8;
 
-pub use backend::{Backend, CompSlot, StepResult};
+pub use backend::{Backend, CompSlot, SavedState, StepResult};
 pub use batch::{Batch, BatchError, Row, Segment};
 pub use cpu::state::{SeqState, StateFormatError, TruncateError, MAX_ROLLBACK};
 pub use forward::{Capture, Forwarded, Outputs, Probe, Stage};
-pub use model::{Model, ModelError, Snapshot, StepOut, StepPlan};
+pub use model::{Model, ModelError, PendingSnapshot, Snapshot, StepOut, StepPlan};

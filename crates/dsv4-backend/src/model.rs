@@ -149,6 +149,24 @@ pub struct Snapshot {
     pub state: SeqState,
 }
 
+/// A snapshot whose state may still be on its way from the device ([`Model::snapshot_deferred`]).
+pub struct PendingSnapshot {
+    pub len: usize,
+    pub state: crate::SavedState,
+}
+
+impl PendingSnapshot {
+    /// Whether the state is already on the host (no copy to wait for).
+    pub fn is_ready(&self) -> bool {
+        matches!(self.state, crate::SavedState::Ready(_))
+    }
+
+    /// The snapshot, waiting for its copy if one is in flight.
+    pub fn wait(self) -> Snapshot {
+        Snapshot { len: self.len, state: self.state.wait() }
+    }
+}
+
 pub struct Model<B: Backend> {
     pub backend: B,
     /// The model's configuration (global, whatever share this rank holds).
@@ -455,6 +473,16 @@ impl<B: Backend> Model<B> {
     pub fn snapshot(&self, seq: usize) -> Option<Snapshot> {
         let len = self.seq_len(seq)?;
         self.backend.save_seq(&self.cache, &self.local_cfg, seq, len).map(|state| Snapshot { len, state })
+    }
+
+    /// [`Model::snapshot`] without waiting for a device copy: the state as of the work queued
+    /// so far (what the last step left), to be finished with [`PendingSnapshot::wait`], on
+    /// any thread, while the next steps run.
+    pub fn snapshot_deferred(&self, seq: usize) -> Option<PendingSnapshot> {
+        let len = self.seq_len(seq)?;
+        self.backend
+            .save_seq_deferred(&self.cache, &self.local_cfg, seq, len)
+            .map(|state| PendingSnapshot { len, state })
     }
 
     /// Cuts the sequence back to its first `len` tokens without replaying anything (rejected

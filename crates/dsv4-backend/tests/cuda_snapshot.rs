@@ -35,6 +35,48 @@ fn cuda_snapshot_restore_continues_like_the_original() {
     }
 }
 
+/// A deferred snapshot (`Model::snapshot_deferred`: the copy queued, finished later on another
+/// thread) holds the state as of when it was begun: equal to the synchronous snapshot taken
+/// then, although the sequence (and another one in the slot beside it) ran further steps, and a
+/// new sequence took over its slot, before it was finished. Several are in flight at once, so
+/// each owns its host buffer. A dropped one (never finished) releases its buffer safely.
+#[test]
+fn cuda_deferred_snapshot_is_the_state_when_begun() {
+    let Some(b) = gpu() else { return };
+    let dir = fixtures_dir().join("csa4_hca128_long");
+    let mut m = Model::load(b, &dir, 3, false).unwrap();
+    let toks = tokens(290, 97, 4);
+    let other = tokens(200, 97, 5);
+    let (a, o) = (m.alloc_seq().unwrap(), m.alloc_seq().unwrap());
+    let mut pending = Vec::new();
+    let mut at = 0;
+    for cut in [1usize, 130, 203, 257] {
+        m.prefill_chunks(a, &toks[at..cut], &[cut - at]).unwrap();
+        at = cut;
+        let want = m.snapshot(a).unwrap();
+        let p = m.snapshot_deferred(a).unwrap();
+        assert!(!p.is_ready(), "the CUDA backend defers the copy");
+        pending.push((cut, want, p));
+        // Work queued behind the copy: the other slot's prefill rewrites rings and entries.
+        m.prefill_chunks(o, &other[..50], &[50]).unwrap();
+        m.free_seq(o);
+        assert_eq!(m.alloc_seq().unwrap(), o);
+    }
+    // The sequence goes on, then its slot is freed and refilled with another prompt.
+    m.prefill_chunks(a, &toks[at..], &[toks.len() - at]).unwrap();
+    m.free_seq(a);
+    assert_eq!(m.alloc_seq().unwrap(), a);
+    m.prefill_chunks(a, &other, &[other.len()]).unwrap();
+    drop(m.snapshot_deferred(a).unwrap());
+    let threads: Vec<_> =
+        pending.into_iter().map(|(cut, want, p)| std::thread::spawn(move || (cut, want, p.wait()))).collect();
+    for t in threads {
+        let (cut, want, got) = t.join().unwrap();
+        assert_eq!(got.len, cut);
+        assert!(got.state == want.state, "cut {cut}: the deferred snapshot differs from the one taken when it began");
+    }
+}
+
 #[test]
 fn cpu_snapshot_restored_on_the_gpu_continues_like_the_cpu() {
     let Some(b) = gpu() else { return };

@@ -6,8 +6,9 @@ use crate::metrics::Metrics;
 use crate::prefix_cache::{PrefixCache, PrefixCacheConfig};
 use crate::sampler::{argmax_margin, Sampler};
 use crate::sequence::{CancelToken, Event, FinishReason, Request, Sequence, TokenEvent};
+use crate::snapshots::SnapshotWorker;
 use crate::speculative::{Planned, SpecConfig, SpecSeq, Verdict};
-use dsv4_backend::{Backend, Batch, Model, Outputs, Row, StepPlan};
+use dsv4_backend::{Backend, Batch, Model, Outputs, Row, Snapshot, StepPlan};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
@@ -259,7 +260,9 @@ where
         .spawn(move || {
             let _alive = AliveGuard(alive);
             let waiting = VecDeque::new();
-            Engine { model, config, rx, waiting, running: Vec::new(), metrics, prefix, queued, max_seqs }.run()
+            let snapshots = SnapshotWorker::default();
+            Engine { model, config, rx, waiting, running: Vec::new(), metrics, prefix, queued, max_seqs, snapshots }
+                .run()
         })
         .expect("spawning the engine thread");
     handle
@@ -293,6 +296,8 @@ struct Engine<B: Backend> {
     /// The handle's count of queued requests (see [`EngineHandle::submit`]).
     queued: Arc<AtomicU64>,
     max_seqs: usize,
+    /// Prefix-cache snapshots being finished off this thread.
+    snapshots: SnapshotWorker,
 }
 
 /// Where logits rows of the step go.
@@ -317,8 +322,10 @@ struct Chunk {
 impl<B: Backend> Engine<B> {
     fn run(mut self) {
         loop {
-            // Block only when idle; otherwise take whatever has arrived.
+            // Block only when idle (every snapshot cached first); otherwise take whatever has
+            // arrived.
             if self.waiting.is_empty() && self.running.is_empty() {
+                self.collect_snapshots(true);
                 match self.rx.recv() {
                     Ok(m) => {
                         if self.receive(m) {
@@ -347,6 +354,7 @@ impl<B: Backend> Engine<B> {
             // A panic inside a step (a backend bug, a state that does not fit) fails the
             // requests of that step; the engine goes on with the others.
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.collect_snapshots(false);
                 self.drop_cancelled();
                 self.admit();
                 self.step();
@@ -385,6 +393,7 @@ impl<B: Backend> Engine<B> {
     }
 
     fn stop(&mut self, reply: Option<Sender<()>>) {
+        self.collect_snapshots(true);
         if let Some(pc) = &mut self.prefix {
             pc.persist_all();
         }
@@ -525,23 +534,49 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Caches the slot's state under `tokens`; `persist` also writes it to the disk cache now
-    /// (interval snapshots of long prompts, so a crash mid-prefill loses little).
+    /// (interval snapshots of long prompts, so a crash mid-prefill loses little). A device
+    /// backend's copy is only queued here (behind the step that produced the state) and
+    /// finished off this thread; the engine caches it between later steps
+    /// ([`Engine::collect_snapshots`]).
     fn save_prefix(&mut self, slot: usize, tokens: &[u32], persist: bool) {
         if self.prefix.is_none() {
             return;
         }
         let t0 = Instant::now();
-        if let Some(snap) = self.model.snapshot(slot) {
-            debug_assert_eq!(snap.len, tokens.len());
-            if let Some(pc) = &mut self.prefix {
-                if persist {
-                    pc.persist(tokens, &snap);
-                }
-                pc.insert(tokens, snap);
+        if let Some(p) = self.model.snapshot_deferred(slot) {
+            debug_assert_eq!(p.len, tokens.len());
+            if p.is_ready() {
+                self.cache_snapshot(tokens, persist, p.wait());
+            } else {
+                self.snapshots.submit(tokens.to_vec(), persist, p);
             }
         }
         self.metrics.snapshot_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         self.metrics.snapshots_total.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn cache_snapshot(&mut self, tokens: &[u32], persist: bool, snap: Snapshot) {
+        if let Some(pc) = &mut self.prefix {
+            if persist {
+                pc.persist(tokens, &snap);
+            }
+            pc.insert(tokens, snap);
+        }
+    }
+
+    /// Caches the snapshots finished off the engine thread: those done so far, or with `wait`
+    /// every outstanding one (before the engine idles or stops, so none is left behind).
+    fn collect_snapshots(&mut self, wait: bool) {
+        if self.snapshots.outstanding() == 0 {
+            return;
+        }
+        let done = if wait { self.snapshots.collect_all() } else { self.snapshots.collect() };
+        for f in done {
+            self.metrics.snapshot_background_ns.fetch_add(f.took.as_nanos() as u64, Ordering::Relaxed);
+            if let Some(snap) = f.snap {
+                self.cache_snapshot(&f.tokens, f.persist, snap);
+            }
+        }
     }
 
     /// Builds one batch: the decode rows of each running sequence that has a token to feed (with

@@ -11,6 +11,7 @@ pub mod penalties;
 pub mod prefix_cache;
 pub mod sampler;
 pub mod sequence;
+pub mod snapshots;
 pub mod speculative;
 
 pub use constraint::{CompiledGrammar, ConstraintError, GrammarEnv, GrammarSpec};

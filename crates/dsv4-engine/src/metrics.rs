@@ -167,6 +167,9 @@ pub struct Metrics {
     pub plan_ns: AtomicU64,
     pub snapshot_ns: AtomicU64,
     pub snapshots_total: AtomicU64,
+    /// Nanoseconds finishing snapshots off the engine thread (waiting for a device copy and
+    /// building the host state: crate::snapshots), beside the steps rather than inside them.
+    pub snapshot_background_ns: AtomicU64,
     pub restore_ns: AtomicU64,
     pub prefix_hits: AtomicU64,
     pub prefix_misses: AtomicU64,
@@ -200,6 +203,7 @@ impl Default for Metrics {
             plan_ns: AtomicU64::new(0),
             snapshot_ns: AtomicU64::new(0),
             snapshots_total: AtomicU64::new(0),
+            snapshot_background_ns: AtomicU64::new(0),
             restore_ns: AtomicU64::new(0),
             prefix_hits: AtomicU64::new(0),
             prefix_misses: AtomicU64::new(0),
@@ -265,6 +269,12 @@ impl Metrics {
             g(&self.snapshot_ns) / 1e9,
         );
         gauge("dsv4_engine_snapshots_total", "counter", "Prefix-cache snapshots saved.", g(&self.snapshots_total));
+        gauge(
+            "dsv4_engine_snapshot_background_seconds_total",
+            "counter",
+            "Time finishing prefix-cache snapshots off the engine thread (beside the steps).",
+            g(&self.snapshot_background_ns) / 1e9,
+        );
         gauge(
             "dsv4_engine_restore_seconds_total",
             "counter",

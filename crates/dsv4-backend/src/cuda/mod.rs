@@ -1915,6 +1915,10 @@ impl Backend for CudaBackend {
         Some(cache.save(self, cfg, seq, len))
     }
 
+    fn save_seq_deferred(&self, cache: &CudaCache, cfg: &Config, seq: usize, len: usize) -> Option<crate::SavedState> {
+        Some(crate::SavedState::Pending(cache.save_begin(self, cfg, seq, len)))
+    }
+
     fn truncate_seq(&self, cache: &mut CudaCache, seq: usize, have: usize, len: usize) -> Result<(), String> {
         cache.truncate(seq, have, len)
     }

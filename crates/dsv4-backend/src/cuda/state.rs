@@ -132,8 +132,8 @@ pub struct CudaCache {
     pub probes: CudaSlice<u32>,
     /// Bumped whenever a buffer that a recorded step addresses moves (entries growing).
     pub generation: u64,
-    /// Page-locked host memory snapshots download through (allocated at the first, grown).
-    staging: std::sync::Mutex<Option<PinnedHostSlice<f32>>>,
+    /// Page-locked host buffers snapshots download into (see [`PinnedPool`]).
+    pinned: PinnedPool,
 }
 
 impl CudaCache {
@@ -164,7 +164,7 @@ impl CudaCache {
             meta: vec![SlotMeta::default(); slots],
             probes,
             generation: 0,
-            staging: std::sync::Mutex::new(None),
+            pinned: PinnedPool::default(),
         }
     }
 
@@ -268,121 +268,165 @@ fn row(buf: &[f32], i: usize, w: usize) -> &[f32] {
     &buf[i * w..(i + 1) * w]
 }
 
+/// A pending snapshot's host half ([`CudaCache::save_begin`]): waits for its download and
+/// parses it into a [`SeqState`]; it may run on another thread.
+pub type PendingSave = Box<dyn FnOnce() -> SeqState + Send>;
+
+/// Page-locked host buffers snapshots download into: a pending snapshot owns one until it is
+/// parsed, then puts it back (at most [`PINNED_KEEP`] are kept).
+type PinnedPool = std::sync::Arc<std::sync::Mutex<Vec<PinnedHostSlice<f32>>>>;
+const PINNED_KEEP: usize = 8;
+
+/// A snapshot's download in flight: its page-locked buffer goes back to the pool (or is freed)
+/// only after the copy's event, whether or not the state was parsed.
+struct Download {
+    done: cudarc::driver::CudaEvent,
+    pinned: Option<PinnedHostSlice<f32>>,
+    pool: PinnedPool,
+}
+
+impl Drop for Download {
+    fn drop(&mut self) {
+        let Some(p) = self.pinned.take() else { return };
+        if self.done.synchronize().is_err() {
+            // The copy's end is unknown: leak the buffer rather than free memory it may write.
+            std::mem::forget(p);
+            return;
+        }
+        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        if pool.len() < PINNED_KEEP {
+            pool.push(p);
+        }
+    }
+}
+
+/// Where a snapshot's floats go in the host state, in [`CudaCache::save_begin`]'s region order:
+/// each layer's window rows `lo..len`, then per compressor its raw rows `from..len` (u, then z)
+/// and its `len / ratio` entries.
+struct SaveLayout {
+    cfg: Config,
+    len: usize,
+    lo: usize,
+    layers: Vec<[Option<CompLayout>; 2]>,
+}
+
+#[derive(Clone, Copy)]
+struct CompLayout {
+    ratio: usize,
+    width: usize,
+    head: usize,
+    overlap: bool,
+    from: usize,
+    hist: usize,
+}
+
+impl SaveLayout {
+    /// The state the downloaded floats `flat` hold.
+    fn parse(&self, flat: &[f32]) -> SeqState {
+        let (len, lo, d) = (self.len, self.lo, self.cfg.head_dim);
+        let mut st = SeqState::new(&self.cfg);
+        let mut at = 0;
+        let mut take = |n: usize| {
+            at += n;
+            &flat[at - n..at]
+        };
+        for (cl, ls) in self.layers.iter().zip(st.layers.iter_mut()) {
+            let ring = take(len.saturating_sub(lo) * d);
+            let cap = ls.cap();
+            debug_assert!(len.saturating_sub(lo) <= cap);
+            for p in lo..len {
+                let c = p % cap;
+                ls.ring[c * d..(c + 1) * d].copy_from_slice(row(ring, p - lo, d));
+                ls.ring_pos[c] = p;
+            }
+            for (cd, cs) in [(&cl[0], &mut ls.comp), (&cl[1], &mut ls.index)] {
+                let (Some(cd), Some(cs)) = (cd.as_ref(), cs.as_mut()) else { continue };
+                let (m, w, h, from, hist) = (cd.ratio, cd.width, cd.head, cd.from, cd.hist);
+                let raw_u = take((len - from) * w);
+                let raw_z = take((len - from) * w);
+                // Rows of positions r (from ≤ r < len).
+                let rows = |buf: &[f32], r: std::ops::Range<usize>| -> Vec<f32> {
+                    buf[(r.start - from) * w..(r.end - from) * w].to_vec()
+                };
+                let done = len / m;
+                cs.open_u = rows(raw_u, done * m..len);
+                cs.open_z = rows(raw_z, done * m..len);
+                if cd.overlap && done > 0 {
+                    for r in 0..m {
+                        let p = (done - 1) * m + r - from;
+                        cs.prev_u[r * h..(r + 1) * h].copy_from_slice(&row(raw_u, p, w)[..h]);
+                        cs.prev_z[r * h..(r + 1) * h].copy_from_slice(&row(raw_z, p, w)[..h]);
+                    }
+                }
+                cs.entries = take(len / m * h).to_vec();
+                cs.hist_u = rows(raw_u, hist..len);
+                cs.hist_z = rows(raw_z, hist..len);
+                cs.hist_start = hist;
+            }
+        }
+        debug_assert_eq!(at, flat.len(), "a snapshot's floats all parsed");
+        st
+    }
+}
+
 impl CudaCache {
     /// Copies slot `seq` (holding `len` tokens) into the host format of [`SeqState`]: window rows
     /// by position, open rows, overlap rows, entries, and the compressor history a rollback can
     /// still use (the raw rows the ring holds, from the oldest still valid).
     pub fn save(&self, b: &CudaBackend, cfg: &Config, seq: usize, len: usize) -> SeqState {
-        let mut st = SeqState::new(cfg);
+        self.save_begin(b, cfg, seq, len)()
+    }
+
+    /// [`CudaCache::save`] in two halves. Here, stream-ordered and without a synchronisation:
+    /// one kernel gathers the slot's regions (their addresses in a table) into a device buffer,
+    /// which is copied into a page-locked host buffer, and an event marks the copy's end; so the
+    /// snapshot holds the state as of the work queued so far, whatever the stream runs next.
+    /// The returned half waits for the event and parses (on any thread): the engine runs the
+    /// next step meanwhile (synchronously a snapshot cost the served step 9–20 ms, PERF.md v31).
+    /// Only the rows a state reads come back: a short sequence's snapshot is a few rows a layer.
+    pub fn save_begin(&self, b: &CudaBackend, cfg: &Config, seq: usize, len: usize) -> PendingSave {
         let (rc, d) = (self.ring_cap, cfg.head_dim);
         let meta = self.meta[seq];
         let high = meta.high.max(len);
         // The window rows kept, and each compressor's raw rows the state reads (the open window,
-        // the last closed one with overlap, the rollback history): only these positions come
-        // back, so a short sequence's snapshot is a few rows a layer, not every ring.
+        // the last closed one with overlap, the rollback history).
         let lo = high.saturating_sub(rc).max(meta.floor.saturating_sub(self.window));
         let raw_from = |cd: &CompDev| {
             let hist = high.saturating_sub(cd.rows).max(meta.floor).min(len);
             (hist.min(cd.need_from(len)), hist)
         };
-        // Every region first (window ring; per compressor raw u, raw z, entries), then one
-        // download, consumed below in the same order.
+        // Every region (window ring; per compressor raw u, raw z, entries), in SaveLayout's order.
         let mut regions = Vec::new();
-        for (ld, ls) in self.layers.iter().zip(st.layers.iter()) {
+        let mut layout = SaveLayout { cfg: cfg.clone(), len, lo, layers: Vec::with_capacity(self.layers.len()) };
+        for ld in &self.layers {
             ring_span(&mut regions, &ld.ring, seq, rc, d, lo, len);
-            for (cd, cs) in [(&ld.comp, &ls.comp), (&ld.index, &ls.index)] {
-                let (Some(cd), Some(_)) = (cd.as_ref(), cs.as_ref()) else { continue };
+            let mut cl = [None, None];
+            for (i, cd) in [&ld.comp, &ld.index].into_iter().enumerate() {
+                let Some(cd) = cd.as_ref() else { continue };
                 let (w, k) = (cd.width(), cd.rows);
-                let (from, _) = raw_from(cd);
+                let (from, hist) = raw_from(cd);
                 ring_span(&mut regions, &cd.raw_u, seq, k, w, from, len);
                 ring_span(&mut regions, &cd.raw_z, seq, k, w, from, len);
                 regions.push((&cd.entries, seq * cd.cap * cd.head, len / cd.ratio * cd.head));
+                cl[i] = Some(CompLayout { ratio: cd.ratio, width: w, head: cd.head, overlap: cd.overlap, from, hist });
             }
+            layout.layers.push(cl);
         }
-        let t0 = std::time::Instant::now();
-        let mut t_download = std::time::Duration::ZERO;
-        // Straight from the page-locked staging buffer into the state (no copy of it first).
-        let floats = self.with_download(b, &regions, |flat| {
-            t_download = t0.elapsed();
-            let mut at = 0;
-            let mut take = |n: usize| {
-                at += n;
-                &flat[at - n..at]
-            };
-            for (ld, ls) in self.layers.iter().zip(st.layers.iter_mut()) {
-                let ring = take(len.saturating_sub(lo) * d);
-                let cap = ls.cap();
-                debug_assert!(len.saturating_sub(lo) <= cap);
-                for p in lo..len {
-                    let c = p % cap;
-                    ls.ring[c * d..(c + 1) * d].copy_from_slice(row(ring, p - lo, d));
-                    ls.ring_pos[c] = p;
-                }
-                for (cd, cs) in [(&ld.comp, &mut ls.comp), (&ld.index, &mut ls.index)] {
-                    let (Some(cd), Some(cs)) = (cd.as_ref(), cs.as_mut()) else { continue };
-                    let (m, w, h) = (cd.ratio, cd.width(), cd.head);
-                    let (from, hist) = raw_from(cd);
-                    let raw_u = take((len - from) * w);
-                    let raw_z = take((len - from) * w);
-                    // Rows of positions r (from ≤ r < len).
-                    let rows = |buf: &[f32], r: std::ops::Range<usize>| -> Vec<f32> {
-                        buf[(r.start - from) * w..(r.end - from) * w].to_vec()
-                    };
-                    let done = len / m;
-                    cs.open_u = rows(raw_u, done * m..len);
-                    cs.open_z = rows(raw_z, done * m..len);
-                    if cd.overlap && done > 0 {
-                        for r in 0..m {
-                            let p = (done - 1) * m + r - from;
-                            cs.prev_u[r * h..(r + 1) * h].copy_from_slice(&row(raw_u, p, w)[..h]);
-                            cs.prev_z[r * h..(r + 1) * h].copy_from_slice(&row(raw_z, p, w)[..h]);
-                        }
-                    }
-                    cs.entries = take(len / m * h).to_vec();
-                    cs.hist_u = rows(raw_u, hist..len);
-                    cs.hist_z = rows(raw_z, hist..len);
-                    cs.hist_start = hist;
-                }
-            }
-            flat.len()
-        });
-        // The phases of a served step's snapshot (bench_serve's `snapshot` share), for RUST_LOG.
-        tracing::debug!(
-            "snapshot of {len} tokens: {} regions, {} floats; download {:.2} ms, host {:.2} ms",
-            regions.len(),
-            floats,
-            t_download.as_secs_f64() * 1e3,
-            (t0.elapsed() - t_download).as_secs_f64() * 1e3
-        );
-        st
-    }
-
-    /// Hands `f` the regions `(buffer, offset, len)`, concatenated, after one synchronisation:
-    /// one kernel gathers them into a device buffer (their addresses in a table), which comes
-    /// back in one copy through the cache's page-locked staging buffer (grown as needed).
-    /// Through pageable memory and a device-to-device copy a region, a 43-layer snapshot took
-    /// 50–64 ms (bench_serve on the H200, PERF.md v17).
-    fn with_download<R>(
-        &self,
-        b: &CudaBackend,
-        regions: &[(&CudaSlice<f32>, usize, usize)],
-        f: impl FnOnce(&[f32]) -> R,
-    ) -> R {
-        let regions: Vec<_> = regions.iter().filter(|r| r.2 > 0).collect();
+        let regions: Vec<_> = regions.into_iter().filter(|r| r.2 > 0).collect();
         let total: usize = regions.iter().map(|r| r.2).sum();
         if total == 0 {
-            return f(&[]);
+            return Box::new(move || layout.parse(&[]));
         }
         let mut table = Vec::with_capacity(3 * regions.len());
         let mut at = 0;
-        for &&(buf, off, len) in &regions {
-            debug_assert!(off + len <= buf.len(), "a snapshot region past its buffer");
-            table.extend([b.dev_ptr(buf) + (off * std::mem::size_of::<f32>()) as u64, len as u64, at as u64]);
-            at += len;
+        for &(buf, off, n) in &regions {
+            debug_assert!(off + n <= buf.len(), "a snapshot region past its buffer");
+            table.extend([b.dev_ptr(buf) + (off * std::mem::size_of::<f32>()) as u64, n as u64, at as u64]);
+            at += n;
         }
         let table = ck(b.stream.clone_htod(&table), "snapshot table");
         let mut flat = b.alloc::<f32>(total);
-        // SAFETY: each table row addresses `len` floats inside a live buffer (the regions are
+        // SAFETY: each table row addresses `n` floats inside a live buffer (the regions are
         // rows of this cache's slots) and a distinct range of `flat`, which holds `total`.
         ck(
             unsafe {
@@ -394,25 +438,47 @@ impl CudaCache {
             },
             "gather_regions",
         );
-        let mut guard = self.staging.lock().unwrap_or_else(|e| e.into_inner());
-        if guard.as_ref().is_none_or(|p| p.len() < total) {
-            let n = total.max(guard.as_ref().map_or(0, |p| 2 * p.len()));
-            // SAFETY: page-locked host memory of n floats (plain, not write-combined: the host
-            // reads it); the elements read below are first written by the copy.
-            *guard = Some(ck(unsafe { b.stream.context().alloc_pinned_with_flags::<f32>(n, 0) }, "snapshot staging"));
-        }
-        let pinned = guard.as_mut().expect("allocated above");
+        let mut pinned = {
+            let mut pool = self.pinned.lock().unwrap_or_else(|e| e.into_inner());
+            match pool.iter().position(|p| p.len() >= total) {
+                Some(i) => pool.swap_remove(i),
+                // SAFETY: page-locked host memory (plain, not write-combined: the host reads
+                // it); the elements parsed are first written by the copy below.
+                None => ck(unsafe { b.stream.context().alloc_pinned_with_flags::<f32>(total, 0) }, "snapshot staging"),
+            }
+        };
         let host = ck(pinned.as_mut_slice(), "snapshot staging");
         // SAFETY: `flat` holds `total` floats; the destination is page-locked host memory of at
-        // least `total` that outlives the copy, which the synchronisation below completes.
+        // least `total`, owned by the returned half, which reads it only after the event below.
         ck(
             unsafe {
                 cudarc::driver::result::memcpy_dtoh_async(&mut host[..total], b.dev_ptr(&flat), b.stream.cu_stream())
             },
             "snapshot download",
         );
-        ck(b.stream.synchronize(), "synchronize");
-        f(&host[..total])
+        let done = ck(
+            b.stream.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC)),
+            "snapshot event",
+        );
+        // `table` and `flat` are freed in stream order, after the gather and the copy.
+        drop((table, flat));
+        let dl = Download { done, pinned: Some(pinned), pool: self.pinned.clone() };
+        let regions = regions.len();
+        Box::new(move || {
+            let t0 = std::time::Instant::now();
+            ck(dl.done.synchronize(), "snapshot wait");
+            let t_wait = t0.elapsed();
+            let host = ck(dl.pinned.as_ref().expect("held until dropped").as_slice(), "snapshot staging");
+            let st = layout.parse(&host[..total]);
+            // The phases of a snapshot (bench_serve's `snapshot` share), for RUST_LOG.
+            tracing::debug!(
+                "snapshot of {} tokens: {regions} regions, {total} floats; download {:.2} ms, host {:.2} ms",
+                layout.len,
+                t_wait.as_secs_f64() * 1e3,
+                (t0.elapsed() - t_wait).as_secs_f64() * 1e3
+            );
+            st
+        })
     }
 
     /// Writes a host state of `len` tokens into slot `seq` (the inverse of [`CudaCache::save`]):
