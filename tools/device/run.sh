@@ -324,14 +324,15 @@ for part in $PARTS; do
         ;;
     v31split)
         # PERF.md v31: hc_pre_apply_norm's split form (DSV4_HC_SPLIT=1: a row's mix and norm on 4
-        # blocks of 256 threads): its bitwise checks, the kernel under ncu both ways, step A/Bs.
+        # blocks of 256 threads): its bitwise checks, the kernel under ncu both ways, step A/Bs
+        # (also with HC_POST_DOT, which fuses the launch before it: even at one row in v24).
         t1 packed-hc timeout 100 .devbin/tests/cuda_packed hc_pre
         for v in 0 1; do
             DSV4_HC_SPLIT=$v CTX=4096 TAG=-split$v bash tools/device/profile.sh 4 q2 1 > /dev/null 2>&1
             echo "ncu, 4 q2 layers at context 4096, batch 1, DSV4_HC_SPLIT=$v: $(grep -E "^(hc_pre_apply_norm|one step)" \
                 "$OUT/ncu-q2-1-split$v.txt" | head -4 | tr -s ' ' | tr '\n' ';')" >> "$S"
         done
-        ab_each 1,16 DSV4_HC_SPLIT=1
+        ab_each 1,16 DSV4_HC_SPLIT=1 DSV4_HC_SPLIT=1+DSV4_HC_POST_DOT=1
         ;;
     srcall)
         # PERF.md "Next (after v30)" item 2: every kernel of one batch-1 step under ncu's source
