@@ -14,7 +14,7 @@
 # tiles' blocks an SM under ncu), v29cp (the dense Q8_0 tiles on cp.async: checks, ncu, A/B), v30
 # (HC_PRE's pole; per-instruction stall samples), v30xs (expert activations staged in shared
 # memory), v30pre (moe_upx's table after its first loads), v30sink (the Sinkhorn's dummy lanes),
-# v31 (two pending kernel patches), v31split (HC_PRE's mix and norm on 4 blocks), srcall (every kernel's slow-path calls and local memory, ncu
+# v31split (HC_PRE's mix and norm on 4 blocks), srcall (every kernel's slow-path calls and local memory, ncu
 # source counters), b64ab (batch 64's products on the int8 tiles), flash-served (43 q2 layers in
 # serve's exact mode), flash-bf16 (4 bf16 layers), prefill (issue 12's prefill figures and a stage
 # profile), hf (HF transformers' prefill beside dsv4's), serve (bench_serve at 1 / 16 / 64).
@@ -29,6 +29,7 @@ S=$OUT/summary.txt
 B=.devbin/dsv4
 [ -s "$S" ] || nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$S" 2>&1
 PARTS=${*:-tests kernels flash-exact flash-int8}
+FL=${FLASH_LAYERS:-43}  # flash-served and serve: the layers (43 q2 layers need an H200; ~30 fit an H100)
 t1() {  # NAME [ENV...] BINARY [FILTER]: one test binary, its result into the summary
     local name=$1; shift
     env "$@" --test-threads 1 > "$OUT/test-$name.txt" 2>&1
@@ -310,18 +311,6 @@ for part in $PARTS; do
         ncu_each 1 hc_pre_apply_norm builtin sinkfix
         ab_each 1,16 .devbin/kvar/sinkfix
         ;;
-    v31)
-        # PERF.md "Next (after v30)" items 5 and 6, built and not yet measured: kernel directories
-        # ep (moe_upx's table after its pointers) and hl (hc_pre_apply_norm's V4 path straight),
-        # from `variants.sh ep=patch:tools/device/patches/v31-early-ptrs.diff
-        # hl=patch:tools/device/patches/v31-hc-layout.diff`: their checks, ncu lines, step A/Bs.
-        t1 packed env DSV4_CUDA_KERNELS=$PWD/.devbin/kvar/ep timeout 200 .devbin/tests/cuda_packed
-        t1 packed-hc env DSV4_CUDA_KERNELS=$PWD/.devbin/kvar/hl timeout 100 .devbin/tests/cuda_packed hc
-        ncu_each 1 hc_pre_apply_norm builtin hl
-        ncu_each 16 moe_upx builtin ep
-        ab_each 1 .devbin/kvar/hl
-        ab_each 16,64 .devbin/kvar/ep
-        ;;
     v31split)
         # PERF.md v31: hc_pre_apply_norm's split form (DSV4_HC_SPLIT=1: a row's mix and norm on 4
         # blocks of 256 threads): its bitwise checks, the kernel under ncu both ways, step A/Bs
@@ -380,10 +369,10 @@ for part in $PARTS; do
         # The 43-layer q2 decode in the mode `dsv4 serve` runs by default (exact: f32 activations
         # into bf16 products), the figure bench_serve's rates compare with.
         # Batches 1 / 16 / 64, the levels bench_serve runs (issue 11: within 15 % of these).
-        timeout 300 $B bench --backend cuda --synthetic flash --layers 43 --weights q2 --contexts '' --cuda-exact \
+        timeout 300 $B bench --backend cuda --synthetic flash --layers $FL --weights q2 --contexts '' --cuda-exact \
             --reserve 64x4096 --decode-fill clone --decode-batches 1,16,64 --decode-context 4096 --decode-tokens 16 \
             > "$OUT/flash-served.txt" 2>&1
-        echo "flash q2 43 layers (serve's exact mode): exit $?" >> "$S"
+        echo "flash q2 $FL layers (serve's exact mode): exit $?" >> "$S"
         grep -E '^decode' "$OUT/flash-served.txt" | cut -c1-220 >> "$S"
         ;;
     flash-bf16)
@@ -431,8 +420,8 @@ for part in $PARTS; do
         rm -f /tmp/dsv4-serve-*.log
         RUST_LOG=info,dsv4_backend::cuda::state=debug timeout 420 python3 -u tools/bench_serve.py --spawn $B \
             --backend cuda --concurrency 1,16,64 --max-tokens 64 \
-            --extra "--synthetic-flash-layers 43 --synthetic-flash-weights q2 --max-context 4096" > "$OUT/serve.txt" 2>&1
-        echo "serve q2 43 layers: exit $?" >> "$S"
+            --extra "--synthetic-flash-layers $FL --synthetic-flash-weights q2 --max-context 4096" > "$OUT/serve.txt" 2>&1
+        echo "serve q2 $FL layers: exit $?" >> "$S"
         grep -E '^\{' "$OUT/serve.txt" | cut -c1-400 >> "$S"
         grep -h 'snapshot of' /tmp/dsv4-serve-*.log > "$OUT/serve-snapshots.txt" 2>/dev/null
         awk '{for (i = 1; i < NF; i++) { if ($i == "download") d += $(i + 1); if ($i == "host") h += $(i + 1) } n++}

@@ -718,12 +718,37 @@ extern "C" __global__ void __launch_bounds__(256) hc_pre_sink_rows(float* post, 
 // operations, in the same order, as the `rms_norm` launch of this block size) into `a`, with the
 // int8 twin when `twin`. n = 4 and d ≤ 4·blockDim (V4) take hc_pre_norm_row and hc_sink_row.
 // The blocks of the last pf.layers rows of y prefetch pf's ranges into L2 instead (common.cuh).
+// hc_pre_apply_norm's paths other than V4's (block 0 with d < 4·blockDim, any n ≠ 4), out of
+// line: the V4 path's code then runs from the kernel's start without jumping over them (a
+// one-row launch fetches its instructions cold from L2: ncu saw 39 % of its stalls on
+// instruction fetch, PERF.md v25).
+__device__ __noinline__ void hc_pre_norm_part(float* y, float* a, signed char* xq, float* xd,
+                                              const float* __restrict__ x, const float* __restrict__ part,
+                                              const float* base, const float* scale, const float* nw, int d,
+                                              float rms_eps, float hc_eps, int twin, float* pre, float* sh) {
+    hc_pre_norm_row<4, false>(y, a, xq, xd, x, part, base, scale, nw, d, rms_eps, hc_eps, twin, pre, sh);
+}
+
+__device__ __noinline__ void hc_pre_norm_general(float* y, float* a, signed char* xq, float* xd, float* post,
+                                                 float* comb, const float* __restrict__ x,
+                                                 const float* __restrict__ part, const float* base,
+                                                 const float* scale, const float* nw, int n, int d, int iters,
+                                                 float rms_eps, float hc_eps, int twin, float* pre, float* sh) {
+    if (hc_pre_head(pre, post, comb, part, base, scale, n, d, iters, rms_eps, hc_eps, 1)) return;
+    long long i = blockIdx.y;
+    hc_mix(y + i * d, x + i * n * d, pre, n, d);
+    __syncthreads();  // y's writes are visible to the block's reads below
+    rms_norm_slice(a, xq, xd, y, nw, 1, d, rms_eps, twin, i * d, 0, nullptr, 0, sh);
+}
+
+__device__ __noinline__ bool hc_pre_prefetch(const L2Ranges& pf) { return l2_prefetch_block(pf, 1); }
+
 extern "C" __global__ void __launch_bounds__(1024) hc_pre_apply_norm(float* y, float* a, signed char* xq, float* xd, float* post, float* comb,
                                              const float* __restrict__ x, const float* __restrict__ part,
                                              const float* base, const float* scale, const float* nw, int n, int d,
                                              int iters, float rms_eps, float hc_eps, int twin, unsigned* sync,
                                              L2Ranges pf) {
-    if (l2_prefetch_block(pf, 1)) return;
+    if (pf.layers > 0 && hc_pre_prefetch(pf)) return;
     if (blockIdx.x == 0 && threadIdx.x == 0) WEIGHT_HINT(nw, 4LL * d);  // the norm's weight
     pdl_enter();
     __shared__ float pre[MAX_HC];
@@ -746,14 +771,10 @@ extern "C" __global__ void __launch_bounds__(1024) hc_pre_apply_norm(float* y, f
         }
         else if (d == 4 * (int)blockDim.x)
             hc_pre_norm_row<4, true>(y, a, xq, xd, x, part, base, scale, nw, d, rms_eps, hc_eps, twin, pre, sh);
-        else hc_pre_norm_row<4, false>(y, a, xq, xd, x, part, base, scale, nw, d, rms_eps, hc_eps, twin, pre, sh);
+        else hc_pre_norm_part(y, a, xq, xd, x, part, base, scale, nw, d, rms_eps, hc_eps, twin, pre, sh);
         return;
     }
-    if (hc_pre_head(pre, post, comb, part, base, scale, n, d, iters, rms_eps, hc_eps, 1)) return;
-    long long i = blockIdx.y;
-    hc_mix(y + i * d, x + i * n * d, pre, n, d);
-    __syncthreads();  // y's writes are visible to the block's reads below
-    rms_norm_slice(a, xq, xd, y, nw, 1, d, rms_eps, twin, i * d, 0, nullptr, 0, sh);
+    hc_pre_norm_general(y, a, xq, xd, post, comb, x, part, base, scale, nw, n, d, iters, rms_eps, hc_eps, twin, pre, sh);
 }
 
 // V consecutive floats at p (16-byte accesses for V = 4: p 16-byte aligned).

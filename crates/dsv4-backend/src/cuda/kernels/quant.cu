@@ -1368,14 +1368,17 @@ __device__ void moe_upn_x8(float* __restrict__ h, const signed char* __restrict_
     if (blockIdx.x >= active[nexp]) return;
     unsigned e = active[blockIdx.x];
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int o = blockIdx.y * Q_WARPS + wp;
-    if (o >= inter) return;
+    int o0 = blockIdx.y * Q_WARPS + wp, o = min(o0, inter - 1);
     long long rb = row_bytes(F, d);
     const u8* wr[2] = {(const u8*)ptrs[e] + o * rb, (const u8*)ptrs[nexp + e] + o * rb};
     const u8* sr[2] = {scale_row(F, (const u8*)ptrs[3 * nexp + e], o, d),
                        scale_row(F, (const u8*)ptrs[4 * nexp + e], o, d)};
     unsigned b0 = off[e];
     int cnt = (int)(off[e + 1] - b0);
+    // The table after the expert's pointers and pairs are asked for: its L2 trip runs beside
+    // theirs instead of before them (the block's chain to its first weight load one trip shorter).
+    fill_tabs<F, true>();
+    if (o0 >= inter) return;
     float g[4];  // a group's gate values (groups of up to 4 from r0 a multiple of 4)
     xrows_all<F, 2>(wr, sr, cnt, d, lane,
                     [&](int r, const signed char*& q, const float*& s) {
@@ -1475,7 +1478,6 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
                                            const unsigned long long* ptrs, int nexp, int k, int d, int inter,        \
                                            float limit) {                                                            \
         pdl_enter();                                                                                                 \
-        fill_tabs<F, true>();                                                                                        \
         moe_upn_x8<F>(h, xq, xd, order, off, active, ptrs, nexp, k, d, inter, limit);                                \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(256, DNB) moe_downx_##N(float* y, const signed char* hq, const float* hd, \
