@@ -14,10 +14,10 @@
 # tiles' blocks an SM under ncu), v29cp (the dense Q8_0 tiles on cp.async: checks, ncu, A/B), v30
 # (HC_PRE's pole; per-instruction stall samples), v30xs (expert activations staged in shared
 # memory), v30pre (moe_upx's table after its first loads), v30sink (the Sinkhorn's dummy lanes),
-# v31split (HC_PRE's mix and norm on 4 blocks), srcall (every kernel's slow-path calls and local memory, ncu
-# source counters), b64ab (batch 64's products on the int8 tiles), flash-served (43 q2 layers in
-# serve's exact mode), flash-bf16 (4 bf16 layers), prefill (issue 12's prefill figures and a stage
-# profile), hf (HF transformers' prefill beside dsv4's), serve (bench_serve at 1 / 16 / 64).
+# srcall (every kernel's slow-path calls and local memory, ncu source counters), b64ab (batch
+# 64's products on the int8 tiles), flash-served (43 q2 layers in serve's exact mode), flash-bf16
+# (4 bf16 layers), prefill (issue 12's prefill figures and a stage profile), hf (HF
+# transformers' prefill beside dsv4's), serve (bench_serve at 1 / 16 / 64).
 # Writes each part's output and a summary to $OUT (or /tmp/dsv4-out); the device tool brings back
 # at most 8 files.
 set -uo pipefail
@@ -310,18 +310,6 @@ for part in $PARTS; do
         t1 packed-hc env DSV4_CUDA_KERNELS=$PWD/.devbin/kvar/sinkfix timeout 100 .devbin/tests/cuda_packed hc
         ncu_each 1 hc_pre_apply_norm builtin sinkfix
         ab_each 1,16 .devbin/kvar/sinkfix
-        ;;
-    v31split)
-        # PERF.md v31: hc_pre_apply_norm's split form (DSV4_HC_SPLIT=1: a row's mix and norm on 4
-        # blocks of 256 threads): its bitwise checks, the kernel under ncu both ways, step A/Bs
-        # (also with HC_POST_DOT, which fuses the launch before it: even at one row in v24).
-        t1 packed-hc timeout 100 .devbin/tests/cuda_packed hc_pre
-        for v in 0 1; do
-            DSV4_HC_SPLIT=$v CTX=4096 TAG=-split$v bash tools/device/profile.sh 4 q2 1 > /dev/null 2>&1
-            echo "ncu, 4 q2 layers at context 4096, batch 1, DSV4_HC_SPLIT=$v: $(grep -E "^(hc_pre_apply_norm|one step)" \
-                "$OUT/ncu-q2-1-split$v.txt" | head -4 | tr -s ' ' | tr '\n' ';')" >> "$S"
-        done
-        ab_each 1,16 DSV4_HC_SPLIT=1 DSV4_HC_SPLIT=1+DSV4_HC_POST_DOT=1
         ;;
     srcall)
         # PERF.md "Next (after v30)" item 2: every kernel of one batch-1 step under ncu's source

@@ -725,9 +725,7 @@ fn hc_sub_block_seeded(
 
 /// HC_PRE with the sub-block's RMSNorm in one launch is bitwise HC_PRE and then the norm, at
 /// V4-Flash's width (4 streams of 4096) for one row and for three, and each row alone is
-/// bitwise that row among the three: in the one-block form and the split form (`set_hc_split`:
-/// a row on 4 blocks meeting through a counter that each launch advances, so the repeated
-/// launches here also check that it is never left behind).
+/// bitwise that row among the three.
 #[test]
 fn cuda_hc_pre_norm_is_hc_pre_then_norm() {
     let Some(b) = gpu() else { return };
@@ -741,70 +739,19 @@ fn cuda_hc_pre_norm_is_hc_pre_then_norm() {
             assert_eq!(p.to_bits(), q.to_bits(), "{what}: value {i}: {p} vs {q}");
         }
     };
-    let was = b.hc_split();
-    for split in [false, true, true] {
-        b.set_hc_split(split);
-        let (y, a, post, comb) = b.hc_pre_norm(&x3, &hc, &norm, &cfg);
-        let (y2, post2, comb2) = b.hc_pre(&x3, &hc, &cfg);
-        let a2 = b.rms_norm(&y2, Some(&norm), d, cfg.rms_eps);
-        for (p, q, what) in [(&y, &y2, "y"), (&a, &a2, "norm"), (&post, &post2, "post"), (&comb, &comb2, "comb")] {
-            bitwise(&host(p), &host(q), &format!("split {split}: {what}"));
-        }
-        let (ha, hy) = (host(&a), host(&y));
-        assert!(ha.iter().all(|v| v.is_finite()) && ha.iter().any(|v| *v != 0.0), "norm values");
-        for r in 0..3 {
-            let (y1, a1, _, _) = b.hc_pre_norm(&row_of(&b, &xc, r), &hc, &norm, &cfg);
-            bitwise(&host(&y1), &hy[r * d..(r + 1) * d], &format!("split {split}: y, a row alone"));
-            bitwise(&host(&a1), &ha[r * d..(r + 1) * d], &format!("split {split}: norm, a row alone"));
-        }
+    let (y, a, post, comb) = b.hc_pre_norm(&x3, &hc, &norm, &cfg);
+    let (y2, post2, comb2) = b.hc_pre(&x3, &hc, &cfg);
+    let a2 = b.rms_norm(&y2, Some(&norm), d, cfg.rms_eps);
+    for (p, q, what) in [(&y, &y2, "y"), (&a, &a2, "norm"), (&post, &post2, "post"), (&comb, &comb2, "comb")] {
+        bitwise(&host(p), &host(q), what);
     }
-    b.set_hc_split(was);
-}
-
-/// The split form of HC_PRE's mix and norm (`set_hc_split`) in whole forwards at V4-Flash's
-/// width: two layers (SWA, then layer 2's kind) of synthetic bf16 weights with 16 routed experts
-/// and a 4,096-token vocabulary, a 5-token prompt and 8 greedy one-row steps (recorded and
-/// replayed as CUDA graphs after the second), in fast and exact mode: bitwise the one-block
-/// form's logits, every one finite.
-#[test]
-fn cuda_hc_split_forwards_are_bitwise() {
-    use dsv4_backend::{Batch, Model};
-    let Some(b) = gpu() else { return };
-    let mut cfg = dsv4_model::Config::flash();
-    cfg.layers = vec![cfg.layers[0], cfg.layers[2]];
-    cfg.vocab_size = 4096;
-    cfg.n_routed_experts = 16;
-    cfg.validate().expect("a valid reduced Flash config");
-    let was = b.hc_split();
-    let argmax = |v: &[f32]| v.iter().enumerate().fold(0, |m, (i, x)| if *x > v[m] { i } else { m }) as u32;
-    let run = |b: CudaBackend, split: bool, exact: bool| -> (CudaBackend, Vec<Vec<f32>>) {
-        b.set_hc_split(split);
-        b.set_exact(exact);
-        let w = dsv4_backend::synth::synth_weights(&cfg, 3, |name, shape, mean, std, seed| {
-            b.upload_random(name, shape, mean, std, seed)
-        });
-        let mut m = Model::new(b, cfg.clone(), w, 1);
-        let s = m.alloc_seq().unwrap();
-        let prompt = [11u32, 907, 3, 2048, 64];
-        let mut out = vec![m.forward(&Batch::chunk(s, 0, &prompt).unwrap(), &[4]).unwrap()];
-        for i in 0..8 {
-            let t = argmax(out.last().unwrap());
-            out.push(m.forward(&Batch::chunk(s, prompt.len() + i, &[t]).unwrap(), &[0]).unwrap());
-        }
-        (m.backend, out)
-    };
-    let mut b = b;
-    for exact in [false, true] {
-        let (b1, base) = run(b, false, exact);
-        let (b2, split) = run(b1, true, exact);
-        b = b2;
-        assert!(base.iter().flatten().all(|v| v.is_finite()), "exact {exact}: nonfinite logits");
-        for (i, (p, q)) in base.iter().zip(&split).enumerate() {
-            let diff = p.iter().zip(q).position(|(x, y)| x.to_bits() != y.to_bits());
-            assert!(diff.is_none(), "exact {exact}, forward {i} (0 = the prompt): logit {diff:?} differs");
-        }
+    let (ha, hy) = (host(&a), host(&y));
+    assert!(ha.iter().all(|v| v.is_finite()) && ha.iter().any(|v| *v != 0.0), "norm values");
+    for r in 0..3 {
+        let (y1, a1, _, _) = b.hc_pre_norm(&row_of(&b, &xc, r), &hc, &norm, &cfg);
+        bitwise(&host(&y1), &hy[r * d..(r + 1) * d], "y, a row alone");
+        bitwise(&host(&a1), &ha[r * d..(r + 1) * d], "norm, a row alone");
     }
-    b.set_hc_split(was);
 }
 
 /// HC_POST that forms the next HC_PRE's sums beside the streams (`set_hc_post_dot`) gives
@@ -979,9 +926,7 @@ fn cuda_hc_pre_norm_twin_is_the_norms_codes() {
     let Some(b) = gpu() else { return };
     b.set_exact(false);
     b.set_int8(true);
-    let was = b.hc_split();
-    for (d, split) in [(4096usize, false), (4096, true), (96, false)] {
-        b.set_hc_split(split);
+    for d in [4096usize, 96] {
         let (cfg, hc, norm) = hc_sub_block(&b, d);
         let n = cfg.hc_mult;
         // A Q8_0 weight: with one uploaded, whole-row norms write the twin.
@@ -993,19 +938,12 @@ fn cuda_hc_pre_norm_twin_is_the_norms_codes() {
             let (y2, _, _) = b.hc_pre(&x, &hc, &cfg);
             let a2 = b.to_host(&b.rms_norm(&y2, Some(&norm), d, cfg.rms_eps));
             let ha = b.to_host(&a);
-            assert!(
-                ha.iter().zip(&a2).all(|(p, q)| p.to_bits() == q.to_bits()),
-                "d {d}, split {split}, {rows} rows: norm values"
-            );
+            assert!(ha.iter().zip(&a2).all(|(p, q)| p.to_bits() == q.to_bits()), "d {d}, {rows} rows: norm values");
             let copy = b.upload(HostTensor::new("a", vec![rows, d], ha)).unwrap();
             let (p, q) = (b.to_host(&b.matmul(&a, &w)), b.to_host(&b.matmul(&CudaTensor::new(rows, d, copy.data), &w)));
-            assert!(
-                p.iter().zip(&q).all(|(p, q)| p.to_bits() == q.to_bits()),
-                "d {d}, split {split}, {rows} rows: twin"
-            );
+            assert!(p.iter().zip(&q).all(|(p, q)| p.to_bits() == q.to_bits()), "d {d}, {rows} rows: twin");
         }
     }
-    b.set_hc_split(was);
     b.set_int8(false);
 }
 

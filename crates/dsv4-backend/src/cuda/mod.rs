@@ -304,12 +304,6 @@ fn decode_fusion_in(name: &str, var: impl Fn(&str) -> Option<String>) -> bool {
     flag(name).or_else(|| flag("DSV4_DECODE_FUSIONS")).unwrap_or(default)
 }
 
-/// Rows up to which hc_pre_apply_norm may take its split form (hc.cu `HC_SYNC_ROWS`).
-const HC_SYNC_ROWS: usize = 64;
-
-/// `DSV4_HC_SPLIT`'s default (PERF.md v31).
-const HC_SPLIT_DEFAULT: bool = false;
-
 /// Groups from which an RMSNorm of 512-value groups takes `rms_norm_warp` (bitwise `rms_norm`'s
 /// values; a prefill chunk's q heads).
 const NORM_WARP_GROUPS: usize = 4096;
@@ -644,11 +638,6 @@ pub struct CudaBackend {
     /// Zeroed counters of 32-value groups (`moe_up1s`, `gemv1xq`: each launch leaves them zero,
     /// and launches on the stream never overlap): [`bf16::FFN1_COUNTERS`] of them.
     pub(crate) ffn1_cnt: CudaSlice<u32>,
-    /// hc_pre_apply_norm's split form ([`CudaBackend::set_hc_split`]): a counter a row (each
-    /// launch adds its blocks, so it is never reset), then 32 warp sums a row.
-    hc_sync: CudaSlice<u32>,
-    /// HC_PRE's mix and norm of a decode row on 4 blocks (see [`CudaBackend::set_hc_split`]).
-    hc_split: std::sync::atomic::AtomicBool,
     /// Bumped by every setter that changes which kernels a step launches: part of the recorded
     /// steps' generation ([`CudaBackend::prepare_step`]), so a step recorded under other settings
     /// is recorded again rather than replayed.
@@ -948,19 +937,6 @@ impl CudaBackend {
         self.route_fused.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// HC_PRE's mix and norm of a decode row (at most `HC_SYNC_ROWS` rows, V4's shapes) on 4
-    /// blocks of 256 threads instead of one of 1,024, each playing a quarter of the big block's
-    /// threads (the same values; the norm's warp sums meet through a counter a row): one SM
-    /// issued the whole row's instructions (PERF.md v31). Start value `DSV4_HC_SPLIT` (`0`/`1`).
-    pub fn set_hc_split(&self, on: bool) {
-        self.hc_split.store(on, std::sync::atomic::Ordering::Relaxed);
-        self.bump_settings();
-    }
-
-    pub fn hc_split(&self) -> bool {
-        self.hc_split.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
     /// The lightning indexer's scores (`index_score`) and top-k (`index_topk`) in one launch
     /// (`index_score_topk`: each row's last block to finish its scores selects the row's
     /// entries) where every segment is short (decode and verify): one launch fewer a CSA
@@ -1244,7 +1220,6 @@ impl CudaBackend {
         let dummy_i8 = stream.alloc_zeros::<i8>(1)?;
         let one_pair = stream.clone_htod(&[0u32, 0, 1, 0, 1])?;
         let ffn1_cnt = stream.alloc_zeros::<u32>(bf16::FFN1_COUNTERS)?;
-        let hc_sync = stream.alloc_zeros::<u32>(HC_SYNC_ROWS * 33)?;
         Ok(CudaBackend {
             ctx,
             stream,
@@ -1293,10 +1268,6 @@ impl CudaBackend {
             x8_weights: std::sync::atomic::AtomicBool::new(false),
             one_pair,
             ffn1_cnt,
-            hc_sync,
-            hc_split: std::sync::atomic::AtomicBool::new(
-                std::env::var("DSV4_HC_SPLIT").map_or(HC_SPLIT_DEFAULT, |v| v.trim() == "1"),
-            ),
             settings: std::sync::atomic::AtomicU64::new(0),
             ffn1: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_FFN1")),
             x8_group: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_X8_GROUP")),
@@ -2271,18 +2242,9 @@ impl Backend for CudaBackend {
     ) -> (CudaTensor, CudaTensor, CudaTensor, CudaTensor) {
         let (n, d, rows) = (cfg.hc_mult, cfg.hidden, x.rows);
         let threads = self.norm_threads(d);
-        // Prefetch blocks as extra rows of the grid (the blocks of a row: 2, 1 apart, or the
-        // split form's 5).
+        // Prefetch blocks as extra rows of the grid (the blocks of a row: 2, or 1 apart).
         let sink_apart = rows >= HC_DOT_ROWS_MIN && n == 4 && d <= 4 * threads as usize;
-        let split = self.hc_split() && n == 4 && d == 4096 && threads == 1024 && rows <= HC_SYNC_ROWS;
-        let blocks = if split {
-            5
-        } else if sink_apart {
-            1
-        } else {
-            2
-        };
-        let pf = self.take_l2_ranges(rows, blocks);
+        let pf = self.take_l2_ranges(rows, if sink_apart { 1 } else { 2 });
         // The head's partial sums take one thread each.
         if !self.fusion.hc_norm || rows == 0 || threads as usize <= (2 + n) * n {
             let (y, post, comb) = self.hc_pre(x, hc, cfg);
@@ -2298,18 +2260,16 @@ impl Backend for CudaBackend {
         // Block 0 of a row: the mix and the norm (rms_norm's block size); block 1: post, comb.
         // Prefill-sized calls with V4's shapes form post and comb in a launch of their own, a
         // warp a row (hc_pre_sink_rows): a sink block held a whole SM for one warp's work.
-        // The split form: blocks 0..4 of 256 threads play block 0's quarters, block 4 is block 1.
-        let sync = if split { self.dev_ptr(&self.hc_sync) } else { 0u64 };
+        let blocks = if sink_apart { 1 } else { 2 };
         for pass in 0..1 + probe_hc_twice() as usize {
             let pf = if pass == 0 { pf } else { L2Ranges::NONE };
             let lc = LaunchConfig {
-                grid_dim: (blocks as u32, (rows + pf.layers as usize) as u32, 1),
-                block_dim: (if split { threads / 4 } else { threads }, 1, 1),
+                grid_dim: (blocks, (rows + pf.layers as usize) as u32, 1),
+                block_dim: (threads, 1, 1),
                 shared_mem_bytes: 0,
             };
             // SAFETY: argument types and sizes match the kernel's signature (xq/xd hold the
-            // whole norm's codes and scales when `twin`; `sync` is null or hc_sync, which holds
-            // HC_SYNC_ROWS ≥ rows counters and 32 sums a row; `pf` is common.cuh's L2Ranges by
+            // whole norm's codes and scales when `twin`; `pf` is common.cuh's L2Ranges by
             // value, its ranges inside weights that live as long as the model).
             ck(
                 unsafe {
@@ -2332,7 +2292,6 @@ impl Backend for CudaBackend {
                         .arg(&cfg.rms_eps)
                         .arg(&cfg.hc_eps)
                         .arg(&(twin as i32))
-                        .arg(&sync)
                         .arg_struct(&pf)
                         .launch(lc)
                 },

@@ -538,46 +538,16 @@ __device__ __forceinline__ void quant4_block32(const float v[4], signed char q[4
 // rms_norm_slice's (thread t's columns t + u·blockDim, u = 0..3, are rms_norm_slice's j = u; the
 // twin through quant4_block32, quant_block32's values), so every value is bitwise the general
 // path's and the `rms_norm` launch's of this block size. FULL: d == 4·blockDim (no guards).
-//
-// SPLIT > 1 (decode-sized calls, PERF.md v31): the row's 1,024-thread block is SPLIT blocks of
-// 1,024 / SPLIT threads, block b playing threads b·blockDim.. of it (their columns, warps and
-// order: the same values); one SM issued all 32 warps' ~250 instructions each at ~0.5 IPC (8.9 µs
-// a launch, H100). The norm's 32 warp sums cross blocks through `sync` (hc_sync_wait): every
-// block waits for the row's SPLIT blocks and adds the 32 in warp order, as warp 0 did.
-#define HC_NSPLIT 4       // blocks a row in the split form
-#define HC_SYNC_ROWS 64   // rows the split form takes (sync: HC_SYNC_ROWS counters, then 32 sums a row)
-
-// Thread 0 of each of a row's SPLIT blocks: after the block's warp sums are stored, count the
-// block in the row's counter and wait until the row's SPLIT blocks of this launch have counted.
-// The counter only grows (each launch adds SPLIT a row), so it is never reset: this launch's
-// target is the next multiple of SPLIT above the count found. The grid's blocks are all resident
-// before the next grid is scheduled (pdl_enter's trigger), and a row's SPLIT blocks fit at once.
-template <int SPLIT>
-__device__ __forceinline__ void hc_sync_wait(unsigned* cnt) {
-    __syncthreads();  // the block's sums stored
-    if (threadIdx.x == 0) {
-        __threadfence();
-        unsigned old = atomicAdd(cnt, 1u), target = old - old % SPLIT + SPLIT, cur;
-        do {
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(cur) : "l"(cnt) : "memory");
-        } while ((int)(cur - target) < 0);
-    }
-    __syncthreads();
-}
-
-template <int N, bool FULL, int SPLIT = 1>
+template <int N, bool FULL>
 __device__ __forceinline__ void hc_pre_norm_row(float* y, float* a, signed char* xq, float* xd,
                                                 const float* __restrict__ x, const float* __restrict__ part,
                                                 const float* base, const float* scale, const float* nw, int d,
-                                                float rms_eps, float hc_eps, int twin, float* pre, float* sh,
-                                                unsigned* sync = nullptr) {
+                                                float rms_eps, float hc_eps, int twin, float* pre, float* sh) {
     constexpr int MIX = (2 + N) * N, CPT = 4;
     static_assert(MIX < 32, "warp 0 holds the partial sums");
     __shared__ float sp[HC_SPLIT * (MIX + 1)];
     __shared__ float rr;  // the norm's 1/rms
-    // t, wp, bd: the thread, warp and size of the (whole) row block; lt, lbd: this block's.
-    int lt = threadIdx.x, lbd = blockDim.x, lane = lt & 31, lwp = lt >> 5;
-    int bd = lbd * SPLIT, t = (SPLIT > 1 ? blockIdx.x * lbd : 0) + lt, wp = t >> 5;
+    int t = threadIdx.x, lane = t & 31, wp = t >> 5, bd = blockDim.x;
     long long i = blockIdx.y, row = i * d;
     const float* xr = x + i * N * d + t;
     const float* wr = nw + t;
@@ -594,9 +564,9 @@ __device__ __forceinline__ void hc_pre_norm_row(float* y, float* a, signed char*
     float bt = lane < N ? base[lane] : 0.f, sc0 = scale[0];
     const float* p = part + i * HC_SPLIT * (MIX + 1);
 #pragma unroll 1
-    for (int e = lt; e < HC_SPLIT * (MIX + 1); e += lbd) sp[e] = p[e];
+    for (int e = t; e < HC_SPLIT * (MIX + 1); e += bd) sp[e] = p[e];
     __syncthreads();
-    if (lwp == 0) {
+    if (wp == 0) {
         float v = 0.f;
 #pragma unroll
         for (int s = 0; s < HC_SPLIT; s++) v += sp[s * (MIX + 1) + min(lane, MIX)];
@@ -625,24 +595,12 @@ __device__ __forceinline__ void hc_pre_norm_row(float* y, float* a, signed char*
     // add of the warp partials and r formed by warp 0 alone (in every warp they cost 32 warps ×
     // ~85 issue slots on one SM; one more barrier instead).
     ss = warp_sum(ss);
-    if constexpr (SPLIT > 1) {
-        float* ws = (float*)(sync + HC_SYNC_ROWS) + i * 32;
-        if (lane == 0) ws[wp] = ss;
-        hc_sync_wait<SPLIT>(sync + i);
-        if (lwp == 0) {
-            float tot = 0.f;
-#pragma unroll
-            for (int k = 0; k < 32; k++) tot += __ldcg(ws + k);
-            if (lane == 0) rr = 1.0f / sqrtf(tot / (float)d + rms_eps);
-        }
-    } else {
-        if (lane == 0) sh[wp] = ss;
-        __syncthreads();
-        if (wp == 0) {
-            float tot = 0.f;
-            for (int k = 0; k < (bd >> 5); k++) tot += sh[k];
-            if (lane == 0) rr = 1.0f / sqrtf(tot / (float)d + rms_eps);
-        }
+    if (lane == 0) sh[wp] = ss;
+    __syncthreads();
+    if (wp == 0) {
+        float tot = 0.f;
+        for (int k = 0; k < (bd >> 5); k++) tot += sh[k];
+        if (lane == 0) rr = 1.0f / sqrtf(tot / (float)d + rms_eps);
     }
     __syncthreads();
     float r = rr;
@@ -746,24 +704,12 @@ __device__ __noinline__ bool hc_pre_prefetch(const L2Ranges& pf) { return l2_pre
 extern "C" __global__ void __launch_bounds__(1024) hc_pre_apply_norm(float* y, float* a, signed char* xq, float* xd, float* post, float* comb,
                                              const float* __restrict__ x, const float* __restrict__ part,
                                              const float* base, const float* scale, const float* nw, int n, int d,
-                                             int iters, float rms_eps, float hc_eps, int twin, unsigned* sync,
-                                             L2Ranges pf) {
+                                             int iters, float rms_eps, float hc_eps, int twin, L2Ranges pf) {
     if (pf.layers > 0 && hc_pre_prefetch(pf)) return;
     if (blockIdx.x == 0 && threadIdx.x == 0) WEIGHT_HINT(nw, 4LL * d);  // the norm's weight
     pdl_enter();
     __shared__ float pre[MAX_HC];
     __shared__ float sh[32];
-    // The split form (sync given): grid (HC_NSPLIT + 1, rows ≤ HC_SYNC_ROWS) of 1,024 /
-    // HC_NSPLIT threads, V4's shapes; block HC_NSPLIT forms post and comb.
-    if (sync != nullptr && n == 4 && d == 4096 && blockDim.x * HC_NSPLIT == 1024 && gridDim.x == HC_NSPLIT + 1) {
-        if (blockIdx.x == HC_NSPLIT) {
-            __shared__ float am[16];
-            if (threadIdx.x < 32) hc_sink_row<4>(post, comb, part, base, scale, d, iters, rms_eps, hc_eps, blockIdx.y, am);
-        } else
-            hc_pre_norm_row<4, true, HC_NSPLIT>(y, a, xq, xd, x, part, base, scale, nw, d, rms_eps, hc_eps, twin, pre,
-                                                sh, sync);
-        return;
-    }
     if (n == 4 && d <= 4 * (int)blockDim.x) {
         if (blockIdx.x == 1) {
             __shared__ float am[16];
