@@ -671,11 +671,6 @@ extern "C" __global__ void __launch_bounds__(256) hc_pre_sink_rows(float* post, 
     hc_sink_row<4>(post, comb, part, base, scale, d, iters, rms_eps, hc_eps, i, am[w]);
 }
 
-// HC_PRE apply and the RMSNorm after it in one launch, grid (2, rows): block 1 forms post and
-// comb; block 0 mixes the whole row into y, then normalises it (rms_norm_slice: the same
-// operations, in the same order, as the `rms_norm` launch of this block size) into `a`, with the
-// int8 twin when `twin`. n = 4 and d ≤ 4·blockDim (V4) take hc_pre_norm_row and hc_sink_row.
-// The blocks of the last pf.layers rows of y prefetch pf's ranges into L2 instead (common.cuh).
 // hc_pre_apply_norm's paths other than V4's (block 0 with d < 4·blockDim, any n ≠ 4), out of
 // line: the V4 path's code then runs from the kernel's start without jumping over them (a
 // one-row launch fetches its instructions cold from L2: ncu saw 39 % of its stalls on
@@ -701,6 +696,11 @@ __device__ __noinline__ void hc_pre_norm_general(float* y, float* a, signed char
 
 __device__ __noinline__ bool hc_pre_prefetch(const L2Ranges& pf) { return l2_prefetch_block(pf, 1); }
 
+// HC_PRE apply and the RMSNorm after it in one launch, grid (2, rows): block 1 forms post and
+// comb; block 0 mixes the whole row into y, then normalises it (rms_norm_slice: the same
+// operations, in the same order, as the `rms_norm` launch of this block size) into `a`, with the
+// int8 twin when `twin`. n = 4 and d ≤ 4·blockDim (V4) take hc_pre_norm_row and hc_sink_row.
+// The blocks of the last pf.layers rows of y prefetch pf's ranges into L2 instead (common.cuh).
 extern "C" __global__ void __launch_bounds__(1024) hc_pre_apply_norm(float* y, float* a, signed char* xq, float* xd, float* post, float* comb,
                                              const float* __restrict__ x, const float* __restrict__ part,
                                              const float* base, const float* scale, const float* nw, int n, int d,
