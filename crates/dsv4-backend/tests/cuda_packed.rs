@@ -532,6 +532,102 @@ fn cuda_one_row_product_with_its_output_codes_is_bitwise() {
     b.set_int8(false);
 }
 
+/// Random HC_POST operands of one row: `n` old streams of `d` values, post and comb.
+fn post_operands(b: &CudaBackend, n: usize, d: usize, seed: u64) -> [CudaTensor; 3] {
+    [activations(b, 1, n * d, seed).0, activations(b, 1, n, seed + 1).0, activations(b, 1, n * n, seed + 2).0]
+}
+
+/// Asserts `got` and `want` hold bitwise the same values.
+fn assert_bitwise(b: &CudaBackend, got: &CudaTensor, want: &CudaTensor, what: &str) {
+    let (g, w) = (b.to_host(got), b.to_host(want));
+    assert_eq!(g.len(), w.len(), "{what}: lengths");
+    for (i, (u, v)) in g.iter().zip(&w).enumerate() {
+        assert_eq!(u.to_bits(), v.to_bits(), "{what}: value {i}: {u} vs {v}");
+    }
+}
+
+/// HC_POST in the epilogue of a sub-block's last one-row product (`set_post_fused`): wo_b's
+/// int8 product (`gemv1xp`; each int8 format, 4 streams and 2, k past and within gemv1x4's 1,024)
+/// and the experts' `moe_down1s` (`moe_shared_post`) give bitwise the product alone and
+/// `hc_post` of it, three runs each; with the switch off, or two rows, they leave HC_POST to
+/// the caller and their products are unchanged.
+#[test]
+fn cuda_one_row_products_with_hc_post_are_bitwise() {
+    use dsv4_backend::PostMix;
+    use PackedFormat::{IQ2_XXS, Q2_K, Q8_0};
+    let Some(b) = gpu() else { return };
+    b.set_exact(false);
+    b.set_int8(true);
+    let cases = [(Q8_0, 512, 2048, 4), (IQ2_XXS, 256, 512, 4), (Q2_K, 256, 1024, 2), (Q8_0, 96, 256, 4)];
+    for (ci, (format, m, k, n)) in cases.into_iter().enumerate() {
+        let seed = 600 + 10 * ci as u64;
+        let w = b.upload(host("layers.0.attn.wo_b.weight", m, k, &random_packed(format, m, k, seed))).unwrap();
+        let (x, _) = activations(&b, 1, k, seed + 1);
+        let [xs, post, comb] = post_operands(&b, n, m, seed + 2);
+        let mix = PostMix { x: &xs, post: &post, comb: &comb };
+        let name = format!("{} [{m}, {k}], {n} streams", format.name());
+        b.set_post_fused(false);
+        let (plain, none) = b.matmul_post(&x, &w, mix);
+        assert!(none.is_none(), "{name}: the switch is off");
+        let want = b.hc_post(&plain, &xs, &post, &comb);
+        b.set_post_fused(true);
+        for run in 0..3 {
+            let (o, xo) = b.matmul_post(&x, &w, mix);
+            let xo = xo.unwrap_or_else(|| panic!("{name}: the fused product does not apply"));
+            assert_bitwise(&b, &o, &plain, &format!("{name}, run {run}: product"));
+            assert_bitwise(&b, &xo, &want, &format!("{name}, run {run}: new streams"));
+        }
+        let (x2, _) = activations(&b, 2, k, seed + 5);
+        assert!(b.matmul_post(&x2, &w, mix).1.is_none(), "{name}: two rows are not fused");
+        println!("{name}: the product with HC_POST bitwise the product, then hc_post");
+    }
+    const LIMIT: f32 = 0.5;
+    for (ci, (routed, shared, k, (d, inter, ne), n)) in
+        [((IQ2_XXS, Q2_K), (Q8_0, Q8_0), 6, (256, 512, 8), 4), ((Q8_0, Q8_0), (Q8_0, Q8_0), 3, (512, 256, 4), 2)]
+            .into_iter()
+            .enumerate()
+    {
+        let seed = 700 + 100 * ci as u64;
+        let (gpu_e, _) = random_experts(&b, routed, (d, inter, ne), seed);
+        let (sg, _) = random_experts(&b, shared, (d, inter, 1), seed + 50);
+        let mut c = dsv4_model::synth::tiny_config(64);
+        c.n_routed_experts = ne;
+        c.n_experts_per_tok = k;
+        let bias = b.upload(HostTensor::new("bias", vec![ne], vec![0.0; ne])).unwrap();
+        let (xg, _) = activations(&b, 1, d, seed + 1);
+        let (lg, _) = activations(&b, 1, ne, seed + 2);
+        let x = b.rms_norm(&xg, None, d, 1e-6);
+        let rg = b.route(&lg, Some(&bias), None, &c);
+        let [xs, post, comb] = post_operands(&b, n, d, seed + 3);
+        let mix = PostMix { x: &xs, post: &post, comb: &comb };
+        let name = format!(
+            "experts {}/{} + shared {}, k = {k}, {n} streams",
+            routed.0.name(),
+            routed.1.name(),
+            shared.0.name()
+        );
+        b.set_post_fused(false);
+        let (apart, none) = b.moe_shared_post(&x, &rg, &gpu_e, 0, &sg[0], LIMIT, mix);
+        assert!(none.is_none(), "{name}: the switch is off");
+        let want = b.hc_post(&apart.2, &xs, &post, &comb);
+        b.set_post_fused(true);
+        for run in 0..3 {
+            let (fused, xo) = b.moe_shared_post(&x, &rg, &gpu_e, 0, &sg[0], LIMIT, mix);
+            let xo = xo.unwrap_or_else(|| panic!("{name}: the fused launch does not apply"));
+            for (what, (f, a)) in ["routed", "shared", "sum"].iter().zip([
+                (&fused.0, &apart.0),
+                (&fused.1, &apart.1),
+                (&fused.2, &apart.2),
+            ]) {
+                assert_bitwise(&b, f, a, &format!("{name}, run {run}: {what}"));
+            }
+            assert_bitwise(&b, &xo, &want, &format!("{name}, run {run}: new streams"));
+        }
+        println!("{name}: moe_down1s with HC_POST bitwise the experts, then hc_post");
+    }
+    b.set_int8(false);
+}
+
 /// Row `r` of `t` as a one-row device tensor.
 fn row_of(b: &CudaBackend, t: &Tensor, r: usize) -> CudaTensor {
     let h = HostTensor::new("row", vec![1, t.cols], t.data[r * t.cols..(r + 1) * t.cols].to_vec());
@@ -1143,4 +1239,66 @@ fn experts_twin(x: &Tensor, r: &dsv4_backend::cpu::Route, experts: &[Expert<Tens
         }
     }
     out
+}
+
+/// A whole forward with HC_POST in the products' epilogues (`set_post_fused`) is bitwise the
+/// forward without: two V4-Flash-wide layers (SWA, then layer 2's kind) of synthetic weights in
+/// ds4's q2 layout (IQ2_XXS / Q2_K routed experts, Q8_0 products) with 16 routed experts and a
+/// 4,096-token vocabulary, a 5-token prompt and 8 greedy one-row steps (recorded and replayed as
+/// CUDA graphs after the second), in fast and exact mode; every logit finite.
+#[test]
+fn cuda_post_fused_forwards_are_bitwise() {
+    use dsv4_backend::{Batch, Model};
+    let Some(b) = gpu() else { return };
+    let mut cfg = dsv4_model::Config::flash();
+    cfg.layers = vec![cfg.layers[0], cfg.layers[2]];
+    cfg.vocab_size = 4096;
+    cfg.n_routed_experts = 16;
+    cfg.validate().expect("a valid reduced Flash config");
+    let q2 = |name: &str, shape: &[usize]| -> Option<PackedFormat> {
+        let routed = name.contains(".ffn.experts.");
+        let side = name.contains(".compressor.") || name.contains(".indexer.");
+        let f = match () {
+            _ if routed && name.ends_with(".w2.weight") => PackedFormat::Q2_K,
+            _ if routed => PackedFormat::IQ2_XXS,
+            _ if side => return None,
+            _ => PackedFormat::Q8_0,
+        };
+        dsv4_backend::bf16::keeps_packed(name, shape, f).then_some(f)
+    };
+    let argmax = |v: &[f32]| v.iter().enumerate().fold(0, |m, (i, x)| if *x > v[m] { i } else { m }) as u32;
+    let run = |b: CudaBackend, fused: bool, exact: bool| -> (CudaBackend, Vec<Vec<f32>>) {
+        b.set_post_fused(fused);
+        b.set_exact(exact);
+        let w = dsv4_backend::synth::synth_weights(&cfg, 3, |name, shape, mean, std, seed| match q2(name, shape) {
+            Some(f) => b.upload_random_packed(f, shape[0], shape[1], std, seed),
+            None => b.upload_random(name, shape, mean, std, seed),
+        });
+        let launches = b.post_fused_launches();
+        let mut m = Model::new(b, cfg.clone(), w, 1);
+        let s = m.alloc_seq().unwrap();
+        let prompt = [11u32, 907, 3, 2048, 64];
+        let mut out = vec![m.forward(&Batch::chunk(s, 0, &prompt).unwrap(), &[4]).unwrap()];
+        for i in 0..8 {
+            let t = argmax(out.last().unwrap());
+            out.push(m.forward(&Batch::chunk(s, prompt.len() + i, &[t]).unwrap(), &[0]).unwrap());
+        }
+        // Each sub-block of a recorded one-row step: wo_b's product and the experts' down launch.
+        let fused_launches = m.backend.post_fused_launches() - launches;
+        assert_eq!(fused_launches > 0, fused, "exact {exact}, fused {fused}: {fused_launches} fused launches");
+        (m.backend, out)
+    };
+    let mut b = b;
+    for exact in [false, true] {
+        let (b1, base) = run(b, false, exact);
+        let (b2, fused) = run(b1, true, exact);
+        b = b2;
+        assert!(base.iter().flatten().all(|v| v.is_finite()), "exact {exact}: nonfinite logits");
+        for (i, (p, q)) in base.iter().zip(&fused).enumerate() {
+            let diff = p.iter().zip(q).position(|(x, y)| x.to_bits() != y.to_bits());
+            assert!(diff.is_none(), "exact {exact}, forward {i} (0 = the prompt): logit {diff:?} differs");
+        }
+        println!("exact {exact}: 9 forwards with HC_POST in the products bitwise those without");
+    }
+    b.set_exact(false);
 }
