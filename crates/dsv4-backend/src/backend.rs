@@ -49,26 +49,6 @@ impl SavedState {
     }
 }
 
-/// The MoE block's routed sum, shared expert and their sum ([`Backend::moe_shared`]).
-pub type MoeOut<T> = (T, T, T);
-
-/// A sub-block's HC_POST operands: its input streams `x` and the `post` and `comb` its HC_PRE
-/// formed. The forward hands them to the sub-block's last product ([`Backend::matmul_post`],
-/// [`Backend::moe_shared_post`]) so a backend may form the new streams in that launch.
-pub struct PostMix<'a, T> {
-    pub x: &'a T,
-    pub post: &'a T,
-    pub comb: &'a T,
-}
-
-// By hand: derived, they would ask `T: Copy` of the tensors the references point to.
-impl<T> Clone for PostMix<'_, T> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<T> Copy for PostMix<'_, T> {}
-
 pub trait Backend: Send + Sync {
     /// A weight resident on the backend.
     type W: Send + Sync;
@@ -225,13 +205,6 @@ pub trait Backend: Send + Sync {
         let _ = (next, cfg);
         self.hc_post(f, x, post, comb)
     }
-    /// `matmul(x, w)`, the last product of a sub-block, and where the backend forms them in that
-    /// product's launch, the sub-block's new streams `hc_post(product, mix…)` (bitwise
-    /// [`Backend::hc_post`]'s values); `None` leaves HC_POST to the caller.
-    fn matmul_post(&self, x: &Self::T, w: &Self::W, mix: PostMix<'_, Self::T>) -> (Self::T, Option<Self::T>) {
-        let _ = mix;
-        (self.matmul(x, w), None)
-    }
     /// HC_HEAD (spec §4.6).
     fn hc_head(&self, x: &Self::T, hc: &Hc<Self::W>, cfg: &Config) -> Self::T;
 
@@ -327,22 +300,6 @@ pub trait Backend: Send + Sync {
         limit: f32,
     ) -> (Self::T, Self::T, Self::T) {
         moe_shared_apart(self, x, route, experts, first, shared, limit)
-    }
-    /// [`Backend::moe_shared`], and the sub-block's new streams as [`Backend::matmul_post`]
-    /// forms them from the block's output, where the backend does.
-    #[allow(clippy::too_many_arguments)]
-    fn moe_shared_post(
-        &self,
-        x: &Self::T,
-        route: &Self::Route,
-        experts: &[Expert<Self::W>],
-        first: usize,
-        shared: &Expert<Self::W>,
-        limit: f32,
-        mix: PostMix<'_, Self::T>,
-    ) -> (MoeOut<Self::T>, Option<Self::T>) {
-        let _ = mix;
-        (self.moe_shared(x, route, experts, first, shared, limit), None)
     }
 
     /// Clears the cache's nonfinite probes (start of a checked forward).

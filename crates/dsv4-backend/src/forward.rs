@@ -4,7 +4,7 @@
 //! is always a [`Batch`] of rows. Every intermediate is handed to the optional [`Capture`] under
 //! a [`Stage`] name; capturing only reads.
 
-use crate::backend::{Backend, CompSlot, NormJob, PostMix};
+use crate::backend::{Backend, CompSlot, NormJob};
 use crate::batch::Batch;
 use crate::comm::Comm;
 use dsv4_model::weights::{Hc, Layer, Weights};
@@ -193,28 +193,16 @@ fn run<B: Backend>(
         // The attention's first products (its input's wq_a / wkv, then wq_b) may be prefetched
         // under HC_PRE; the FFN's router and shared expert likewise.
         let pf = [&lw.attn.wq_a, &lw.attn.wkv, &lw.attn.wq_b];
-        x = sub_block(
-            &mut cx,
-            l,
-            &x,
-            SubHc { hc: &lw.hc_attn, next, prefetch: &pf },
-            &lw.attn_norm,
-            names,
-            |cx, a, mix| attention(cx, l, lw, a, mix),
-        );
+        x = sub_block(&mut cx, l, &x, SubHc { hc: &lw.hc_attn, next, prefetch: &pf }, &lw.attn_norm, names, |cx, a| {
+            attention(cx, l, lw, a)
+        });
         let names = ["ffn.hc_pre", "ffn.norm", "ffn.residual"];
         let next = w.layers.get(l + 1).map(|n| &n.hc_attn);
         let sh = &lw.ffn.shared;
         let pf = [&lw.ffn.gate, &sh.w1, &sh.w3, &sh.w2];
-        x = sub_block(
-            &mut cx,
-            l,
-            &x,
-            SubHc { hc: &lw.hc_ffn, next, prefetch: &pf },
-            &lw.ffn_norm,
-            names,
-            |cx, f, mix| moe(cx, l, lw, f, mix),
-        );
+        x = sub_block(&mut cx, l, &x, SubHc { hc: &lw.hc_ffn, next, prefetch: &pf }, &lw.ffn_norm, names, |cx, f| {
+            moe(cx, l, lw, f)
+        });
         if let (Some(h), Some(j)) = (hidden.as_mut(), outs.taps.iter().position(|&t| t == l)) {
             b.stream_mean_into(h, j * cfg.hidden, &x, cfg.hc_mult);
         }
@@ -239,10 +227,7 @@ struct SubHc<'w, W> {
 }
 
 /// One pre-norm sub-block through mHC: collapse the streams (HC_PRE), normalise, run `body`,
-/// and mix its output back into the streams (HC_POST). `names` label those three stages. On one
-/// rank `body` gets HC_POST's operands for its last product, which may form the new streams
-/// beside its output ([`Backend::matmul_post`]); with several, the output is summed over the
-/// ranks first.
+/// and mix its output back into the streams (HC_POST). `names` label those three stages.
 fn sub_block<'a, 'c, B: Backend>(
     cx: &mut Ctx<'a, 'c, B>,
     l: usize,
@@ -250,32 +235,23 @@ fn sub_block<'a, 'c, B: Backend>(
     SubHc { hc, next, prefetch }: SubHc<'_, B::W>,
     norm: &B::W,
     names: [&'static str; 3],
-    body: impl FnOnce(&mut Ctx<'a, 'c, B>, &B::T, Option<PostMix<'_, B::T>>) -> (B::T, Option<B::T>),
+    body: impl FnOnce(&mut Ctx<'a, 'c, B>, &B::T) -> B::T,
 ) -> B::T {
     let (b, cfg) = (cx.b, cx.cfg);
     b.prefetch(prefetch);
     let (y, a, post, comb) = b.hc_pre_norm(x, hc, norm, cfg);
     cx.cap(Some(l), names[0], &y);
     cx.cap(Some(l), names[1], &a);
-    let mix = (cx.comm.world() == 1).then_some(PostMix { x, post: &post, comb: &comb });
-    let x = match body(cx, &a, mix) {
-        (_, Some(x)) => x,
-        (o, None) => match next {
-            Some(next) => b.hc_post_next(&o, x, &post, &comb, next, cfg),
-            None => b.hc_post(&o, x, &post, &comb),
-        },
+    let o = body(cx, &a);
+    let x = match next {
+        Some(next) => b.hc_post_next(&o, x, &post, &comb, next, cfg),
+        None => b.hc_post(&o, x, &post, &comb),
     };
     cx.cap(Some(l), names[2], &x);
     x
 }
 
-fn attention<B: Backend>(
-    cx: &mut Ctx<'_, '_, B>,
-    l: usize,
-    lw: &Layer<B::W>,
-    a: &B::T,
-    mix: Option<PostMix<'_, B::T>>,
-) -> (B::T, Option<B::T>) {
+fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a: &B::T) -> B::T {
     let (b, cfg) = (cx.b, cx.cfg);
     let spec = cfg.layers[l];
     let aw = &lw.attn;
@@ -359,23 +335,14 @@ fn attention<B: Backend>(
     cx.cap(li, "attn.core", &o);
     let z = b.grouped_matmul(&o, &aw.wo_a, cfg.o_groups);
     cx.cap(li, "attn.wo_a", &z);
-    // Each rank's heads give a partial sum over `wo_b`'s input columns (`mix` only on one rank).
-    let (mut out, x) = match mix {
-        Some(mix) => b.matmul_post(&z, &aw.wo_b, mix),
-        None => (b.matmul(&z, &aw.wo_b), None),
-    };
+    // Each rank's heads give a partial sum over `wo_b`'s input columns.
+    let mut out = b.matmul(&z, &aw.wo_b);
     cx.comm.all_reduce(b, &mut out);
     cx.cap(li, "attn.out", &out);
-    (out, x)
+    out
 }
 
-fn moe<B: Backend>(
-    cx: &mut Ctx<'_, '_, B>,
-    l: usize,
-    lw: &Layer<B::W>,
-    f: &B::T,
-    mix: Option<PostMix<'_, B::T>>,
-) -> (B::T, Option<B::T>) {
+fn moe<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, f: &B::T) -> B::T {
     let (b, cfg) = (cx.b, cx.cfg);
     let m = &lw.ffn;
     let li = Some(l);
@@ -384,13 +351,10 @@ fn moe<B: Backend>(
     cx.cap(li, "ffn.router", &logits);
     // On a rank of a group, `routed` sums only its own experts and `shared` only its share of
     // the shared expert's rows: one all-reduce of their sum completes both.
-    let ((routed, shared, mut out), x) = match mix {
-        Some(mix) => b.moe_shared_post(f, &route, &m.experts, m.expert0, &m.shared, cfg.swiglu_limit, mix),
-        None => (b.moe_shared(f, &route, &m.experts, m.expert0, &m.shared, cfg.swiglu_limit), None),
-    };
+    let (routed, shared, mut out) = b.moe_shared(f, &route, &m.experts, m.expert0, &m.shared, cfg.swiglu_limit);
     cx.cap(li, "ffn.routed", &routed);
     cx.cap(li, "ffn.shared", &shared);
     cx.comm.all_reduce(b, &mut out);
     cx.cap(li, "ffn.out", &out);
-    (out, x)
+    out
 }

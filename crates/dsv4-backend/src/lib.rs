@@ -16,7 +16,7 @@ pub mod model;
 pub mod synth;
 pub mod x8;
 
-pub use backend::{Backend, CompSlot, PostMix, SavedState, StepResult};
+pub use backend::{Backend, CompSlot, SavedState, StepResult};
 pub use batch::{Batch, BatchError, Row, Segment};
 pub use cpu::state::{SeqState, StateFormatError, TruncateError, MAX_ROLLBACK};
 pub use forward::{Capture, Forwarded, Outputs, Probe, Stage};

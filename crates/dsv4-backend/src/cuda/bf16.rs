@@ -530,10 +530,7 @@ pub(crate) const FFN1_COUNTERS: usize = 8 * 256;
 /// [`Backend::moe`](crate::Backend::moe), the shared expert's [`shared_expert_x8`] and the add
 /// give. `None` where the separate launches must run: several rows, a share of the experts, more
 /// than 7 routed slots, formats without int8 kernels (or a pair quant.cu does not instantiate),
-/// or the int8 path off. With `mix`, also the sub-block's new streams from the sum where
-/// [`CudaBackend::hc_post_arg`] takes it (moe_down1s's epilogue; see
-/// [`Backend::moe_shared_post`](crate::Backend::moe_shared_post)).
-#[allow(clippy::too_many_arguments)]
+/// or the int8 path off.
 pub(crate) fn ffn_one_row(
     b: &CudaBackend,
     x: &CudaTensor,
@@ -542,8 +539,7 @@ pub(crate) fn ffn_one_row(
     first: usize,
     shared: &Expert<CudaWeight>,
     limit: f32,
-    mix: Option<crate::PostMix<'_, CudaTensor>>,
-) -> Option<(crate::backend::MoeOut<CudaTensor>, Option<CudaTensor>)> {
+) -> Option<(CudaTensor, CudaTensor, CudaTensor)> {
     let (d, k, e0) = (x.cols, route.k, &experts[0]);
     let inter = e0.w1.rows;
     let pairs = k + 1;
@@ -577,11 +573,6 @@ pub(crate) fn ffn_one_row(
     let mut hq = b.alloc::<i8>(pairs * inter);
     let mut hd = b.alloc::<f32>(pairs * inter / blk);
     let (mut routed, mut sh, mut out) = (b.tensor(1, d), b.tensor(1, d), b.tensor(1, d));
-    // HC_POST in moe_down1s's epilogue where `mix` fits (a null `xo`: none).
-    let (hp, xo) = match mix.and_then(|m| b.hc_post_arg(m, d)) {
-        Some((hp, xo)) => (hp, Some(xo)),
-        None => (super::HcPost::default(), None),
-    };
     let (nei, ki, di, ii) = (experts.len() as i32, k as i32, d as i32, inter as i32);
     let up_cfg = LaunchConfig {
         grid_dim: (pairs as u32, inter.div_ceil(Q_WARPS * o.up) as u32, 1),
@@ -596,8 +587,7 @@ pub(crate) fn ffn_one_row(
     // SAFETY (both launches): argument types and buffer sizes match the kernels: h, hq hold
     // k + 1 rows of `inter`, hd their scales, the counters (zero between launches) cover
     // (k + 1)·inter / 32 groups (checked above), route.ids / weights hold k slots of the one
-    // row, the tables address every routed expert (nexp) and the shared one; hp (by value)
-    // is null or hc_post_arg's streams of one row of d outputs.
+    // row, the tables address every routed expert (nexp) and the shared one.
     ck(
         unsafe {
             b.stream
@@ -637,12 +627,11 @@ pub(crate) fn ffn_one_row(
                 .arg(&ki)
                 .arg(&di)
                 .arg(&ii)
-                .arg_struct(&hp)
                 .launch(down_cfg)
         },
         "moe_down1s",
     );
-    Some(((routed, sh, out), xo))
+    Some((routed, sh, out))
 }
 
 /// The shared expert of one row on int8 activations, as a routed expert with one pair: gate/up

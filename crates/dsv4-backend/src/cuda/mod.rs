@@ -22,7 +22,7 @@ pub mod nccl;
 pub mod quant;
 pub mod state;
 
-use crate::backend::{Backend, CompSlot, NormJob, PostMix};
+use crate::backend::{Backend, CompSlot, NormJob};
 use crate::batch::Batch;
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
 use cudarc::driver::{
@@ -239,25 +239,6 @@ const HC_DOT_ROWS_MIN: usize = 256;
 const HC_SPLIT: usize = 32;
 const HC_ROWS: usize = 4;
 
-/// `MAX_HC` of common.cuh: most streams the mHC kernels and the HC_POST epilogues take.
-const MAX_HC: usize = 8;
-
-/// `HcPost` of common.cuh: a one-row product's HC_POST epilogue (the new streams `xo`, the old
-/// `x`, the row's `post` and `comb`, `n` streams), passed by value; `xo` 0: none.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub(crate) struct HcPost {
-    xo: u64,
-    x: u64,
-    post: u64,
-    comb: u64,
-    n: i32,
-}
-
-// SAFETY: #[repr(C)] in common.cuh's field order: four 8-byte pointers, then a 4-byte int (and
-// 4 bytes of tail padding on both sides: 40 bytes, 8-byte aligned), as the kernels declare it.
-unsafe impl launch::KernelStruct for HcPost {}
-
 /// `hc_pre_dot`'s grid (and `hc_post_dot`'s, which forms the same sums): slices × groups of 8
 /// outputs × groups of HC_ROWS rows, 256 threads a block.
 fn hc_dot_grid(rows: usize, mix: usize) -> LaunchConfig {
@@ -303,8 +284,7 @@ fn hc_dot_tc() -> bool {
 
 /// The decode fusions (v22, v23 in PERF.md), all bitwise the launches they replace: each one's
 /// own variable (`=1` on, `=0` off) wins, else `DSV4_DECODE_FUSIONS` (`=1` all on, `=0` all
-/// off), else the default: on, except [`HC_POST_DOT_DEFAULT`]'s (measured on the H200, v24) and
-/// [`POST_FUSED_DEFAULT`]'s.
+/// off), else the default: on, except [`HC_POST_DOT_DEFAULT`]'s (measured on the H200, v24).
 fn decode_fusion(name: &str) -> bool {
     decode_fusion_in(name, |n| std::env::var(n).ok())
 }
@@ -313,10 +293,6 @@ fn decode_fusion(name: &str) -> bool {
 /// 36.5 → 38.3 ms and moved batch 1 by less than the spread (v24).
 const HC_POST_DOT_DEFAULT: bool = false;
 
-/// `DSV4_POST_FUSED`'s default ([`CudaBackend::set_post_fused`]): off until its bitwise tests
-/// and step A/B have run on a GPU (PERF.md v33).
-const POST_FUSED_DEFAULT: bool = false;
-
 /// [`decode_fusion`] over the variables `var` gives.
 fn decode_fusion_in(name: &str, var: impl Fn(&str) -> Option<String>) -> bool {
     let flag = |n: &str| match var(n).as_deref().map(str::trim) {
@@ -324,11 +300,7 @@ fn decode_fusion_in(name: &str, var: impl Fn(&str) -> Option<String>) -> bool {
         Some("0") => Some(false),
         _ => None,
     };
-    let default = match name {
-        "DSV4_HC_POST_DOT" => HC_POST_DOT_DEFAULT,
-        "DSV4_POST_FUSED" => POST_FUSED_DEFAULT,
-        _ => true,
-    };
+    let default = name != "DSV4_HC_POST_DOT" || HC_POST_DOT_DEFAULT;
     flag(name).or_else(|| flag("DSV4_DECODE_FUSIONS")).unwrap_or(default)
 }
 
@@ -695,11 +667,6 @@ pub struct CudaBackend {
     route_fused: std::sync::atomic::AtomicBool,
     /// The indexer's scores and top-k in one launch (see [`CudaBackend::set_index_fused`]).
     index_fused: std::sync::atomic::AtomicBool,
-    /// HC_POST in the epilogue of a sub-block's last one-row product (see
-    /// [`CudaBackend::set_post_fused`]).
-    post_fused: std::sync::atomic::AtomicBool,
-    /// Launches queued with an HC_POST epilogue ([`CudaBackend::post_fused_launches`]).
-    post_fused_n: std::sync::atomic::AtomicUsize,
     /// Prefetch blocks an HC_PRE or attention launch adds (see [`CudaBackend::set_l2_prefetch`]).
     l2_blocks: std::sync::atomic::AtomicU32,
     /// Weight planes ([`Backend::prefetch`]) the next launch that takes them prefetches:
@@ -984,28 +951,8 @@ impl CudaBackend {
         self.index_fused.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// A sub-block's last one-row product (wo_b on int8 activations: `gemv1xp`; the experts'
-    /// `moe_down1s`) also forms HC_POST's new streams from each output it writes
-    /// ([`Backend::matmul_post`]): one launch fewer a sub-block, the same values. Not where
-    /// HC_POST forms the next sums instead ([`CudaBackend::set_hc_post_dot`]). Start value
-    /// `DSV4_POST_FUSED` (`0`/`1`), else `DSV4_DECODE_FUSIONS`, else [`POST_FUSED_DEFAULT`].
-    pub fn set_post_fused(&self, on: bool) {
-        self.post_fused.store(on, std::sync::atomic::Ordering::Relaxed);
-        self.bump_settings();
-    }
-
-    pub fn post_fused(&self) -> bool {
-        self.post_fused.load(std::sync::atomic::Ordering::Relaxed) && !self.hc_post_dot()
-    }
-
-    /// How many launches this backend has queued with an HC_POST epilogue (tests check that a
-    /// forward took them).
-    pub fn post_fused_launches(&self) -> usize {
-        self.post_fused_n.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// The decode fusions at their defaults (`on`: nine on, HC_POST_DOT and POST_FUSED at
-    /// [`HC_POST_DOT_DEFAULT`] and [`POST_FUSED_DEFAULT`]) or all eleven off, so one process can time a step both ways (`dsv4
+    /// The decode fusions at their defaults (`on`: nine on, HC_POST_DOT at
+    /// [`HC_POST_DOT_DEFAULT`]) or all ten off, so one process can time a step both ways (`dsv4
     /// bench --decode-fusions 0,1`). (Before 1d81188 `on` turned all ten on, as
     /// `DSV4_DECODE_FUSIONS=1` still does at start.)
     pub fn set_decode_fusions(&self, on: bool) {
@@ -1019,7 +966,6 @@ impl CudaBackend {
         self.set_norm_group(on);
         self.set_route_fused(on);
         self.set_index_fused(on);
-        self.set_post_fused(on && POST_FUSED_DEFAULT);
     }
 
     /// Whether `t` carries int8 codes (an RMSNorm or a product wrote them beside it).
@@ -1030,30 +976,6 @@ impl CudaBackend {
     /// The two-launch path of [`CudaBackend::set_ffn1`] alone, whatever the setting: `(routed,
     /// shared, routed + shared)` of one row, `None` where it does not apply (tests compare it
     /// with the separate launches).
-    /// The epilogue argument for HC_POST of `mix` over one row's product of `d` outputs, and the
-    /// tensor it writes the new streams to; `None` where the fusion is off or the shapes do not
-    /// take it (several rows, more than `MAX_HC` streams).
-    pub(crate) fn hc_post_arg(&self, mix: PostMix<'_, CudaTensor>, d: usize) -> Option<(HcPost, CudaTensor)> {
-        let n = mix.post.cols;
-        let fits = (mix.x.rows, mix.post.rows, mix.comb.rows) == (1, 1, 1)
-            && (1..=MAX_HC).contains(&n)
-            && mix.x.cols == n * d
-            && mix.comb.cols == n * n;
-        if !self.post_fused() || !fits {
-            return None;
-        }
-        let xo = self.tensor(1, n * d);
-        self.post_fused_n.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let hp = HcPost {
-            xo: self.dev_ptr(&xo.data),
-            x: self.dev_ptr(&mix.x.data),
-            post: self.dev_ptr(&mix.post.data),
-            comb: self.dev_ptr(&mix.comb.data),
-            n: n as i32,
-        };
-        Some((hp, xo))
-    }
-
     pub fn moe_shared_one_row(
         &self,
         x: &CudaTensor,
@@ -1062,7 +984,7 @@ impl CudaBackend {
         shared: &Expert<CudaWeight>,
         limit: f32,
     ) -> Option<(CudaTensor, CudaTensor, CudaTensor)> {
-        bf16::ffn_one_row(self, x, route, experts, 0, shared, limit, None).map(|r| r.0)
+        bf16::ffn_one_row(self, x, route, experts, 0, shared, limit)
     }
 
     pub fn set_int8(&self, on: bool) {
@@ -1368,8 +1290,6 @@ impl CudaBackend {
             norm_group: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_NORM_GROUP")),
             route_fused: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_ROUTE_FUSED")),
             index_fused: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_INDEX_FUSED")),
-            post_fused: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_POST_FUSED")),
-            post_fused_n: std::sync::atomic::AtomicUsize::new(0),
             fusion: Fusion::from_env(),
         })
     }
@@ -2020,19 +1940,6 @@ impl Backend for CudaBackend {
         CudaTensor::new(x.rows, w.rows, self.gemm_xwt(&x.data, x.rows, x.cols, &w.data, w.rows))
     }
 
-    fn matmul_post(
-        &self,
-        x: &CudaTensor,
-        w: &CudaWeight,
-        mix: PostMix<'_, CudaTensor>,
-    ) -> (CudaTensor, Option<CudaTensor>) {
-        assert_eq!(x.cols, w.cols, "matmul: input width {} vs weight [{}, {}]", x.cols, w.rows, w.cols);
-        match w.q.as_ref().and_then(|q| self.matmul_packed_post(x, q, w.rows, w.cols, mix)) {
-            Some((out, xo)) => (out, Some(xo)),
-            None => (self.matmul(x, w), None),
-        }
-    }
-
     fn matmul_many(&self, x: &CudaTensor, ws: &[&CudaWeight]) -> Vec<CudaTensor> {
         // The bf16 weights in launches of up to bf16::BFG_MAX products, the rest one by one
         // (all one by one with DSV4_BF16_GROUP=0, the A/B switch).
@@ -2646,30 +2553,11 @@ impl Backend for CudaBackend {
         shared: &Expert<CudaWeight>,
         limit: f32,
     ) -> (CudaTensor, CudaTensor, CudaTensor) {
-        if let Some(r) =
-            self.ffn1().then(|| bf16::ffn_one_row(self, x, route, experts, first, shared, limit, None)).flatten()
-        {
-            return r.0;
-        }
-        crate::backend::moe_shared_apart(self, x, route, experts, first, shared, limit)
-    }
-
-    fn moe_shared_post(
-        &self,
-        x: &CudaTensor,
-        route: &CudaRoute,
-        experts: &[Expert<CudaWeight>],
-        first: usize,
-        shared: &Expert<CudaWeight>,
-        limit: f32,
-        mix: PostMix<'_, CudaTensor>,
-    ) -> (crate::backend::MoeOut<CudaTensor>, Option<CudaTensor>) {
-        if let Some(r) =
-            self.ffn1().then(|| bf16::ffn_one_row(self, x, route, experts, first, shared, limit, Some(mix))).flatten()
+        if let Some(r) = self.ffn1().then(|| bf16::ffn_one_row(self, x, route, experts, first, shared, limit)).flatten()
         {
             return r;
         }
-        (self.moe_shared(x, route, experts, first, shared, limit), None)
+        crate::backend::moe_shared_apart(self, x, route, experts, first, shared, limit)
     }
 
     fn reset_probes(&self, cache: &mut CudaCache) {
@@ -2784,8 +2672,6 @@ mod tests {
         };
         assert!(on(&[], "DSV4_FFN1"), "on by default");
         assert!(!on(&[], "DSV4_HC_POST_DOT"), "HC_POST_DOT off by default");
-        assert_eq!(on(&[], "DSV4_POST_FUSED"), super::POST_FUSED_DEFAULT, "POST_FUSED at its default");
-        assert!(on(&[("DSV4_POST_FUSED", "1")], "DSV4_POST_FUSED"));
         assert!(!on(&[("DSV4_FFN1", "0")], "DSV4_FFN1"));
         assert!(on(&[("DSV4_FFN1", "0")], "DSV4_GEMV4"), "one switch turns off only itself");
         assert!(on(&[("DSV4_HC_POST_DOT", "1")], "DSV4_HC_POST_DOT"));

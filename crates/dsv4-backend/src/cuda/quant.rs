@@ -307,7 +307,6 @@ impl QuantKernels {
                 "gemv1x",
                 "gemv1xg",
                 "gemv1xq",
-                "gemv1xp",
                 "gemv1x4",
                 "gemv1xg4",
                 "moe_up1x",
@@ -726,57 +725,6 @@ impl CudaBackend {
             "gemv packed",
         );
         out
-    }
-
-    /// One row's product on int8 activations with HC_POST of `mix` in its epilogue (`gemv1xp`):
-    /// the output and the new streams, each bitwise the product's and [`Backend::hc_post`]'s
-    /// (the sums do not depend on the outputs a warp). `None` where the one-row int8 path or
-    /// the epilogue does not apply ([`CudaBackend::hc_post_arg`]).
-    ///
-    /// [`Backend::hc_post`]: crate::Backend::hc_post
-    pub(crate) fn matmul_packed_post(
-        &self,
-        x: &CudaTensor,
-        q: &QuantDev,
-        m: usize,
-        k: usize,
-        mix: crate::PostMix<'_, CudaTensor>,
-    ) -> Option<(CudaTensor, CudaTensor)> {
-        let blk = crate::x8::BLOCK;
-        let opw = x8_opw().gemv;
-        let one_row = x.rows == 1 && x.cols == k && m > 0 && self.int8() && self.x8_rows() >= 1;
-        if !one_row || !crate::x8::supports(q.format) || !k.is_multiple_of(blk) || !m.is_multiple_of(opw) {
-            return None;
-        }
-        let (hp, xo) = self.hc_post_arg(mix, m)?;
-        let mut out = self.tensor(1, m);
-        let X8Twin { q: xq, d: xd } = self.x8_of(x);
-        let cfg = LaunchConfig {
-            grid_dim: (m.div_ceil(Q_WARPS * opw) as u32, 1, 1),
-            block_dim: (32 * Q_WARPS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: argument types match the kernel's signature (HcPost by value); out holds m
-        // values, hp's streams n·m each (hc_post_arg checked x, post and comb against one row
-        // of m outputs and allocated xo); xq / xd hold the row's k codes and k / 32 scales.
-        ck(
-            unsafe {
-                self.stream
-                    .kernel(self.qk.of("gemv1xp", q.format))
-                    .arg(&mut out.data)
-                    .arg_struct(&hp)
-                    .arg(xq)
-                    .arg(xd)
-                    .arg(&q.blocks)
-                    .arg(&q.scales)
-                    .arg(&(k as i32))
-                    .arg(&(m as i32))
-                    .arg(&(m as i32))
-                    .launch(cfg)
-            },
-            "gemv packed int8 with HC_POST",
-        );
-        Some((out, xo))
     }
 
     /// The int8 codes and per-32 scales of the first `len` values of `x` (`len` a multiple of

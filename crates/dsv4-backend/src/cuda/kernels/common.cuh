@@ -106,45 +106,6 @@ __device__ __forceinline__ bool l2_prefetch_block(const L2Ranges& r, int dim) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (total); \
          i += (long long)gridDim.x * blockDim.x)
 
-// Most residual streams (hc_mult) the mHC kernels and the products' HC_POST epilogues take.
-#define MAX_HC 8
-
-// HC_POST's value of new stream j at one column (spec §4): post[j]·f + Σ_s comb[s][j]·X[s], the
-// sum in stream order, each step rounded as written (no contraction left to the compiler). cj:
-// the row's comb at column j (stride n); xv: the column's n old stream values. Every kernel that
-// forms new streams (hc_post, hc_post_dot, the products' epilogues: `HcPost`) calls this, so
-// their values agree bitwise.
-__device__ __forceinline__ float hc_post_value(float pj, float f, const float* cj, const float* xv, int n) {
-    float v = __fmul_rn(pj, f);
-#pragma unroll
-    for (int s = 0; s < MAX_HC; s++)
-        if (s < n) v = __fmaf_rn(cj[s * n], xv[s], v);
-    return v;
-}
-
-// A one-row product's HC_POST epilogue (forward.rs `PostMix`): the old streams x [n, d], the
-// row's post [n] and comb [n, n]; the new streams go to xo [n, d]. xo null: none.
-struct HcPost {
-    float* xo;
-    const float* x;
-    const float* post;
-    const float* comb;
-    int n;
-};
-
-// Threads t < P·n of the calling group (t: the caller's thread index within it) form new
-// stream t % n of output column c0 + t / n (below d) from that output's value f(p).
-template <int P, typename FV>
-__device__ __forceinline__ void hc_post_epilogue(const HcPost& h, int t, int c0, int d, FV f) {
-    int n = h.n, p = t / n, j = t - p * n;
-    if (p >= P || c0 + p >= d) return;
-    int c = c0 + p;
-    float xv[MAX_HC];
-#pragma unroll
-    for (int s = 0; s < MAX_HC; s++) xv[s] = s < n ? h.x[(long long)s * d + c] : 0.f;
-    h.xo[(long long)j * d + c] = hc_post_value(h.post[j], f(p), h.comb + j, xv, n);
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

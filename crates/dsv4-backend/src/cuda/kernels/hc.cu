@@ -1,6 +1,7 @@
 // mHC (spec §4): HC_PRE with Sinkhorn, HC_POST and HC_HEAD. Launchers: cuda/mod.rs.
 // The mixing products x·fnᵀ come from cuBLAS (`m`); these kernels apply ρ = 1/rms(x) and the rest.
 
+#define MAX_HC 8
 
 // Sinkhorn normalisation of an n×n matrix after a row softmax, in the oracle's exact order.
 // Called by all of warp 0. Each lane owns elements e = lane, lane + 32, ...; for each it forms the
@@ -189,10 +190,10 @@ __device__ __forceinline__ void hc_dot_block(float* part, const float* __restric
                         long long i = r0 + r;
                         const float* cr = comb + i * n * n;
                         const float* xr = x + i * n * d;
-                        float xs[MAX_HC];
+                        v = post[i * n + j] * f[i * d + cc];
 #pragma unroll
-                        for (int q = 0; q < MAX_HC; q++) xs[q] = q < n ? xr[(long long)q * d + cc] : 0.f;
-                        v = hc_post_value(post[i * n + j], f[i * d + cc], cr + j, xs, n);
+                        for (int q = 0; q < MAX_HC; q++)
+                            if (q < n) v += cr[q * n + j] * xr[(long long)q * d + cc];
                         if (blockIdx.y == 0) out[i * width + c] = v;
                     }
                     xv[u][r] = v;
@@ -768,14 +769,16 @@ __device__ __forceinline__ void hc_post_t(float* out, const float* f, const floa
 #pragma unroll
             for (int j = 0; j < MAX_HC; j++) {
                 if (j >= n) break;
-                float v[V];
+                float pj = post[i * n + j], v[V];
 #pragma unroll
-                for (int e = 0; e < V; e++) {
-                    float xs[MAX_HC];
+                for (int e = 0; e < V; e++) v[e] = pj * fv[e];
 #pragma unroll
-                    for (int s = 0; s < MAX_HC; s++) xs[s] = xv[s][e];
-                    v[e] = hc_post_value(post[i * n + j], fv[e], cr + j, xs, n);
-                }
+                for (int s = 0; s < MAX_HC; s++)
+                    if (s < n) {
+                        float cs = cr[s * n + j];
+#pragma unroll
+                        for (int e = 0; e < V; e++) v[e] += cs * xv[s][e];
+                    }
                 st_v<V>(out + (i * n + j) * d + c, v);
             }
         }

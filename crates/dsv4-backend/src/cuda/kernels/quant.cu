@@ -1004,18 +1004,15 @@ __device__ __forceinline__ void quant_groups(const float* row, signed char* qrow
 // groups), for a product whose output feeds another int8 product (wo_a's, read by wo_b).
 // P outputs a warp and U chunks a lane loaded ahead (the sums do not depend on either): the
 // launcher's default, or 4 and 1 for k ≤ 1024 (gemv1x4: one chunk a lane per row).
-// POST (gemv1xp): then HC_POST's new streams of the warp's outputs (`hp`, hc_post_epilogue), on
-// the general form whatever X8_PIPE_GEMV (the same sums).
-template <int F, bool TWIN = false, int P = X8_OPW_GEMV, int U = 4, bool POST = false>
+template <int F, bool TWIN = false, int P = X8_OPW_GEMV, int U = 4>
 __device__ void gemv_x8(float* __restrict__ out, const signed char* __restrict__ xq, const float* __restrict__ xd,
                         const u8* __restrict__ w, const u8* __restrict__ s, int k, int m, int rpg, int bx,
-                        signed char* oq = nullptr, float* od = nullptr, unsigned* cnt = nullptr,
-                        HcPost hp = HcPost{}) {
+                        signed char* oq = nullptr, float* od = nullptr, unsigned* cnt = nullptr) {
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int o = (bx * Q_WARPS + wp) * P;
     bool live = o < m;
     long long xoff = live ? (long long)(o / rpg) * k : 0;
-    if constexpr (X8_PIPE_GEMV > 0 && U == 4 && !POST) {  // the general form (not gemv1x4's one chunk a row)
+    if constexpr (X8_PIPE_GEMV > 0 && U == 4) {  // the general form (not gemv1x4's one chunk a row)
         long long rb = row_bytes(F, k);
         auto rows = [&](int p, int, const u8*& rw, const u8*& rs) {
             int oj = min(o + p, m - 1);  // outputs past m: the last row again, not stored
@@ -1046,17 +1043,6 @@ __device__ void gemv_x8(float* __restrict__ out, const signed char* __restrict__
 #pragma unroll
         for (int j = 0; j < P; j++)
             if (lane == 0 && o + j < m) out[o + j] = v[j];
-    if constexpr (POST) {
-        if (live)
-            for (int t = lane; t < P * hp.n; t += 32)
-                hc_post_epilogue<P>(hp, t, o, m, [&](int p) {
-                    float f = v[0];  // selected, so v stays in registers
-#pragma unroll
-                    for (int j = 1; j < P; j++)
-                        if (j == p) f = v[j];
-                    return f;
-                });
-    }
     if (TWIN) quant_groups<Q_WARPS * P>(out, oq, od, cnt, bx * Q_WARPS * P, m);
 }
 
@@ -1235,13 +1221,11 @@ __device__ void moe_up1s(float* __restrict__ h, signed char* __restrict__ hq, fl
 // Grid ⌈d / X8_OPW_DOWN⌉, k + 1 ≤ Q_WARPS: warp j of block x forms pair j's down outputs
 // c = x·X8_OPW_DOWN..; then routed[c] = Σ_j wts[j]·y_j (moe_combine's order and roundings),
 // shared[c] = the shared expert's y, out[c] = routed[c] + shared[c] (the add kernel's).
-// With hp.xo (forward.rs `PostMix`): also HC_POST's new streams of the outputs
-// (hc_post_epilogue), thread t forming stream t % n of output c + t / n.
 template <int R, int S>
 __device__ void moe_down1s(float* __restrict__ routed, float* __restrict__ shared, float* __restrict__ out,
                            const signed char* __restrict__ hq, const float* __restrict__ hd, const unsigned* ids,
                            const float* wts, const unsigned long long* ptrs, const unsigned long long* sptrs, int nexp,
-                           int k, int d, int inter, HcPost hp) {
+                           int k, int d, int inter) {
     constexpr int P = X8_OPW_DOWN;
     __shared__ float ys[Q_WARPS][P];
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1257,18 +1241,14 @@ __device__ void moe_down1s(float* __restrict__ routed, float* __restrict__ share
 #pragma unroll
         for (int p = 0; p < P; p++) ys[wp][p] = v[p];
     __syncthreads();
-    // Output p's sums (each of its n stream threads forms them, the same values).
-    int t = threadIdx.x, n = hp.xo ? hp.n : 1, p = t / n;
+    int p = threadIdx.x;
     if (p >= P || c + p >= d) return;
     float acc = 0.f;
     for (int i = 0; i < k; i++) acc = __fadd_rn(acc, __fmul_rn(wts[i], ys[i][p]));
-    float s = ys[k][p], o = __fadd_rn(acc, s);
-    if (t == p * n) {
-        routed[c + p] = acc;
-        shared[c + p] = s;
-        out[c + p] = o;
-    }
-    if (hp.xo) hc_post_epilogue<P>(hp, t, c, d, [&](int) { return o; });
+    float s = ys[k][p];
+    routed[c + p] = acc;
+    shared[c + p] = s;
+    out[c + p] = __fadd_rn(acc, s);
 }
 
 // Several rows on int8 activations: each chunk's weight codes decoded once, then per row its
@@ -1450,11 +1430,6 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
                                            int m, int rpg) {                                                         \
         gemv_x8<F, true>(out, xq, xd, w, s, k, m, rpg, blockIdx.x, oq, od, cnt);                                     \
     }                                                                                                                \
-    extern "C" __global__ void gemv1xp_##N(float* out, HcPost hp, const signed char* xq, const float* xd,          \
-                                           const u8* w, const u8* s, int k, int m, int rpg) {                        \
-        gemv_x8<F, false, X8_OPW_GEMV, 4, true>(out, xq, xd, w, s, k, m, rpg, blockIdx.x, nullptr, nullptr, nullptr, \
-                                                 hp);                                                                \
-    }                                                                                                                \
     extern "C" __global__ void gemv1xg_##N(X8Group g, const signed char* xq, const float* xd, int k) {               \
         int bx = blockIdx.x, e = x8g_entry(g, &bx);                                                                  \
         gemv_x8<F>(g.out[e], xq, xd, g.w[e], g.s[e], k, g.m[e], g.m[e], bx);                                         \
@@ -1556,9 +1531,9 @@ X8_KERNELS(F_IQ2_XXS, iq2_xxs, 3, 3, 4)
                                                        const signed char* hq, const float* hd, const unsigned* ids,  \
                                                        const float* wts, const unsigned long long* ptrs,             \
                                                        const unsigned long long* sptrs, int nexp, int k, int d,      \
-                                                       int inter, HcPost hp) {                                       \
+                                                       int inter) {                                                  \
         pdl_enter();                                                                                                 \
-        moe_down1s<R, S>(routed, shared, out, hq, hd, ids, wts, ptrs, sptrs, nexp, k, d, inter, hp);                 \
+        moe_down1s<R, S>(routed, shared, out, hq, hd, ids, wts, ptrs, sptrs, nexp, k, d, inter);                     \
     }
 X8_FFN1_KERNELS(F_Q8_0, q8_0, F_Q8_0, q8_0)
 X8_FFN1_KERNELS(F_Q2_K, q2_k, F_Q8_0, q8_0)
