@@ -273,9 +273,25 @@ fn row(buf: &[f32], i: usize, w: usize) -> &[f32] {
 pub type PendingSave = Box<dyn FnOnce() -> SeqState + Send>;
 
 /// Page-locked host buffers snapshots download into: a pending snapshot owns one until it is
-/// parsed, then puts it back (at most [`PINNED_KEEP`] are kept).
+/// parsed, then puts it back (at most [`PINNED_KEEP`] are kept). Served at concurrency 16 and
+/// 64 (43 q2 layers, H200), a snapshot of a short prompt held 1–5 M floats and the engine thread
+/// paid ~10 ms a snapshot in `save_begin` while buffers of exact sizes, 8 kept, were allocated
+/// and freed again (page-locking, like freeing, is slow): sizes are rounded up to a power of
+/// two of at least [`PINNED_MIN`] floats so a kept buffer fits later snapshots, and the smallest
+/// one that fits is taken.
 type PinnedPool = std::sync::Arc<std::sync::Mutex<Vec<PinnedHostSlice<f32>>>>;
-const PINNED_KEEP: usize = 8;
+const PINNED_KEEP: usize = 32;
+const PINNED_MIN: usize = 1 << 20;
+
+/// The floats a staging buffer for a snapshot of `total` floats is allocated with.
+fn pinned_size(total: usize) -> usize {
+    total.max(PINNED_MIN).next_power_of_two()
+}
+
+/// The index of the smallest buffer in `sizes` that holds `total` floats.
+fn best_fit(sizes: impl Iterator<Item = usize>, total: usize) -> Option<usize> {
+    sizes.enumerate().filter(|&(_, n)| n >= total).min_by_key(|&(_, n)| n).map(|(i, _)| i)
+}
 
 /// A snapshot's download in flight: its page-locked buffer goes back to the pool (or is freed)
 /// only after the copy's event, whether or not the state was parsed.
@@ -385,6 +401,7 @@ impl CudaCache {
     /// next step meanwhile (synchronously a snapshot cost the served step 9–20 ms, PERF.md v31).
     /// Only the rows a state reads come back: a short sequence's snapshot is a few rows a layer.
     pub fn save_begin(&self, b: &CudaBackend, cfg: &Config, seq: usize, len: usize) -> PendingSave {
+        let t_begin = std::time::Instant::now();
         let (rc, d) = (self.ring_cap, cfg.head_dim);
         let meta = self.meta[seq];
         let high = meta.high.max(len);
@@ -438,15 +455,26 @@ impl CudaCache {
             },
             "gather_regions",
         );
-        let mut pinned = {
+        let t_pin = std::time::Instant::now();
+        let (mut pinned, fresh) = {
             let mut pool = self.pinned.lock().unwrap_or_else(|e| e.into_inner());
-            match pool.iter().position(|p| p.len() >= total) {
-                Some(i) => pool.swap_remove(i),
+            match best_fit(pool.iter().map(|p| p.len()), total) {
+                Some(i) => (pool.swap_remove(i), false),
                 // SAFETY: page-locked host memory (plain, not write-combined: the host reads
                 // it); the elements parsed are first written by the copy below.
-                None => ck(unsafe { b.stream.context().alloc_pinned_with_flags::<f32>(total, 0) }, "snapshot staging"),
+                None => {
+                    let n = pinned_size(total);
+                    (ck(unsafe { b.stream.context().alloc_pinned_with_flags::<f32>(n, 0) }, "snapshot staging"), true)
+                }
             }
         };
+        if fresh {
+            tracing::debug!(
+                "snapshot staging: {} floats page-locked in {:.2} ms",
+                pinned.len(),
+                t_pin.elapsed().as_secs_f64() * 1e3
+            );
+        }
         let host = ck(pinned.as_mut_slice(), "snapshot staging");
         // SAFETY: `flat` holds `total` floats; the destination is page-locked host memory of at
         // least `total`, owned by the returned half, which reads it only after the event below.
@@ -464,6 +492,7 @@ impl CudaCache {
         drop((table, flat));
         let dl = Download { done, pinned: Some(pinned), pool: self.pinned.clone() };
         let regions = regions.len();
+        tracing::debug!("snapshot queued in {:.2} ms", t_begin.elapsed().as_secs_f64() * 1e3);
         Box::new(move || {
             let t0 = std::time::Instant::now();
             ck(dl.done.synchronize(), "snapshot wait");
@@ -552,5 +581,21 @@ impl CudaCache {
         self.generation += moved as u64;
         self.meta[seq] = SlotMeta { high: len, floor: len };
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{best_fit, pinned_size, PINNED_MIN};
+
+    #[test]
+    fn staging_buffers_are_reusable_sizes_and_the_smallest_fit_is_taken() {
+        assert_eq!(pinned_size(3), PINNED_MIN);
+        assert_eq!(pinned_size(PINNED_MIN + 1), 2 * PINNED_MIN);
+        assert_eq!(pinned_size(5_410_560), 8 << 20);
+        let sizes = [4 << 20, 1 << 20, 8 << 20, 2 << 20];
+        assert_eq!(best_fit(sizes.into_iter(), 1_500_000), Some(3));
+        assert_eq!(best_fit(sizes.into_iter(), 5_000_000), Some(2));
+        assert_eq!(best_fit(sizes.into_iter(), 9 << 20), None);
     }
 }
