@@ -273,14 +273,14 @@ fn row(buf: &[f32], i: usize, w: usize) -> &[f32] {
 pub type PendingSave = Box<dyn FnOnce() -> SeqState + Send>;
 
 /// Page-locked host buffers snapshots download into: a pending snapshot owns one until it is
-/// parsed, then puts it back (at most [`PINNED_KEEP`] are kept). Served at concurrency 16 and
-/// 64 (43 q2 layers, H200), a snapshot of a short prompt held 1–5 M floats and the engine thread
-/// paid ~10 ms a snapshot in `save_begin` while buffers of exact sizes, 8 kept, were allocated
-/// and freed again (page-locking, like freeing, is slow): sizes are rounded up to a power of
-/// two of at least [`PINNED_MIN`] floats so a kept buffer fits later snapshots, and the smallest
-/// one that fits is taken.
+/// parsed, then puts it back while the pool holds at most [`PINNED_KEEP`] floats (2 GiB: a burst
+/// of 64 short prompts' buffers). Served at concurrency 16 and 64 (43 q2 layers, H200), a short
+/// prompt's snapshot held 1–5 M floats and the engine thread paid ~10 ms a snapshot in
+/// `save_begin` while buffers of exact sizes, 8 kept, were page-locked and freed again (both
+/// slow): sizes are now rounded up to a power of two of at least [`PINNED_MIN`] floats, so a kept
+/// buffer fits later snapshots, and the smallest that fits is taken.
 type PinnedPool = std::sync::Arc<std::sync::Mutex<Vec<PinnedHostSlice<f32>>>>;
-const PINNED_KEEP: usize = 32;
+const PINNED_KEEP: usize = 1 << 29;
 const PINNED_MIN: usize = 1 << 20;
 
 /// The floats a staging buffer for a snapshot of `total` floats is allocated with.
@@ -310,7 +310,7 @@ impl Drop for Download {
             return;
         }
         let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
-        if pool.len() < PINNED_KEEP {
+        if pool.iter().map(|q| q.len()).sum::<usize>() + p.len() <= PINNED_KEEP {
             pool.push(p);
         }
     }
