@@ -76,10 +76,16 @@ def engine_times(url, key):
         if line and not line.startswith("#"):
             name, _, val = line.partition(" ")
             v[name] = float(val)
+    paths = {}
+    for name, val in v.items():
+        # dsv4_engine_path_<what>_total{path="eager"}: steps, forward seconds, rows, prefill rows.
+        if name.startswith("dsv4_engine_path_") and '{path="' in name:
+            what, _, label = name[len("dsv4_engine_path_"):].partition('{path="')
+            paths.setdefault(label.rstrip('"}'), {})[what.removesuffix("_total")] = val
     keys = ("dsv4_engine_steps_total", "dsv4_engine_forward_seconds_total", "dsv4_engine_step_seconds_total",
             "dsv4_engine_plan_seconds_total", "dsv4_engine_snapshot_seconds_total", "dsv4_engine_snapshots_total",
             "dsv4_engine_restore_seconds_total", "dsv4_engine_snapshot_background_seconds_total")
-    return tuple(v.get(k, 0.0) for k in keys)
+    return tuple(v.get(k, 0.0) for k in keys) + (paths,)
 
 
 def run_level(url, conc, n_requests, max_tokens, key):
@@ -130,7 +136,21 @@ def step_split(e0, e1, wall):
     # the steps), in no step.
     return {"steps": int(n), "forward": per(1), "step": per(2), "wall": round(wall / n * 1e3, 3),
             "plan": per(3), "snapshot": per(4), "snapshots": int(e1[5] - e0[5]), "restore": per(6),
-            "snapshot_bg": per(7)}
+            "snapshot_bg": per(7), "paths": path_split(e0[8], e1[8])}
+
+
+def path_split(p0, p1):
+    """Per way a step ran (eager, recorded, replayed): steps, mean forward ms, mean rows and mean
+    prompt rows a step."""
+    out = {}
+    for path, c1 in sorted(p1.items()):
+        c0 = p0.get(path, {})
+        d = {k: c1.get(k, 0.0) - c0.get(k, 0.0) for k in ("steps", "forward_seconds", "rows", "prefill_rows")}
+        if d["steps"] > 0:
+            n = d["steps"]
+            out[path] = {"steps": int(n), "forward_ms": round(d["forward_seconds"] / n * 1e3, 2),
+                         "rows": round(d["rows"] / n, 1), "prefill_rows": round(d["prefill_rows"] / n, 1)}
+    return out
 
 
 def main():

@@ -20,4 +20,4 @@ pub use backend::{Backend, CompSlot, SavedState, StepResult};
 pub use batch::{Batch, BatchError, Row, Segment};
 pub use cpu::state::{SeqState, StateFormatError, TruncateError, MAX_ROLLBACK};
 pub use forward::{Capture, Forwarded, Outputs, Probe, Stage};
-pub use model::{Model, ModelError, PendingSnapshot, Snapshot, StepOut, StepPlan};
+pub use model::{Model, ModelError, PendingSnapshot, Snapshot, StepOut, StepPath, StepPlan};

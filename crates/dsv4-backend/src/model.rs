@@ -17,9 +17,11 @@ use std::sync::{mpsc, Arc};
 
 /// Recorded step shapes kept at once (decode and verify steps of a deployment use a handful).
 const MAX_GRAPHS: usize = 64;
-/// Default of [`Model::set_stage_probe_rows`]: decode and verify steps probe every stage,
-/// prefill chunks the sub-blocks' streams.
-pub const STAGE_PROBE_ROWS: usize = 256;
+/// Default of [`Model::set_stage_probe_rows`]: eager steps probe the sub-blocks' streams
+/// and, when one trips, are cut back and run again with every stage probed. Probing every stage
+/// of a 43-layer step is ~860 more launches, which a served step that carries a new prompt
+/// (a shape run eagerly) paid on every such step for an error that never comes.
+pub const STAGE_PROBE_ROWS: usize = 0;
 
 /// A recorded step's key: rows, output rows, tapped columns, and whether every segment is short
 /// ([`crate::batch::SHORT_SEGMENT`]: a backend may pick launches on it).
@@ -35,6 +37,29 @@ pub struct StepPlan<'a> {
     pub logits: bool,
 }
 
+/// How a step ran, for the engine's counters: the replay of a recorded step, a recording (the
+/// forward captured, then replayed), or eager launches (a shape seen for the first time, a
+/// step past the recorded sizes, a backend that does not record).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StepPath {
+    #[default]
+    Eager,
+    Recorded,
+    Replayed,
+}
+
+impl StepPath {
+    pub const ALL: [StepPath; 3] = [StepPath::Eager, StepPath::Recorded, StepPath::Replayed];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            StepPath::Eager => "eager",
+            StepPath::Recorded => "recorded",
+            StepPath::Replayed => "replayed",
+        }
+    }
+}
+
 /// A step's results on the host.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct StepOut {
@@ -45,6 +70,7 @@ pub struct StepOut {
     pub ids: Vec<u32>,
     /// `[rows, taps·hidden]`: the tapped layers' stream means of every row (empty: no taps).
     pub hidden: Vec<f32>,
+    pub path: StepPath,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -182,7 +208,9 @@ pub struct Model<B: Backend> {
     seqs: Vec<Option<usize>>,
     /// Recorded steps by key `(rows, output rows, tapped columns, short segments)`, with the
     /// generation (the cache's and the backend's settings) each was recorded under.
-    graphs: HashMap<StepShape, (u64, B::Graph)>,
+    graphs: HashMap<StepShape, Recorded<B::Graph>>,
+    /// Steps run, the clock of [`Recorded::used`].
+    ticks: u64,
     /// Shapes run once: a shape is recorded the second time it comes (one-off shapes, such as
     /// a short prompt's only chunk, stay eager; the first run also fills the backend's tables).
     seen: HashSet<StepShape>,
@@ -195,6 +223,16 @@ pub struct Model<B: Backend> {
     /// each: every state change and forward is run on them too, so callers (the engine) see
     /// one model. Empty on a single rank and on the ranks themselves.
     peers: Vec<mpsc::Sender<Job<B>>>,
+}
+
+/// A recorded step and what decides whether it is still good and which one goes first.
+struct Recorded<G> {
+    /// The generation (the cache's and the backend's settings) it was recorded under.
+    generation: u64,
+    graph: G,
+    /// The step ([`Model::ticks`]) that last replayed it: the least recently used is dropped
+    /// when [`MAX_GRAPHS`] are held, so one-off shapes never push out the decode steps.
+    used: u64,
 }
 
 /// Work sent to a rank's worker thread.
@@ -292,6 +330,7 @@ impl<B: Backend> Model<B> {
             cache,
             seqs: vec![None; max_seqs],
             graphs: HashMap::new(),
+            ticks: 0,
             seen: HashSet::new(),
             graphs_on,
             stage_probe_rows: STAGE_PROBE_ROWS,
@@ -414,8 +453,8 @@ impl<B: Backend> Model<B> {
     /// taps), if one is recorded and the backend counts them: the step whose segments are all
     /// short (decode and verify) where both kinds are recorded.
     pub fn recorded_kernels(&self, rows: usize, out: usize) -> Option<usize> {
-        let (_, g) = self.graphs.get(&(rows, out, 0, true)).or_else(|| self.graphs.get(&(rows, out, 0, false)))?;
-        Some(self.backend.graph_kernels(g)).filter(|&k| k > 0)
+        let r = self.graphs.get(&(rows, out, 0, true)).or_else(|| self.graphs.get(&(rows, out, 0, false)))?;
+        Some(self.backend.graph_kernels(&r.graph)).filter(|&k| k > 0)
     }
 
     /// Takes a free sequence slot with fresh (reset) state.
@@ -622,10 +661,12 @@ impl<B: Backend> Model<B> {
             return self.forward_eager(plan, None);
         }
         let generation = self.backend.prepare_step(&mut self.cache, batch, out_rows, self.cfg.vocab_size, hidden_cols);
-        if self.graphs.get(&key).map(|g| g.0) != Some(generation) {
+        self.ticks += 1;
+        let mut path = StepPath::Replayed;
+        if self.graphs.get(&key).map(|r| r.generation) != Some(generation) {
             self.graphs.remove(&key);
             if self.graphs.len() >= MAX_GRAPHS {
-                let old = *self.graphs.keys().next().expect("a recorded step");
+                let old = *self.graphs.iter().min_by_key(|(_, r)| r.used).expect("a recorded step").0;
                 self.graphs.remove(&old);
             }
             if !self.backend.begin_record(key.0, key.1, key.2) {
@@ -633,8 +674,9 @@ impl<B: Backend> Model<B> {
             }
             let f = self.run(plan, None, Probe::Off);
             match self.backend.end_record(f.logits, f.hidden) {
-                Ok(g) => {
-                    self.graphs.insert(key, (generation, g));
+                Ok(graph) => {
+                    self.graphs.insert(key, Recorded { generation, graph, used: 0 });
+                    path = StepPath::Recorded;
                 }
                 Err(e) => {
                     // Nothing ran while recording: the step runs eagerly, and so do later ones.
@@ -644,14 +686,16 @@ impl<B: Backend> Model<B> {
                 }
             }
         }
-        let g = &self.graphs[&key].1;
+        let r = self.graphs.get_mut(&key).expect("recorded above");
+        r.used = self.ticks;
+        let g = &r.graph;
         self.backend.replay(g);
         for s in &batch.segments {
             self.seqs[s.seq] = Some(s.pos0 + s.len);
         }
         let r = self.backend.step_output(g, plan.logits);
         match r.nonfinite {
-            None => Ok(StepOut { logits: r.logits, ids: r.ids, hidden: r.hidden }),
+            None => Ok(StepOut { logits: r.logits, ids: r.ids, hidden: r.hidden, path }),
             Some(row) => Err(self.locate_nonfinite(plan, row)),
         }
     }
@@ -667,7 +711,7 @@ impl<B: Backend> Model<B> {
             // call collectives the other ranks do not.
             return fallback;
         }
-        if plan.batch.segments.iter().any(|s| self.truncate(s.seq, s.pos0).is_err()) {
+        if plan.batch.segments.iter().any(|s| self.cut_back(s.seq, s.pos0).is_err()) {
             return fallback;
         }
         match self.forward_eager(plan, None) {
@@ -694,7 +738,7 @@ impl<B: Backend> Model<B> {
             // one rank: the others would not join the rerun's collectives).
             if probe == Probe::Layers
                 && self.comm.world() == 1
-                && batch.segments.iter().all(|s| self.truncate(s.seq, s.pos0).is_ok())
+                && batch.segments.iter().all(|s| self.cut_back(s.seq, s.pos0).is_ok())
             {
                 let f = self.run(plan, None, Probe::Stages);
                 for s in &batch.segments {
@@ -712,7 +756,19 @@ impl<B: Backend> Model<B> {
             (Vec::new(), self.backend.argmax_rows(&f.logits))
         };
         let hidden = f.hidden.map(|h| self.backend.to_host(&h)).unwrap_or_default();
-        Ok(StepOut { logits, ids, hidden })
+        Ok(StepOut { logits, ids, hidden, path: StepPath::Eager })
+    }
+
+    /// Undoes a failed step's rows of `seq` from `pos0` on, before the probed rerun (one rank):
+    /// a reset where the segment began the sequence (a prompt's first chunk of any length),
+    /// else a truncation, which reaches back [`crate::MAX_ROLLBACK`] tokens.
+    fn cut_back(&mut self, seq: usize, pos0: usize) -> Result<(), ModelError> {
+        if pos0 > 0 {
+            return self.truncate_here(seq, pos0);
+        }
+        self.backend.reset_seq(&mut self.cache, seq);
+        self.seqs[seq] = Some(0);
+        Ok(())
     }
 
     /// The first probed stage of `f` that held a nonfinite value, as the error that names it.

@@ -725,15 +725,21 @@ impl<B: Backend> Engine<B> {
             let s = &self.running[o.seq];
             s.processor.is_some() || s.req.top_logprobs.is_some() || s.sampler.params.temperature != 0.0
         });
+        let rows_n = rows.len();
         let t_fwd = Instant::now();
         let result = Batch::new(rows).map_err(|e| e.to_string()).and_then(|b| {
             let plan = StepPlan { batch: &b, outputs: Outputs { out_rows: &out_rows, taps: &taps }, logits };
             self.model.step(&plan).map_err(|e| e.to_string())
         });
-        self.metrics.forward_ns.fetch_add(t_fwd.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let fwd_ns = t_fwd.elapsed().as_nanos() as u64;
+        self.metrics.forward_ns.fetch_add(fwd_ns, Ordering::Relaxed);
         self.metrics.steps_total.fetch_add(1, Ordering::Relaxed);
         let out = match result {
-            Ok(o) => o,
+            Ok(o) => {
+                let prefill = chunks.iter().map(|c| c.len).sum::<usize>();
+                self.metrics.record_path(o.path, fwd_ns, rows_n, prefill);
+                o
+            }
             Err(e) => {
                 // A failed forward leaves the batch's states unusable: fail those sequences only.
                 let ids: Vec<usize> =

@@ -1,5 +1,6 @@
 //! Engine metrics, rendered in the Prometheus text format by [`Metrics::render`].
 
+use dsv4_backend::StepPath;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
@@ -171,6 +172,13 @@ pub struct Metrics {
     /// building the host state: crate::snapshots), beside the steps rather than inside them.
     pub snapshot_background_ns: AtomicU64,
     pub restore_ns: AtomicU64,
+    /// By how the model ran the step ([`StepPath`], in its order): steps, forward nanoseconds,
+    /// rows and prefill rows. A served forward slower than the bench's is then named: steps
+    /// that carry prompts (more rows) or steps that ran eagerly or were being recorded.
+    pub path_steps: [AtomicU64; 3],
+    pub path_ns: [AtomicU64; 3],
+    pub path_rows: [AtomicU64; 3],
+    pub path_prefill_rows: [AtomicU64; 3],
     pub prefix_hits: AtomicU64,
     pub prefix_misses: AtomicU64,
     pub prefix_tokens_reused: AtomicU64,
@@ -205,6 +213,10 @@ impl Default for Metrics {
             snapshots_total: AtomicU64::new(0),
             snapshot_background_ns: AtomicU64::new(0),
             restore_ns: AtomicU64::new(0),
+            path_steps: Default::default(),
+            path_ns: Default::default(),
+            path_rows: Default::default(),
+            path_prefill_rows: Default::default(),
             prefix_hits: AtomicU64::new(0),
             prefix_misses: AtomicU64::new(0),
             prefix_tokens_reused: AtomicU64::new(0),
@@ -225,6 +237,16 @@ impl Default for Metrics {
 impl Metrics {
     pub fn get(c: &AtomicU64) -> u64 {
         c.load(Ordering::Relaxed)
+    }
+
+    /// Counts one model step that ran by `path` in `ns`, with `rows` rows of which `prefill`
+    /// were prompt rows.
+    pub fn record_path(&self, path: StepPath, ns: u64, rows: usize, prefill: usize) {
+        let i = StepPath::ALL.iter().position(|&p| p == path).expect("every path is listed");
+        self.path_steps[i].fetch_add(1, Ordering::Relaxed);
+        self.path_ns[i].fetch_add(ns, Ordering::Relaxed);
+        self.path_rows[i].fetch_add(rows as u64, Ordering::Relaxed);
+        self.path_prefill_rows[i].fetch_add(prefill as u64, Ordering::Relaxed);
     }
 
     pub fn render(&self) -> String {
@@ -281,6 +303,26 @@ impl Metrics {
             "Time restoring cached prefixes at admission (between engine steps).",
             g(&self.restore_ns) / 1e9,
         );
+        let labelled: [(&str, &str, &[AtomicU64; 3], f64); 4] = [
+            ("dsv4_engine_path_steps_total", "Model steps by how they ran.", &self.path_steps, 1.0),
+            ("dsv4_engine_path_forward_seconds_total", "Forward time by how steps ran.", &self.path_ns, 1e-9),
+            ("dsv4_engine_path_rows_total", "Rows of the steps by how they ran.", &self.path_rows, 1.0),
+            (
+                "dsv4_engine_path_prefill_rows_total",
+                "Prompt rows of the steps by how they ran.",
+                &self.path_prefill_rows,
+                1.0,
+            ),
+        ];
+        for (name, help, vals, scale) in labelled {
+            s.push_str(&format!("# HELP {name} {help}\n# TYPE {name} counter\n"));
+            for (p, v) in StepPath::ALL.iter().zip(vals) {
+                s.push_str(&format!("{name}{{path=\"{}\"}} {}\n", p.name(), g(v) * scale));
+            }
+        }
+        let mut gauge = |name: &str, kind: &str, help: &str, v: f64| {
+            s.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"));
+        };
         gauge(
             "dsv4_prefix_cache_hits_total",
             "counter",
