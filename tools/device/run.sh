@@ -409,8 +409,8 @@ for part in $PARTS; do
         rm -f /tmp/dsv4-serve-*.log
         RUST_LOG=info,dsv4_backend::cuda::state=debug timeout 420 python3 -u tools/bench_serve.py --spawn $B \
             --backend cuda --concurrency ${SERVE_LEVELS:-1,16,64} --max-tokens 64 \
-            --extra "--synthetic-flash-layers $FL --synthetic-flash-weights q2 --max-context 4096" > "$OUT/serve.txt" 2>&1
-        echo "serve q2 $FL layers: exit $?" >> "$S"
+            --extra "--synthetic-flash-layers $FL --synthetic-flash-weights q2 --max-context 4096 ${SERVE_EXTRA:-}" > "$OUT/serve.txt" 2>&1
+        echo "serve q2 $FL layers ${SERVE_EXTRA:-}: exit $?" >> "$S"
         grep -E '^\{' "$OUT/serve.txt" | cut -c1-900 >> "$S"
         grep -h 'snapshot of' /tmp/dsv4-serve-*.log > "$OUT/serve-snapshots.txt" 2>/dev/null
         awk '{for (i = 1; i < NF; i++) { if ($i == "download") d += $(i + 1); if ($i == "host") h += $(i + 1) } n++}

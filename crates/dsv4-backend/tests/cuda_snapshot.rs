@@ -39,7 +39,9 @@ fn cuda_snapshot_restore_continues_like_the_original() {
 /// thread) holds the state as of when it was begun: equal to the synchronous snapshot taken
 /// then, although the sequence (and another one in the slot beside it) ran further steps, and a
 /// new sequence took over its slot, before it was finished. Several are in flight at once, so
-/// each owns its host buffer. A dropped one (never finished) releases its buffer safely.
+/// each owns its host buffer. A dropped one (never finished) releases its buffer safely. The
+/// first snapshot finds no page-locked staging buffer (copied through pageable memory, one
+/// page-locked for the pool after); the deferred one beside it takes that buffer: both ways run.
 #[test]
 fn cuda_deferred_snapshot_is_the_state_when_begun() {
     let Some(b) = gpu() else { return };

@@ -278,7 +278,8 @@ pub type PendingSave = Box<dyn FnOnce() -> SeqState + Send>;
 /// prompt's snapshot held 1–5 M floats and the engine thread paid ~10 ms a snapshot in
 /// `save_begin` while buffers of exact sizes, 8 kept, were page-locked and freed again (both
 /// slow): sizes are now rounded up to a power of two of at least [`PINNED_MIN`] floats, so a kept
-/// buffer fits later snapshots, and the smallest that fits is taken.
+/// buffer fits later snapshots, and the smallest that fits is taken. Where none fits, the
+/// snapshot's background half page-locks one for the pool (the engine thread never does).
 type PinnedPool = std::sync::Arc<std::sync::Mutex<Vec<PinnedHostSlice<f32>>>>;
 const PINNED_KEEP: usize = 1 << 29;
 const PINNED_MIN: usize = 1 << 20;
@@ -455,26 +456,52 @@ impl CudaCache {
             },
             "gather_regions",
         );
-        let t_pin = std::time::Instant::now();
-        let (mut pinned, fresh) = {
+        let found = {
             let mut pool = self.pinned.lock().unwrap_or_else(|e| e.into_inner());
-            match best_fit(pool.iter().map(|p| p.len()), total) {
-                Some(i) => (pool.swap_remove(i), false),
-                // SAFETY: page-locked host memory (plain, not write-combined: the host reads
-                // it); the elements parsed are first written by the copy below.
-                None => {
-                    let n = pinned_size(total);
-                    (ck(unsafe { b.stream.context().alloc_pinned_with_flags::<f32>(n, 0) }, "snapshot staging"), true)
-                }
-            }
+            best_fit(pool.iter().map(|p| p.len()), total).map(|i| pool.swap_remove(i))
         };
-        if fresh {
-            tracing::debug!(
-                "snapshot staging: {} floats page-locked in {:.2} ms",
-                pinned.len(),
-                t_pin.elapsed().as_secs_f64() * 1e3
+        let regions = regions.len();
+        let Some(mut pinned) = found else {
+            // No staging buffer fits. Page-locking one took ~22 ms on the engine thread (64 of
+            // them in a served burst of 64 prompts: ~5 % of the level): instead the background
+            // half copies the device buffer to pageable memory, and page-locks a buffer for the
+            // pool that later snapshots take.
+            let done = ck(
+                b.stream.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC)),
+                "snapshot event",
             );
-        }
+            drop(table);
+            let (ctx, pool) = (b.stream.context().clone(), self.pinned.clone());
+            tracing::debug!("snapshot queued (no staging buffer) in {:.2} ms", t_begin.elapsed().as_secs_f64() * 1e3);
+            return Box::new(move || {
+                let t0 = std::time::Instant::now();
+                ck(done.synchronize(), "snapshot wait");
+                let copy = ck(ctx.new_stream(), "snapshot stream");
+                let host = ck(copy.clone_dtoh(&flat), "snapshot download");
+                ck(copy.synchronize(), "snapshot download");
+                drop(flat);
+                let t_copy = t0.elapsed();
+                let st = layout.parse(&host[..total]);
+                let n = pinned_size(total);
+                let t_pin = std::time::Instant::now();
+                // SAFETY: page-locked host memory (plain, not write-combined: the host reads it);
+                // a snapshot that takes it writes it by its copy before parsing it.
+                let fresh = ck(unsafe { ctx.alloc_pinned_with_flags::<f32>(n, 0) }, "snapshot staging");
+                let mut pool = pool.lock().unwrap_or_else(|e| e.into_inner());
+                if pool.iter().map(|q| q.len()).sum::<usize>() + n <= PINNED_KEEP {
+                    pool.push(fresh);
+                }
+                tracing::debug!(
+                    "snapshot of {} tokens: {regions} regions, {total} floats; download {:.2} ms (pageable), host {:.2} ms; \
+                     snapshot staging: {n} floats page-locked in {:.2} ms",
+                    layout.len,
+                    t_copy.as_secs_f64() * 1e3,
+                    (t_pin - t0 - t_copy).as_secs_f64() * 1e3,
+                    t_pin.elapsed().as_secs_f64() * 1e3
+                );
+                st
+            });
+        };
         let host = ck(pinned.as_mut_slice(), "snapshot staging");
         // SAFETY: `flat` holds `total` floats; the destination is page-locked host memory of at
         // least `total`, owned by the returned half, which reads it only after the event below.
@@ -491,7 +518,6 @@ impl CudaCache {
         // `table` and `flat` are freed in stream order, after the gather and the copy.
         drop((table, flat));
         let dl = Download { done, pinned: Some(pinned), pool: self.pinned.clone() };
-        let regions = regions.len();
         tracing::debug!("snapshot queued in {:.2} ms", t_begin.elapsed().as_secs_f64() * 1e3);
         Box::new(move || {
             let t0 = std::time::Instant::now();
