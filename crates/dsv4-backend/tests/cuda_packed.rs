@@ -136,6 +136,53 @@ fn cuda_packed_products_match_cpu() {
     }
 }
 
+/// Exact mode's products of many rows (`gemvo`: a warp 4 outputs, a block 32 rows) give bitwise
+/// what `gemv` gives, and each row bitwise its one-row product, for every format, plain and
+/// grouped (wo_a's shape), with a partial block of outputs and of rows.
+#[test]
+fn cuda_exact_products_of_many_rows_are_bitwise_gemv() {
+    let Some(b) = CudaBackend::exact_or_skip(false) else { return };
+    let (m, k) = (72, 512);
+    for (fi, format) in PackedFormat::ALL.into_iter().enumerate() {
+        let p = random_packed(format, m, k, 140 + fi as u64);
+        let w = b.upload(host("layers.0.attn.wq_a.weight", m, k, &p)).unwrap();
+        let wo = b.upload(host("layers.0.attn.wo_a.weight", m, k, &p)).unwrap();
+        for (n, groups) in [(17, 1), (70, 1), (40, 2)] {
+            let (xg, xc) = activations(&b, n, groups * k, 150 + n as u64);
+            let run = |on: bool| {
+                b.set_gemvo(on);
+                let y = if groups == 1 { b.matmul(&xg, &w) } else { b.grouped_matmul(&xg, &wo, groups) };
+                b.to_host(&y)
+            };
+            let (fast, plain) = (run(true), run(false));
+            for (i, (a, c)) in fast.iter().zip(&plain).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    c.to_bits(),
+                    "{} {n} rows, {groups} groups, value {i}: gemvo {a} vs gemv {c}",
+                    format.name()
+                );
+            }
+            b.set_gemvo(true);
+            for r in [0, n / 2, n - 1] {
+                let x1 = row_of(&b, &xc, r);
+                let one = b.to_host(&if groups == 1 { b.matmul(&x1, &w) } else { b.grouped_matmul(&x1, &wo, groups) });
+                for o in 0..m {
+                    assert_eq!(
+                        fast[r * m + o].to_bits(),
+                        one[o].to_bits(),
+                        "{} row {r}/{n} output {o} vs alone",
+                        format.name()
+                    );
+                }
+            }
+            let e = rel_err(&fast, &reference(&xc, &p.dequantize(m, k), m, k, groups));
+            assert!(e <= 1e-5, "{} gemvo vs the f64 product: {e:.2e}", format.name());
+        }
+        println!("{}: gemvo bitwise gemv and each row alone (17, 70 rows; 2 groups of 40 rows)", format.name());
+    }
+}
+
 #[test]
 fn cuda_packed_experts_match_cpu() {
     let Some(b) = gpu() else { return };

@@ -661,6 +661,8 @@ pub struct CudaBackend {
     /// Int8 calls of 2 to 4 rows on the kernels built for that many (see
     /// [`CudaBackend::set_row_caps`]).
     row_caps: std::sync::atomic::AtomicBool,
+    /// f32-activation products of many rows on `gemvo` (see [`CudaBackend::set_gemvo`]).
+    gemvo: std::sync::atomic::AtomicBool,
     /// A decode layer's attention norms and rotations two launches (see [`CudaBackend::set_norm_group`]).
     norm_group: std::sync::atomic::AtomicBool,
     /// The router's product with its choice in one launch (see [`CudaBackend::set_route_fused`]).
@@ -907,6 +909,19 @@ impl CudaBackend {
 
     pub fn row_caps(&self) -> bool {
         self.row_caps.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Packed products on f32 activations (exact mode) of 17 rows or more on `gemvo`, a warp
+    /// taking 4 outputs so that each activation load serves 4, where `gemv` loads it for each
+    /// output: the same values (exact mode's prefill and served mixed steps ran on the L1's
+    /// load rate). On unless `DSV4_GEMVO=0`.
+    pub fn set_gemvo(&self, on: bool) {
+        self.gemvo.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
+    }
+
+    pub fn gemvo(&self) -> bool {
+        self.gemvo.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// A decode layer's attention norms and rotations ([`crate::Backend::norms`]) in two
@@ -1284,6 +1299,7 @@ impl CudaBackend {
             row_caps: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_ROW_CAPS").map_or(true, |v| v.trim() != "0"),
             ),
+            gemvo: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_GEMVO").map_or(true, |v| v.trim() != "0")),
             attention_tc_slices: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_ATT_TC_SLICES").map_or(true, |v| v.trim() != "0"),
             ),

@@ -88,6 +88,12 @@ fn gemvx_name(n: usize, caps: bool) -> &'static str {
     }
 }
 
+/// gemvo's outputs a warp and rows a block (quant.cu's GEMVO_OUTS, GEMVO_ROWS), and the rows
+/// from which the f32-activation products take it over gemv (same bits: a choice of speed only).
+const GEMVO_OUTS: usize = 4;
+const GEMVO_ROWS: usize = 32;
+const GEMVO_MIN_ROWS: usize = 17;
+
 /// Outputs a tile block covers (the mma's 16) and rows an n-tile holds (its 8).
 const TILE_OUTPUTS: usize = 16;
 const TILE_ROWS: usize = 8;
@@ -284,6 +290,7 @@ impl QuantKernels {
         for f in PackedFormat::ALL.into_iter().map(suffix).chain(["bf16w"]) {
             for k in [
                 "gemv",
+                "gemvo",
                 "moe_up",
                 "moe_down",
                 "deq_bf16",
@@ -706,11 +713,18 @@ impl CudaBackend {
             );
             return out;
         }
+        // Many rows: gemvo, bitwise gemv, a warp's activation loads shared by GEMVO_OUTS outputs.
+        let (name, cfg) = if n >= GEMVO_MIN_ROWS && (m / groups).is_multiple_of(GEMVO_OUTS) && self.gemvo() {
+            let grid = (m.div_ceil(Q_WARPS * GEMVO_OUTS) as u32, n.div_ceil(GEMVO_ROWS) as u32, 1);
+            ("gemvo", LaunchConfig { grid_dim: grid, ..cfg })
+        } else {
+            (if n == 1 { "gemv1" } else { "gemv" }, cfg)
+        };
         // SAFETY: argument types and buffer sizes match the kernel.
         ck(
             unsafe {
                 self.stream
-                    .kernel(self.qk.of(if n == 1 { "gemv1" } else { "gemv" }, q.format))
+                    .kernel(self.qk.of(name, q.format))
                     .arg(&mut out.data)
                     .arg(&x.data)
                     .arg(&q.blocks)

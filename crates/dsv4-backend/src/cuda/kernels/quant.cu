@@ -645,6 +645,82 @@ __device__ void gemv_q(float* __restrict__ out, const float* __restrict__ x, con
                 [&](int r, float v) { if (lane == 0) out[(long long)r * m + o] = v; });
 }
 
+// dot8q with the activations already loaded (a, b: x[0..4], x[4..8]): the same operations in
+// the same order, so the same bits.
+__device__ __forceinline__ float dot8v(const float* w, float4 a, float4 b) {
+    float s = w[0] * a.x;
+    s += w[1] * a.y; s += w[2] * a.z; s += w[3] * a.w;
+    s += w[4] * b.x; s += w[5] * b.y; s += w[6] * b.z; s += w[7] * b.w;
+    return s;
+}
+
+#define GEMVO_OUTS 4  // outputs a warp of gemvo takes (the launcher's GEMVO_OUTS)
+#define GEMVO_ROWS 32  // rows a block of gemvo takes (grid.y = ⌈n / 32⌉; the launcher's)
+
+// acc[o][j] += weight row o · x_row(j) for NW weight rows (wr[o], sr[o]) and nr ≤ 8 rows
+// xrow[j]: each activation chunk is loaded once for all NW rows, where qrows_dot loads it once a
+// weight row (4 bytes an FMA, which bound the several-row kernels by the L1 at hundreds of
+// rows). Every sum runs over c = 8·lane + 256·i with qrows_dot's operations in its order
+// (dot8v), so after the warp's butterfly each value is bitwise the several-row kernels'.
+template <int F, int NW>
+__device__ __forceinline__ void qrows_dot_w(float (&acc)[NW][8], const u8* const (&wr)[NW], const u8* const (&sr)[NW],
+                                            const float* const (&xrow)[8], int nr, int k, int lane) {
+#pragma unroll
+    for (int o = 0; o < NW; o++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[o][j] = 0.f;
+    for (int c = lane * 8; c < k; c += 256) {
+        float wf[NW][8];
+#pragma unroll
+        for (int o = 0; o < NW; o++) deq8r<F>(raw8<F>(wr[o], sr[o], c), c, wf[o]);
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            if (j < nr) {
+                float4 a = *(const float4*)(xrow[j] + c), b = *(const float4*)(xrow[j] + c + 4);
+#pragma unroll
+                for (int o = 0; o < NW; o++) acc[o][j] += dot8v(wf[o], a, b);
+            }
+        }
+    }
+}
+
+// gemv_q for many rows (exact mode's prefill and served mixed steps): a warp takes GEMVO_OUTS
+// consecutive outputs of one group, a block GEMVO_ROWS rows (qrows_dot_w): bitwise gemv_q, so
+// the launcher picks either by the number of rows.
+template <int F>
+__device__ void gemvo_q(float* __restrict__ out, const float* __restrict__ x, const u8* __restrict__ w,
+                        const u8* __restrict__ s, int n, int k, int m, int ldx, int rpg) {
+    constexpr int NO = GEMVO_OUTS;
+    int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int o0 = (blockIdx.x * Q_WARPS + wp) * NO;
+    if (o0 >= m) return;
+    const u8* wr[NO];
+    const u8* sr[NO];
+#pragma unroll
+    for (int o = 0; o < NO; o++) {
+        wr[o] = w + (long long)(o0 + o) * row_bytes(F, k);
+        sr[o] = scale_row(F, s, o0 + o, k);
+    }
+    // The launcher keeps a warp's outputs in one group (rpg and m multiples of NO).
+    const float* xg = x + (long long)(o0 / rpg) * k;
+    int r_end = min(n, (int)(blockIdx.y + 1) * GEMVO_ROWS);
+    for (int r0 = blockIdx.y * GEMVO_ROWS; r0 < r_end; r0 += 8) {
+        int nr = min(8, r_end - r0);
+        const float* xrow[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) xrow[j] = xg + (long long)(r0 + min(j, nr - 1)) * ldx;
+        float acc[NO][8];
+        qrows_dot_w<F, NO>(acc, wr, sr, xrow, nr, k, lane);
+#pragma unroll
+        for (int o = 0; o < NO; o++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                float v = warp_sum(acc[o][j]);
+                if (lane == 0 && j < nr) out[(long long)(r0 + j) * m + o0 + o] = v;
+            }
+    }
+}
+
 __device__ __forceinline__ float swiglu_q(float g, float u, float limit) {
     g = fminf(g, limit);
     u = fminf(fmaxf(u, -limit), limit);
@@ -761,6 +837,12 @@ __device__ void deq_bf16(u16* out, const u8* w, const u8* s, long long rows, int
 #define QUANT_KERNELS(F, N)                                                                                          \
     ROW_KERNELS(F, N, false, )                                                                                       \
     ROW_KERNELS(F, N, true, 1)                                                                                       \
+    extern "C" __global__ void gemvo_##N(float* out, const float* x, const u8* w, const u8* s, int n, int k, int m, \
+                                         int ldx, int rpg) {                                                         \
+        pdl_enter();                                                                                                 \
+        fill_tabs<F, false>();                                                                                       \
+        gemvo_q<F>(out, x, w, s, n, k, m, ldx, rpg);                                                                 \
+    }                                                                                                                \
     extern "C" __global__ void deq_bf16_##N(u16* out, const u8* w, const u8* s, long long rows, int k) {            \
         pdl_enter();                                                                                                 \
         fill_tabs<F, false>();                                                                                       \
