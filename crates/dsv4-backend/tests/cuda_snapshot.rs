@@ -40,8 +40,8 @@ fn cuda_snapshot_restore_continues_like_the_original() {
 /// then, although the sequence (and another one in the slot beside it) ran further steps, and a
 /// new sequence took over its slot, before it was finished. Several are in flight at once, so
 /// each owns its host buffer. A dropped one (never finished) releases its buffer safely. The
-/// first snapshot finds no page-locked staging buffer (copied through pageable memory, one
-/// page-locked for the pool after); the deferred one beside it takes that buffer: both ways run.
+/// first cuts' snapshots find no page-locked staging buffer (copied through pageable memory);
+/// `reserve_state` then page-locks the pool, which the later ones take: both ways run.
 #[test]
 fn cuda_deferred_snapshot_is_the_state_when_begun() {
     let Some(b) = gpu() else { return };
@@ -53,6 +53,9 @@ fn cuda_deferred_snapshot_is_the_state_when_begun() {
     let mut pending = Vec::new();
     let mut at = 0;
     for cut in [1usize, 130, 203, 257] {
+        if cut == 203 {
+            m.reserve_state(300);
+        }
         m.prefill_chunks(a, &toks[at..cut], &[cut - at]).unwrap();
         at = cut;
         let want = m.snapshot(a).unwrap();

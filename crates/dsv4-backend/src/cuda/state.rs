@@ -178,6 +178,7 @@ impl CudaCache {
     /// Allocates compressed-entry room for `tokens` positions in every slot now (entries
     /// otherwise grow by doubling as sequences get longer), so the memory a deployment needs
     /// shows up front.
+    /// Also page-locks the snapshot staging pool ([`CudaCache::prewarm_staging`]).
     pub fn reserve_tokens(&mut self, b: &CudaBackend, tokens: usize) {
         for l in &mut self.layers {
             for c in [&mut l.comp, &mut l.index].into_iter().flatten() {
@@ -186,6 +187,49 @@ impl CudaCache {
                 }
             }
         }
+        self.prewarm_staging(b);
+    }
+
+    /// About the floats a snapshot of a `len`-token sequence downloads ([`CudaCache::save_begin`]:
+    /// the window rows, each compressor's raw rows and entries), to size the staging buffers.
+    fn snapshot_floats(&self, len: usize) -> usize {
+        let ring_w = |l: &LayerDev| l.ring.len() / (self.slots * self.ring_cap);
+        self.layers
+            .iter()
+            .map(|l| {
+                let comp: usize = [&l.comp, &l.index]
+                    .into_iter()
+                    .flatten()
+                    .map(|c| 2 * len.min(c.rows + c.ratio) * c.width() + len / c.ratio * c.head)
+                    .sum();
+                len.min(self.ring_cap) * ring_w(l) + comp
+            })
+            .sum()
+    }
+
+    /// Page-locks staging buffers for snapshots of sequences up to the window, one a slot
+    /// (at most half of [`PINNED_KEEP`]), once. Page-locking while serving stalled the engine
+    /// thread (on the H100, 32 q2 layers at concurrency 64: snapshots queued in 0.03 ms at the
+    /// median but 6–183 ms for 15 of 264 while other threads page-locked buffers), so it is done
+    /// here, at start, and a snapshot that finds no buffer copies through pageable memory.
+    fn prewarm_staging(&self, b: &CudaBackend) {
+        let mut pool = self.pinned.lock().unwrap_or_else(|e| e.into_inner());
+        if !pool.is_empty() {
+            return;
+        }
+        let n = pinned_size(self.snapshot_floats(self.window));
+        let count = self.slots.min(PINNED_KEEP / 2 / n);
+        let t0 = std::time::Instant::now();
+        for _ in 0..count {
+            // SAFETY: page-locked host memory (plain, not write-combined: the host reads it); a
+            // snapshot that takes a buffer writes it by its copy before parsing it.
+            pool.push(ck(unsafe { b.stream.context().alloc_pinned_with_flags::<f32>(n, 0) }, "snapshot staging"));
+        }
+        tracing::info!(
+            "snapshot staging: {count} buffers of {} MiB page-locked in {:.0} ms",
+            n * 4 >> 20,
+            t0.elapsed().as_secs_f64() * 1e3
+        );
     }
 
     /// Entry room for every position `batch` feeds (before a step is recorded or replayed: the
@@ -278,8 +322,9 @@ pub type PendingSave = Box<dyn FnOnce() -> SeqState + Send>;
 /// prompt's snapshot held 1–5 M floats and the engine thread paid ~10 ms a snapshot in
 /// `save_begin` while buffers of exact sizes, 8 kept, were page-locked and freed again (both
 /// slow): sizes are now rounded up to a power of two of at least [`PINNED_MIN`] floats, so a kept
-/// buffer fits later snapshots, and the smallest that fits is taken. Where none fits, the
-/// snapshot's background half page-locks one for the pool (the engine thread never does).
+/// buffer fits later snapshots, and the smallest that fits is taken. They are page-locked at
+/// start ([`CudaCache::prewarm_staging`]); where none is free, the snapshot's background half
+/// copies through pageable memory.
 type PinnedPool = std::sync::Arc<std::sync::Mutex<Vec<PinnedHostSlice<f32>>>>;
 const PINNED_KEEP: usize = 1 << 29;
 const PINNED_MIN: usize = 1 << 20;
@@ -462,16 +507,14 @@ impl CudaCache {
         };
         let regions = regions.len();
         let Some(mut pinned) = found else {
-            // No staging buffer fits. Page-locking one took ~22 ms on the engine thread (64 of
-            // them in a served burst of 64 prompts: ~5 % of the level): instead the background
-            // half copies the device buffer to pageable memory, and page-locks a buffer for the
-            // pool that later snapshots take.
+            // No staging buffer free (none page-locked yet, all in flight, or a long sequence's
+            // state): the background half copies the device buffer to pageable memory.
             let done = ck(
                 b.stream.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC)),
                 "snapshot event",
             );
             drop(table);
-            let (ctx, pool) = (b.stream.context().clone(), self.pinned.clone());
+            let ctx = b.stream.context().clone();
             tracing::debug!("snapshot queued (no staging buffer) in {:.2} ms", t_begin.elapsed().as_secs_f64() * 1e3);
             return Box::new(move || {
                 let t0 = std::time::Instant::now();
@@ -482,22 +525,11 @@ impl CudaCache {
                 drop(flat);
                 let t_copy = t0.elapsed();
                 let st = layout.parse(&host[..total]);
-                let n = pinned_size(total);
-                let t_pin = std::time::Instant::now();
-                // SAFETY: page-locked host memory (plain, not write-combined: the host reads it);
-                // a snapshot that takes it writes it by its copy before parsing it.
-                let fresh = ck(unsafe { ctx.alloc_pinned_with_flags::<f32>(n, 0) }, "snapshot staging");
-                let mut pool = pool.lock().unwrap_or_else(|e| e.into_inner());
-                if pool.iter().map(|q| q.len()).sum::<usize>() + n <= PINNED_KEEP {
-                    pool.push(fresh);
-                }
                 tracing::debug!(
-                    "snapshot of {} tokens: {regions} regions, {total} floats; download {:.2} ms (pageable), host {:.2} ms; \
-                     snapshot staging: {n} floats page-locked in {:.2} ms",
+                    "snapshot of {} tokens: {regions} regions, {total} floats; download {:.2} ms (pageable), host {:.2} ms",
                     layout.len,
                     t_copy.as_secs_f64() * 1e3,
-                    (t_pin - t0 - t_copy).as_secs_f64() * 1e3,
-                    t_pin.elapsed().as_secs_f64() * 1e3
+                    (t0.elapsed() - t_copy).as_secs_f64() * 1e3
                 );
                 st
             });
