@@ -227,7 +227,7 @@ impl CudaCache {
         }
         tracing::info!(
             "snapshot staging: {count} buffers of {} MiB page-locked in {:.0} ms",
-            n * 4 >> 20,
+            (n * 4) >> 20,
             t0.elapsed().as_secs_f64() * 1e3
         );
     }
