@@ -566,8 +566,8 @@ pub(crate) fn ffn_one_row(
         return None;
     }
     let (up, down) = b.qk.ffn1((r13, r2), (s13, s2))?;
-    let table = b.packed_expert_kernels(experts, 1).table;
-    let stable = b.packed_expert_kernels(std::slice::from_ref(shared), 1).table;
+    let table = b.packed_expert_kernels(experts, 1, false).table;
+    let stable = b.packed_expert_kernels(std::slice::from_ref(shared), 1, false).table;
     let super::X8Twin { q: xq, d: xd } = b.x8_of(x);
     let mut h = b.alloc::<f32>(pairs * inter);
     let mut hq = b.alloc::<i8>(pairs * inter);
@@ -651,7 +651,7 @@ pub(crate) fn shared_expert_x8(
     if x.rows != 1 || !packed || !d.is_multiple_of(blk) || !inter.is_multiple_of(blk) {
         return None;
     }
-    let ek = b.packed_expert_kernels(std::slice::from_ref(e), 1);
+    let ek = b.packed_expert_kernels(std::slice::from_ref(e), 1, false);
     let kernels = ek.x8?;
     // order [0], off [0, 1], active [expert 0; one active].
     let one = &b.one_pair;
@@ -711,13 +711,16 @@ pub(crate) fn moe(
     // int8 tile kernels (packed experts of int8 formats) serve as many rows as the dense
     // products' int8 path does (`DSV4_X8_MAX_ROWS`), so a row's experts stay batch invariant
     // wherever its products do.
+    // In exact mode any number of rows stays on the int8 kernels, and the tiles take the experts
+    // once they hold enough pairs each (`expert_tiles`): the same sums as the dp4a row groups.
+    let full = b.expert_tiles(nk, ne);
     let tiles = packed
         && b.int8()
-        && b.x8_tiles() == super::quant::X8Tiles::All
+        && (b.x8_tiles() == super::quant::X8Tiles::All || (full && b.x8_tiles() == super::quant::X8Tiles::Dense))
         && [&experts[0].w1, &experts[0].w2].iter().all(|w| w.q.as_ref().is_some_and(|q| crate::x8::supports(q.format)))
-        && n <= b.x8_rows();
+        && (n <= b.x8_rows() || b.exact());
     if (n <= GROUPED_MAX_ROWS || b.exact() || tiles) && d.is_multiple_of(8) && inter.is_multiple_of(8) {
-        let ek = b.packed_expert_kernels(experts, n);
+        let ek = b.packed_expert_kernels(experts, n, full);
         let table = &ek.table;
         let mut h = b.alloc::<f32>(nk * inter);
         let mut y = b.alloc::<f32>(nk * d);
@@ -781,7 +784,7 @@ pub(crate) fn moe(
     }
     // Many rows: the tensor-core tiles, every expert in one launch a projection.
     if super::gemm::experts_fit(d, inter) {
-        let ek = b.packed_expert_kernels(experts, usize::MAX);
+        let ek = b.packed_expert_kernels(experts, usize::MAX, false);
         let mut y = b.alloc::<f32>(nk * d);
         if share {
             // The combine reads every slot's row: those of other ranks' experts must be zero.

@@ -911,6 +911,19 @@ impl CudaBackend {
         self.row_caps.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Whether routed experts of `pairs` (row, slot) pairs over `experts` experts take the int8
+    /// tiles under [`quant::X8Tiles::Dense`] (the default, which keeps them off at decode
+    /// sizes: one or two pairs an expert, PERF.md v14): from `DSV4_EXPERT_TILE_PAIRS` (4) pairs an
+    /// expert on average, e.g. a served step carrying prompts in exact mode. The tiles give the
+    /// dp4a row groups' sums, so the choice is one of speed only; 0 turns it off.
+    pub fn expert_tiles(&self, pairs: usize, experts: usize) -> bool {
+        static PER: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        let per = *PER.get_or_init(|| {
+            std::env::var("DSV4_EXPERT_TILE_PAIRS").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(4)
+        });
+        per > 0 && pairs >= per * experts
+    }
+
     /// Packed products on f32 activations (exact mode) of 17 rows or more on `gemvo`, a warp
     /// taking 4 outputs so that each activation load serves 4, where `gemv` loads it for each
     /// output: the same values (exact mode's prefill and served mixed steps ran on the L1's

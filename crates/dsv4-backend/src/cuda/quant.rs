@@ -890,10 +890,12 @@ impl CudaBackend {
     /// then take its pairs in more groups, with the same values): one row takes the one-row
     /// kernels, 2 or 4 the int8 down kernels built for that many (`moe_downx2`, `moe_downx4`:
     /// fewer registers, the same values).
+    /// `full`: the experts hold enough pairs each for the int8 tiles ([`CudaBackend::expert_tiles`]).
     pub(crate) fn packed_expert_kernels(
         &self,
         experts: &[dsv4_model::weights::Expert<CudaWeight>],
         rows: usize,
+        full: bool,
     ) -> ExpertKernels<'_> {
         let single = rows == 1;
         // Kernel suffix, block address and scale address of one matrix.
@@ -920,7 +922,7 @@ impl CudaBackend {
         let r = if single { "1" } else { "" };
         let int8 = |w: &CudaWeight| w.q.as_ref().is_some_and(|q| crate::x8::supports(q.format));
         let ex = &experts[0];
-        let x8_tiles = !single && self.x8_tiles() == X8Tiles::All;
+        let x8_tiles = !single && (self.x8_tiles() == X8Tiles::All || (full && self.x8_tiles() == X8Tiles::Dense));
         let x = if x8_tiles { "t" } else { "x" };
         // The down kernel capped at 2 or 4 pairs an expert (not for the tiles).
         let cap = match rows {
