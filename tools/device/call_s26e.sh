@@ -15,6 +15,7 @@ run_test() {
 run_test cuda_packed many_rows
 run_test cuda_snapshot
 run_test cuda_packed experts int8_products
+run_test cuda_invariance
 B=.devbin/dsv4
 P="bench --backend cuda --synthetic flash --prefill-chunk 8192 --decode-batches 1 --decode-context 16 --decode-tokens 1"
 for pairs in 0 4; do
