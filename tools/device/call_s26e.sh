@@ -6,12 +6,7 @@ cd "$(dirname "$0")/../.."
 tar -xJf devbin.tar.xz
 OUT=${OUT:-/tmp/dsv4-out}; mkdir -p "$OUT"
 S=$OUT/summary.txt
-run_test() {
-  local t=$1; shift
-  timeout 150 .devbin/tests/$t --test-threads 1 "$@" > "$OUT/test-$t.txt" 2>&1
-  echo "test $t $*: exit $? $(grep -E '^test result' "$OUT/test-$t.txt" | tail -1)" >> "$S"
-  grep -E -A3 '^test .*FAILED|panicked' "$OUT/test-$t.txt" | head -12 >> "$S"
-}
+. tools/device/run_test.sh
 run_test cuda_packed many_rows
 run_test cuda_snapshot
 run_test cuda_packed experts int8_products

@@ -7,8 +7,8 @@ cd "$(dirname "$0")/../.."
 tar -xJf devbin.tar.xz
 OUT=${OUT:-/tmp/dsv4-out}; mkdir -p "$OUT"
 S=$OUT/summary.txt
-timeout 120 .devbin/tests/cuda_snapshot --test-threads 1 > "$OUT/test-cuda_snapshot.txt" 2>&1
-echo "test cuda_snapshot: exit $? $(grep -E '^test result' "$OUT/test-cuda_snapshot.txt" | tail -1)" >> "$S"
+. tools/device/run_test.sh
+run_test cuda_snapshot
 bash tools/device/run.sh serve > /dev/null
 grep -h "snapshot staging:" /tmp/dsv4-serve-*.log | head -2 >> "$S"
 grep -h "queued" /tmp/dsv4-serve-*.log | awk '{print $(NF-1)}' | sort -n | awk '{a[NR]=$1} END {print "queued ms: n",NR,"p50",a[int(NR*0.5)],"p90",a[int(NR*0.9)],"p99",a[int(NR*0.99)],"max",a[NR]}' >> "$S"

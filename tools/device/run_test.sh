@@ -1,0 +1,9 @@
+# Sourced by the device call scripts: `run_test BINARY [FILTER...]` runs .devbin/tests/BINARY
+# (one thread, 150 s at most) into $OUT/test-BINARY.txt and appends its result and any failure
+# to the summary $S.
+run_test() {
+  local t=$1; shift
+  timeout 150 .devbin/tests/$t --test-threads 1 "$@" > "$OUT/test-$t.txt" 2>&1
+  echo "test $t $*: exit $? $(grep -E '^test result' "$OUT/test-$t.txt" | tail -1)" >> "$S"
+  grep -E -A3 '^test .*FAILED|panicked' "$OUT/test-$t.txt" | head -12 >> "$S"
+}
