@@ -417,8 +417,8 @@ for part in $PARTS; do
              END { if (n) printf "snapshots: %d, mean download %.2f ms, host %.2f ms\n", n, d / n, h / n }' \
             "$OUT/serve-snapshots.txt" >> "$S"
         # The engine thread's part of each snapshot (save_begin) and the staging buffers page-locked.
-        grep -h 'snapshot queued in\|snapshot staging' /tmp/dsv4-serve-*.log > "$OUT/serve-queue.txt" 2>/dev/null
-        awk '/queued in/ {q += $(NF - 1); n++} /page-locked/ {p += $(NF - 1); m++}
+        grep -h 'snapshot queued\|snapshot staging' /tmp/dsv4-serve-*.log > "$OUT/serve-queue.txt" 2>/dev/null
+        awk '/queued/ {q += $(NF - 1); n++} /page-locked/ {p += $(NF - 1); m++}
              END { printf "engine side: %d snapshots queued, mean %.2f ms; %d staging buffers page-locked, mean %.2f ms\n", n, n ? q / n : 0, m, m ? p / m : 0 }' \
             "$OUT/serve-queue.txt" >> "$S"
         ;;

@@ -41,7 +41,10 @@ fn cuda_snapshot_restore_continues_like_the_original() {
 /// new sequence took over its slot, before it was finished. Several are in flight at once, so
 /// each owns its host buffer. A dropped one (never finished) releases its buffer safely. The
 /// first cuts' snapshots find no page-locked staging buffer (copied through pageable memory);
-/// `reserve_state` then page-locks the pool, which the later ones take: both ways run.
+/// `reserve_state` then page-locks the pool (one buffer a slot: 3), which cuts 203, 230 and 257
+/// take; cut 280 finds none free, so its table goes up from a slab and its background half
+/// waits until another half gives a buffer back; the synchronous snapshots taken meanwhile
+/// (`want`) do not wait and copy through pageable memory. Every way runs.
 #[test]
 fn cuda_deferred_snapshot_is_the_state_when_begun() {
     let Some(b) = gpu() else { return };
@@ -52,7 +55,7 @@ fn cuda_deferred_snapshot_is_the_state_when_begun() {
     let (a, o) = (m.alloc_seq().unwrap(), m.alloc_seq().unwrap());
     let mut pending = Vec::new();
     let mut at = 0;
-    for cut in [1usize, 130, 203, 257] {
+    for cut in [1usize, 130, 203, 230, 257, 280] {
         if cut == 203 {
             m.reserve_state(300);
         }

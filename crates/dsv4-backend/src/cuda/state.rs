@@ -208,23 +208,33 @@ impl CudaCache {
     }
 
     /// Page-locks staging buffers for snapshots of sequences up to the window, one a slot
-    /// (at most half of [`PINNED_KEEP`]), once. Page-locking while serving stalled the engine
-    /// thread (on the H100, 32 q2 layers at concurrency 64: snapshots queued in 0.03 ms at the
-    /// median but 6–183 ms for 15 of 264 while other threads page-locked buffers), so it is done
-    /// here, at start, and a snapshot that finds no buffer copies through pageable memory.
+    /// (at most half of [`PINNED_KEEP`]), and two table slabs a slot, once. Page-locking while
+    /// serving stalled the engine thread (on the H100, 32 q2 layers at concurrency 64: snapshots
+    /// queued in 0.03 ms at the median but 6–183 ms for 15 of 264 while other threads
+    /// page-locked buffers), so it is done here, at start; a snapshot that finds no buffer free
+    /// waits for one in its background half ([`Staging`]).
     fn prewarm_staging(&self, b: &CudaBackend) {
-        let mut pool = self.pinned.lock().unwrap_or_else(|e| e.into_inner());
-        if !pool.is_empty() {
+        let pool = &self.pinned;
+        let mut bufs = pool.lock_bufs();
+        if !bufs.is_empty() {
             return;
         }
         let n = pinned_size(self.snapshot_floats(self.window));
         let count = self.slots.min(PINNED_KEEP / 2 / n);
         let t0 = std::time::Instant::now();
+        let ctx = b.stream.context();
+        // SAFETY (both): page-locked host memory (plain, not write-combined: the host reads
+        // it); a snapshot that takes a buffer or slab writes what it later reads.
         for _ in 0..count {
-            // SAFETY: page-locked host memory (plain, not write-combined: the host reads it); a
-            // snapshot that takes a buffer writes it by its copy before parsing it.
-            pool.push(ck(unsafe { b.stream.context().alloc_pinned_with_flags::<f32>(n, 0) }, "snapshot staging"));
+            bufs.push(ck(unsafe { ctx.alloc_pinned_with_flags::<f32>(n, 0) }, "snapshot staging"));
         }
+        let mut tables = pool.tables.lock().unwrap_or_else(|e| e.into_inner());
+        for _ in 0..2 * self.slots {
+            tables.push(ck(unsafe { ctx.alloc_pinned_with_flags::<f32>(TABLE_SLAB, 0) }, "snapshot table slab"));
+        }
+        // The copy stream before `largest`: a half that sees a buffer to wait for finds it.
+        let _ = pool.copy.set(ck(ctx.new_stream(), "snapshot copy stream"));
+        pool.largest.store(if count > 0 { n } else { 0 }, std::sync::atomic::Ordering::Relaxed);
         tracing::info!(
             "snapshot staging: {count} buffers of {} MiB page-locked in {:.0} ms",
             (n * 4) >> 20,
@@ -316,18 +326,84 @@ fn row(buf: &[f32], i: usize, w: usize) -> &[f32] {
 /// parses it into a [`SeqState`]; it may run on another thread.
 pub type PendingSave = Box<dyn FnOnce() -> SeqState + Send>;
 
-/// Page-locked host buffers snapshots download into: a pending snapshot owns one until it is
-/// parsed, then puts it back while the pool holds at most [`PINNED_KEEP`] floats (2 GiB: a burst
-/// of 64 short prompts' buffers). Served at concurrency 16 and 64 (43 q2 layers, H200), a short
-/// prompt's snapshot held 1–5 M floats and the engine thread paid ~10 ms a snapshot in
-/// `save_begin` while buffers of exact sizes, 8 kept, were page-locked and freed again (both
-/// slow): sizes are now rounded up to a power of two of at least [`PINNED_MIN`] floats, so a kept
-/// buffer fits later snapshots, and the smallest that fits is taken. They are page-locked at
-/// start ([`CudaCache::prewarm_staging`]); where none is free, the snapshot's background half
-/// copies through pageable memory.
-type PinnedPool = std::sync::Arc<std::sync::Mutex<Vec<PinnedHostSlice<f32>>>>;
+/// Page-locked host memory for snapshots, shared with their background halves.
+///
+/// Staging buffers: a pending snapshot owns one from its download until it is parsed, then puts
+/// it back while the pool holds at most [`PINNED_KEEP`] floats. Served at concurrency 16 and 64
+/// (43 q2 layers, H200), a short prompt's snapshot held 1–5 M floats and the engine thread paid
+/// ~10 ms a snapshot in `save_begin` while buffers of exact sizes, 8 kept, were page-locked and
+/// freed again (both slow): sizes are now rounded up to a power of two of at least
+/// [`PINNED_MIN`] floats, so a kept buffer fits later snapshots, and the smallest that fits is
+/// taken. They are page-locked at start ([`CudaCache::prewarm_staging`]).
+///
+/// Where none is free when a snapshot begins, its background half waits for one
+/// ([`Staging::take_waiting`]) and copies on the pool's own stream. It used to copy through
+/// pageable memory instead, and the driver serialises pageable copies with the engine thread's
+/// calls: at concurrency 64 (43 q2 layers, H200) 47 of 338 snapshots found no buffer, their
+/// pageable downloads queued one behind another for up to 426 ms, and one `save_begin` on the
+/// engine thread waited 386 ms behind them (the snapshot share 8.6 ms a step). The gather
+/// table of such a snapshot is uploaded from a small page-locked slab (`tables`) for the same
+/// reason. Pageable copies remain only for states larger than every buffer, for the
+/// synchronous [`CudaCache::save`] (which must not wait on other snapshots' halves), and after
+/// [`STAGING_WAIT`] without a buffer.
+#[derive(Default)]
+struct Staging {
+    bufs: std::sync::Mutex<Vec<PinnedHostSlice<f32>>>,
+    /// Signalled when a buffer goes back into `bufs`.
+    freed: std::sync::Condvar,
+    /// The largest buffer page-locked: a state larger than it waits for none.
+    largest: std::sync::atomic::AtomicUsize,
+    /// Page-locked slabs of [`TABLE_SLAB`] floats for gather tables.
+    tables: std::sync::Mutex<Vec<PinnedHostSlice<f32>>>,
+    /// The stream the background halves copy on (created with the pool).
+    copy: std::sync::OnceLock<std::sync::Arc<cudarc::driver::CudaStream>>,
+}
+type PinnedPool = std::sync::Arc<Staging>;
 const PINNED_KEEP: usize = 1 << 29;
 const PINNED_MIN: usize = 1 << 20;
+/// Floats of a table slab: 6 a region (three u64 words), 12 regions a layer at most (the window
+/// ring and each compressor's raw u and z in up to two spans, and its entries) for 56 layers.
+const TABLE_SLAB: usize = 4096;
+/// How long a background half waits for a staging buffer before it copies through pageable
+/// memory (a bound for a pending snapshot that is never finished while holding one; a burst of
+/// 64 snapshots on 32 buffers waits ~30–50 ms).
+const STAGING_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+impl Staging {
+    fn lock_bufs(&self) -> std::sync::MutexGuard<'_, Vec<PinnedHostSlice<f32>>> {
+        self.bufs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The smallest free buffer that holds `need` floats, if any, without waiting.
+    fn take(&self, need: usize) -> Option<PinnedHostSlice<f32>> {
+        let mut bufs = self.lock_bufs();
+        best_fit(bufs.iter().map(|p| p.len()), need).map(|i| bufs.swap_remove(i))
+    }
+
+    /// [`Staging::take`], waiting up to `wait` for other snapshots to give one back; none at
+    /// once where no buffer could ever hold `need`.
+    fn take_waiting(&self, need: usize, wait: std::time::Duration) -> Option<PinnedHostSlice<f32>> {
+        if self.largest.load(std::sync::atomic::Ordering::Relaxed) < need {
+            return None;
+        }
+        let deadline = std::time::Instant::now() + wait;
+        let mut bufs = self.lock_bufs();
+        loop {
+            if let Some(i) = best_fit(bufs.iter().map(|p| p.len()), need) {
+                return Some(bufs.swap_remove(i));
+            }
+            let left = deadline.checked_duration_since(std::time::Instant::now())?;
+            bufs = self.freed.wait_timeout(bufs, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    fn take_table(&self, need: usize) -> Option<PinnedHostSlice<f32>> {
+        if need > TABLE_SLAB {
+            return None;
+        }
+        self.tables.lock().unwrap_or_else(|e| e.into_inner()).pop()
+    }
+}
 
 /// The floats a staging buffer for a snapshot of `total` floats is allocated with.
 fn pinned_size(total: usize) -> usize {
@@ -339,25 +415,33 @@ fn best_fit(sizes: impl Iterator<Item = usize>, total: usize) -> Option<usize> {
     sizes.enumerate().filter(|&(_, n)| n >= total).min_by_key(|&(_, n)| n).map(|(i, _)| i)
 }
 
-/// A snapshot's download in flight: its page-locked buffer goes back to the pool (or is freed)
-/// only after the copy's event, whether or not the state was parsed.
+/// Page-locked memory a copy in flight reads or writes (a staging buffer, or a table slab):
+/// it goes back to the pool (or is freed) only after the copy's event, whether or not the
+/// snapshot was finished.
 struct Download {
     done: cudarc::driver::CudaEvent,
     pinned: Option<PinnedHostSlice<f32>>,
     pool: PinnedPool,
+    /// A table slab (back into `tables`), not a staging buffer.
+    table: bool,
 }
 
 impl Drop for Download {
     fn drop(&mut self) {
         let Some(p) = self.pinned.take() else { return };
         if self.done.synchronize().is_err() {
-            // The copy's end is unknown: leak the buffer rather than free memory it may write.
+            // The copy's end is unknown: leak the buffer rather than free memory it may touch.
             std::mem::forget(p);
             return;
         }
-        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
-        if pool.iter().map(|q| q.len()).sum::<usize>() + p.len() <= PINNED_KEEP {
-            pool.push(p);
+        if self.table {
+            self.pool.tables.lock().unwrap_or_else(|e| e.into_inner()).push(p);
+            return;
+        }
+        let mut bufs = self.pool.lock_bufs();
+        if bufs.iter().map(|q| q.len()).sum::<usize>() + p.len() <= PINNED_KEEP {
+            bufs.push(p);
+            self.pool.freed.notify_all();
         }
     }
 }
@@ -436,7 +520,9 @@ impl CudaCache {
     /// by position, open rows, overlap rows, entries, and the compressor history a rollback can
     /// still use (the raw rows the ring holds, from the oldest still valid).
     pub fn save(&self, b: &CudaBackend, cfg: &Config, seq: usize, len: usize) -> SeqState {
-        self.save_begin(b, cfg, seq, len)()
+        // Run at once, it must not wait for a staging buffer: pending snapshots not yet finished
+        // (on this thread, later) may hold them all.
+        self.save_with(b, cfg, seq, len, false)()
     }
 
     /// [`CudaCache::save`] in two halves. Here, stream-ordered and without a synchronisation:
@@ -446,7 +532,12 @@ impl CudaCache {
     /// The returned half waits for the event and parses (on any thread): the engine runs the
     /// next step meanwhile (synchronously a snapshot cost the served step 9–20 ms, PERF.md v31).
     /// Only the rows a state reads come back: a short sequence's snapshot is a few rows a layer.
+    /// Where no staging buffer is free, the returned half waits for one ([`Staging`]).
     pub fn save_begin(&self, b: &CudaBackend, cfg: &Config, seq: usize, len: usize) -> PendingSave {
+        self.save_with(b, cfg, seq, len, true)
+    }
+
+    fn save_with(&self, b: &CudaBackend, cfg: &Config, seq: usize, len: usize, wait: bool) -> PendingSave {
         let t_begin = std::time::Instant::now();
         let (rc, d) = (self.ring_cap, cfg.head_dim);
         let meta = self.meta[seq];
@@ -487,18 +578,23 @@ impl CudaCache {
             table.extend([b.dev_ptr(buf) + (off * std::mem::size_of::<f32>()) as u64, n as u64, at as u64]);
             at += n;
         }
-        // The table rides in the staging buffer, past the state (8-byte aligned), so its upload
-        // is a page-locked copy: a pageable one waited behind the background halves' pageable
-        // downloads (H100, 32 q2 layers at concurrency 64: three snapshots queued in 13–227 ms).
+        // The table rides in the staging buffer, past the state (8-byte aligned), or without one
+        // in a table slab, so its upload is a page-locked copy: a pageable one waited behind the
+        // background halves' pageable downloads (H100, 32 q2 layers at concurrency 64: three
+        // snapshots queued in 13–227 ms).
+        let pool = self.pinned.clone();
         let t0 = total.next_multiple_of(2);
-        let mut found = {
-            let mut pool = self.pinned.lock().unwrap_or_else(|e| e.into_inner());
-            best_fit(pool.iter().map(|p| p.len()), t0 + 2 * table.len()).map(|i| pool.swap_remove(i))
+        let mut found = pool.take(t0 + 2 * table.len());
+        let mut slab = if found.is_none() { pool.take_table(2 * table.len()) } else { None };
+        let staged = match (found.as_mut(), slab.as_mut()) {
+            (Some(p), _) => Some((p, t0)),
+            (None, Some(p)) => Some((p, 0)),
+            (None, None) => None,
         };
-        let table = match found.as_mut() {
-            Some(pinned) => {
+        let table = match staged {
+            Some((pinned, at)) => {
                 let host = ck(pinned.as_mut_slice(), "snapshot staging");
-                let words = &mut host[t0..t0 + 2 * table.len()];
+                let words = &mut host[at..at + 2 * table.len()];
                 for (w, &v) in words.chunks_exact_mut(2).zip(&table) {
                     w[0] = f32::from_bits(v as u32);
                     w[1] = f32::from_bits((v >> 32) as u32);
@@ -506,7 +602,7 @@ impl CudaCache {
                 let mut dev = b.alloc::<u64>(table.len());
                 // `dev` holds the table's u64 values, the source the same bytes of page-locked
                 // memory this snapshot owns, written above and not again until the snapshot's
-                // event has passed (the buffer returns to the pool only after it).
+                // event has passed (the buffer or slab returns to the pool only after it).
                 {
                     let (p, _written) = dev.device_ptr_mut(&b.stream);
                     ck(
@@ -533,29 +629,64 @@ impl CudaCache {
             "gather_regions",
         );
         let regions = regions.len();
-        let Some(mut pinned) = found else {
-            // No staging buffer free (none page-locked yet, all in flight, or a long sequence's
-            // state): the background half copies the device buffer to pageable memory.
-            let done = ck(
+        let event = || {
+            ck(
                 b.stream.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC)),
                 "snapshot event",
-            );
+            )
+        };
+        let Some(mut pinned) = found else {
+            // No staging buffer free (all in flight, none page-locked, or a state larger than
+            // any): the background half copies `flat` once the gather is done, into a buffer
+            // another snapshot gives back, or through pageable memory.
+            let tab = Download { done: event(), pinned: slab, pool: pool.clone(), table: true };
             drop(table);
-            let ctx = b.stream.context().clone();
+            let (src, ctx) = (b.dev_ptr(&flat), b.stream.context().clone());
             tracing::debug!("snapshot queued (no staging buffer) in {:.2} ms", t_begin.elapsed().as_secs_f64() * 1e3);
             return Box::new(move || {
                 let t0 = std::time::Instant::now();
-                ck(done.synchronize(), "snapshot wait");
-                let copy = ck(ctx.new_stream(), "snapshot stream");
-                let host = ck(copy.clone_dtoh(&flat), "snapshot download");
-                ck(copy.synchronize(), "snapshot download");
-                drop(flat);
-                let t_copy = t0.elapsed();
-                let st = layout.parse(&host[..total]);
+                ck(tab.done.synchronize(), "snapshot wait");
+                drop(tab);
+                let buf = if wait { pool.take_waiting(total, STAGING_WAIT) } else { None };
+                let t_wait = t0.elapsed();
+                let (st, how, t_copy) = match (buf, pool.copy.get()) {
+                    (Some(mut p), Some(copy)) => {
+                        let host = ck(p.as_mut_slice(), "snapshot staging");
+                        // SAFETY: `flat` (alive until after the copy's event) holds `total`
+                        // floats, written by the gather whose event has passed; the destination
+                        // is page-locked memory of at least `total` that this half owns.
+                        ck(
+                            unsafe {
+                                cudarc::driver::result::memcpy_dtoh_async(&mut host[..total], src, copy.cu_stream())
+                            },
+                            "snapshot download",
+                        );
+                        let done = ck(
+                            copy.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC)),
+                            "snapshot event",
+                        );
+                        let dl = Download { done, pinned: Some(p), pool: pool.clone(), table: false };
+                        ck(dl.done.synchronize(), "snapshot download");
+                        drop(flat);
+                        let t_copy = t0.elapsed();
+                        let host = ck(dl.pinned.as_ref().expect("held until dropped").as_slice(), "snapshot staging");
+                        (layout.parse(&host[..total]), "staged after a wait", t_copy)
+                    }
+                    (buf, _) => {
+                        drop(buf);
+                        let copy = ck(ctx.new_stream(), "snapshot stream");
+                        let host = ck(copy.clone_dtoh(&flat), "snapshot download");
+                        ck(copy.synchronize(), "snapshot download");
+                        drop(flat);
+                        let t_copy = t0.elapsed();
+                        (layout.parse(&host[..total]), "pageable", t_copy)
+                    }
+                };
                 tracing::debug!(
-                    "snapshot of {} tokens: {regions} regions, {total} floats; download {:.2} ms (pageable), host {:.2} ms",
+                    "snapshot of {} tokens: {regions} regions, {total} floats; download {:.2} ms ({how}, {:.2} ms of it waiting), host {:.2} ms",
                     layout.len,
                     t_copy.as_secs_f64() * 1e3,
+                    t_wait.as_secs_f64() * 1e3,
                     (t0.elapsed() - t_copy).as_secs_f64() * 1e3
                 );
                 st
@@ -570,13 +701,10 @@ impl CudaCache {
             },
             "snapshot download",
         );
-        let done = ck(
-            b.stream.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC)),
-            "snapshot event",
-        );
+        let done = event();
         // `table` and `flat` are freed in stream order, after the gather and the copy.
         drop((table, flat));
-        let dl = Download { done, pinned: Some(pinned), pool: self.pinned.clone() };
+        let dl = Download { done, pinned: Some(pinned), pool, table: false };
         tracing::debug!("snapshot queued in {:.2} ms", t_begin.elapsed().as_secs_f64() * 1e3);
         Box::new(move || {
             let t0 = std::time::Instant::now();
