@@ -45,20 +45,40 @@ fn check(b: &CudaBackend, w: &CudaWeight, vals: &[f32], n: usize) -> f64 {
     err / scale.max(f64::MIN_POSITIVE)
 }
 
+/// Weight bytes the bandwidth tables cycle through, several times the 50 MB L2 of an H100 or
+/// H200: a product then reads its weights from DRAM, as a decode step's do. (Timing one weight
+/// back to back read a weight of up to ~50 MB from L2: Q8_0 [4096, 8192] "ran" at 107 % of
+/// 4.3 TB/s on the H200.)
+const ROTATE_BYTES: usize = 256 << 20;
+
+/// Random copies of one shape and format (seeds from `seed`) that together pass
+/// [`ROTATE_BYTES`]; the first is the checked one.
+fn copies(b: &CudaBackend, f: Option<PackedFormat>, m: usize, k: usize, seed: u64) -> Vec<CudaWeight> {
+    let one = |s: u64| match f {
+        Some(f) => b.upload_random_packed(f, m, k, 0.02, s),
+        None => b.upload_random("layers.0.attn.wq_b.weight", &[m, k], 0.0, 0.02, s),
+    };
+    let first = one(seed);
+    let n = ROTATE_BYTES.div_ceil(first.bytes().max(1)).max(1);
+    std::iter::once(first).chain((1..n as u64).map(|i| one(seed + 1000 * i))).collect()
+}
+
 /// Time of one product of `n` rows, in seconds: the median over 5 runs of `reps` products
 /// launched back to back between two events (one launch alone would also time the host's
-/// launch latency, which a graph replay does not pay).
-fn time(b: &CudaBackend, w: &CudaWeight, n: usize, reps: usize) -> f64 {
-    let x: Vec<f32> = (0..n * w.cols).map(|i| (i % 17) as f32 * 0.01).collect();
-    let xd = b.to_device(n, w.cols, &x);
-    for _ in 0..3 {
+/// launch latency, which a graph replay does not pay), each on the next of `ws` in turn.
+fn time(b: &CudaBackend, ws: &[CudaWeight], n: usize, reps: usize) -> f64 {
+    let cols = ws[0].cols;
+    let x: Vec<f32> = (0..n * cols).map(|i| (i % 17) as f32 * 0.01).collect();
+    let xd = b.to_device(n, cols, &x);
+    for w in ws.iter().take(3) {
         b.matmul(&xd, w);
     }
+    let reps = reps.max(ws.len());
     let mut ts: Vec<f64> = (0..5)
         .map(|_| {
             let e0 = b.timing_event();
-            for _ in 0..reps {
-                drop(b.matmul(&xd, w));
+            for i in 0..reps {
+                drop(b.matmul(&xd, &ws[i % ws.len()]));
             }
             let e1 = b.timing_event();
             b.synchronize();
@@ -72,7 +92,12 @@ fn time(b: &CudaBackend, w: &CudaWeight, n: usize, reps: usize) -> f64 {
 pub fn run() -> Result<()> {
     let b = CudaBackend::new(0).context("starting the CUDA backend")?;
     b.set_int8(false); // the first table: the f32-activation products
-    println!("kernel bench on {}: products x[n, k] · w[m, k]ᵀ (bytes = weight bytes read once)", b.device_name());
+    println!(
+        "kernel bench on {}: products x[n, k] · w[m, k]ᵀ (bytes = weight bytes read once; the GB/s tables cycle \
+         through {} MB of copies, so weights come from DRAM)",
+        b.device_name(),
+        ROTATE_BYTES >> 20
+    );
     // (format, m, k): an attention projection (wq_b), the output projection's second half
     // (wo_b) and a routed expert's gate/up shape, in the formats V4 checkpoints use.
     let shapes = [(32768usize, 1024usize), (4096, 8192), (2048, 4096)];
@@ -88,13 +113,11 @@ pub fn run() -> Result<()> {
     let mut table = Vec::new();
     for f in formats {
         for (si, &(m, k)) in shapes.iter().enumerate() {
-            let w = match f {
-                Some(f) => b.upload_random_packed(f, m, k, 0.02, 11 + si as u64),
-                None => b.upload_random("layers.0.attn.wq_b.weight", &[m, k], 0.0, 0.02, 11 + si as u64),
-            };
+            let ws = copies(&b, f, m, k, 11 + si as u64);
+            let w = &ws[0];
             let name = f.map_or("bf16", |f| f.name());
-            let vals = host_values(&b, &w);
-            let err = check(&b, &w, &vals, 3);
+            let vals = host_values(&b, w);
+            let err = check(&b, w, &vals, 3);
             // Fast-mode bf16 products round the activations to bf16 (`gemvt_bf16`, cuBLAS):
             // about 2^-9 relative a term, so the test's 1e-2 bound; the packed products keep f32
             // activations in this table.
@@ -106,7 +129,7 @@ pub fn run() -> Result<()> {
             let mut line = format!("{name:>8} [{m:>5}, {k:>4}] {:7.1} MB  err {err:.1e}:", bytes / 1e6);
             let mut gbs = Vec::new();
             for n in ROWS {
-                let t = time(&b, &w, n, 20);
+                let t = time(&b, &ws, n, 20);
                 let r = bytes / t;
                 gbs.push(r / 1e9);
                 line += &format!("  {n:>2} rows {:6.0} GB/s ({:3.0}%)", r / 1e9, 100.0 * r / HBM_BYTES_PER_S);
@@ -122,11 +145,12 @@ pub fn run() -> Result<()> {
     let mut x8_table = Vec::new();
     for f in [PackedFormat::Q8_0, PackedFormat::Q2_K, PackedFormat::IQ2_XXS] {
         for (si, &(m, k)) in shapes.iter().enumerate() {
-            let w = b.upload_random_packed(f, m, k, 0.02, 11 + si as u64);
-            let vals = host_values(&b, &w);
-            let raw = b.download_packed(&w).expect("packed").blocks;
+            let ws = copies(&b, Some(f), m, k, 11 + si as u64);
+            let w = &ws[0];
+            let vals = host_values(&b, w);
+            let raw = b.download_packed(w).expect("packed").blocks;
             let x: Vec<f32> = (0..k).map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * 2.0).collect();
-            let got = b.to_host(&b.matmul(&b.to_device(1, k, &x), &w));
+            let got = b.to_host(&b.matmul(&b.to_device(1, k, &x), w));
             let (xq, xd) = dsv4_backend::x8::quantize(&x);
             let rb = f.row_bytes(k);
             let (mut twin, mut exact, mut scale) = (0f64, 0f64, 0f64);
@@ -149,7 +173,7 @@ pub fn run() -> Result<()> {
             );
             let mut gbs = Vec::new();
             for n in X8_ROWS {
-                let r = bytes / time(&b, &w, n, 20);
+                let r = bytes / time(&b, &ws, n, 20);
                 gbs.push(r / 1e9);
                 line += &format!("  {n:>2} rows {:6.0} GB/s ({:3.0}%)", r / 1e9, 100.0 * r / HBM_BYTES_PER_S);
             }
@@ -174,7 +198,7 @@ pub fn run() -> Result<()> {
             let mut line = format!("tiles {:>8} [{m:>5}, {k:>4}]  err {err:.1e}:", f.name());
             let mut tfs = Vec::new();
             for n in PG_ROWS {
-                let r = 2.0 * (n * m * k) as f64 / time(&b, &w, n, 5);
+                let r = 2.0 * (n * m * k) as f64 / time(&b, std::slice::from_ref(&w), n, 5);
                 tfs.push(r / 1e12);
                 line += &format!("  {n:>4} rows {:6.1} TFLOP/s", r / 1e12);
             }
