@@ -435,6 +435,12 @@ for part in $PARTS; do
         awk '/queued/ {q += $(NF - 1); n++} /page-locked/ {p += $(NF - 1); m++}
              END { printf "engine side: %d snapshots queued, mean %.2f ms; %d staging buffers page-locked, mean %.2f ms\n", n, n ? q / n : 0, m, m ? p / m : 0 }' \
             "$OUT/serve-queue.txt" >> "$S"
+        grep -h 'snapshot queued' "$OUT/serve-queue.txt" | awk '{print $(NF-1)}' | sort -n | awk '{a[NR]=$1}
+            END {print "queued ms: n",NR,"p50",a[int(NR*0.5)],"p90",a[int(NR*0.9)],"p99",a[int(NR*0.99)],"max",a[NR]}' >> "$S"
+        # Snapshots that found no staging buffer when begun, and how their halves copied.
+        echo "no staging buffer at begin: $(grep -ch 'no staging' "$OUT/serve-queue.txt");" \
+            "staged after a wait: $(grep -ch 'staged after a wait' "$OUT/serve-snapshots.txt");" \
+            "pageable: $(grep -ch 'pageable' "$OUT/serve-snapshots.txt")" >> "$S"
         ;;
     *) echo "unknown part $part" >> "$S" ;;
     esac
