@@ -94,12 +94,14 @@ for part in $PARTS; do
         # layers at context 4096 (batches 1 / 16 / 64, verify 1+1..1+4, the DSpark round), fast
         # mode (bench's default) then exact mode (serve's default, what bench_serve compares
         # with); then 4 bf16 layers at batch 1 and the kernel table (weights from DRAM).
-        for mode in fast exact; do
+        # FLASH_LAYERS (32 fit an H100), MODES ("fast exact"), ROUNDS ("--verify-drafts 1,2,3,4
+        # --dspark-round"; empty: decode only).
+        for mode in ${MODES:-fast exact}; do
             E=""; [ $mode = exact ] && E="--cuda-exact"
-            timeout 330 $B bench --backend cuda --synthetic flash --layers 43 --weights q2 --contexts '' --reserve 64x4096 \
+            timeout 330 $B bench --backend cuda --synthetic flash --layers $FL --weights q2 --contexts '' --reserve 64x4096 \
                 --decode-fill clone --decode-batches 1,16,64 --decode-context 4096 --decode-tokens 16 \
-                --verify-drafts 1,2,3,4 --dspark-round $E > "$OUT/issue11-$mode.txt" 2>&1
-            echo "flash q2 43 layers ($mode): exit $?" >> "$S"
+                ${ROUNDS---verify-drafts 1,2,3,4 --dspark-round} $E > "$OUT/issue11-$mode.txt" 2>&1
+            echo "flash q2 $FL layers ($mode): exit $?" >> "$S"
             grep -E '^(decode|verify|dspark)' "$OUT/issue11-$mode.txt" | cut -c1-230 >> "$S"
         done
         ;;
