@@ -215,26 +215,24 @@ impl CudaCache {
     /// waits for one in its background half ([`Staging`]).
     fn prewarm_staging(&self, b: &CudaBackend) {
         let pool = &self.pinned;
-        let mut bufs = pool.lock_bufs();
-        if !bufs.is_empty() {
-            return;
+        if pool.copy.get().is_some() {
+            return; // done once already (its buffers may all be in flight now)
         }
         let n = pinned_size(self.snapshot_floats(self.window));
         let count = self.slots.min(PINNED_KEEP / 2 / n);
         let t0 = std::time::Instant::now();
         let ctx = b.stream.context();
+        // The copy stream first: a half that sees a buffer to wait for finds it.
+        let _ = pool.copy.set(ck(ctx.new_stream(), "snapshot copy stream"));
         // SAFETY (both): page-locked host memory (plain, not write-combined: the host reads
         // it); a snapshot that takes a buffer or slab writes what it later reads.
-        for _ in 0..count {
-            bufs.push(ck(unsafe { ctx.alloc_pinned_with_flags::<f32>(n, 0) }, "snapshot staging"));
-        }
-        let mut tables = pool.tables.lock().unwrap_or_else(|e| e.into_inner());
-        for _ in 0..2 * self.slots {
-            tables.push(ck(unsafe { ctx.alloc_pinned_with_flags::<f32>(TABLE_SLAB, 0) }, "snapshot table slab"));
-        }
-        // The copy stream before `largest`: a half that sees a buffer to wait for finds it.
-        let _ = pool.copy.set(ck(ctx.new_stream(), "snapshot copy stream"));
-        pool.largest.store(if count > 0 { n } else { 0 }, std::sync::atomic::Ordering::Relaxed);
+        pool.lock_tables().extend(
+            (0..2 * self.slots)
+                .map(|_| ck(unsafe { ctx.alloc_pinned_with_flags::<f32>(TABLE_SLAB, 0) }, "snapshot table slab")),
+        );
+        let bufs: Vec<_> =
+            (0..count).map(|_| ck(unsafe { ctx.alloc_pinned_with_flags::<f32>(n, 0) }, "snapshot staging")).collect();
+        pool.add(bufs);
         tracing::info!(
             "snapshot staging: {count} buffers of {} MiB page-locked in {:.0} ms",
             (n * 4) >> 20,
@@ -346,18 +344,42 @@ pub type PendingSave = Box<dyn FnOnce() -> SeqState + Send>;
 /// reason. Pageable copies remain only for states larger than every buffer, for the
 /// synchronous [`CudaCache::save`] (which must not wait on other snapshots' halves), and after
 /// [`STAGING_WAIT`] without a buffer.
-#[derive(Default)]
-struct Staging {
-    bufs: std::sync::Mutex<Vec<PinnedHostSlice<f32>>>,
+struct Staging<B = PinnedHostSlice<f32>> {
+    bufs: std::sync::Mutex<Vec<B>>,
     /// Signalled when a buffer goes back into `bufs`.
     freed: std::sync::Condvar,
     /// The largest buffer page-locked: a state larger than it waits for none.
     largest: std::sync::atomic::AtomicUsize,
     /// Page-locked slabs of [`TABLE_SLAB`] floats for gather tables.
-    tables: std::sync::Mutex<Vec<PinnedHostSlice<f32>>>,
+    tables: std::sync::Mutex<Vec<B>>,
     /// The stream the background halves copy on (created with the pool).
     copy: std::sync::OnceLock<std::sync::Arc<cudarc::driver::CudaStream>>,
 }
+
+impl<B> Default for Staging<B> {
+    fn default() -> Self {
+        Staging {
+            bufs: Default::default(),
+            freed: Default::default(),
+            largest: Default::default(),
+            tables: Default::default(),
+            copy: Default::default(),
+        }
+    }
+}
+
+/// A staging buffer's length in floats (a trait so that the pool's logic is tested on plain
+/// vectors where there is no GPU).
+trait Floats {
+    fn floats(&self) -> usize;
+}
+
+impl Floats for PinnedHostSlice<f32> {
+    fn floats(&self) -> usize {
+        self.len()
+    }
+}
+
 type PinnedPool = std::sync::Arc<Staging>;
 const PINNED_KEEP: usize = 1 << 29;
 const PINNED_MIN: usize = 1 << 20;
@@ -369,27 +391,40 @@ const TABLE_SLAB: usize = 4096;
 /// 64 snapshots on 32 buffers waits ~30–50 ms).
 const STAGING_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
-impl Staging {
-    fn lock_bufs(&self) -> std::sync::MutexGuard<'_, Vec<PinnedHostSlice<f32>>> {
+impl<B: Floats> Staging<B> {
+    fn lock_bufs(&self) -> std::sync::MutexGuard<'_, Vec<B>> {
         self.bufs.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The smallest free buffer that holds `need` floats, if any, without waiting.
-    fn take(&self, need: usize) -> Option<PinnedHostSlice<f32>> {
+    fn lock_tables(&self) -> std::sync::MutexGuard<'_, Vec<B>> {
+        self.tables.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Adds page-locked buffers (at start) and notes the largest.
+    fn add(&self, new: impl IntoIterator<Item = B>) {
         let mut bufs = self.lock_bufs();
-        best_fit(bufs.iter().map(|p| p.len()), need).map(|i| bufs.swap_remove(i))
+        bufs.extend(new);
+        let largest = bufs.iter().map(Floats::floats).max().unwrap_or(0);
+        self.largest.fetch_max(largest, std::sync::atomic::Ordering::Relaxed);
+        self.freed.notify_all();
+    }
+
+    /// The smallest free buffer that holds `need` floats, if any, without waiting.
+    fn take(&self, need: usize) -> Option<B> {
+        let mut bufs = self.lock_bufs();
+        best_fit(bufs.iter().map(Floats::floats), need).map(|i| bufs.swap_remove(i))
     }
 
     /// [`Staging::take`], waiting up to `wait` for other snapshots to give one back; none at
     /// once where no buffer could ever hold `need`.
-    fn take_waiting(&self, need: usize, wait: std::time::Duration) -> Option<PinnedHostSlice<f32>> {
+    fn take_waiting(&self, need: usize, wait: std::time::Duration) -> Option<B> {
         if self.largest.load(std::sync::atomic::Ordering::Relaxed) < need {
             return None;
         }
         let deadline = std::time::Instant::now() + wait;
         let mut bufs = self.lock_bufs();
         loop {
-            if let Some(i) = best_fit(bufs.iter().map(|p| p.len()), need) {
+            if let Some(i) = best_fit(bufs.iter().map(Floats::floats), need) {
                 return Some(bufs.swap_remove(i));
             }
             let left = deadline.checked_duration_since(std::time::Instant::now())?;
@@ -397,11 +432,21 @@ impl Staging {
         }
     }
 
-    fn take_table(&self, need: usize) -> Option<PinnedHostSlice<f32>> {
+    /// A buffer back into the pool while it holds at most [`PINNED_KEEP`] floats (else it is
+    /// dropped), waking the halves waiting for one.
+    fn give_back(&self, p: B) {
+        let mut bufs = self.lock_bufs();
+        if bufs.iter().map(Floats::floats).sum::<usize>() + p.floats() <= PINNED_KEEP {
+            bufs.push(p);
+            self.freed.notify_all();
+        }
+    }
+
+    fn take_table(&self, need: usize) -> Option<B> {
         if need > TABLE_SLAB {
             return None;
         }
-        self.tables.lock().unwrap_or_else(|e| e.into_inner()).pop()
+        self.lock_tables().pop()
     }
 }
 
@@ -435,13 +480,9 @@ impl Drop for Download {
             return;
         }
         if self.table {
-            self.pool.tables.lock().unwrap_or_else(|e| e.into_inner()).push(p);
-            return;
-        }
-        let mut bufs = self.pool.lock_bufs();
-        if bufs.iter().map(|q| q.len()).sum::<usize>() + p.len() <= PINNED_KEEP {
-            bufs.push(p);
-            self.pool.freed.notify_all();
+            self.pool.lock_tables().push(p);
+        } else {
+            self.pool.give_back(p);
         }
     }
 }
@@ -799,7 +840,51 @@ impl CudaCache {
 
 #[cfg(test)]
 mod tests {
-    use super::{best_fit, pinned_size, PINNED_MIN};
+    use super::{best_fit, pinned_size, Floats, Staging, PINNED_KEEP, PINNED_MIN};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    impl Floats for Vec<f32> {
+        fn floats(&self) -> usize {
+            self.len()
+        }
+    }
+
+    /// The staging pool's logic on plain vectors: a half waits for a buffer another gives back,
+    /// never for one that no buffer could hold, and not past its bound.
+    #[test]
+    fn a_staging_wait_ends_when_a_buffer_comes_back_and_not_for_one_too_small() {
+        let pool: Arc<Staging<Vec<f32>>> = Arc::default();
+        assert!(pool.take_waiting(1, Duration::from_secs(5)).is_none(), "no buffer page-locked: no wait");
+        pool.add([vec![0.0; 16], vec![0.0; 64]]);
+        let t0 = Instant::now();
+        assert!(pool.take_waiting(65, Duration::from_secs(5)).is_none(), "larger than every buffer");
+        assert!(t0.elapsed() < Duration::from_secs(1), "returned at once");
+        let a = pool.take(10).expect("the smallest that fits");
+        assert_eq!(a.len(), 16);
+        let b = pool.take_waiting(10, Duration::from_secs(5)).expect("the other one fits too");
+        assert_eq!(b.len(), 64);
+        // Both out: a bounded wait without a return ends empty.
+        assert!(pool.take_waiting(10, Duration::from_millis(20)).is_none());
+        // A waiter wakes when another thread gives one back.
+        let giver = {
+            let pool = pool.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(50));
+                pool.give_back(a);
+            })
+        };
+        let t0 = Instant::now();
+        let got = pool.take_waiting(10, Duration::from_secs(30)).expect("given back");
+        assert_eq!(got.len(), 16);
+        assert!(t0.elapsed() < Duration::from_secs(10), "woken by the return, not the bound");
+        giver.join().unwrap();
+        // The pool keeps at most PINNED_KEEP floats.
+        pool.give_back(b);
+        pool.give_back(got);
+        pool.give_back(vec![0.0; PINNED_KEEP]);
+        assert_eq!(pool.lock_bufs().len(), 2);
+    }
 
     #[test]
     fn staging_buffers_are_reusable_sizes_and_the_smallest_fit_is_taken() {
