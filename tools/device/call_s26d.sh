@@ -3,11 +3,8 @@
 # chunk goes with gemvo off / on (and fast mode beside).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-tar -xJf devbin.tar.xz
-OUT=${OUT:-/tmp/dsv4-out}; mkdir -p "$OUT"
-S=$OUT/summary.txt
-t0=$(date +%s)
 . tools/device/run_test.sh
+t0=$(date +%s)
 run_test cuda_packed many_rows
 grep -E "gemvo|moe_upo" "$OUT/test-cuda_packed.txt" | head -8 >> "$S"
 run_test cuda_graph

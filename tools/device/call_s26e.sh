@@ -3,9 +3,6 @@
 # exact prefill profile with the expert tiles off / on, then serving (43 q2 layers; FLASH_LAYERS=32 on an H100).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-tar -xJf devbin.tar.xz
-OUT=${OUT:-/tmp/dsv4-out}; mkdir -p "$OUT"
-S=$OUT/summary.txt
 . tools/device/run_test.sh
 run_test cuda_packed many_rows
 run_test cuda_snapshot

@@ -4,9 +4,6 @@
 # queued-ms stats on the engine thread, and how the no-buffer snapshots copied.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-tar -xJf devbin.tar.xz
-OUT=${OUT:-/tmp/dsv4-out}; mkdir -p "$OUT"
-S=$OUT/summary.txt
 . tools/device/run_test.sh
 run_test cuda_snapshot
 bash tools/device/run.sh serve > /dev/null

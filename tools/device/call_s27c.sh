@@ -4,5 +4,5 @@
 # bf16 figure and the kernel table from DRAM.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-[ -x .devbin/dsv4 ] || tar -xJf devbin.tar.xz
+tar -xJf devbin.tar.xz
 bash tools/device/run.sh serve flash-bf16 kernels

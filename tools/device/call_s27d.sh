@@ -3,9 +3,6 @@
 # serving 43 q2 layers (run.sh serve: tok/s at 1 / 16 / 64, the engine-side snapshot stats).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-[ -x .devbin/dsv4 ] || tar -xJf devbin.tar.xz
-OUT=${OUT:-/tmp/dsv4-out}; mkdir -p "$OUT"
-S=$OUT/summary.txt
 . tools/device/run_test.sh
 run_test cuda_snapshot deferred
 bash tools/device/run.sh serve

@@ -1,4 +1,10 @@
-# Sourced by the device call scripts: `run_test BINARY [FILTER...]` runs .devbin/tests/BINARY
+# Sourced by the device call scripts from the repository root: unpacks the carried binaries
+# (devbin.tar.xz, always: a warm machine keeps an older .devbin), sets $OUT and the summary $S,
+# and defines run_test.
+tar -xJf devbin.tar.xz
+OUT=${OUT:-/tmp/dsv4-out}; mkdir -p "$OUT"
+S=$OUT/summary.txt
+# `run_test BINARY [FILTER...]` runs .devbin/tests/BINARY
 # (one thread, 150 s at most) into $OUT/test-BINARY.txt and appends its result and any failure
 # to the summary $S.
 run_test() {
