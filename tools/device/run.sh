@@ -443,6 +443,8 @@ for part in $PARTS; do
         echo "no staging buffer at begin: $(grep -ch 'no staging' "$OUT/serve-queue.txt");" \
             "staged after a wait: $(grep -ch 'staged after a wait' "$OUT/serve-snapshots.txt");" \
             "pageable: $(grep -ch 'pageable' "$OUT/serve-snapshots.txt")" >> "$S"
+        grep -h 'staged after a wait' "$OUT/serve-snapshots.txt" | sed 's/.*, \([0-9.]*\) ms of it waiting.*/\1/' | sort -n \
+            | awk '{a[NR]=$1} END {if (NR) print "waited ms: p50",a[int(NR*0.5)+1],"max",a[NR]}' >> "$S"
         ;;
     *) echo "unknown part $part" >> "$S" ;;
     esac
