@@ -450,6 +450,11 @@ impl<B: Floats> Staging<B> {
     }
 }
 
+/// An event recorded on `s` that a host thread waits for without spinning (the snapshot halves).
+fn blocking_event(s: &cudarc::driver::CudaStream) -> cudarc::driver::CudaEvent {
+    ck(s.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC)), "snapshot event")
+}
+
 /// The floats a staging buffer for a snapshot of `total` floats is allocated with.
 fn pinned_size(total: usize) -> usize {
     total.max(PINNED_MIN).next_power_of_two()
@@ -670,17 +675,11 @@ impl CudaCache {
             "gather_regions",
         );
         let regions = regions.len();
-        let event = || {
-            ck(
-                b.stream.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC)),
-                "snapshot event",
-            )
-        };
         let Some(mut pinned) = found else {
             // No staging buffer free (all in flight, none page-locked, or a state larger than
             // any): the background half copies `flat` once the gather is done, into a buffer
             // another snapshot gives back, or through pageable memory.
-            let tab = Download { done: event(), pinned: slab, pool: pool.clone(), table: true };
+            let tab = Download { done: blocking_event(&b.stream), pinned: slab, pool: pool.clone(), table: true };
             drop(table);
             let (src, ctx) = (b.dev_ptr(&flat), b.stream.context().clone());
             tracing::debug!("snapshot queued (no staging buffer) in {:.2} ms", t_begin.elapsed().as_secs_f64() * 1e3);
@@ -702,10 +701,7 @@ impl CudaCache {
                             },
                             "snapshot download",
                         );
-                        let done = ck(
-                            copy.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC)),
-                            "snapshot event",
-                        );
+                        let done = blocking_event(copy);
                         let dl = Download { done, pinned: Some(p), pool: pool.clone(), table: false };
                         ck(dl.done.synchronize(), "snapshot download");
                         drop(flat);
@@ -742,7 +738,7 @@ impl CudaCache {
             },
             "snapshot download",
         );
-        let done = event();
+        let done = blocking_event(&b.stream);
         // `table` and `flat` are freed in stream order, after the gather and the copy.
         drop((table, flat));
         let dl = Download { done, pinned: Some(pinned), pool, table: false };
