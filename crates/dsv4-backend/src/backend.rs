@@ -314,8 +314,9 @@ pub trait Backend: Send + Sync {
     // Recorded steps ([`crate::model::Model`] records decode and verify steps once per shape and
     // replays them). A backend that records nothing keeps the defaults.
 
-    /// The most rows a recorded step may hold; 0 where the backend records nothing.
-    fn graph_max_rows(&self) -> usize {
+    /// The most rows a recorded step of a model of `cfg`'s shapes may hold; 0 where the backend
+    /// records nothing.
+    fn graph_max_rows(&self, _cfg: &Config) -> usize {
         0
     }
     /// Before a recorded step is recorded or replayed: copies its inputs (row table, output

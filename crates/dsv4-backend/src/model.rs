@@ -647,7 +647,7 @@ impl<B: Backend> Model<B> {
             return Err(ModelError::Taps { taps: taps.to_vec(), layers: self.cfg.layers.len() });
         }
         let (batch, out_rows) = (plan.batch, plan.outputs.out_rows);
-        if self.graphs_on && !out_rows.is_empty() && batch.len() <= self.backend.graph_max_rows() {
+        if self.graphs_on && !out_rows.is_empty() && batch.len() <= self.backend.graph_max_rows(&self.local_cfg) {
             return self.step_recorded(plan);
         }
         self.forward_eager(plan, None)

@@ -1,7 +1,8 @@
 //! Recorded steps (CUDA graphs) give bitwise the eager path's logits, greedy ids and tapped
 //! stream means: prefill chunks, decode
-//! steps of several sequences, speculative verify blocks with cut-backs, a shape re-recorded
-//! after the compressed entries grew, and hash-routed layers (looked up on the device). A NaN
+//! steps of several sequences, speculative verify blocks with cut-backs, steps past 64 rows
+//! (recorded in exact mode), a shape re-recorded after the compressed entries grew, and
+//! hash-routed layers (looked up on the device). A NaN
 //! planted in a weight is still named by stage. Built with `--features cuda`; prints
 //! "skipping: no CUDA device" elsewhere.
 #![cfg(feature = "cuda")]
@@ -54,6 +55,42 @@ fn script(m: &mut Model<CudaBackend>, vocab: usize) -> Vec<StepOut> {
     out
 }
 
+/// Steps past the grouped experts' 64 rows, on two more sequences: prefill chunks of 100 rows
+/// (one long segment), then verify blocks of 16 rows on all five sequences (80 rows of short
+/// segments, a batch-16 verify of 1 + 4 rows), each cut back to the anchor plus three drafts.
+/// A shape is recorded the second time it is seen, so each one runs eagerly, then recorded,
+/// then replayed.
+fn wide_script(m: &mut Model<CudaBackend>, vocab: usize) -> Vec<StepOut> {
+    let mut out = Vec::new();
+    let wrap = |logits| StepOut { logits, ..Default::default() };
+    let seqs: Vec<usize> = (0..5).map(|_| m.alloc_seq().unwrap()).collect();
+    let mut pos = [0usize; 5];
+    for (i, &s) in seqs.iter().enumerate() {
+        let t = tokens(100, vocab, 40 + i as u64);
+        out.push(wrap(m.forward(&Batch::chunk(s, 0, &t).unwrap(), &[99]).unwrap()));
+        pos[i] = 100;
+    }
+    for round in 0..3 {
+        let rows: Vec<Row> = (0..5)
+            .flat_map(|i| (0..16).map(move |k| (i, k)))
+            .map(|(i, k)| Row { seq: seqs[i], pos: pos[i] + k, token: ((13 * round + 3 * k + i) % vocab) as u32 })
+            .collect();
+        let all: Vec<usize> = (0..rows.len()).collect();
+        let batch = Batch::new(rows).unwrap();
+        out.push(
+            m.step(&StepPlan { batch: &batch, outputs: Outputs { out_rows: &all, taps: &[] }, logits: true }).unwrap(),
+        );
+        for i in 0..5 {
+            m.truncate(seqs[i], pos[i] + 4).unwrap();
+            pos[i] += 4;
+        }
+    }
+    for s in seqs {
+        m.free_seq(s);
+    }
+    out
+}
+
 /// What a step computed (its [`StepOut::path`], how it ran, is what the tests vary).
 fn values(o: &StepOut) -> (&[f32], &[u32], &[f32]) {
     (&o.logits, &o.ids, &o.hidden)
@@ -67,18 +104,24 @@ fn check(exact: bool) {
     let dir = tempfile::tempdir().unwrap();
     let cfg = tiny_config(97);
     write_random(dir.path(), &cfg, 33);
-    let mut eager = Model::load(a, dir.path(), 3, false).unwrap();
+    let mut eager = Model::load(a, dir.path(), 8, false).unwrap();
     eager.set_graphs(false);
-    let mut graphs = Model::load(b, dir.path(), 3, false).unwrap();
+    let mut graphs = Model::load(b, dir.path(), 8, false).unwrap();
     graphs.set_graphs(true);
-    let want = script(&mut eager, cfg.vocab_size);
-    let got = script(&mut graphs, cfg.vocab_size);
+    let mut want = script(&mut eager, cfg.vocab_size);
+    let mut got = script(&mut graphs, cfg.vocab_size);
     assert!(graphs.recorded_steps() >= 3, "only {} step shapes were recorded", graphs.recorded_steps());
     assert_eq!(eager.recorded_steps(), 0);
     // The recorded step's kernel launches (what `dsv4 bench` reports a layer): at least one a layer.
     let k = graphs.recorded_kernels(3, 3).expect("the 3-row decode step recorded, its kernels counted");
     assert!(k >= cfg.n_layers(), "{k} kernels in a step of {} layers", cfg.n_layers());
     println!("the 3-row recorded step launches {k} kernels ({} layers)", cfg.n_layers());
+    want.extend(wide_script(&mut eager, cfg.vocab_size));
+    got.extend(wide_script(&mut graphs, cfg.vocab_size));
+    // The tiny model's experts (d 64) do not fit the tensor-core tiles, so past 64 rows only
+    // exact mode (the grouped experts at any row count) records.
+    let wide = [(100, 1), (80, 80)].map(|(r, o)| graphs.recorded_kernels(r, o).is_some());
+    assert_eq!(wide, [exact; 2], "steps of 100 and 80 rows recorded (exact mode {exact})");
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         assert!(
             values(g) == values(w),

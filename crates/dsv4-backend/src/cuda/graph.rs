@@ -24,9 +24,25 @@ use cudarc::driver::{CudaGraph, CudaSlice, PinnedHostSlice};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// The largest step recorded: the grouped expert kernels serve up to this many rows without a
-/// host synchronisation (above it the MoE reads expert offsets back).
-pub const GRAPH_MAX_ROWS: usize = super::bf16::GROUPED_MAX_ROWS;
+/// The largest step recorded (issue 11's largest row bucket): a batch-16 verify of 1 + 4 rows is
+/// 80, a batch-32 one of 1 + 3 is 128. Larger steps are prefill chunks, whose kernels are bound
+/// by arithmetic rather than launches, and whose shapes rarely repeat.
+pub const GRAPH_MAX_ROWS: usize = 128;
+
+/// The most rows a step may hold and still record, for routed experts of width `d` and
+/// intermediate width `inter`: [`GRAPH_MAX_ROWS`] where the experts need no host
+/// synchronisation at any row count (the grouped kernels in exact mode; the tensor-core tiles,
+/// which read the expert offsets on the device, wherever the shapes fit them), else the grouped
+/// kernels' [`super::bf16::GROUPED_MAX_ROWS`] (above it the MoE reads expert offsets back, which
+/// a capture cannot hold: the recording would fail and turn recorded steps off).
+pub fn graph_max_rows(exact: bool, d: usize, inter: usize) -> usize {
+    let grouped = d.is_multiple_of(8) && inter.is_multiple_of(8);
+    if (exact && grouped) || super::gemm::experts_fit(d, inter) {
+        GRAPH_MAX_ROWS
+    } else {
+        super::bf16::GROUPED_MAX_ROWS
+    }
+}
 
 /// Writes `batch`'s row table into `v` (`6·n` u32) in the layout of `common.cuh`: sequence,
 /// position, token, segment start, segment first position, segment length.

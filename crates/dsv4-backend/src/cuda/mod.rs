@@ -2603,8 +2603,8 @@ impl Backend for CudaBackend {
         (0..n).map(|i| v.get(i).and_then(|&f| (f != 0).then(|| (u32::MAX - f) as usize))).collect()
     }
 
-    fn graph_max_rows(&self) -> usize {
-        graph::GRAPH_MAX_ROWS
+    fn graph_max_rows(&self, cfg: &Config) -> usize {
+        graph::graph_max_rows(self.exact(), cfg.hidden, cfg.moe_inter)
     }
 
     fn prepare_step(
