@@ -41,6 +41,12 @@ pub struct BenchArgs {
     /// same state bytes to read a step, and batch 64 at 4096 in seconds instead of minutes).
     #[arg(long, default_value = "prefill", value_parser = ["prefill", "clone"])]
     pub decode_fill: String,
+    /// `--synthetic flash`: decode and verify steps bring every row's f32 logits to the host
+    /// (what a batch with sampled rows needs). Without it a step returns each row's greedy id
+    /// (argmax on the device), as `serve` runs greedy rows: the logits of 64 rows are 33 MB a
+    /// step to copy.
+    #[arg(long)]
+    pub step_logits: bool,
     #[arg(long, default_value_t = 512)]
     pub prompt_len: usize,
     #[arg(long, default_value_t = 32)]

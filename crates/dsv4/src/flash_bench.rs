@@ -7,7 +7,7 @@ use crate::cli_util::parse_list;
 use anyhow::{bail, Context, Result};
 use dsv4_backend::cuda::CudaBackend;
 use dsv4_backend::synth::synth_weights;
-use dsv4_backend::{Batch, Model, Row};
+use dsv4_backend::{Batch, Model, Outputs, Row, StepPath, StepPlan};
 use dsv4_model::{AttnKind, Config, PackedFormat};
 use std::time::Instant;
 
@@ -238,9 +238,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
         m.backend_and_cache().0.synchronize();
     }
     eprintln!(
-        "decode: {max_b} sequences at context {dctx} ({} prefilled, the rest cloned) in {:.1} s",
+        "decode: {max_b} sequences at context {dctx} ({} prefilled, the rest cloned) in {:.1} s; steps return {}",
         prefilled.len(),
-        t0.elapsed().as_secs_f64()
+        t0.elapsed().as_secs_f64(),
+        if a.step_logits { "every row's logits (--step-logits)" } else { "greedy ids" }
     );
     let mut pos = vec![dctx; max_b];
     let drafts = if a.verify_drafts.trim().is_empty() {
@@ -262,12 +263,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
     // Every position the timed steps will reach, reserved now (as `serve` reserves its context
     // limit): a state that grows inside a timed window reallocates every slot's entries and
     // re-records the step, 30–50 ms at 43 layers (v24: what the first window's penalty was).
-    // Decode windows (warm-up and timed steps), verify rounds (one untimed, each l drafts past
-    // the anchor), DSpark's measured rounds (τ = 2..4, three untimed and `steps` timed, τ
+    // Decode windows (warm-up and timed steps), verify rounds (up to four untimed, each l drafts
+    // past the anchor), DSpark's measured rounds (τ = 2..4, three untimed and `steps` timed, τ
     // positions each), and the profiles' few steps.
     let steps = a.decode_tokens.max(1);
     let span = batches.len() * fusions.len() * (WARMUP_MAX_STEPS + steps)
-        + batches.len() * drafts.len() * (steps + 1)
+        + batches.len() * drafts.len() * (steps + 4)
         + drafts.iter().copied().max().unwrap_or(0)
         + if a.dspark_round { batches.len() * 9 * (steps + 3) } else { 0 }
         + 64;
@@ -288,7 +289,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 })
                 .collect();
             let all: Vec<usize> = (0..bs).collect();
-            m.forward(&Batch::new(rows)?, &all)?;
+            let batch = Batch::new(rows)?;
+            m.step(&StepPlan { batch: &batch, outputs: Outputs { out_rows: &all, taps: &[] }, logits: a.step_logits })?;
             for p in pos.iter_mut().take(bs) {
                 *p += 1;
             }
@@ -346,7 +348,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
         results.push(serde_json::json!({"kind": "decode", "batch": bs, "context": dctx, "ms_per_step": st * 1e3,
             "tokens_per_s": tps, "tokens_per_s_43_layers": tps43, "weight_bytes": wbytes, "kv_bytes": kvb,
-            "hbm_fraction": frac, "step_kernels": kernels, "decode_fusions": fused}));
+            "hbm_fraction": frac, "step_kernels": kernels, "decode_fusions": fused,
+            "step_logits": a.step_logits}));
     }
 
     if std::env::var_os("DSV4_PROFILE").is_some() {
@@ -377,7 +380,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
 
     // Speculative verify rounds (target side): each of the first B sequences feeds its anchor and
-    // l drafts in one forward, then is cut back to the anchor (no replay). Compared with the plain
+    // l drafts in one forward, then is cut back to the anchor (no replay). Each sequence's
+    // tokens differ, as the decode steps' do: with cloned contexts, the same tokens in every
+    // sequence would route every row of a position to the same experts. Compared with the plain
     // decode step above, `(l + 1) · t_decode / t_round` is the speedup when all l drafts are
     // accepted, before the drafter's own cost (the drafter does not run on the GPU yet).
     let decode_ms: Vec<(usize, f64)> = results
@@ -387,30 +392,63 @@ pub fn run(a: BenchArgs) -> Result<()> {
         .collect();
     for &bs in &batches {
         for &l in &drafts {
-            let round = |m: &mut Model<CudaBackend>, pos: &mut Vec<usize>| -> Result<()> {
+            let round = |m: &mut Model<CudaBackend>, pos: &mut Vec<usize>| -> Result<StepPath> {
                 let rows: Vec<Row> = (0..bs)
                     .flat_map(|i| (0..=l).map(move |k| (i, k)))
-                    .map(|(i, k)| Row { seq: seqs[i], pos: pos[i] + k, token: ((pos[i] + 7 * k) % vocab) as u32 })
+                    .map(|(i, k)| Row {
+                        seq: seqs[i],
+                        pos: pos[i] + k,
+                        token: ((streams[i][dctx] as usize + pos[i] + 7 * k) % vocab) as u32,
+                    })
                     .collect();
                 let all: Vec<usize> = (0..rows.len()).collect();
-                m.forward(&Batch::new(rows)?, &all)?;
+                let batch = Batch::new(rows)?;
+                let path = m
+                    .step(&StepPlan {
+                        batch: &batch,
+                        outputs: Outputs { out_rows: &all, taps: &[] },
+                        logits: a.step_logits,
+                    })?
+                    .path;
                 for i in 0..bs {
                     m.truncate(seqs[i], pos[i] + 1)?;
                     pos[i] += 1;
                 }
-                Ok(())
+                Ok(path)
             };
-            round(&mut m, &mut pos)?;
+            // Untimed rounds until one replays (a shape runs eagerly when first seen, is recorded
+            // the second time): the recording stays out of the timed window.
+            for _ in 0..3 {
+                if round(&mut m, &mut pos)? == StepPath::Replayed {
+                    break;
+                }
+            }
+            if std::env::var("DSV4_PROFILE_VERIFY").is_ok_and(|v| v.trim() == l.to_string()) {
+                // One replayed round inside the profiler's capture range (tools/device/profile.sh
+                // with DSV4_PROFILE_VERIFY=l: the report's last forward is this round's).
+                m.backend.profiler_capture(true);
+                round(&mut m, &mut pos)?;
+                m.backend.profiler_capture(false);
+            }
+            let mut paths = [0usize; 3];
             let t0 = Instant::now();
             for _ in 0..steps {
-                round(&mut m, &mut pos)?;
+                let p = round(&mut m, &mut pos)?;
+                paths[StepPath::ALL.iter().position(|&q| q == p).unwrap_or(0)] += 1;
             }
             let rt = t0.elapsed().as_secs_f64() / steps as f64 * 1e3;
             let dm = decode_ms.iter().rev().find(|d| d.0 == bs).map_or(f64::NAN, |d| d.1);
             let speedup = (l + 1) as f64 * dm / rt;
+            let how: Vec<String> = StepPath::ALL
+                .iter()
+                .zip(paths)
+                .filter(|&(_, n)| n > 0)
+                .map(|(p, n)| format!("{n} {}", p.name()))
+                .collect();
             println!(
-                "verify batch {bs:>3}, {l} drafts: {rt:8.3} ms/round = {:.2}x a decode step; all {l} accepted -> {speedup:.2}x tokens/s (drafter cost not included)",
-                rt / dm
+                "verify batch {bs:>3}, {l} drafts: {rt:8.3} ms/round = {:.2}x a decode step; all {l} accepted -> {speedup:.2}x tokens/s (drafter cost not included); steps {}",
+                rt / dm,
+                how.join(", ")
             );
             results.push(serde_json::json!({"kind": "verify", "batch": bs, "drafts": l, "ms_per_round": rt,
                 "decode_ms_per_step": dm, "speedup_all_accepted_no_draft_cost": speedup}));

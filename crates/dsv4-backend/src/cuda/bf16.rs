@@ -7,7 +7,7 @@
 //! activations, bf16 weights read once with 16-byte loads, f32 accumulation. Both sum each row
 //! in one order whatever the row count. Larger products cast the activations to bf16 and run
 //! cuBLAS `gemmEx` (bf16 inputs, f32 compute and output). Routed experts: the (row, slot) pairs are grouped by expert
-//! on the device; up to [`GROUPED_MAX_ROWS`] rows (or in exact mode) one launch each for the
+//! on the device; up to [`grouped_max_rows`] rows (or in exact mode) one launch each for the
 //! up and down projections (`quant.cu`, where bf16 is one of the formats) covers every active
 //! expert with no host synchronisation; above
 //! that the expert offsets are read back (one sync per MoE layer) and each active expert runs
@@ -111,8 +111,24 @@ struct BfEntry<'a> {
     rpg: usize,
 }
 
-/// Largest row count of a MoE call that uses the grouped expert kernels (fast mode).
-pub const GROUPED_MAX_ROWS: usize = 64;
+/// Largest row count of a MoE call that uses the grouped expert kernels in fast mode (exact mode
+/// uses them at any row count), by default: past it the tensor-core tiles (`pgemm_experts`).
+/// With 80 and 128 decode rows (4 q2 layers, H100, PERF.md v36) the grouped kernels took 10.4
+/// and 14.5 ms a step where the tiles took 17.2 and 19.6; at 32 and 64 rows the tiles lost
+/// (11.0 and 15.2 against 5.4 and 8.5 ms).
+pub const GROUPED_MAX_ROWS: usize = 128;
+
+/// [`GROUPED_MAX_ROWS`], or `DSV4_GROUPED_MAX_ROWS` where set (at most the recorded steps'
+/// largest; read once), for A/B runs.
+pub fn grouped_max_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("DSV4_GROUPED_MAX_ROWS")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .map_or(GROUPED_MAX_ROWS, |r: usize| r.min(super::graph::GRAPH_MAX_ROWS))
+    })
+}
 
 impl CudaBackend {
     /// `out[n, m] = x · wᵀ` for a bf16 `w` `[m, k]`; with `groups > 1` the grouped projection
@@ -719,7 +735,7 @@ pub(crate) fn moe(
         && (b.x8_tiles() == super::quant::X8Tiles::All || (full && b.x8_tiles() == super::quant::X8Tiles::Dense))
         && [&experts[0].w1, &experts[0].w2].iter().all(|w| w.q.as_ref().is_some_and(|q| crate::x8::supports(q.format)))
         && (n <= b.x8_rows() || b.exact());
-    if (n <= GROUPED_MAX_ROWS || b.exact() || tiles) && d.is_multiple_of(8) && inter.is_multiple_of(8) {
+    if (n <= grouped_max_rows() || b.exact() || tiles) && d.is_multiple_of(8) && inter.is_multiple_of(8) {
         let ek = b.packed_expert_kernels(experts, n, full);
         let table = &ek.table;
         let mut h = b.alloc::<f32>(nk * inter);

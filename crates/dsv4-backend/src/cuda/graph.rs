@@ -31,16 +31,17 @@ pub const GRAPH_MAX_ROWS: usize = 128;
 
 /// The most rows a step may hold and still record, for routed experts of width `d` and
 /// intermediate width `inter`: [`GRAPH_MAX_ROWS`] where the experts need no host
-/// synchronisation at any row count (the grouped kernels in exact mode; the tensor-core tiles,
+/// synchronisation up to it (the grouped kernels, which fast mode runs up to
+/// [`super::bf16::grouped_max_rows`] rows and exact mode at any count; the tensor-core tiles,
 /// which read the expert offsets on the device, wherever the shapes fit them), else the grouped
-/// kernels' [`super::bf16::GROUPED_MAX_ROWS`] (above it the MoE reads expert offsets back, which
-/// a capture cannot hold: the recording would fail and turn recorded steps off).
+/// kernels' rows (above them the MoE reads expert offsets back, which a capture cannot hold: the
+/// recording would fail and turn recorded steps off).
 pub fn graph_max_rows(exact: bool, d: usize, inter: usize) -> usize {
     let grouped = d.is_multiple_of(8) && inter.is_multiple_of(8);
     if (exact && grouped) || super::gemm::experts_fit(d, inter) {
         GRAPH_MAX_ROWS
     } else {
-        super::bf16::GROUPED_MAX_ROWS
+        super::bf16::grouped_max_rows()
     }
 }
 
