@@ -118,6 +118,9 @@ pub trait Backend: Send + Sync {
     fn shape(&self, t: &Self::T) -> (usize, usize);
     /// Copies a tensor to the host (captures and logits).
     fn to_host(&self, t: &Self::T) -> Vec<f32>;
+    /// Takes back a host vector a step returned (its logits) once the caller is done with it,
+    /// so a later download can reuse its pages (a backend that keeps none drops it).
+    fn recycle_host(&self, _v: Vec<f32>) {}
 
     fn embed(&self, table: &Self::W, rows: &Self::Rows) -> Self::T;
     /// `x · wᵀ` with `w` stored `[out, in]`.

@@ -449,6 +449,12 @@ impl<B: Backend> Model<B> {
         self.graphs.len()
     }
 
+    /// Hands a host vector a step returned (its logits) back to the backend once used, so the
+    /// next step's download reuses its pages ([`Backend::recycle_host`]).
+    pub fn recycle(&self, v: Vec<f32>) {
+        self.backend.recycle_host(v);
+    }
+
     /// The kernel launches of the recorded step of `rows` rows and `out` output rows (no
     /// taps), if one is recorded and the backend counts them: the step whose segments are all
     /// short (decode and verify) where both kinds are recorded.

@@ -838,6 +838,9 @@ impl<B: Backend> Engine<B> {
                 }
             }
         }
+        // The logits' pages serve the next step's download (a fresh vector of more than 64
+        // rows' logits is mapped and faulted in anew: PERF.md v36).
+        self.model.recycle(logits);
         done.sort_by_key(|d| std::cmp::Reverse(d.0));
         for (i, r) in done {
             let s = self.running.remove(i);

@@ -290,7 +290,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 .collect();
             let all: Vec<usize> = (0..bs).collect();
             let batch = Batch::new(rows)?;
-            m.step(&StepPlan { batch: &batch, outputs: Outputs { out_rows: &all, taps: &[] }, logits: a.step_logits })?;
+            let out = m.step(&StepPlan {
+                batch: &batch,
+                outputs: Outputs { out_rows: &all, taps: &[] },
+                logits: a.step_logits,
+            })?;
+            // As the engine does: the logits' pages serve the next step's download.
+            m.recycle(out.logits);
             for p in pos.iter_mut().take(bs) {
                 *p += 1;
             }
@@ -403,18 +409,17 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     .collect();
                 let all: Vec<usize> = (0..rows.len()).collect();
                 let batch = Batch::new(rows)?;
-                let path = m
-                    .step(&StepPlan {
-                        batch: &batch,
-                        outputs: Outputs { out_rows: &all, taps: &[] },
-                        logits: a.step_logits,
-                    })?
-                    .path;
+                let out = m.step(&StepPlan {
+                    batch: &batch,
+                    outputs: Outputs { out_rows: &all, taps: &[] },
+                    logits: a.step_logits,
+                })?;
+                m.recycle(out.logits);
                 for i in 0..bs {
                     m.truncate(seqs[i], pos[i] + 1)?;
                     pos[i] += 1;
                 }
-                Ok(path)
+                Ok(out.path)
             };
             // Untimed rounds until one replays (a shape runs eagerly when first seen, is recorded
             // the second time): the recording stays out of the timed window.

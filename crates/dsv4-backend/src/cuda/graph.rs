@@ -245,7 +245,7 @@ impl CudaBackend {
         let (rows, out, hidden_cols) = g.key;
         let mut r = StepResult::default();
         if logits {
-            r.logits = ck(self.stream.clone_dtoh(&io.logits), "download step logits");
+            r.logits = self.download_reusing(&io.logits, io.logits.len());
         } else {
             r.ids = ck(self.stream.clone_dtoh(&io.ids), "download step ids");
             r.ids.truncate(out);

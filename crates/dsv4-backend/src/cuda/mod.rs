@@ -584,6 +584,51 @@ impl Kernels {
     }
 }
 
+/// Host vectors given back after use ([`Backend::recycle_host`]: the engine returns each step's
+/// logits), so that the next large download lands in pages already mapped. A fresh `Vec` past
+/// glibc's 32 MiB mmap threshold (its ceiling) is mapped and faulted in on every step: 80 rows
+/// of V4's logits are 41 MB, and decode at 80 rows took 51.7 ms a step on logits against 22.5
+/// with glibc's mmap off (4 q2 layers, H100, PERF.md v36).
+#[derive(Default)]
+pub(crate) struct HostVecs(Mutex<Vec<Vec<f32>>>);
+
+/// How many given-back vectors [`HostVecs`] keeps (the largest), and the least capacity it
+/// keeps (below it a fresh allocation comes from the heap, already mapped).
+const HOST_VECS_KEEP: usize = 4;
+const HOST_VECS_MIN: usize = (32 << 20) / std::mem::size_of::<f32>();
+
+impl HostVecs {
+    /// A vector of `n` values (contents unspecified: the caller overwrites them all), from the
+    /// smallest kept one that holds `n`, else new.
+    pub(crate) fn take(&self, n: usize) -> Vec<f32> {
+        let mut kept = self.0.lock().unwrap();
+        let best = kept.iter().enumerate().filter(|(_, v)| v.capacity() >= n).min_by_key(|(_, v)| v.capacity());
+        let mut v = match best.map(|(i, _)| i) {
+            Some(i) => kept.swap_remove(i),
+            None => Vec::new(),
+        };
+        drop(kept);
+        // Pages already written stay mapped: only a longer length writes (and faults in) more.
+        v.truncate(n);
+        v.resize(n, 0.0);
+        v
+    }
+
+    /// Keeps `v` for a later [`HostVecs::take`] if it is large enough to be worth it, dropping
+    /// the smallest kept one past [`HOST_VECS_KEEP`].
+    pub(crate) fn give(&self, v: Vec<f32>) {
+        if v.capacity() < HOST_VECS_MIN {
+            return;
+        }
+        let mut kept = self.0.lock().unwrap();
+        kept.push(v);
+        if kept.len() > HOST_VECS_KEEP {
+            let small = kept.iter().enumerate().min_by_key(|(_, v)| v.capacity()).map(|(i, _)| i).expect("non-empty");
+            kept.swap_remove(small);
+        }
+    }
+}
+
 /// The CUDA backend on one device.
 pub struct CudaBackend {
     pub(crate) ctx: Arc<CudaContext>,
@@ -642,6 +687,8 @@ pub struct CudaBackend {
     /// steps' generation ([`CudaBackend::prepare_step`]), so a step recorded under other settings
     /// is recorded again rather than replayed.
     settings: std::sync::atomic::AtomicU64,
+    /// Host vectors handed back after use ([`Backend::recycle_host`]), for the next download.
+    host_vecs: HostVecs,
     /// One row's routed and shared experts in two launches (see [`CudaBackend::set_ffn1`]).
     ffn1: std::sync::atomic::AtomicBool,
     /// One row's int8 products of one input in one launch (see [`CudaBackend::set_x8_group`]).
@@ -1297,6 +1344,7 @@ impl CudaBackend {
             one_pair,
             ffn1_cnt,
             settings: std::sync::atomic::AtomicU64::new(0),
+            host_vecs: HostVecs::default(),
             ffn1: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_FFN1")),
             x8_group: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_X8_GROUP")),
             comp_fused: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_COMP_FUSED")),
@@ -1672,6 +1720,16 @@ impl CudaBackend {
         CudaTensor::new(rows, cols, self.alloc(rows * cols))
     }
 
+    /// The first `n` values of `src` in a host vector from [`HostVecs`] (ordered on the stream;
+    /// the caller synchronises before reading it).
+    pub(crate) fn download_reusing(&self, src: &CudaSlice<f32>, n: usize) -> Vec<f32> {
+        let mut v = self.host_vecs.take(n);
+        if n > 0 {
+            ck(self.stream.memcpy_dtoh(&src.slice(..n), &mut v[..]), "download");
+        }
+        v
+    }
+
     /// Copies `data` to a new device buffer through a pinned staging buffer, ordered on the
     /// stream; the staging buffer is not written again until the stream has passed the copy.
     pub(crate) fn upload_u32(&self, data: &[u32]) -> CudaSlice<u32> {
@@ -1941,10 +1999,13 @@ impl Backend for CudaBackend {
     }
 
     fn to_host(&self, t: &CudaTensor) -> Vec<f32> {
-        let mut v = ck(self.stream.clone_dtoh(&t.data), "download");
+        let v = self.download_reusing(&t.data, t.rows * t.cols);
         ck(self.stream.synchronize(), "synchronize");
-        v.truncate(t.rows * t.cols);
         v
+    }
+
+    fn recycle_host(&self, v: Vec<f32>) {
+        self.host_vecs.give(v);
     }
 
     fn embed(&self, table: &CudaWeight, rows: &CudaRows) -> CudaTensor {
@@ -2692,7 +2753,33 @@ impl CudaBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::decode_fusion_in;
+    use super::{decode_fusion_in, HostVecs, HOST_VECS_KEEP, HOST_VECS_MIN};
+
+    #[test]
+    fn a_host_vector_given_back_serves_the_next_download_of_its_size_or_less() {
+        let pool = HostVecs::default();
+        let fresh = pool.take(10);
+        assert_eq!(fresh.len(), 10);
+        pool.give(fresh);
+        assert!(pool.0.lock().unwrap().is_empty(), "a small vector is not kept: the heap serves those");
+        let big = pool.take(HOST_VECS_MIN + 5);
+        let at = big.as_ptr();
+        pool.give(big);
+        let again = pool.take(HOST_VECS_MIN);
+        assert_eq!((again.as_ptr(), again.len()), (at, HOST_VECS_MIN), "the same pages, at the length asked");
+        pool.give(again);
+        let larger = pool.take(HOST_VECS_MIN + 6);
+        assert_ne!(larger.as_ptr(), at, "too small for it: a new vector");
+        assert_eq!(larger.len(), HOST_VECS_MIN + 6);
+        // Past HOST_VECS_KEEP, the smallest kept one goes.
+        for extra in 0..HOST_VECS_KEEP {
+            pool.give(Vec::with_capacity(HOST_VECS_MIN + 100 * (extra + 1)));
+        }
+        let kept: Vec<usize> = pool.0.lock().unwrap().iter().map(|v| v.capacity()).collect();
+        assert_eq!(kept.len(), HOST_VECS_KEEP);
+        assert!(kept.iter().all(|&c| c >= HOST_VECS_MIN + 100), "the smallest went: {kept:?}");
+        drop(larger);
+    }
 
     #[test]
     fn a_switch_of_its_own_wins_over_all_fusions() {
