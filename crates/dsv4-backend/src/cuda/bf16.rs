@@ -118,6 +118,10 @@ struct BfEntry<'a> {
 /// (11.0 and 15.2 against 5.4 and 8.5 ms).
 pub const GROUPED_MAX_ROWS: usize = 128;
 
+/// The most blocks a launch's grid takes in y (CUDA's limit); kernels that split rows over y
+/// stride past it.
+pub(crate) const GRID_Y_MAX: usize = 65535;
+
 /// [`GROUPED_MAX_ROWS`], or `DSV4_GROUPED_MAX_ROWS` where set (at most the recorded steps'
 /// largest; read once), for A/B runs.
 pub fn grouped_max_rows() -> usize {
@@ -241,8 +245,10 @@ impl CudaBackend {
             (false, 1) => &self.k.gemv1_bf16,
             (false, _) => &self.k.gemv_bf16,
         };
+        // The tiles: a block per 16 rows; the GEMV kernels: a block per group of 8 rows.
+        let ys = if tiles { n.div_ceil(16) } else { n.div_ceil(8) };
         let cfg = LaunchConfig {
-            grid_dim: (blocks as u32, if tiles { n.div_ceil(16) as u32 } else { 1 }, 1),
+            grid_dim: (blocks as u32, ys.min(GRID_Y_MAX) as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };

@@ -1837,7 +1837,10 @@ impl CudaBackend {
         if n <= bf16::gemv_rows() || self.exact() {
             // Wide rows (mHC: 16384) get 1024 threads: more loads in flight per output.
             let threads = if k >= 8192 { 1024 } else { 256 };
-            let lc = LaunchConfig { grid_dim: (m as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+            // A block per output and group of 8 rows (one row: the single-accumulator path).
+            let ys = if n == 1 { 1 } else { n.div_ceil(8).min(bf16::GRID_Y_MAX) };
+            let lc =
+                LaunchConfig { grid_dim: (m as u32, ys as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
             // SAFETY: argument types and buffer sizes match the kernel.
             ck(
                 unsafe {

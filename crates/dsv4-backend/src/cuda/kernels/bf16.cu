@@ -94,7 +94,10 @@ __device__ __forceinline__ int bfg_entry(const BfGroup& g, int* bx) {
 
 // out[r, o] = x[r, (o / rpg)·k .. +k] · w[o, :] for r < n, o < m; x rows are ldx apart (a plain
 // product has rpg = m). One warp per output column o (block bx of the product), rows in groups
-// of R (8; 1 for a single row: fewer registers, more warps resident).
+// of R (8; 1 for a single row: fewer registers, more warps resident), the grid's y taking every
+// gridDim.y-th group: a row's sum has one order whatever warp forms it, so the split changes no
+// value (exact mode at 64 rows ran one warp an output through 8 groups in turn: 1.25 ms of a
+// 12.8 ms 4-layer step, PERF.md v36).
 template <int R>
 __device__ void gemv_bf16_r(float* __restrict__ out, const float* __restrict__ x,
                             const unsigned short* __restrict__ w, int n, int k, int m, int ldx, int rpg, int bx) {
@@ -103,7 +106,7 @@ __device__ void gemv_bf16_r(float* __restrict__ out, const float* __restrict__ x
     const unsigned short* wr = w + (long long)o * k;
     long long xoff = (long long)(o / rpg) * k;
     bool vec = (k & 7) == 0 && (ldx & 3) == 0 && (xoff & 3) == 0;
-    for (int r0 = 0; r0 < n; r0 += R) {
+    for (int r0 = R * blockIdx.y; r0 < n; r0 += R * gridDim.y) {
         int nr = min(R, n - r0);
         float acc[R];
         const float* xrow[R];

@@ -278,8 +278,9 @@ __device__ __forceinline__ void gemv_f32_block(float* out, const float* x, const
         if (threadIdx.x == 0) out[o] = v;
         return;
     }
-    // Several rows: groups of 8, each row's sum in the same order whatever the group or n.
-    for (int r0 = 0; r0 < n; r0 += 8) {
+    // Several rows: groups of 8, each row's sum in the same order whatever the group or n; the
+    // grid's y takes every gridDim.y-th group (gemv_route's grid has one).
+    for (int r0 = 8 * blockIdx.y; r0 < n; r0 += 8 * gridDim.y) {
         int nr = min(8, n - r0);
         const float* xr = x + (long long)r0 * k;
         float acc[8];
