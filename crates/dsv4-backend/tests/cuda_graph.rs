@@ -55,7 +55,7 @@ fn script(m: &mut Model<CudaBackend>, vocab: usize) -> Vec<StepOut> {
     out
 }
 
-/// Steps past the grouped experts' 64 rows, on two more sequences: prefill chunks of 100 rows
+/// Steps past 64 rows (recorded up to 128), on five more sequences: prefill chunks of 100 rows
 /// (one long segment), then verify blocks of 16 rows on all five sequences (80 rows of short
 /// segments, a batch-16 verify of 1 + 4 rows), each cut back to the anchor plus three drafts.
 /// A shape is recorded the second time it is seen, so each one runs eagerly, then recorded,
