@@ -22,9 +22,9 @@ pub enum CompSlot {
 /// What a replayed step hands back ([`Backend::step_output`]).
 #[derive(Clone, Debug, Default)]
 pub struct StepResult {
-    /// `[out, vocab]`, when asked for.
+    /// `[n, vocab]`: the first `n` output rows' logits, as asked for.
     pub logits: Vec<f32>,
-    /// Each output row's argmax, when the logits were not asked for.
+    /// Each output row's argmax.
     pub ids: Vec<u32>,
     /// `[rows, hidden_cols]` tapped stream means (empty without taps).
     pub hidden: Vec<f32>,
@@ -118,6 +118,12 @@ pub trait Backend: Send + Sync {
     fn shape(&self, t: &Self::T) -> (usize, usize);
     /// Copies a tensor to the host (captures and logits).
     fn to_host(&self, t: &Self::T) -> Vec<f32>;
+    /// The first `rows` rows of a tensor on the host (the output rows whose logits are asked for).
+    fn to_host_rows(&self, t: &Self::T, rows: usize) -> Vec<f32> {
+        let mut v = self.to_host(t);
+        v.truncate(rows * self.shape(t).1);
+        v
+    }
     /// Takes back a host vector a step returned (its logits) once the caller is done with it,
     /// so a later download can reuse its pages (a backend that keeps none drops it).
     fn recycle_host(&self, _v: Vec<f32>) {}
@@ -353,9 +359,9 @@ pub trait Backend: Send + Sync {
     fn graph_kernels(&self, _g: &Self::Graph) -> usize {
         0
     }
-    /// The replayed step's results on the host (one synchronisation): the logits only when
-    /// `logits` is set, else the output rows' argmax.
-    fn step_output(&self, _g: &Self::Graph, _logits: bool) -> StepResult {
+    /// The replayed step's results on the host (one synchronisation): every output row's
+    /// argmax, and the logits of the first `logits` output rows.
+    fn step_output(&self, _g: &Self::Graph, _logits: usize) -> StepResult {
         StepResult { nonfinite: Some(0), ..Default::default() }
     }
 

@@ -27,14 +27,17 @@ pub const STAGE_PROBE_ROWS: usize = 0;
 /// ([`crate::batch::SHORT_SEGMENT`]: a backend may pick launches on it).
 type StepShape = (usize, usize, usize, bool);
 
-/// One step as the engine plans it: the rows, what comes back, and whether the host needs the
-/// output rows' logits (sampling with a host pass, logprobs, speculative acceptance) or only
-/// their argmax (greedy rows: then only token ids cross to the host).
+/// One step as the engine plans it: the rows, what comes back, and how many output rows, from
+/// the first, bring their logits to the host (sampling with a host pass, logprobs, speculative
+/// acceptance). Every output row's argmax comes back too, so greedy rows need no logits: the
+/// engine puts the rows that need them first, and only those cross (64 rows of V4's logits
+/// are 33 MB).
 #[derive(Clone, Copy, Debug)]
 pub struct StepPlan<'a> {
     pub batch: &'a Batch,
     pub outputs: Outputs<'a>,
-    pub logits: bool,
+    /// Output rows `0..logits` bring their logits (at most `outputs.out_rows.len()`).
+    pub logits: usize,
 }
 
 /// How a step ran, for the engine's counters: the replay of a recorded step, a recording (the
@@ -63,10 +66,9 @@ impl StepPath {
 /// A step's results on the host.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct StepOut {
-    /// `[out_rows, vocab]` when the plan asked for logits, else empty.
+    /// `[plan.logits, vocab]`: the logits of the first `plan.logits` output rows.
     pub logits: Vec<f32>,
-    /// The argmax of each output row (first index of the maximum) when the plan asked for no
-    /// logits, else empty.
+    /// The argmax of each output row (first index of the maximum).
     pub ids: Vec<u32>,
     /// `[rows, taps·hidden]`: the tapped layers' stream means of every row (empty: no taps).
     pub hidden: Vec<f32>,
@@ -606,7 +608,7 @@ impl<B: Backend> Model<B> {
         out_rows: &[usize],
         cap: Option<&mut dyn Capture<B>>,
     ) -> Result<Vec<f32>, ModelError> {
-        let plan = StepPlan { batch, outputs: Outputs { out_rows, taps: &[] }, logits: true };
+        let plan = StepPlan { batch, outputs: Outputs { out_rows, taps: &[] }, logits: out_rows.len() };
         match cap {
             None => self.step(&plan).map(|o| o.logits),
             Some(c) => {
@@ -699,7 +701,7 @@ impl<B: Backend> Model<B> {
         for s in &batch.segments {
             self.seqs[s.seq] = Some(s.pos0 + s.len);
         }
-        let r = self.backend.step_output(g, plan.logits);
+        let r = self.backend.step_output(g, plan.logits.min(out_rows.len()));
         match r.nonfinite {
             None => Ok(StepOut { logits: r.logits, ids: r.ids, hidden: r.hidden, path }),
             Some(row) => Err(self.locate_nonfinite(plan, row)),
@@ -756,11 +758,9 @@ impl<B: Backend> Model<B> {
             }
             return Err(coarse);
         }
-        let (logits, ids) = if plan.logits {
-            (self.backend.to_host(&f.logits), Vec::new())
-        } else {
-            (Vec::new(), self.backend.argmax_rows(&f.logits))
-        };
+        let ids = if out_rows.is_empty() { Vec::new() } else { self.backend.argmax_rows(&f.logits) };
+        let n = plan.logits.min(out_rows.len());
+        let logits = if n > 0 { self.backend.to_host_rows(&f.logits, n) } else { Vec::new() };
         let hidden = f.hidden.map(|h| self.backend.to_host(&h)).unwrap_or_default();
         Ok(StepOut { logits, ids, hidden, path: StepPath::Eager })
     }

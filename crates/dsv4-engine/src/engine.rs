@@ -719,12 +719,7 @@ impl<B: Backend> Engine<B> {
             fed[c.seq] += c.len;
         }
         let taps: Vec<usize> = self.config.dspark.as_ref().map(|sc| sc.taps().to_vec()).unwrap_or_default();
-        // Only greedy rows with no host pass (plain or speculative): then only their argmax
-        // crosses to the host.
-        let logits = outs.iter().any(|o| {
-            let s = &self.running[o.seq];
-            s.processor.is_some() || s.req.top_logprobs.is_some() || s.sampler.params.temperature != 0.0
-        });
+        let (out_rows, outs, logits) = self.logits_first(out_rows, outs);
         let rows_n = rows.len();
         let t_fwd = Instant::now();
         let result = Batch::new(rows).map_err(|e| e.to_string()).and_then(|b| {
@@ -853,6 +848,29 @@ impl<B: Backend> Engine<B> {
 }
 
 impl<B: Backend> Engine<B> {
+    /// The step's outputs reordered so that those whose rows need their logits on the host (a
+    /// host pass, logprobs, sampling; plain or speculative) come first, with their output rows,
+    /// and how many output rows those are: only their logits cross to the host, the greedy
+    /// rows' argmax comes back as ids (64 rows of V4's logits are 33 MB a step). The order
+    /// within each kind is kept.
+    fn logits_first(&self, out_rows: Vec<usize>, outs: Vec<Out>) -> (Vec<usize>, Vec<Out>, usize) {
+        let needs = |o: &Out| {
+            let s = &self.running[o.seq];
+            s.processor.is_some() || s.req.top_logprobs.is_some() || s.sampler.params.temperature != 0.0
+        };
+        let mut at = 0;
+        let mut groups: Vec<(bool, Out, std::ops::Range<usize>)> = Vec::with_capacity(outs.len());
+        for o in outs {
+            let n = o.plan.as_ref().map_or(1, |p| p.rows());
+            groups.push((needs(&o), o, at..at + n));
+            at += n;
+        }
+        groups.sort_by_key(|g| !g.0);
+        let logits = groups.iter().filter(|g| g.0).map(|g| g.2.len()).sum();
+        let rows = groups.iter().flat_map(|g| out_rows[g.2.clone()].iter().copied()).collect();
+        (rows, groups.into_iter().map(|g| g.1).collect(), logits)
+    }
+
     /// The tokens of the step's plain sampled rows (no speculative round, no host pass), drawn
     /// in parallel: each sequence has its own sampler and generator, so the draws are the ones
     /// a sequential loop makes. A draw over V4's vocabulary costs ~1 ms (BENCHMARKS.md), which

@@ -290,11 +290,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 .collect();
             let all: Vec<usize> = (0..bs).collect();
             let batch = Batch::new(rows)?;
-            let out = m.step(&StepPlan {
-                batch: &batch,
-                outputs: Outputs { out_rows: &all, taps: &[] },
-                logits: a.step_logits,
-            })?;
+            let logits = if a.step_logits { all.len() } else { 0 };
+            let out = m.step(&StepPlan { batch: &batch, outputs: Outputs { out_rows: &all, taps: &[] }, logits })?;
             // As the engine does: the logits' pages serve the next step's download.
             m.recycle(out.logits);
             for p in pos.iter_mut().take(bs) {
@@ -409,11 +406,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     .collect();
                 let all: Vec<usize> = (0..rows.len()).collect();
                 let batch = Batch::new(rows)?;
-                let out = m.step(&StepPlan {
-                    batch: &batch,
-                    outputs: Outputs { out_rows: &all, taps: &[] },
-                    logits: a.step_logits,
-                })?;
+                let logits = if a.step_logits { all.len() } else { 0 };
+                let out =
+                    m.step(&StepPlan { batch: &batch, outputs: Outputs { out_rows: &all, taps: &[] }, logits })?;
                 m.recycle(out.logits);
                 for i in 0..bs {
                     m.truncate(seqs[i], pos[i] + 1)?;
@@ -640,8 +635,7 @@ fn measured_rounds(
             .collect();
         let all: Vec<usize> = (0..rows.len()).collect();
         let batch = Batch::new(rows)?;
-        let out =
-            t.m.step(&StepPlan { batch: &batch, outputs: Outputs { out_rows: &all, taps: &taps }, logits: false })?;
+        let out = t.m.step(&StepPlan { batch: &batch, outputs: Outputs { out_rows: &all, taps: &taps }, logits: 0 })?;
         let committed: Vec<Vec<(usize, &[f32])>> = (0..bs)
             .map(|i| {
                 (0..tau).map(|k| (t.pos[i] + k, &out.hidden[(i * tau + k) * hw..(i * tau + k + 1) * hw])).collect()

@@ -236,20 +236,21 @@ impl CudaBackend {
         ck(g.graph.launch(), "graph launch");
     }
 
-    /// The replayed step's results on the host: the logits when asked for, else the output
-    /// rows' argmax; the tapped stream means; the first output row holding a nonfinite value
-    /// (one synchronisation).
-    pub(crate) fn step_output(&self, g: &StepGraph, logits: bool) -> StepResult {
+    /// The replayed step's results on the host: every output row's argmax and the first
+    /// `logits` rows' logits; the tapped stream means; the first output row holding a
+    /// nonfinite value (one synchronisation).
+    pub(crate) fn step_output(&self, g: &StepGraph, logits: usize) -> StepResult {
         let st = self.steps.lock().unwrap();
         let io = &st.io[&g.key];
         let (rows, out, hidden_cols) = g.key;
         let mut r = StepResult::default();
-        if logits {
-            r.logits = self.download_reusing(&io.logits, io.logits.len());
-        } else {
-            r.ids = ck(self.stream.clone_dtoh(&io.ids), "download step ids");
-            r.ids.truncate(out);
+        if logits > 0 && out > 0 {
+            // The first `logits` output rows: only those the host asked for cross.
+            let cols = io.logits.len() / out;
+            r.logits = self.download_reusing(&io.logits, logits.min(out) * cols);
         }
+        r.ids = ck(self.stream.clone_dtoh(&io.ids), "download step ids");
+        r.ids.truncate(out);
         if hidden_cols > 0 {
             r.hidden = ck(self.stream.clone_dtoh(&io.hidden), "download step hidden");
             r.hidden.truncate(rows * hidden_cols);

@@ -2002,7 +2002,11 @@ impl Backend for CudaBackend {
     }
 
     fn to_host(&self, t: &CudaTensor) -> Vec<f32> {
-        let v = self.download_reusing(&t.data, t.rows * t.cols);
+        self.to_host_rows(t, t.rows)
+    }
+
+    fn to_host_rows(&self, t: &CudaTensor, rows: usize) -> Vec<f32> {
+        let v = self.download_reusing(&t.data, rows.min(t.rows) * t.cols);
         ck(self.stream.synchronize(), "synchronize");
         v
     }
@@ -2698,7 +2702,7 @@ impl Backend for CudaBackend {
         g.kernels
     }
 
-    fn step_output(&self, g: &graph::StepGraph, logits: bool) -> crate::backend::StepResult {
+    fn step_output(&self, g: &graph::StepGraph, logits: usize) -> crate::backend::StepResult {
         CudaBackend::step_output(self, g, logits)
     }
 
