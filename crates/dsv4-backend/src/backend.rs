@@ -7,6 +7,7 @@
 
 use crate::batch::Batch;
 use crate::cpu::state::SeqState;
+use crate::draw::{draw_row, Draw};
 use dsv4_model::weights::{Compressor, Expert, Hc};
 use dsv4_model::{Config, HostTensor, LoadError};
 
@@ -24,7 +25,7 @@ pub enum CompSlot {
 pub struct StepResult {
     /// `[n, vocab]`: the first `n` output rows' logits, as asked for.
     pub logits: Vec<f32>,
-    /// Each output row's argmax.
+    /// Each output row's token under its draw (greedy: the argmax).
     pub ids: Vec<u32>,
     /// `[rows, hidden_cols]` tapped stream means (empty without taps).
     pub hidden: Vec<f32>,
@@ -118,6 +119,14 @@ pub trait Backend: Send + Sync {
     fn shape(&self, t: &Self::T) -> (usize, usize);
     /// Copies a tensor to the host (captures and logits).
     fn to_host(&self, t: &Self::T) -> Vec<f32>;
+    /// Each row's token under its draw (`draws[i]` for row `i`; an empty slice: every row
+    /// greedy), on the host. The default runs the CPU twin ([`crate::draw::draw_row`]) over the
+    /// downloaded rows; a device backend chooses where the logits are.
+    fn draw_rows(&self, t: &Self::T, draws: &[Draw]) -> Vec<u32> {
+        let (rows, cols) = self.shape(t);
+        let host = self.to_host(t);
+        (0..rows).map(|i| draw_row(&host[i * cols..(i + 1) * cols], draws.get(i).unwrap_or(&Draw::GREEDY))).collect()
+    }
     /// The first `rows` rows of a tensor on the host (the output rows whose logits are asked for).
     fn to_host_rows(&self, t: &Self::T, rows: usize) -> Vec<f32> {
         let mut v = self.to_host(t);
@@ -329,7 +338,7 @@ pub trait Backend: Send + Sync {
         0
     }
     /// Before a recorded step is recorded or replayed: copies its inputs (row table, output
-    /// rows) into the shape's persistent buffers with one stream-ordered copy, and does on the
+    /// rows, the output rows' draws) into the shape's persistent buffers with one stream-ordered copy, and does on the
     /// host what the recorded work cannot (state growth, bookkeeping). `cols` is the logits'
     /// width, `hidden_cols` the tapped stream means' (0: no taps). Returns the cache's
     /// generation: a graph recorded under another one addresses buffers that have moved.
@@ -338,6 +347,7 @@ pub trait Backend: Send + Sync {
         _cache: &mut Self::Cache,
         _batch: &Batch,
         _out_rows: &[usize],
+        _draws: &[Draw],
         _cols: usize,
         _hidden_cols: usize,
     ) -> u64 {
@@ -349,7 +359,8 @@ pub trait Backend: Send + Sync {
         false
     }
     /// Ends the recording; the forward's `logits` (and tapped `hidden`) go to the step's output
-    /// buffers, with the logits' nonfinite check and row argmax recorded beside them.
+    /// buffers, with the logits' nonfinite check and each row's token (its draw) recorded
+    /// beside them.
     fn end_record(&self, _logits: Self::T, _hidden: Option<Self::T>) -> Result<Self::Graph, String> {
         Err(format!("the {} backend records no steps", self.name()))
     }
@@ -360,7 +371,7 @@ pub trait Backend: Send + Sync {
         0
     }
     /// The replayed step's results on the host (one synchronisation): every output row's
-    /// argmax, and the logits of the first `logits` output rows.
+    /// token, and the logits of the first `logits` output rows.
     fn step_output(&self, _g: &Self::Graph, _logits: usize) -> StepResult {
         StepResult { nonfinite: Some(0), ..Default::default() }
     }

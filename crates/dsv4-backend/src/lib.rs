@@ -11,6 +11,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod diff;
+pub mod draw;
 pub mod forward;
 pub mod model;
 pub mod synth;
@@ -19,5 +20,6 @@ pub mod x8;
 pub use backend::{Backend, CompSlot, SavedState, StepResult};
 pub use batch::{Batch, BatchError, Row, Segment};
 pub use cpu::state::{SeqState, StateFormatError, TruncateError, MAX_ROLLBACK};
+pub use draw::Draw;
 pub use forward::{Capture, Forwarded, Outputs, Probe, Stage};
 pub use model::{Model, ModelError, PendingSnapshot, Snapshot, StepOut, StepPath, StepPlan};

@@ -7,6 +7,7 @@ use crate::batch::{Batch, BatchError};
 use crate::comm::LocalComm;
 use crate::comm::{Comm, Single};
 use crate::cpu::state::SeqState;
+use crate::draw::Draw;
 use crate::forward::{forward_outputs, Capture, Forwarded, Outputs, Probe, RopeTables, Stage};
 use dsv4_model::{
     load_weights_with, Checkpoint, Component, Config, HostTensor, LoadError, LoadOptions, MemoryStats, Shard, Weights,
@@ -29,15 +30,18 @@ type StepShape = (usize, usize, usize, bool);
 
 /// One step as the engine plans it: the rows, what comes back, and how many output rows, from
 /// the first, bring their logits to the host (sampling with a host pass, logprobs, speculative
-/// acceptance). Every output row's argmax comes back too, so greedy rows need no logits: the
-/// engine puts the rows that need them first, and only those cross (64 rows of V4's logits
-/// are 33 MB).
+/// acceptance). Every output row's token comes back too, chosen on the device by its draw
+/// (greedy, or a seeded sample: [`crate::draw`]), so plain rows need no logits: the engine
+/// puts the rows that need them first, and only those cross (64 rows of V4's logits are 33
+/// MB).
 #[derive(Clone, Copy, Debug)]
 pub struct StepPlan<'a> {
     pub batch: &'a Batch,
     pub outputs: Outputs<'a>,
     /// Output rows `0..logits` bring their logits (at most `outputs.out_rows.len()`).
     pub logits: usize,
+    /// Each output row's draw (an empty slice, or a row past its end: greedy).
+    pub draws: &'a [Draw],
 }
 
 /// How a step ran, for the engine's counters: the replay of a recorded step, a recording (the
@@ -608,7 +612,7 @@ impl<B: Backend> Model<B> {
         out_rows: &[usize],
         cap: Option<&mut dyn Capture<B>>,
     ) -> Result<Vec<f32>, ModelError> {
-        let plan = StepPlan { batch, outputs: Outputs { out_rows, taps: &[] }, logits: out_rows.len() };
+        let plan = StepPlan { batch, outputs: Outputs { out_rows, taps: &[] }, logits: out_rows.len(), draws: &[] };
         match cap {
             None => self.step(&plan).map(|o| o.logits),
             Some(c) => {
@@ -640,10 +644,15 @@ impl<B: Backend> Model<B> {
         if self.peers.is_empty() {
             return Vec::new();
         }
-        let (b, o, t, logits) =
-            (plan.batch.clone(), plan.outputs.out_rows.to_vec(), plan.outputs.taps.to_vec(), plan.logits);
+        let (b, o, t, logits, d) = (
+            plan.batch.clone(),
+            plan.outputs.out_rows.to_vec(),
+            plan.outputs.taps.to_vec(),
+            plan.logits,
+            plan.draws.to_vec(),
+        );
         self.on_peers(move |m| {
-            let plan = StepPlan { batch: &b, outputs: Outputs { out_rows: &o, taps: &t }, logits };
+            let plan = StepPlan { batch: &b, outputs: Outputs { out_rows: &o, taps: &t }, logits, draws: &d };
             m.step_here(&plan).map(|_| ())
         })
     }
@@ -668,7 +677,8 @@ impl<B: Backend> Model<B> {
         if !self.graphs.contains_key(&key) && self.seen.insert(key) {
             return self.forward_eager(plan, None);
         }
-        let generation = self.backend.prepare_step(&mut self.cache, batch, out_rows, self.cfg.vocab_size, hidden_cols);
+        let generation =
+            self.backend.prepare_step(&mut self.cache, batch, out_rows, plan.draws, self.cfg.vocab_size, hidden_cols);
         self.ticks += 1;
         let mut path = StepPath::Replayed;
         if self.graphs.get(&key).map(|r| r.generation) != Some(generation) {
@@ -758,7 +768,7 @@ impl<B: Backend> Model<B> {
             }
             return Err(coarse);
         }
-        let ids = if out_rows.is_empty() { Vec::new() } else { self.backend.argmax_rows(&f.logits) };
+        let ids = if out_rows.is_empty() { Vec::new() } else { self.backend.draw_rows(&f.logits, plan.draws) };
         let n = plan.logits.min(out_rows.len());
         let logits = if n > 0 { self.backend.to_host_rows(&f.logits, n) } else { Vec::new() };
         let hidden = f.hidden.map(|h| self.backend.to_host(&h)).unwrap_or_default();

@@ -1,5 +1,5 @@
-//! Recorded steps (CUDA graphs) give bitwise the eager path's logits, greedy ids and tapped
-//! stream means: prefill chunks, decode
+//! Recorded steps (CUDA graphs) give bitwise the eager path's logits, ids (greedy and sampled
+//! on the device, each sampled one the CPU twin's draw) and tapped stream means: prefill chunks, decode
 //! steps of several sequences, speculative verify blocks with cut-backs, steps of 80 and 100
 //! rows, a shape re-recorded after the compressed entries grew, and
 //! hash-routed layers (looked up on the device). A NaN
@@ -10,7 +10,8 @@
 mod common;
 use common::{tokens, write_random};
 use dsv4_backend::cuda::CudaBackend;
-use dsv4_backend::{Batch, Model, Outputs, Row, StepOut, StepPlan};
+use dsv4_backend::draw::draw_row;
+use dsv4_backend::{Batch, Draw, Model, Outputs, Row, StepOut, StepPlan};
 use dsv4_model::synth::tiny_config;
 
 /// Every forward of a script: prefill chunks for three sequences, 3-row decode steps long
@@ -33,9 +34,17 @@ fn script(m: &mut Model<CudaBackend>, vocab: usize) -> Vec<StepOut> {
             (0..3).map(|i| Row { seq: seqs[i], pos: pos[i], token: ((7 * step + 3 * i + 1) % vocab) as u32 }).collect();
         let batch = Batch::new(rows).unwrap();
         let outputs = Outputs { out_rows: &[0, 1, 2], taps: if step % 3 == 0 { &[] } else { &taps } };
-        // Every row's logits, none, or the first row's only.
+        // Every row's logits, none, or the first row's only; every other step samples its
+        // rows on the device (then with all logits back, each id is the CPU twin's draw).
         let logits = [3, 0, 1][step % 3];
-        out.push(m.step(&StepPlan { batch: &batch, outputs, logits }).unwrap());
+        let draws = if step % 2 == 1 { sampled(step) } else { Vec::new() };
+        let o = m.step(&StepPlan { batch: &batch, outputs, logits, draws: &draws }).unwrap();
+        if logits == 3 {
+            for (r, d) in draws.iter().enumerate() {
+                assert_eq!(o.ids[r], draw_row(&o.logits[r * vocab..(r + 1) * vocab], d), "step {step} row {r}: {d:?}");
+            }
+        }
+        out.push(o);
         pos.iter_mut().for_each(|p| *p += 1);
     }
     for round in 0..4 {
@@ -46,8 +55,13 @@ fn script(m: &mut Model<CudaBackend>, vocab: usize) -> Vec<StepOut> {
         let all: Vec<usize> = (0..rows.len()).collect();
         let batch = Batch::new(rows).unwrap();
         out.push(
-            m.step(&StepPlan { batch: &batch, outputs: Outputs { out_rows: &all, taps: &taps }, logits: all.len() })
-                .unwrap(),
+            m.step(&StepPlan {
+                batch: &batch,
+                outputs: Outputs { out_rows: &all, taps: &taps },
+                logits: all.len(),
+                draws: &[],
+            })
+            .unwrap(),
         );
         for i in 0..3 {
             m.truncate(seqs[i], pos[i] + 2).unwrap();
@@ -55,6 +69,16 @@ fn script(m: &mut Model<CudaBackend>, vocab: usize) -> Vec<StepOut> {
         }
     }
     out
+}
+
+/// Three rows' seeded draws: top-p with temperature, no filter, top-k with min-p.
+fn sampled(step: usize) -> Vec<Draw> {
+    let u = |r: usize| ((step * 7919 + r * 104_729) % 1000) as f64 / 1000.0;
+    vec![
+        Draw { temperature: 0.8, top_k: 0, top_p: 0.9, min_p: 0.0, u: u(0) },
+        Draw { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, u: u(1) },
+        Draw { temperature: 0.7, top_k: 5, top_p: 1.0, min_p: 0.05, u: u(2) },
+    ]
 }
 
 /// Steps past 64 rows (recorded up to 128), on five more sequences: prefill chunks of 100 rows
@@ -80,8 +104,13 @@ fn wide_script(m: &mut Model<CudaBackend>, vocab: usize) -> Vec<StepOut> {
         let all: Vec<usize> = (0..rows.len()).collect();
         let batch = Batch::new(rows).unwrap();
         out.push(
-            m.step(&StepPlan { batch: &batch, outputs: Outputs { out_rows: &all, taps: &[] }, logits: all.len() })
-                .unwrap(),
+            m.step(&StepPlan {
+                batch: &batch,
+                outputs: Outputs { out_rows: &all, taps: &[] },
+                logits: all.len(),
+                draws: &[],
+            })
+            .unwrap(),
         );
         for i in 0..5 {
             m.truncate(seqs[i], pos[i] + 4).unwrap();

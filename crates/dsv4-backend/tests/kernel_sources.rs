@@ -64,7 +64,7 @@ fn max_args() -> usize {
     line.trim_start_matches("const MAX_ARGS: usize =").trim().trim_end_matches(';').parse().unwrap()
 }
 
-const FILES: [&str; 8] = [
+const FILES: [&str; 9] = [
     "kernels/dense.cu",
     "kernels/hc.cu",
     "kernels/attention.cu",
@@ -73,6 +73,7 @@ const FILES: [&str; 8] = [
     "kernels/quant.cu",
     "kernels/gemm.cu",
     "kernels/dspark.cu",
+    "kernels/draw.cu",
 ];
 
 #[test]
@@ -144,7 +145,14 @@ fn kernel_lists_and_fields_agree() {
             fields.entry(var).or_default().push(field.trim().to_string());
         }
     }
-    let sources = ["kernels/dense.cu", "kernels/hc.cu", "kernels/attention.cu", "kernels/moe.cu", "kernels/bf16.cu"];
+    let sources = [
+        "kernels/dense.cu",
+        "kernels/hc.cu",
+        "kernels/attention.cu",
+        "kernels/moe.cu",
+        "kernels/bf16.cu",
+        "kernels/draw.cu",
+    ];
     for (var, (idx, names)) in &lists {
         let got = fields.get(var).cloned().unwrap_or_default();
         assert_eq!(&got, names, "module `{var}`: the fields taken with n(&mut {var}) must follow its compile list");

@@ -98,12 +98,12 @@ fn step_taps_equal_the_capture_and_ids_the_argmax() {
         let all: Vec<usize> = (0..n).collect();
         let outputs = Outputs { out_rows: &all, taps: &layers };
         if n == 1 {
-            let out = b.step(&StepPlan { batch: &batch, outputs, logits: 0 }).unwrap();
+            let out = b.step(&StepPlan { batch: &batch, outputs, logits: 0, draws: &[] }).unwrap();
             assert_eq!(out.ids, vec![argmax(&lg) as u32], "ids at {p0}");
             assert!(out.logits.is_empty());
             assert_eq!(out.hidden, mh, "taps at {p0}");
         } else {
-            let out = b.step(&StepPlan { batch: &batch, outputs, logits: n }).unwrap();
+            let out = b.step(&StepPlan { batch: &batch, outputs, logits: n, draws: &[] }).unwrap();
             assert_eq!(out.logits, lg, "logits at {p0}");
             // Every output row's argmax comes back beside the logits.
             let want: Vec<u32> = lg.chunks(lg.len() / n).map(|r| argmax(r) as u32).collect();
@@ -114,7 +114,7 @@ fn step_taps_equal_the_capture_and_ids_the_argmax() {
     let n_layers = b.cfg.layers.len();
     for bad in [vec![4, 3], vec![3, 3], vec![n_layers]] {
         let batch = Batch::chunk(sb, 49, &seq_ids[49..50]).unwrap();
-        let plan = StepPlan { batch: &batch, outputs: Outputs { out_rows: &[0], taps: &bad }, logits: 1 };
+        let plan = StepPlan { batch: &batch, outputs: Outputs { out_rows: &[0], taps: &bad }, logits: 1, draws: &[] };
         assert!(matches!(b.step(&plan), Err(ModelError::Taps { .. })), "taps {bad:?}");
     }
 }

@@ -8,7 +8,7 @@ use crate::sampler::{argmax_margin, Sampler};
 use crate::sequence::{CancelToken, Event, FinishReason, Request, Sequence, TokenEvent};
 use crate::snapshots::SnapshotWorker;
 use crate::speculative::{Planned, SpecConfig, SpecSeq, Verdict};
-use dsv4_backend::{Backend, Batch, Model, Outputs, Row, Snapshot, StepPlan};
+use dsv4_backend::{Backend, Batch, Draw, Model, Outputs, Row, Snapshot, StepPlan};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
@@ -720,10 +720,12 @@ impl<B: Backend> Engine<B> {
         }
         let taps: Vec<usize> = self.config.dspark.as_ref().map(|sc| sc.taps().to_vec()).unwrap_or_default();
         let (out_rows, outs, logits) = self.logits_first(out_rows, outs);
+        let draws = self.draws(&outs, out_rows.len());
         let rows_n = rows.len();
         let t_fwd = Instant::now();
         let result = Batch::new(rows).map_err(|e| e.to_string()).and_then(|b| {
-            let plan = StepPlan { batch: &b, outputs: Outputs { out_rows: &out_rows, taps: &taps }, logits };
+            let outputs = Outputs { out_rows: &out_rows, taps: &taps };
+            let plan = StepPlan { batch: &b, outputs, logits, draws: &draws };
             self.model.step(&plan).map_err(|e| e.to_string())
         });
         let fwd_ns = t_fwd.elapsed().as_nanos() as u64;
@@ -773,14 +775,14 @@ impl<B: Backend> Engine<B> {
             }
         }
         let vocab = self.model.cfg.vocab_size;
-        let mut drawn = self.draw_plain_rows(&outs, &logits, vocab);
         let mut k = 0; // output row
-        for (oi, o) in outs.into_iter().enumerate() {
+        for o in outs {
             let nrows = o.plan.as_ref().map_or(1, |p| p.rows());
             let l = logits.get(k * vocab..(k + nrows) * vocab).unwrap_or(&[]);
             let ids = out.ids.get(k..k + nrows).unwrap_or(&[]);
             k += nrows;
             let s = &mut self.running[o.seq];
+            let drawn = draws_on_device(s, &o);
             // Decode rows of a speculating sequence: accept, cut back, commit (speculative.rs).
             let emitted: Result<Vec<u32>, String> = match (&o.plan, s.spec.as_mut(), &self.config.dspark) {
                 (Some(plan), Some(st), Some(sc)) => {
@@ -792,13 +794,11 @@ impl<B: Backend> Engine<B> {
                     self.metrics.spec.record(&before, &st.stats);
                     r.map(|r| r.tokens).map_err(|e| e.to_string())
                 }
-                _ if l.is_empty() => {
+                // Greedy and plainly sampled rows: the token the step chose by the row's draw.
+                _ if l.is_empty() || drawn => {
                     ids.first().map(|&t| vec![t]).ok_or_else(|| "the step returned no token id".to_string())
                 }
-                _ => match drawn[oi].take() {
-                    Some(r) => r.map(|t| vec![t]),
-                    None => sample_row(&mut s.sampler, s.processor.as_mut(), l).map(|t| vec![t]),
-                },
+                _ => sample_row(&mut s.sampler, s.processor.as_mut(), l).map(|t| vec![t]),
             };
             let emitted = match emitted {
                 Ok(t) => t,
@@ -856,7 +856,9 @@ impl<B: Backend> Engine<B> {
     fn logits_first(&self, out_rows: Vec<usize>, outs: Vec<Out>) -> (Vec<usize>, Vec<Out>, usize) {
         let needs = |o: &Out| {
             let s = &self.running[o.seq];
-            s.processor.is_some() || s.req.top_logprobs.is_some() || s.sampler.params.temperature != 0.0
+            s.processor.is_some()
+                || s.req.top_logprobs.is_some()
+                || (o.plan.is_some() && s.sampler.params.temperature != 0.0)
         };
         let mut at = 0;
         let mut groups: Vec<(bool, Out, std::ops::Range<usize>)> = Vec::with_capacity(outs.len());
@@ -871,49 +873,31 @@ impl<B: Backend> Engine<B> {
         (rows, groups.into_iter().map(|g| g.1).collect(), logits)
     }
 
-    /// The tokens of the step's plain sampled rows (no speculative round, no host pass), drawn
-    /// in parallel: each sequence has its own sampler and generator, so the draws are the ones
-    /// a sequential loop makes. A draw over V4's vocabulary costs ~1 ms (BENCHMARKS.md), which
-    /// at 64 rows a step was the engine thread's largest cost. `None`: the row is not one.
-    fn draw_plain_rows(&mut self, outs: &[Out], logits: &[f32], vocab: usize) -> Vec<Option<Result<u32, String>>> {
-        use rayon::prelude::*;
-        let mut drawn: Vec<Option<Result<u32, String>>> = outs.iter().map(|_| None).collect();
-        if logits.is_empty() {
-            return drawn;
-        }
-        // Each out's first output row, and the outs that draw plainly: (out, sequence, row).
-        let mut row = 0;
-        let mut plain: Vec<(usize, usize, usize)> = Vec::new();
-        for (i, o) in outs.iter().enumerate() {
-            let s = &self.running[o.seq];
-            if o.plan.is_none() && s.processor.is_none() && s.sampler.params.temperature != 0.0 {
-                plain.push((i, o.seq, row));
-            }
-            row += o.plan.as_ref().map_or(1, |p| p.rows());
-        }
-        if plain.len() < 2 {
-            return drawn;
-        }
-        plain.sort_by_key(|p| p.1);
-        let mut jobs: Vec<(usize, &mut Sampler, &[f32])> = Vec::with_capacity(plain.len());
-        let mut next = plain.iter().peekable();
-        // A sequence has one out a step; a second one would be drawn by the sequential loop.
-        for (si, s) in self.running.iter_mut().enumerate() {
-            if let Some(&&(oi, _, r)) = next.peek().filter(|p| p.1 == si) {
-                jobs.push((oi, &mut s.sampler, &logits[r * vocab..(r + 1) * vocab]));
-                next.next();
-            }
-            while next.peek().is_some_and(|p| p.1 == si) {
-                next.next();
+    /// Each output row's draw, in the order of `outs`: a plain sampled row (no speculative
+    /// round, no host pass) is drawn on the device with the uniform its sampler would have
+    /// taken on the host (one per token, from the request's seeded generator); every other
+    /// row is greedy there, and the host samples it from its logits where it must. A draw over
+    /// V4's vocabulary cost the engine's thread ~1 ms a row on the host (BENCHMARKS.md "Host
+    /// sampler"), and its logits 0.5 MB a row of copy.
+    fn draws(&mut self, outs: &[Out], out_rows: usize) -> Vec<Draw> {
+        let mut draws = Vec::with_capacity(out_rows);
+        for o in outs {
+            let s = &mut self.running[o.seq];
+            if draws_on_device(s, o) {
+                draws.push(s.sampler.device_draw());
+            } else {
+                draws.extend(std::iter::repeat_n(Draw::GREEDY, o.plan.as_ref().map_or(1, |p| p.rows())));
             }
         }
-        let res: Vec<(usize, Result<u32, String>)> =
-            jobs.into_par_iter().map(|(oi, s, l)| (oi, s.sample(l).map_err(|e| e.to_string()))).collect();
-        for (oi, r) in res {
-            drawn[oi] = Some(r);
-        }
-        drawn
+        draws
     }
+}
+
+/// Whether `o`'s token is drawn on the device: a plain row (not a speculative round) of a
+/// sampled request without a host pass (bias, penalties, grammar). Logprobs still bring the
+/// row's logits, for the host to read.
+fn draws_on_device(s: &Sequence, o: &Out) -> bool {
+    o.plan.is_none() && s.processor.is_none() && s.sampler.params.temperature != 0.0
 }
 
 /// Long prompts report their prefill every [`PREFILL_LOG_EVERY`] tokens (and when done), so an

@@ -1,5 +1,6 @@
 //! Token sampling: greedy, temperature, top-k, top-p and min-p, reproducible from a seed.
 
+use dsv4_backend::Draw;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -93,6 +94,19 @@ impl Sampler {
     /// sequence's randomness stays one reproducible stream).
     pub fn rng_mut(&mut self) -> &mut ChaCha8Rng {
         &mut self.rng
+    }
+
+    /// The next token's draw on the device ([`dsv4_backend::draw`]): the parameters and the
+    /// one uniform [`Sampler::sample`] would take from the generator (none when greedy). On
+    /// the same logits its token is `sample`'s unless that uniform falls within ~1e-9 of a
+    /// boundary of the distribution (the device's weights are multiples of 2⁻⁴⁶).
+    pub fn device_draw(&mut self) -> Draw {
+        let p = &self.params;
+        if p.temperature == 0.0 {
+            return Draw::GREEDY;
+        }
+        let top_k = u32::try_from(p.top_k).unwrap_or(u32::MAX);
+        Draw { temperature: p.temperature, top_k, top_p: p.top_p, min_p: p.min_p, u: self.rng.gen::<f64>() }
     }
 
     /// The full-vocabulary distribution [`Sampler::sample`] draws from at temperature > 0
@@ -347,6 +361,48 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The device's draw (its CPU twin, `dsv4_backend::draw::draw_row`) takes the host
+    /// sampler's token from the same seed: the same generator stream, the same filters and
+    /// walk order, weights apart by at most 2⁻⁴⁷ of the best one's. Over logits with ties,
+    /// flat ones (large nuclei) and peaked ones, every filter mix and 100 draws each.
+    #[test]
+    fn device_draws_take_the_host_samplers_tokens() {
+        let mut s = 9u64;
+        let mut next = || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (s >> 33) as f32 / (1u64 << 31) as f32
+        };
+        let v = 3000;
+        let ties: Vec<f32> = (0..v).map(|_| ((next() * 40.0).round() - 20.0) * 0.25).collect();
+        let flat: Vec<f32> = (0..v).map(|_| next() * 0.01).collect();
+        let peaked: Vec<f32> = (0..v).map(|i| if i % 97 == 5 { 12.0 + next() } else { next() * 30.0 - 25.0 }).collect();
+        let mut drawn = 0;
+        for l in [&ties, &flat, &peaked] {
+            for (t, top_k, top_p, min_p) in [
+                (1.0, 0, 1.0, 0.0),
+                (0.7, 40, 1.0, 0.0),
+                (1.0, 0, 0.9, 0.0),
+                (1.3, 0, 0.999, 0.0),
+                (0.8, 0, 1.0, 0.05),
+                (0.9, 300, 0.95, 0.01),
+                (2.0, 0, 0.5, 0.1),
+                (0.6, 5000, 1.0, 0.0),
+                (1e-30, 0, 1.0, 0.0),
+            ] {
+                let p = SamplingParams { temperature: t, top_k, top_p, min_p, seed: drawn as u64 };
+                let (mut host, mut dev) = (Sampler::new(p.clone()).unwrap(), Sampler::new(p.clone()).unwrap());
+                for _ in 0..100 {
+                    let want = host.sample(l).unwrap();
+                    let got = dsv4_backend::draw::draw_row(l, &dev.device_draw());
+                    assert_eq!(got, want, "{p:?}");
+                    drawn += 1;
+                }
+            }
+        }
+        assert_eq!(drawn, 2700);
+        assert_eq!(Sampler::greedy().device_draw(), Draw::GREEDY);
     }
 
     #[test]

@@ -652,7 +652,8 @@ pub fn round_with<B: Backend>(
     let all: Vec<usize> = (0..plan.rows()).collect();
     let greedy = sampler.params.temperature == 0.0;
     let outputs = Outputs { out_rows: &all, taps: cfg.taps() };
-    let out = model.step(&StepPlan { batch: &batch, outputs, logits: if greedy { 0 } else { all.len() } })?;
+    let out =
+        model.step(&StepPlan { batch: &batch, outputs, logits: if greedy { 0 } else { all.len() }, draws: &[] })?;
     let verdict = if greedy { Verdict::Ids(&out.ids) } else { Verdict::Logits(&out.logits) };
     spec.finish(cfg, model, slot, plan, verdict, &out.hidden, sampler, stop_ids)
 }
@@ -674,7 +675,7 @@ pub fn prefill<B: Backend>(
         let p = pos0 + i * chunk.max(1);
         let batch = dsv4_backend::Batch::chunk(slot, p, c).map_err(ModelError::from)?;
         let outputs = Outputs { out_rows: &[c.len() - 1], taps: cfg.taps() };
-        let out = model.step(&StepPlan { batch: &batch, outputs, logits: 1 })?;
+        let out = model.step(&StepPlan { batch: &batch, outputs, logits: 1, draws: &[] })?;
         let hidden = out.hidden;
         logits = out.logits;
         spec.commit(cfg, p, &hidden, width)?;

@@ -47,6 +47,11 @@ pub struct BenchArgs {
     /// step to copy.
     #[arg(long)]
     pub step_logits: bool,
+    /// `--synthetic flash`: decode steps draw every row's token on the device at temperature
+    /// 0.7 and top-p 0.95 (a sampled request without a host pass, as `serve` runs it: only ids
+    /// cross), instead of its greedy argmax.
+    #[arg(long)]
+    pub step_sample: bool,
     #[arg(long, default_value_t = 512)]
     pub prompt_len: usize,
     #[arg(long, default_value_t = 32)]

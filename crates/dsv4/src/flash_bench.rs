@@ -7,7 +7,7 @@ use crate::cli_util::parse_list;
 use anyhow::{bail, Context, Result};
 use dsv4_backend::cuda::CudaBackend;
 use dsv4_backend::synth::synth_weights;
-use dsv4_backend::{Batch, Model, Outputs, Row, StepPath, StepPlan};
+use dsv4_backend::{Batch, Draw, Model, Outputs, Row, StepPath, StepPlan};
 use dsv4_model::{AttnKind, Config, PackedFormat};
 use std::time::Instant;
 
@@ -241,7 +241,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "decode: {max_b} sequences at context {dctx} ({} prefilled, the rest cloned) in {:.1} s; steps return {}",
         prefilled.len(),
         t0.elapsed().as_secs_f64(),
-        if a.step_logits { "every row's logits (--step-logits)" } else { "greedy ids" }
+        match (a.step_logits, a.step_sample) {
+            (true, _) => "every row's logits (--step-logits)",
+            (false, true) => "ids drawn on the device at temperature 0.7, top-p 0.95 (--step-sample)",
+            _ => "greedy ids",
+        }
     );
     let mut pos = vec![dctx; max_b];
     let drafts = if a.verify_drafts.trim().is_empty() {
@@ -291,7 +295,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
             let all: Vec<usize> = (0..bs).collect();
             let batch = Batch::new(rows)?;
             let logits = if a.step_logits { all.len() } else { 0 };
-            let out = m.step(&StepPlan { batch: &batch, outputs: Outputs { out_rows: &all, taps: &[] }, logits })?;
+            let draws: Vec<Draw> = if a.step_sample {
+                // A uniform a row and position (the engine takes it from the request's seed).
+                let u =
+                    |i: usize| ((pos[i] as u64 * 2_654_435_761 + i as u64 * 40_503) % 1_000_003) as f64 / 1_000_003.0;
+                (0..bs).map(|i| Draw { temperature: 0.7, top_p: 0.95, u: u(i), ..Draw::GREEDY }).collect()
+            } else {
+                Vec::new()
+            };
+            let outputs = Outputs { out_rows: &all, taps: &[] };
+            let out = m.step(&StepPlan { batch: &batch, outputs, logits, draws: &draws })?;
             // As the engine does: the logits' pages serve the next step's download.
             m.recycle(out.logits);
             for p in pos.iter_mut().take(bs) {
@@ -352,7 +365,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         results.push(serde_json::json!({"kind": "decode", "batch": bs, "context": dctx, "ms_per_step": st * 1e3,
             "tokens_per_s": tps, "tokens_per_s_43_layers": tps43, "weight_bytes": wbytes, "kv_bytes": kvb,
             "hbm_fraction": frac, "step_kernels": kernels, "decode_fusions": fused,
-            "step_logits": a.step_logits}));
+            "step_logits": a.step_logits, "step_sample": a.step_sample}));
     }
 
     if std::env::var_os("DSV4_PROFILE").is_some() {
@@ -407,8 +420,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 let all: Vec<usize> = (0..rows.len()).collect();
                 let batch = Batch::new(rows)?;
                 let logits = if a.step_logits { all.len() } else { 0 };
-                let out =
-                    m.step(&StepPlan { batch: &batch, outputs: Outputs { out_rows: &all, taps: &[] }, logits })?;
+                let out = m.step(&StepPlan {
+                    batch: &batch,
+                    outputs: Outputs { out_rows: &all, taps: &[] },
+                    logits,
+                    draws: &[],
+                })?;
                 m.recycle(out.logits);
                 for i in 0..bs {
                     m.truncate(seqs[i], pos[i] + 1)?;
@@ -635,7 +652,12 @@ fn measured_rounds(
             .collect();
         let all: Vec<usize> = (0..rows.len()).collect();
         let batch = Batch::new(rows)?;
-        let out = t.m.step(&StepPlan { batch: &batch, outputs: Outputs { out_rows: &all, taps: &taps }, logits: 0 })?;
+        let out = t.m.step(&StepPlan {
+            batch: &batch,
+            outputs: Outputs { out_rows: &all, taps: &taps },
+            logits: 0,
+            draws: &[],
+        })?;
         let committed: Vec<Vec<(usize, &[f32])>> = (0..bs)
             .map(|i| {
                 (0..tau).map(|k| (t.pos[i] + k, &out.hidden[(i * tau + k) * hw..(i * tau + k + 1) * hw])).collect()

@@ -39,11 +39,6 @@ fn kernels(b: &CudaBackend) -> Arc<DsparkKernels> {
     k
 }
 
-/// Loads this module's kernels on `b`'s device now (before a recording that launches them).
-pub(crate) fn preload(b: &CudaBackend) {
-    kernels(b);
-}
-
 pub(crate) fn to_device(b: &CudaBackend, rows: usize, cols: usize, data: &[f32]) -> CudaTensor {
     assert_eq!(data.len(), rows * cols, "to_device shape");
     let mut t = b.tensor(rows, cols);
@@ -91,7 +86,7 @@ pub(crate) fn argmax_rows(b: &CudaBackend, x: &CudaTensor) -> Vec<u32> {
 }
 
 /// `out[r]` = the first index of the maximum of row `r` of `x [rows, cols]`, queued on the
-/// stream (recorded steps write their greedy ids with it).
+/// stream.
 pub(crate) fn argmax_into(b: &CudaBackend, out: &mut CudaSlice<u32>, x: &CudaSlice<f32>, rows: usize, cols: usize) {
     assert!(out.len() >= rows && x.len() >= rows * cols, "argmax_into shape");
     if rows == 0 {

@@ -15,12 +15,14 @@
 //!   memory mapped between replays, so a replay allocates nothing), and its logits are copied
 //!   into the step's own output buffer with a nonfinite flag beside them.
 
+use super::launch::Kernel;
 use super::state::CudaCache;
 use super::{ck, CudaBackend, CudaTensor};
 use crate::backend::StepResult;
 use crate::batch::Batch;
+use crate::draw::{Draw, DRAW_WORDS};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaGraph, CudaSlice, PinnedHostSlice};
+use cudarc::driver::{CudaGraph, CudaSlice, CudaView, LaunchConfig, PinnedHostSlice};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -66,11 +68,12 @@ pub(crate) fn row_table(batch: &Batch, v: &mut [u32]) {
 pub(crate) struct StepIo {
     /// Staging for the inputs; its own event makes a rewrite wait for the last copy out of it.
     host: PinnedHostSlice<u32>,
-    /// The row table (`6·rows`) then the output rows (`out`).
+    /// The row table (`6·rows`), the output rows (`out`), then each output row's draw
+    /// (`DRAW_WORDS·out`, `draw.cu`'s layout).
     pub(crate) dev: Arc<CudaSlice<u32>>,
     /// The logits `[out, cols]` the replay writes.
     logits: CudaSlice<f32>,
-    /// Each output row's argmax (greedy ids: what crosses to the host when no logits do).
+    /// Each output row's token under its draw (what crosses to the host when no logits do).
     ids: CudaSlice<u32>,
     /// The tapped stream means `[rows, hidden_cols]` (DSpark's `main_hidden`).
     hidden: CudaSlice<f32>,
@@ -150,13 +153,14 @@ impl CudaBackend {
     }
 
     /// Copies a step's inputs into its persistent buffers (one stream-ordered copy).
-    pub(crate) fn stage(&self, batch: &Batch, out_rows: &[usize], cols: usize, hidden_cols: usize) {
+    pub(crate) fn stage(&self, batch: &Batch, out_rows: &[usize], draws: &[Draw], cols: usize, hidden_cols: usize) {
         let (n, no) = (batch.len(), out_rows.len());
+        let len = 6 * n + no + DRAW_WORDS * no;
         let mut st = self.steps.lock().unwrap();
         let io = st.io.entry((n, no, hidden_cols)).or_insert_with(|| StepIo {
             // SAFETY: written below before any copy reads it.
-            host: ck(unsafe { self.ctx.alloc_pinned::<u32>(6 * n + no) }, "pin step inputs"),
-            dev: Arc::new(self.alloc::<u32>(6 * n + no)),
+            host: ck(unsafe { self.ctx.alloc_pinned::<u32>(len) }, "pin step inputs"),
+            dev: Arc::new(self.alloc::<u32>(len)),
             logits: self.alloc::<f32>(no * cols),
             ids: self.alloc::<u32>(no),
             hidden: self.alloc::<f32>(n * hidden_cols),
@@ -166,9 +170,10 @@ impl CudaBackend {
         // was read back).
         let v = ck(io.host.as_mut_slice(), "step staging");
         row_table(batch, &mut v[..6 * n]);
-        for (d, &r) in v[6 * n..].iter_mut().zip(out_rows) {
+        for (d, &r) in v[6 * n..6 * n + no].iter_mut().zip(out_rows) {
             *d = r as u32;
         }
+        draw_table(draws, &mut v[6 * n + no..len]);
         let dev = Arc::get_mut(&mut io.dev).expect("a step's inputs are staged while no forward holds them");
         ck(self.stream.memcpy_htod(&io.host, dev), "stage step inputs");
     }
@@ -178,9 +183,6 @@ impl CudaBackend {
         if st.recording.is_some() || !st.io.contains_key(&(rows, out, hidden_cols)) {
             return false;
         }
-        // The argmax kernel's module is loaded on first use: load it now, outside the capture
-        // (a module load inside it could end the capture).
-        super::dspark::preload(self);
         if let Err(e) = self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) {
             tracing::warn!("CUDA graph capture could not start: {e:?}");
             return false;
@@ -207,7 +209,8 @@ impl CudaBackend {
                 ck(self.stream.memcpy_dtod(&logits.data.slice(..len), &mut io.logits), "copy step logits");
                 ck(self.stream.memset_zeros(&mut io.flag), "clear step flag");
                 super::bf16::probe_into(self, &mut io.flag, 0, &io.logits, len, logits.cols);
-                super::dspark::argmax_into(self, &mut io.ids, &io.logits, logits.rows, logits.cols);
+                let table = io.dev.slice(6 * key.0 + key.1..);
+                draw_into(self, &mut io.ids, &io.logits, Some(&table), logits.rows, logits.cols);
             }
             if let Some(h) = &hidden {
                 if hidden_len > 0 {
@@ -268,13 +271,65 @@ impl CudaBackend {
         cache: &mut CudaCache,
         batch: &Batch,
         out_rows: &[usize],
+        draws: &[Draw],
         cols: usize,
         hidden_cols: usize,
     ) -> u64 {
         cache.reserve_batch(self, batch);
         cache.note_written(batch);
-        self.stage(batch, out_rows, cols, hidden_cols);
+        self.stage(batch, out_rows, draws, cols, hidden_cols);
         // The state's buffers and the kernel settings: a change of either records anew.
         cache.generation ^ self.settings_epoch().wrapping_mul(0x9E37_79B9_7F4A_7C15)
     }
+}
+
+/// Writes each output row's draw into `v` (`DRAW_WORDS` words a row; rows past `draws` greedy).
+fn draw_table(draws: &[Draw], v: &mut [u32]) {
+    for (i, w) in v.chunks_exact_mut(DRAW_WORDS).enumerate() {
+        w.copy_from_slice(&draws.get(i).unwrap_or(&Draw::GREEDY).words());
+    }
+}
+
+/// `out[r]` = row `r`'s token under its draw in `table` (`draw.cu`; `None`: every row greedy),
+/// for `x [rows, cols]`, queued on the stream (recorded steps write their ids with it).
+pub(crate) fn draw_into(
+    b: &CudaBackend,
+    out: &mut CudaSlice<u32>,
+    x: &CudaSlice<f32>,
+    table: Option<&CudaView<'_, u32>>,
+    rows: usize,
+    cols: usize,
+) {
+    assert!(out.len() >= rows && x.len() >= rows * cols, "draw_into shape");
+    assert!(table.is_none_or(|t| t.len() >= rows * DRAW_WORDS), "draw_into: draw table");
+    if rows == 0 {
+        return;
+    }
+    let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+    let null = 0u64;
+    let mut l = b.stream.kernel(&b.k.draw_rows);
+    l.arg(out).arg(x);
+    match table {
+        Some(t) => l.arg(t),
+        None => l.arg(&null),
+    };
+    // SAFETY: argument types and sizes match the kernel's signature (a null table pointer
+    // means greedy rows); sizes checked above.
+    ck(unsafe { l.arg(&(cols as i32)).launch(cfg) }, "draw_rows");
+}
+
+/// Each row's token of `x` under `draws` on the host (an eager step's ids).
+pub(crate) fn draw_rows(b: &CudaBackend, x: &CudaTensor, draws: &[Draw]) -> Vec<u32> {
+    if x.rows == 0 {
+        return Vec::new();
+    }
+    let mut out = b.alloc::<u32>(x.rows);
+    let mut words = vec![0u32; x.rows * DRAW_WORDS];
+    draw_table(draws, &mut words);
+    let table = b.upload_u32(&words);
+    draw_into(b, &mut out, &x.data, Some(&table.slice(..)), x.rows, x.cols);
+    let mut v = ck(b.stream.clone_dtoh(&out), "download draws");
+    ck(b.stream.synchronize(), "synchronize");
+    v.truncate(x.rows);
+    v
 }

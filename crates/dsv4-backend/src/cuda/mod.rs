@@ -220,6 +220,8 @@ pub(crate) struct Kernels {
     pub gemvt16_bf16: CudaFunction,
     /// `gemvt_bf16`'s bits, software-pipelined (`DSV4_GEMVT_PIPE=1`, bf16.rs `gemvt_pipe`).
     pub gemvtp_bf16: CudaFunction,
+    /// A step's token per output row (`draw.cu`).
+    pub draw_rows: CudaFunction,
     pub cast_bf16: CudaFunction,
     pub moe_sort: CudaFunction,
     pub moe_gather_bf16: CudaFunction,
@@ -390,12 +392,13 @@ pub fn compile_kernels() -> Result<(), CudaInitError> {
     Ok(())
 }
 
-const SOURCES: [(&str, &str); 5] = [
+const SOURCES: [(&str, &str); 6] = [
     ("dense.cu", include_str!("kernels/dense.cu")),
     ("hc.cu", include_str!("kernels/hc.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
     ("moe.cu", include_str!("kernels/moe.cu")),
     ("bf16.cu", include_str!("kernels/bf16.cu")),
+    ("draw.cu", include_str!("kernels/draw.cu")),
 ];
 
 /// PTX of each kernel file, compiled once per process (later backends only load it).
@@ -504,6 +507,7 @@ impl Kernels {
             ],
         )?;
         let m = compile(ctx, 3, &["route", "moe_up", "moe_down", "moe_combine"])?;
+        let dr = compile(ctx, 5, &["draw_rows"])?;
         let mut bf = compile(
             ctx,
             4,
@@ -527,6 +531,7 @@ impl Kernels {
         let mut h = h.into_iter();
         let mut a = a.into_iter();
         let mut m = m.into_iter();
+        let mut dr = dr.into_iter();
         let n = |it: &mut std::vec::IntoIter<CudaFunction>| it.next().unwrap();
         Ok(Kernels {
             gather_rows: n(&mut d),
@@ -580,6 +585,7 @@ impl Kernels {
             gemvt_bf16: n(&mut bf),
             gemvt16_bf16: n(&mut bf),
             gemvtp_bf16: n(&mut bf),
+            draw_rows: n(&mut dr),
         })
     }
 }
@@ -2680,10 +2686,11 @@ impl Backend for CudaBackend {
         cache: &mut CudaCache,
         batch: &Batch,
         out_rows: &[usize],
+        draws: &[crate::draw::Draw],
         cols: usize,
         hidden_cols: usize,
     ) -> u64 {
-        CudaBackend::prepare_step(self, cache, batch, out_rows, cols, hidden_cols)
+        CudaBackend::prepare_step(self, cache, batch, out_rows, draws, cols, hidden_cols)
     }
 
     fn begin_record(&self, rows: usize, out: usize, hidden_cols: usize) -> bool {
@@ -2728,6 +2735,10 @@ impl Backend for CudaBackend {
 
     fn argmax_rows(&self, x: &CudaTensor) -> Vec<u32> {
         dspark::argmax_rows(self, x)
+    }
+
+    fn draw_rows(&self, x: &CudaTensor, draws: &[crate::draw::Draw]) -> Vec<u32> {
+        graph::draw_rows(self, x, draws)
     }
 }
 
