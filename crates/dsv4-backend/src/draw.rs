@@ -4,7 +4,7 @@
 //! and defines its arithmetic.
 //!
 //! The distribution is the engine's host sampler's (`dsv4_engine::Sampler`): weights
-//! `exp((v − max) / T)` in f64; top-k keeps the k best by (value, then lowest id); top-p the
+//! `exp((v − max) / T)` in f64 (here times `1 / T`, within an ulp); top-k keeps the k best by (value, then lowest id); top-p the
 //! shortest best-first prefix whose mass reaches `top_p`; min-p the tokens whose weight is at
 //! least `min_p` times the best one's; the draw walks the kept tokens best-first (in id order
 //! when no filter is set) until its uniform `u` times their mass is reached. What differs is
@@ -53,6 +53,9 @@ impl Draw {
 /// `u32` words a row takes in the device's draw table.
 pub const DRAW_WORDS: usize = 6;
 
+/// The widest row the device draws: its histograms sum a weight's 12-bit limbs in `u32`s.
+pub const DRAW_MAX_COLS: usize = 1 << 20;
+
 /// One unit of weight: the best token weighs `2^46` (a vocabulary's sum stays below 2⁶³).
 const ONE: f64 = (1u64 << 46) as f64;
 
@@ -67,9 +70,15 @@ pub fn key(v: f32) -> u32 {
     }
 }
 
-/// A token's weight in units of 2⁻⁴⁶: `exp((v − m) / t)`, rounded to the nearest unit.
-pub fn weight(v: f32, m: f32, t: f64) -> u64 {
-    (((v as f64 - m as f64) / t).exp() * ONE + 0.5) as u64
+/// A token's weight in units of 2⁻⁴⁶: `exp((v − m) · inv_t)` (`inv_t = 1 / T`: a product per
+/// token, not a division), rounded to the nearest unit. Below −33 the rounding gives 0 whatever
+/// `exp`'s last bit, so it is not called there (most of a real model's vocabulary).
+pub fn weight(v: f32, m: f32, inv_t: f64) -> u64 {
+    let x = (v as f64 - m as f64) * inv_t;
+    if x < -33.0 {
+        return 0;
+    }
+    (x.exp() * ONE + 0.5) as u64
 }
 
 /// The first index of the largest value (NaN never wins; a row of NaN gives 0): the greedy
@@ -87,12 +96,12 @@ pub fn argmax(row: &[f32]) -> u32 {
 /// The token of `row` under `d` (see the module doc for the arithmetic the device repeats).
 pub fn draw_row(row: &[f32], d: &Draw) -> u32 {
     let best = argmax(row);
-    let t = d.temperature as f64;
     let m = row.get(best as usize).copied().unwrap_or(0.0);
-    if t <= 0.0 || row.is_empty() || !m.is_finite() {
+    if d.temperature <= 0.0 || row.is_empty() || !m.is_finite() {
         return best;
     }
-    let w = |v: f32| weight(v, m, t);
+    let inv_t = 1.0 / d.temperature as f64;
+    let w = |v: f32| weight(v, m, inv_t);
     if !d.sorted() {
         let total: u64 = row.iter().map(|&v| w(v)).sum();
         let r = target(d.u, total);

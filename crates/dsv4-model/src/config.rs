@@ -482,6 +482,11 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let pos = |field: &str, v: usize| if v == 0 { Err(field_err(field, "must be > 0")) } else { Ok(()) };
         pos("vocab_size", self.vocab_size)?;
+        // A step's token is drawn where its logits are; the device draw's sums hold 2^20 tokens
+        // (dsv4_backend::draw), V4's vocabulary 129,280.
+        if self.vocab_size > 1 << 20 {
+            return Err(field_err("vocab_size", "must be at most 1048576"));
+        }
         pos("hidden_size", self.hidden)?;
         pos("num_attention_heads", self.n_heads)?;
         pos("head_dim", self.head_dim)?;

@@ -20,7 +20,7 @@ use super::state::CudaCache;
 use super::{ck, CudaBackend, CudaTensor};
 use crate::backend::StepResult;
 use crate::batch::Batch;
-use crate::draw::{Draw, DRAW_WORDS};
+use crate::draw::{Draw, DRAW_MAX_COLS, DRAW_WORDS};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice, CudaView, LaunchConfig, PinnedHostSlice};
 use std::collections::HashMap;
@@ -145,11 +145,11 @@ impl CudaBackend {
         Some(st.io[&key].dev.clone())
     }
 
-    /// The recorded step's whole input buffer (its last `out` entries are the output rows).
-    pub(crate) fn recorded_out_rows(&self, out: usize) -> Option<Arc<CudaSlice<u32>>> {
+    /// The recorded step's whole input buffer and where its `out` output rows start in it.
+    pub(crate) fn recorded_out_rows(&self, out: usize) -> Option<(Arc<CudaSlice<u32>>, usize)> {
         let st = self.steps.lock().unwrap();
         let key = st.recording.filter(|k| k.1 == out)?;
-        Some(st.io[&key].dev.clone())
+        Some((st.io[&key].dev.clone(), 6 * key.0))
     }
 
     /// Copies a step's inputs into its persistent buffers (one stream-ordered copy).
@@ -301,6 +301,10 @@ pub(crate) fn draw_into(
     cols: usize,
 ) {
     assert!(out.len() >= rows && x.len() >= rows * cols, "draw_into shape");
+    assert!(
+        cols <= DRAW_MAX_COLS,
+        "draw_into: a vocabulary of {cols} tokens is past the device draw's {DRAW_MAX_COLS}"
+    );
     assert!(table.is_none_or(|t| t.len() >= rows * DRAW_WORDS), "draw_into: draw table");
     if rows == 0 {
         return;

@@ -2234,9 +2234,8 @@ impl Backend for CudaBackend {
 
     fn select_rows(&self, x: &CudaTensor, rows: &[usize]) -> CudaTensor {
         let mut out = self.tensor(rows.len(), x.cols);
-        if let Some(idx) = self.recorded_out_rows(rows.len()) {
-            let n = idx.len() - rows.len();
-            self.gather(&out, &x.data, &idx.as_ref().slice(n..), rows.len(), x.cols);
+        if let Some((idx, at)) = self.recorded_out_rows(rows.len()) {
+            self.gather(&out, &x.data, &idx.as_ref().slice(at..at + rows.len()), rows.len(), x.cols);
         } else if rows.iter().copied().eq(0..x.rows) {
             ck(self.stream.memcpy_dtod(&x.data.slice(..x.rows * x.cols), &mut out.data), "copy rows");
         } else if !rows.is_empty() {

@@ -12,6 +12,12 @@
 #define DRAW_THREADS 1024
 #define DRAW_WORDS 6
 #define DRAW_ONE 70368744177664.0 // 2^46
+// Histogram bins a radix pass (11, 11 and 10 bits of the order key), and a weight's 12-bit limbs
+// (48 bits hold 2^46): each limb of a bin sums in a u32 below 2^32 for up to 2^20 tokens (the
+// host checks the width), so the passes use the native 32-bit shared atomics, not a 64-bit
+// compare-and-swap loop (1.8x slower a top-p draw on the H100, where many tokens share a bin).
+#define DRAW_BINS 2048
+#define DRAW_LIMBS 4
 typedef unsigned long long u64;
 
 __device__ __forceinline__ unsigned draw_key(float v) {
@@ -19,8 +25,12 @@ __device__ __forceinline__ unsigned draw_key(float v) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-__device__ __forceinline__ u64 draw_weight(float v, float m, double t) {
-    return (u64)(exp(((double)v - (double)m) / t) * DRAW_ONE + 0.5);
+// exp((v - m) / t) in units of 2^-46 (inv_t = 1 / t): below -33 the rounding gives 0 anyway,
+// so the exp is skipped there.
+__device__ __forceinline__ u64 draw_weight(float v, float m, double inv_t) {
+    double x = ((double)v - (double)m) * inv_t;
+    if (x < -33.0) return 0;
+    return (u64)(exp(x) * DRAW_ONE + 0.5);
 }
 
 // The kept tokens: two best-first prefixes (key > kc, or key == kc and id <= ic: the whole
@@ -36,12 +46,29 @@ __device__ __forceinline__ bool draw_in_prefix(unsigned k, int i, unsigned kc, i
 }
 
 // A token's measure in `s` (0: not in it): 1 when counting, else its weight.
-__device__ __forceinline__ u64 draw_measure(float v, unsigned k, int i, const DrawSet& s, bool mass, float m, double t) {
+__device__ __forceinline__ u64 draw_measure(float v, unsigned k, int i, const DrawSet& s, bool mass, float m,
+                                            double inv_t) {
     if (!draw_in_prefix(k, i, s.kc, s.ic) || !draw_in_prefix(k, i, s.pc, s.pi)) return 0;
     if (!mass && s.floor == 0) return 1;
-    u64 w = draw_weight(v, m, t);
+    u64 w = draw_weight(v, m, inv_t);
     if (w < s.floor) return 0;
     return mass ? w : 1;
+}
+
+// Where a select stops, given the total measure of its set: a fixed position (top-k), the
+// first position whose running mass reaches top_p of the total (draw.rs: ceil), or the draw's
+// (draw.rs `target`).
+struct DrawTarget {
+    int mode; // 0 fixed, 1 top-p, 2 draw
+    u64 fixed;
+    double x;
+};
+
+__device__ __forceinline__ u64 draw_resolve(const DrawTarget& t, u64 total) {
+    if (t.mode == 0) return t.fixed;
+    if (t.mode == 1) return (u64)ceil(t.x * (double)total);
+    u64 r = (u64)floor(t.x * (double)total) + 1;
+    return r < total ? r : total;
 }
 
 // Inclusive block-wide prefix sum of v in thread order; sh[32] then holds the block's total.
@@ -69,38 +96,29 @@ __device__ u64 draw_scan(u64 v, u64* sh) {
     return v;
 }
 
-// The measure of `s` over the row, on every thread.
-__device__ u64 draw_total(const float* row, int cols, const DrawSet& s, float m, double t, u64* sh) {
-    u64 acc = 0;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float v = row[i];
-        acc += draw_measure(v, draw_key(v), i, s, true, m, t);
-    }
-    draw_scan(acc, sh);
-    return sh[32];
-}
-
 // In id order over the tokens of `s` (with key == key_eq when use_key), the first whose running
-// measure reaches `target`; -1 if none does. Each thread walks a contiguous run of ids.
-__device__ int draw_find_in_order(const float* row, int cols, const DrawSet& s, bool mass, float m, double t,
-                                  bool use_key, unsigned key_eq, u64 target, u64* sh, int* found) {
+// measure reaches the target (resolved on the set's total); -1 if none does. Each thread walks
+// a contiguous run of ids.
+__device__ int draw_find_in_order(const float* row, int cols, const DrawSet& s, bool mass, float m, double inv_t,
+                                  bool use_key, unsigned key_eq, DrawTarget tg, u64* sh, int* found) {
     int c = (cols + blockDim.x - 1) / blockDim.x;
     int i0 = threadIdx.x * c, i1 = min(cols, i0 + c);
     u64 sum = 0;
     for (int i = i0; i < i1; i++) {
         float v = row[i];
         unsigned k = draw_key(v);
-        if (!use_key || k == key_eq) sum += draw_measure(v, k, i, s, mass, m, t);
+        if (!use_key || k == key_eq) sum += draw_measure(v, k, i, s, mass, m, inv_t);
     }
     if (threadIdx.x == 0) *found = -1;
     u64 incl = draw_scan(sum, sh);
+    u64 target = draw_resolve(tg, sh[32]);
     if (sum > 0 && incl >= target && incl - sum < target) {
         u64 acc = incl - sum;
         for (int i = i0; i < i1; i++) {
             float v = row[i];
             unsigned k = draw_key(v);
             if (use_key && k != key_eq) continue;
-            acc += draw_measure(v, k, i, s, mass, m, t);
+            acc += draw_measure(v, k, i, s, mass, m, inv_t);
             if (acc >= target) {
                 *found = i;
                 break;
@@ -113,23 +131,29 @@ __device__ int draw_find_in_order(const float* row, int cols, const DrawSet& s, 
     return r;
 }
 
-// The token at the best-first position of `s` where the running measure reaches `target`
-// (1 <= target <= the measure of s): its key in *key, its id returned (-1: none, a bug).
-__device__ int draw_select(const float* row, int cols, const DrawSet& s, bool mass, float m, double t, u64 target,
-                           u64* hist, u64* sh, int* found, u64* above, unsigned* key) {
+// The token at the best-first position of `s` where the running measure reaches the target
+// (resolved on the set's total, the first pass's sum): its key in *key, its id returned (-1:
+// none, a bug).
+__device__ int draw_select(const float* row, int cols, const DrawSet& s, bool mass, float m, double inv_t,
+                           DrawTarget tg, unsigned (*hist)[DRAW_BINS], u64* sh, int* found, u64* above,
+                           unsigned* key) {
     unsigned prefix = 0, pmask = 0;
-    const int shifts[3] = {20, 8, 0}, widths[3] = {12, 12, 8};
+    const int shifts[3] = {21, 10, 0}, widths[3] = {11, 11, 10};
+    u64 target = 0;
     for (int pass = 0; pass < 3; pass++) {
         int shift = shifts[pass], nb = 1 << widths[pass];
-        for (int b = threadIdx.x; b < nb; b += blockDim.x) hist[b] = 0;
+        for (int b = threadIdx.x; b < nb; b += blockDim.x)
+            for (int j = 0; j < DRAW_LIMBS; j++) hist[j][b] = 0;
         if (threadIdx.x == 0) *found = -1;
         __syncthreads();
         for (int i = threadIdx.x; i < cols; i += blockDim.x) {
             float v = row[i];
             unsigned k = draw_key(v);
             if ((k & pmask) != prefix) continue;
-            u64 x = draw_measure(v, k, i, s, mass, m, t);
-            if (x) atomicAdd(&hist[(k >> shift) & (nb - 1)], x);
+            u64 x = draw_measure(v, k, i, s, mass, m, inv_t);
+            unsigned b = (k >> shift) & (nb - 1);
+            for (int j = 0; j < DRAW_LIMBS && x; j++, x >>= 12)
+                if (x & 0xfff) atomicAdd(&hist[j][b], (unsigned)(x & 0xfff));
         }
         // Bins best first: thread j holds bins [nb - (j+1)c, nb - jc), c = nb / threads (>= 1).
         int c = max(1, nb / (int)blockDim.x);
@@ -137,12 +161,15 @@ __device__ int draw_select(const float* row, int cols, const DrawSet& s, bool ma
         __syncthreads();
         u64 sum = 0;
         if (lo >= 0)
-            for (int q = 0; q < c; q++) sum += hist[lo + q];
+            for (int q = 0; q < c; q++)
+                for (int j = 0; j < DRAW_LIMBS; j++) sum += (u64)hist[j][lo + q] << (12 * j);
         u64 incl = draw_scan(sum, sh);
+        if (pass == 0) target = draw_resolve(tg, sh[32]);
         if (lo >= 0 && sum > 0 && incl >= target && incl - sum < target) {
             u64 acc = incl - sum;
             for (int q = c - 1; q >= 0; q--) {
-                u64 h = hist[lo + q];
+                u64 h = 0;
+                for (int j = 0; j < DRAW_LIMBS; j++) h += (u64)hist[j][lo + q] << (12 * j);
                 if (acc + h >= target) {
                     *found = lo + q;
                     *above = acc;
@@ -161,13 +188,8 @@ __device__ int draw_select(const float* row, int cols, const DrawSet& s, bool ma
         target -= a;
     }
     *key = prefix;
-    return draw_find_in_order(row, cols, s, mass, m, t, true, prefix, target, sh, found);
-}
-
-// The draw's position in a kept mass (draw.rs `target`).
-__device__ __forceinline__ u64 draw_target(double u, u64 mass) {
-    u64 r = (u64)floor(u * (double)mass) + 1;
-    return r < mass ? r : mass;
+    DrawTarget rest = {0, target, 0.0};
+    return draw_find_in_order(row, cols, s, mass, m, inv_t, true, prefix, rest, sh, found);
 }
 
 // out[r] = row r's token (draw.rs draw_row): the first index of the maximum when greedy (NaN
@@ -175,7 +197,7 @@ __device__ __forceinline__ u64 draw_target(double u, u64 mass) {
 extern "C" __global__ void __launch_bounds__(DRAW_THREADS) draw_rows(unsigned* out, const float* x,
                                                                    const unsigned* draws, int cols) {
     pdl_enter();
-    __shared__ u64 hist[4096];
+    __shared__ unsigned hist[DRAW_LIMBS][DRAW_BINS];
     __shared__ u64 sh[33];
     __shared__ float sv[32];
     __shared__ int si[32];
@@ -226,33 +248,32 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS) draw_rows(unsigned* o
     unsigned top_k = p[1];
     float top_p = __uint_as_float(p[2]), min_p = __uint_as_float(p[3]);
     double u = __hiloint2double((int)p[5], (int)p[4]);
-    double t = (double)temp;
+    double inv_t = 1.0 / (double)temp;
     DrawSet s = {0u, 0u, 0x7fffffff, 0x7fffffff, 0ull};
+    DrawTarget draw = {2, 0, u};
     int tok;
     if (top_k == 0 && !(top_p < 1.0f) && !(min_p > 0.0f)) {
         // No filter: the draw walks the whole row in id order.
-        u64 total = draw_total(row, cols, s, bv, t, sh);
-        tok = draw_find_in_order(row, cols, s, true, bv, t, false, 0, draw_target(u, total), sh, &found);
+        tok = draw_find_in_order(row, cols, s, true, bv, inv_t, false, 0, draw, sh, &found);
     } else {
         tok = 0;
         if (top_k > 0 && top_k < (unsigned)cols) {
-            int id = draw_select(row, cols, s, false, bv, t, top_k, hist, sh, &found, &above, &skey);
+            DrawTarget k = {0, top_k, 0.0};
+            int id = draw_select(row, cols, s, false, bv, inv_t, k, hist, sh, &found, &above, &skey);
             s.kc = skey;
             s.ic = id;
             tok = id < 0 ? -1 : 0;
         }
         if (tok >= 0 && top_p < 1.0f) {
-            u64 total = draw_total(row, cols, s, bv, t, sh);
-            u64 cut = (u64)ceil((double)top_p * (double)total);
-            int id = draw_select(row, cols, s, true, bv, t, cut, hist, sh, &found, &above, &skey);
+            DrawTarget cut = {1, 0, (double)top_p};
+            int id = draw_select(row, cols, s, true, bv, inv_t, cut, hist, sh, &found, &above, &skey);
             s.pc = skey;
             s.pi = id;
             tok = id < 0 ? -1 : 0;
         }
         if (tok >= 0) {
             s.floor = min_p > 0.0f ? (u64)ceil((double)min_p * DRAW_ONE) : 0ull;
-            u64 mass = draw_total(row, cols, s, bv, t, sh);
-            tok = draw_select(row, cols, s, true, bv, t, draw_target(u, mass), hist, sh, &found, &above, &skey);
+            tok = draw_select(row, cols, s, true, bv, inv_t, draw, hist, sh, &found, &above, &skey);
         }
     }
     if (threadIdx.x == 0) out[blockIdx.x] = (unsigned)(tok < 0 ? best : tok);
