@@ -833,7 +833,8 @@ fn cuda_prefill_index_tc_matches_f32_kernel() {
 
 /// The device's token choice (`draw.cu`) is its CPU twin's (`draw::draw_row`) on every row:
 /// V4's vocabulary and small ones; uniform, tied, peaked and flat logits; greedy and every
-/// filter mix over a range of uniforms. The weights are integers, so the one possible
+/// filter mix over a range of uniforms (nearly flat rows take the kernel's sub-bins, rows of a
+/// few values its radix passes). The weights are integers, so the one possible
 /// difference is f64 `exp`'s last bit (CUDA's against the host libm's), which moves a token
 /// only when a draw falls within ~1e-15 of a boundary: none is expected here. Then the time of
 /// one launch at 1, 16 and 64 sampled rows of V4's vocabulary (a figure, not a check).
@@ -846,8 +847,12 @@ fn cuda_draws_match_the_cpu_twin() {
         s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         (s >> 11) as f64 / (1u64 << 53) as f64
     };
-    let params: [(f32, u32, f32, f32); 10] = [
+    // With T 0.05, top-k 300 can reach past every token within 33·T of the best (the kernel's
+    // value bins): it then keeps the whole row.
+    let params: [(f32, u32, f32, f32); 12] = [
         (0.0, 0, 1.0, 0.0),
+        (0.05, 300, 1.0, 0.0),
+        (0.05, 20, 0.9, 0.0),
         (1.0, 0, 1.0, 0.0),
         (0.7, 40, 1.0, 0.0),
         (1.0, 0, 0.9, 0.0),
@@ -862,7 +867,7 @@ fn cuda_draws_match_the_cpu_twin() {
     for cols in [129_280usize, 1000, 7] {
         let mut data = Vec::new();
         let mut draws = Vec::new();
-        for kind in 0..4 {
+        for kind in 0..5 {
             for &(temperature, top_k, top_p, min_p) in &params {
                 let row: Vec<f32> = (0..cols)
                     .map(|i| match kind {
@@ -870,7 +875,9 @@ fn cuda_draws_match_the_cpu_twin() {
                         1 => (((next() * 40.0).round() - 20.0) * 0.25) as f32,
                         2 if i % 101 == 3 => (15.0 + next()) as f32,
                         2 => (next() * 30.0 - 25.0) as f32,
-                        _ => (next() * 0.01) as f32,
+                        3 => (next() * 0.01) as f32,
+                        // Five values: ties past any bin's room (the radix passes).
+                        _ => ((next() * 4.0).round() - 2.0) as f32,
                     })
                     .collect();
                 data.extend_from_slice(&row);

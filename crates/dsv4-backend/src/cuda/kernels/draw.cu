@@ -4,20 +4,24 @@
 // below is exact in any order: the block's reduction order never changes a token.
 //
 // draws: DRAW_WORDS u32 a row (temperature, top_k, top_p, min_p as f32 bits, then u's f64 bits,
-// low word first), or null: every row greedy. One block of DRAW_THREADS per row. The selects
-// find the token at a given position of the best-first order (value, then lowest id) by a radix
-// select over the value's order key (12, 12 and 8 bits), counting tokens (top-k) or summing
-// weights (top-p, the draw), then the tied tokens in id order.
+// low word first), or null: every row greedy. One block of DRAW_THREADS per row. A select finds
+// the token at a given position of the best-first order (value, then lowest id), counting
+// tokens (top-k) or summing weights (top-p, the draw): a histogram over value bins (x = (v - max)
+// / T in [-33, 0] cut in DRAW_VBINS; below -33 a weight is 0), the bin holding the position, its
+// tokens gathered into shared memory and ranked there. A bin of more than DRAW_CAP tokens (a
+// nearly flat row) is cut again into sub-bins, and one of near-ties takes radix passes over
+// the order key.
 
 #define DRAW_THREADS 1024
 #define DRAW_WORDS 6
 #define DRAW_ONE 70368744177664.0 // 2^46
-// Histogram bins a radix pass (11, 11 and 10 bits of the order key), and a weight's 12-bit limbs
-// (48 bits hold 2^46): each limb of a bin sums in a u32 below 2^32 for up to 2^20 tokens (the
-// host checks the width), so the passes use the native 32-bit shared atomics, not a 64-bit
-// compare-and-swap loop (1.8x slower a top-p draw on the H100, where many tokens share a bin).
-#define DRAW_BINS 2048
+// A weight's 12-bit limbs (48 bits hold 2^46): each limb of a bin sums in a u32 below 2^32 for up
+// to 2^20 tokens (the host checks the width), so the histograms use the native 32-bit shared
+// atomics, not a 64-bit compare-and-swap loop (1.8x slower a top-p draw on the H100).
 #define DRAW_LIMBS 4
+#define DRAW_VBINS 1024
+#define DRAW_CATCH DRAW_VBINS // the value bin below -33
+#define DRAW_CAP 1024
 typedef unsigned long long u64;
 
 __device__ __forceinline__ unsigned draw_key(float v) {
@@ -25,12 +29,23 @@ __device__ __forceinline__ unsigned draw_key(float v) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// exp((v - m) / t) in units of 2^-46 (inv_t = 1 / t): below -33 the rounding gives 0 anyway,
-// so the exp is skipped there.
-__device__ __forceinline__ u64 draw_weight(float v, float m, double inv_t) {
-    double x = ((double)v - (double)m) * inv_t;
+// x = (v - m) / t, as a product with inv_t = 1 / t.
+__device__ __forceinline__ double draw_x(float v, float m, double inv_t) { return ((double)v - (double)m) * inv_t; }
+
+// exp(x) in units of 2^-46: below -33 the rounding gives 0 anyway, so the exp is skipped there.
+__device__ __forceinline__ u64 draw_weight_x(double x) {
     if (x < -33.0) return 0;
     return (u64)(exp(x) * DRAW_ONE + 0.5);
+}
+
+__device__ __forceinline__ u64 draw_weight(float v, float m, double inv_t) { return draw_weight_x(draw_x(v, m, inv_t)); }
+
+// A token's value bin, best first (any function of x that never increases with it would do:
+// only a bin's members are ranked by value).
+__device__ __forceinline__ int draw_vbin(double x) {
+    if (x < -33.0) return DRAW_CATCH;
+    int b = (int)(-x * (DRAW_VBINS / 33.0));
+    return b < DRAW_VBINS - 1 ? b : DRAW_VBINS - 1;
 }
 
 // The kept tokens: two best-first prefixes (key > kc, or key == kc and id <= ic: the whole
@@ -131,65 +146,204 @@ __device__ int draw_find_in_order(const float* row, int cols, const DrawSet& s, 
     return r;
 }
 
+// A block's shared memory for the selects.
+struct DrawShared {
+    unsigned hist[DRAW_LIMBS][DRAW_VBINS];
+    int cand[DRAW_CAP];
+    unsigned ckey[DRAW_CAP];
+    u64 cmeas[DRAW_CAP];
+    u64 sh[33];
+    u64 above;
+    int found, n;
+    unsigned key;
+};
+
+__device__ __forceinline__ void draw_hist_add(DrawShared& S, int b, u64 x) {
+    for (int j = 0; j < DRAW_LIMBS && x; j++, x >>= 12)
+        if (x & 0xfff) atomicAdd(&S.hist[j][b], (unsigned)(x & 0xfff));
+}
+
+__device__ __forceinline__ u64 draw_hist_get(const DrawShared& S, int b) {
+    u64 h = 0;
+    for (int j = 0; j < DRAW_LIMBS; j++) h += (u64)S.hist[j][b] << (12 * j);
+    return h;
+}
+
+__device__ void draw_hist_clear(DrawShared& S, int nb) {
+    for (int b = threadIdx.x; b < nb; b += blockDim.x)
+        for (int j = 0; j < DRAW_LIMBS; j++) S.hist[j][b] = 0;
+}
+
+// Over the histogram's nb bins in best-first order (bin 0 first when `ascending`, else the last),
+// the bin where the running sum reaches the target (resolved on the bins' total when `tg` is
+// given, else *target); *target then holds what is left of it inside that bin. -1: the bins
+// hold less than the target.
+__device__ int draw_pick_bin(DrawShared& S, int nb, bool ascending, const DrawTarget* tg, u64* target) {
+    int c = max(1, nb / (int)blockDim.x);
+    int p0 = threadIdx.x * c;
+    u64 sum = 0;
+    for (int q = 0; q < c && p0 + q < nb; q++) sum += draw_hist_get(S, ascending ? p0 + q : nb - 1 - p0 - q);
+    if (threadIdx.x == 0) S.found = -1;
+    u64 incl = draw_scan(sum, S.sh);
+    u64 t = tg ? draw_resolve(*tg, S.sh[32]) : *target;
+    if (p0 < nb && sum > 0 && incl >= t && incl - sum < t) {
+        u64 acc = incl - sum;
+        for (int q = 0; q < c; q++) {
+            int b = ascending ? p0 + q : nb - 1 - p0 - q;
+            u64 h = draw_hist_get(S, b);
+            if (acc + h >= t) {
+                S.found = b;
+                S.above = acc;
+                break;
+            }
+            acc += h;
+        }
+    }
+    __syncthreads();
+    int b = S.found;
+    *target = t - (b >= 0 ? S.above : 0);
+    __syncthreads();
+    return b;
+}
+
+// A token's measure in `s` with its value bin (DRAW_CATCH: none to count).
+__device__ __forceinline__ u64 draw_measure_bin(float v, unsigned k, int i, const DrawSet& s, bool mass, float m,
+                                                double inv_t, int* vb) {
+    *vb = DRAW_CATCH;
+    if (!draw_in_prefix(k, i, s.kc, s.ic) || !draw_in_prefix(k, i, s.pc, s.pi)) return 0;
+    double x = draw_x(v, m, inv_t);
+    *vb = draw_vbin(x);
+    if (!mass && s.floor == 0) return 1;
+    u64 w = draw_weight_x(x);
+    if (w < s.floor) return 0;
+    return mass ? w : 1;
+}
+
+// A token's sub-bin inside value bin b (1024 of them, best first), for a crowded bin.
+__device__ __forceinline__ int draw_sbin(double x, int b) {
+    int sb = (int)((-x * (DRAW_VBINS / 33.0) - (double)b) * DRAW_VBINS);
+    return sb < 0 ? 0 : (sb < DRAW_VBINS - 1 ? sb : DRAW_VBINS - 1);
+}
+
+// Whether a token of value x is in bin b and, where sb >= 0, in its sub-bin sb.
+__device__ __forceinline__ bool draw_in_bin(double x, int b, int sb) {
+    return draw_vbin(x) == b && (sb < 0 || draw_sbin(x, b) == sb);
+}
+
+// The tokens of `s` in bin (b, sb), gathered into S.cand / S.ckey by their value alone (no exp:
+// a token of measure 0 never holds a position), then measured into S.cmeas; their count (past
+// DRAW_CAP: the bin is crowded, and only the first DRAW_CAP are kept).
+__device__ int draw_gather(const float* row, int cols, const DrawSet& s, bool mass, float m, double inv_t, int b,
+                           int sb, DrawShared& S) {
+    if (threadIdx.x == 0) S.n = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float v = row[i];
+        unsigned k = draw_key(v);
+        if (!draw_in_prefix(k, i, s.kc, s.ic) || !draw_in_prefix(k, i, s.pc, s.pi)) continue;
+        if (!draw_in_bin(draw_x(v, m, inv_t), b, sb)) continue;
+        int slot = atomicAdd(&S.n, 1);
+        if (slot < DRAW_CAP) {
+            S.cand[slot] = i;
+            S.ckey[slot] = k;
+        }
+    }
+    __syncthreads();
+    int n = S.n;
+    for (int t = threadIdx.x; t < min(n, DRAW_CAP); t += blockDim.x) {
+        int i = S.cand[t], vb;
+        S.cmeas[t] = draw_measure_bin(row[i], S.ckey[t], i, s, mass, m, inv_t, &vb);
+    }
+    __syncthreads();
+    return n;
+}
+
+// Among the n <= DRAW_CAP gathered tokens, the one whose running measure in best-first order
+// (the candidates before it: a larger key, or the same key and a lower id; then its own)
+// reaches the target: its key in S.key, its id returned.
+__device__ int draw_rank(DrawShared& S, int n, u64 target) {
+    if (threadIdx.x == 0) S.found = -1;
+    __syncthreads();
+    for (int t = threadIdx.x; t < n; t += blockDim.x) {
+        unsigned kt = S.ckey[t];
+        int it = S.cand[t];
+        u64 before = 0;
+        for (int j = 0; j < n; j++) {
+            unsigned kj = S.ckey[j];
+            if (kj > kt || (kj == kt && S.cand[j] < it)) before += S.cmeas[j];
+        }
+        if (before < target && before + S.cmeas[t] >= target) {
+            S.found = it;
+            S.key = kt;
+        }
+    }
+    __syncthreads();
+    int r = S.found;
+    __syncthreads();
+    return r;
+}
+
 // The token at the best-first position of `s` where the running measure reaches the target
-// (resolved on the set's total, the first pass's sum): its key in *key, its id returned (-1:
-// none, a bug).
+// (resolved on the set's total): its key in S.key, its id returned. -2: a count past every
+// token within 33 T of the best (top-k then keeps every token of nonzero weight: the whole row
+// does the same), -1: none (a bug). A value bin of more than DRAW_CAP tokens is cut into
+// sub-bins; a sub-bin still that crowded (near-ties) takes radix passes over the order key.
 __device__ int draw_select(const float* row, int cols, const DrawSet& s, bool mass, float m, double inv_t,
-                           DrawTarget tg, unsigned (*hist)[DRAW_BINS], u64* sh, int* found, u64* above,
-                           unsigned* key) {
-    unsigned prefix = 0, pmask = 0;
-    const int shifts[3] = {21, 10, 0}, widths[3] = {11, 11, 10};
+                           DrawTarget tg, DrawShared& S) {
+    draw_hist_clear(S, DRAW_VBINS);
+    __syncthreads();
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float v = row[i];
+        int vb;
+        u64 x = draw_measure_bin(v, draw_key(v), i, s, mass, m, inv_t, &vb);
+        if (x && vb != DRAW_CATCH) draw_hist_add(S, vb, x);
+    }
+    __syncthreads();
     u64 target = 0;
-    for (int pass = 0; pass < 3; pass++) {
-        int shift = shifts[pass], nb = 1 << widths[pass];
-        for (int b = threadIdx.x; b < nb; b += blockDim.x)
-            for (int j = 0; j < DRAW_LIMBS; j++) hist[j][b] = 0;
-        if (threadIdx.x == 0) *found = -1;
+    int b = draw_pick_bin(S, DRAW_VBINS, true, &tg, &target);
+    if (b < 0) return mass ? -1 : -2;
+    int n = draw_gather(row, cols, s, mass, m, inv_t, b, -1, S);
+    if (n <= DRAW_CAP) return draw_rank(S, n, target);
+    // A crowded bin: its sub-bins.
+    draw_hist_clear(S, DRAW_VBINS);
+    __syncthreads();
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float v = row[i];
+        unsigned k = draw_key(v);
+        int vb;
+        double xv = draw_x(v, m, inv_t);
+        if (draw_vbin(xv) != b) continue;
+        u64 x = draw_measure_bin(v, k, i, s, mass, m, inv_t, &vb);
+        if (x) draw_hist_add(S, draw_sbin(xv, b), x);
+    }
+    __syncthreads();
+    int sb = draw_pick_bin(S, DRAW_VBINS, true, 0, &target);
+    if (sb < 0) return -1;
+    n = draw_gather(row, cols, s, mass, m, inv_t, b, sb, S);
+    if (n <= DRAW_CAP) return draw_rank(S, n, target);
+    // Near-ties: radix passes over the sub-bin's order keys (8 bits a pass), then the tied
+    // tokens in id order.
+    unsigned prefix = 0, pmask = 0;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        draw_hist_clear(S, 256);
         __syncthreads();
         for (int i = threadIdx.x; i < cols; i += blockDim.x) {
             float v = row[i];
             unsigned k = draw_key(v);
-            if ((k & pmask) != prefix) continue;
-            u64 x = draw_measure(v, k, i, s, mass, m, inv_t);
-            unsigned b = (k >> shift) & (nb - 1);
-            for (int j = 0; j < DRAW_LIMBS && x; j++, x >>= 12)
-                if (x & 0xfff) atomicAdd(&hist[j][b], (unsigned)(x & 0xfff));
-        }
-        // Bins best first: thread j holds bins [nb - (j+1)c, nb - jc), c = nb / threads (>= 1).
-        int c = max(1, nb / (int)blockDim.x);
-        int lo = nb - ((int)threadIdx.x + 1) * c;
-        __syncthreads();
-        u64 sum = 0;
-        if (lo >= 0)
-            for (int q = 0; q < c; q++)
-                for (int j = 0; j < DRAW_LIMBS; j++) sum += (u64)hist[j][lo + q] << (12 * j);
-        u64 incl = draw_scan(sum, sh);
-        if (pass == 0) target = draw_resolve(tg, sh[32]);
-        if (lo >= 0 && sum > 0 && incl >= target && incl - sum < target) {
-            u64 acc = incl - sum;
-            for (int q = c - 1; q >= 0; q--) {
-                u64 h = 0;
-                for (int j = 0; j < DRAW_LIMBS; j++) h += (u64)hist[j][lo + q] << (12 * j);
-                if (acc + h >= target) {
-                    *found = lo + q;
-                    *above = acc;
-                    break;
-                }
-                acc += h;
-            }
+            if ((k & pmask) != prefix || !draw_in_bin(draw_x(v, m, inv_t), b, sb)) continue;
+            int vb;
+            u64 x = draw_measure_bin(v, k, i, s, mass, m, inv_t, &vb);
+            if (x) draw_hist_add(S, (k >> shift) & 255, x);
         }
         __syncthreads();
-        int d = *found;
-        u64 a = *above;
-        __syncthreads();
+        int d = draw_pick_bin(S, 256, false, 0, &target);
         if (d < 0) return -1;
         prefix |= (unsigned)d << shift;
-        pmask |= (unsigned)(nb - 1) << shift;
-        target -= a;
+        pmask |= 255u << shift;
     }
-    *key = prefix;
+    S.key = prefix;
     DrawTarget rest = {0, target, 0.0};
-    return draw_find_in_order(row, cols, s, mass, m, inv_t, true, prefix, rest, sh, found);
+    return draw_find_in_order(row, cols, s, mass, m, inv_t, true, prefix, rest, S.sh, &S.found);
 }
 
 // out[r] = row r's token (draw.rs draw_row): the first index of the maximum when greedy (NaN
@@ -197,13 +351,9 @@ __device__ int draw_select(const float* row, int cols, const DrawSet& s, bool ma
 extern "C" __global__ void __launch_bounds__(DRAW_THREADS) draw_rows(unsigned* out, const float* x,
                                                                    const unsigned* draws, int cols) {
     pdl_enter();
-    __shared__ unsigned hist[DRAW_LIMBS][DRAW_BINS];
-    __shared__ u64 sh[33];
+    __shared__ DrawShared S;
     __shared__ float sv[32];
     __shared__ int si[32];
-    __shared__ int found;
-    __shared__ u64 above;
-    __shared__ unsigned skey;
     const float* row = x + (long long)blockIdx.x * cols;
     float bv = -INFINITY;
     int bi = 0x7fffffff;
@@ -254,26 +404,28 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS) draw_rows(unsigned* o
     int tok;
     if (top_k == 0 && !(top_p < 1.0f) && !(min_p > 0.0f)) {
         // No filter: the draw walks the whole row in id order.
-        tok = draw_find_in_order(row, cols, s, true, bv, inv_t, false, 0, draw, sh, &found);
+        tok = draw_find_in_order(row, cols, s, true, bv, inv_t, false, 0, draw, S.sh, &S.found);
     } else {
         tok = 0;
         if (top_k > 0 && top_k < (unsigned)cols) {
             DrawTarget k = {0, top_k, 0.0};
-            int id = draw_select(row, cols, s, false, bv, inv_t, k, hist, sh, &found, &above, &skey);
-            s.kc = skey;
-            s.ic = id;
-            tok = id < 0 ? -1 : 0;
+            int id = draw_select(row, cols, s, false, bv, inv_t, k, S);
+            if (id >= 0) {
+                s.kc = S.key;
+                s.ic = id;
+            }
+            tok = id == -1 ? -1 : 0;
         }
         if (tok >= 0 && top_p < 1.0f) {
             DrawTarget cut = {1, 0, (double)top_p};
-            int id = draw_select(row, cols, s, true, bv, inv_t, cut, hist, sh, &found, &above, &skey);
-            s.pc = skey;
+            int id = draw_select(row, cols, s, true, bv, inv_t, cut, S);
+            s.pc = S.key;
             s.pi = id;
             tok = id < 0 ? -1 : 0;
         }
         if (tok >= 0) {
             s.floor = min_p > 0.0f ? (u64)ceil((double)min_p * DRAW_ONE) : 0ull;
-            tok = draw_select(row, cols, s, true, bv, inv_t, draw, hist, sh, &found, &above, &skey);
+            tok = draw_select(row, cols, s, true, bv, inv_t, draw, S);
         }
     }
     if (threadIdx.x == 0) out[blockIdx.x] = (unsigned)(tok < 0 ? best : tok);
