@@ -7,6 +7,9 @@ requests and stops; nothing runs unbounded.
 
   python3 tools/bench_serve.py --spawn target/release/dsv4 --model /tmp/tiny   # starts a server
   python3 tools/bench_serve.py --url http://127.0.0.1:8000                      # an existing one
+
+`--temperature T --top-p P` samples (a seed a request) instead of decoding greedily; either way
+each level reports how many outputs differ from the first level's (batch invariance).
 """
 import argparse
 import http.client
@@ -29,11 +32,14 @@ def pct(xs, p):
     return xs[k]
 
 
-def one_request(url, prompt, max_tokens, key, out, index=None):
+def one_request(url, prompt, max_tokens, key, out, index=None, sampling=None):
+    """`sampling`: extra request fields (temperature, top_p, seed); greedy without."""
     u = urllib.parse.urlparse(url)
     c = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                       "stream_options": {"include_usage": True}})
+    req = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+           "stream_options": {"include_usage": True}}
+    req.update(sampling or {})
+    body = json.dumps(req)
     headers = {"content-type": "application/json"}
     if key:
         headers["authorization"] = "Bearer " + key
@@ -88,7 +94,7 @@ def engine_times(url, key):
     return tuple(v.get(k, 0.0) for k in keys) + (paths,)
 
 
-def run_level(url, conc, n_requests, max_tokens, key):
+def run_level(url, conc, n_requests, max_tokens, key, sampling=None):
     results, lock_out = [], []
     prompts = [f"Request {i}: the quick brown fox jumps over the lazy dog " * (1 + i % 3) for i in range(n_requests)]
     queue = list(range(n_requests))
@@ -100,7 +106,9 @@ def run_level(url, conc, n_requests, max_tokens, key):
                 if not queue:
                     return
                 i = queue.pop()
-            one_request(url, prompts[i], max_tokens, key, results, i)
+            # A seed a request: a sampled request draws the same tokens at any level.
+            extra = dict(sampling, seed=1000 + i) if sampling else None
+            one_request(url, prompts[i], max_tokens, key, results, i, extra)
 
     e0 = engine_times(url, key)
     t0 = time.perf_counter()
@@ -164,7 +172,11 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--api-key")
     ap.add_argument("--extra", default="", help="more `dsv4 serve` arguments for --spawn, space-separated")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample at this temperature (with --top-p and a seed a request) instead of greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
     a = ap.parse_args()
+    sampling = {"temperature": a.temperature, "top_p": a.top_p} if a.temperature > 0 else None
     proc = None
     url = a.url
     if a.spawn:
@@ -202,11 +214,14 @@ def main():
         first = None
         for conc in [int(x) for x in a.concurrency.split(",")]:
             n = a.requests_per_level or max(8, 2 * conc)
-            texts, row = run_level(url, conc, n, a.max_tokens, a.api_key)
-            # Batch invariance: greedy outputs of the same prompts at every concurrency level.
+            texts, row = run_level(url, conc, n, a.max_tokens, a.api_key, sampling)
+            # Batch invariance: the outputs of the same prompts (greedy, or sampled with the same
+            # seed) at every concurrency level.
             if first is None:
                 first = texts
             row["differs_from_first_level"] = sum(1 for i, t in first.items() if i in texts and texts[i] != t)
+            if sampling:
+                row["sampling"] = sampling
             print(json.dumps(row), flush=True)
     finally:
         if proc:

@@ -30,7 +30,8 @@ B=.devbin/dsv4
 [ -s "$S" ] || nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$S" 2>&1
 PARTS=${*:-tests kernels flash-exact flash-int8}
 FL=${FLASH_LAYERS:-43}  # flash-served and serve: the layers (43 q2 layers need an H200; ~32 fit an H100)
-# SERVE_LEVELS: serve's concurrency levels (1,16,64)
+# SERVE_LEVELS: serve's concurrency levels (1,16,64); SERVE_EXTRA: more `dsv4 serve` flags;
+# SERVE_BENCH: more bench_serve flags (`--temperature 0.8 --top-p 0.95`: sampled requests)
 t1() {  # NAME [ENV...] BINARY [FILTER]: one test binary, its result into the summary
     local name=$1; shift
     env "$@" --test-threads 1 > "$OUT/test-$name.txt" 2>&1
@@ -424,9 +425,9 @@ for part in $PARTS; do
         # Each snapshot's phases (cuda/state.rs: download vs host ms) from the server's log.
         rm -f /tmp/dsv4-serve-*.log
         RUST_LOG=info,dsv4_backend::cuda::state=debug timeout 420 python3 -u tools/bench_serve.py --spawn $B \
-            --backend cuda --concurrency ${SERVE_LEVELS:-1,16,64} --max-tokens 64 \
+            --backend cuda --concurrency ${SERVE_LEVELS:-1,16,64} --max-tokens 64 ${SERVE_BENCH:-} \
             --extra "--synthetic-flash-layers $FL --synthetic-flash-weights q2 --max-context 4096 ${SERVE_EXTRA:-}" > "$OUT/serve.txt" 2>&1
-        echo "serve q2 $FL layers ${SERVE_EXTRA:-}: exit $?" >> "$S"
+        echo "serve q2 $FL layers ${SERVE_EXTRA:-} ${SERVE_BENCH:-}: exit $?" >> "$S"
         grep -E '^\{' "$OUT/serve.txt" | cut -c1-900 >> "$S"
         grep -h 'snapshot of' /tmp/dsv4-serve-*.log > "$OUT/serve-snapshots.txt" 2>/dev/null
         awk '{for (i = 1; i < NF; i++) { if ($i == "download") d += $(i + 1); if ($i == "host") h += $(i + 1) } n++}

@@ -31,6 +31,9 @@ pub struct EngineConfig {
     /// DSpark speculative decoding (None: off): decoding sequences draft a block and verify it
     /// inside the step's batch.
     pub dspark: Option<SpecConfig>,
+    /// Sample every sampled row on the host from its logits instead of where the logits are
+    /// (the A/B of the device draws; the tokens agree but within ~1e-9 of a boundary).
+    pub host_sampling: bool,
 }
 
 impl Default for EngineConfig {
@@ -42,6 +45,7 @@ impl Default for EngineConfig {
             max_context: 65536,
             prefix_cache: None,
             dspark: None,
+            host_sampling: false,
         }
     }
 }
@@ -775,14 +779,19 @@ impl<B: Backend> Engine<B> {
             }
         }
         let vocab = self.model.cfg.vocab_size;
+        let mut drawn = if self.config.host_sampling {
+            self.draw_plain_rows(&outs, &logits, vocab)
+        } else {
+            outs.iter().map(|_| None).collect()
+        };
         let mut k = 0; // output row
-        for o in outs {
+        for (oi, o) in outs.into_iter().enumerate() {
             let nrows = o.plan.as_ref().map_or(1, |p| p.rows());
             let l = logits.get(k * vocab..(k + nrows) * vocab).unwrap_or(&[]);
             let ids = out.ids.get(k..k + nrows).unwrap_or(&[]);
             k += nrows;
             let s = &mut self.running[o.seq];
-            let drawn = draws_on_device(s, &o);
+            let on_device = !self.config.host_sampling && draws_on_device(s, &o);
             // Decode rows of a speculating sequence: accept, cut back, commit (speculative.rs).
             let emitted: Result<Vec<u32>, String> = match (&o.plan, s.spec.as_mut(), &self.config.dspark) {
                 (Some(plan), Some(st), Some(sc)) => {
@@ -795,10 +804,13 @@ impl<B: Backend> Engine<B> {
                     r.map(|r| r.tokens).map_err(|e| e.to_string())
                 }
                 // Greedy and plainly sampled rows: the token the step chose by the row's draw.
-                _ if l.is_empty() || drawn => {
+                _ if l.is_empty() || on_device => {
                     ids.first().map(|&t| vec![t]).ok_or_else(|| "the step returned no token id".to_string())
                 }
-                _ => sample_row(&mut s.sampler, s.processor.as_mut(), l).map(|t| vec![t]),
+                _ => match drawn[oi].take() {
+                    Some(r) => r.map(|t| vec![t]),
+                    None => sample_row(&mut s.sampler, s.processor.as_mut(), l).map(|t| vec![t]),
+                },
             };
             let emitted = match emitted {
                 Ok(t) => t,
@@ -854,11 +866,11 @@ impl<B: Backend> Engine<B> {
     /// rows' argmax comes back as ids (64 rows of V4's logits are 33 MB a step). The order
     /// within each kind is kept.
     fn logits_first(&self, out_rows: Vec<usize>, outs: Vec<Out>) -> (Vec<usize>, Vec<Out>, usize) {
+        let host = self.config.host_sampling;
         let needs = |o: &Out| {
             let s = &self.running[o.seq];
-            s.processor.is_some()
-                || s.req.top_logprobs.is_some()
-                || (o.plan.is_some() && s.sampler.params.temperature != 0.0)
+            let sampled = s.sampler.params.temperature != 0.0;
+            s.processor.is_some() || s.req.top_logprobs.is_some() || (sampled && (host || o.plan.is_some()))
         };
         let mut at = 0;
         let mut groups: Vec<(bool, Out, std::ops::Range<usize>)> = Vec::with_capacity(outs.len());
@@ -873,6 +885,50 @@ impl<B: Backend> Engine<B> {
         (rows, groups.into_iter().map(|g| g.1).collect(), logits)
     }
 
+    /// With [`EngineConfig::host_sampling`], the tokens of the step's plain sampled rows (no
+    /// speculative round, no host pass) drawn on the host from their logits, in parallel: each sequence has its own sampler and generator, so the draws are the ones
+    /// a sequential loop makes. A draw over V4's vocabulary costs ~1 ms (BENCHMARKS.md), which
+    /// at 64 rows a step was the engine thread's largest cost. `None`: the row is not one.
+    fn draw_plain_rows(&mut self, outs: &[Out], logits: &[f32], vocab: usize) -> Vec<Option<Result<u32, String>>> {
+        use rayon::prelude::*;
+        let mut drawn: Vec<Option<Result<u32, String>>> = outs.iter().map(|_| None).collect();
+        if logits.is_empty() {
+            return drawn;
+        }
+        // Each out's first output row, and the outs that draw plainly: (out, sequence, row).
+        let mut row = 0;
+        let mut plain: Vec<(usize, usize, usize)> = Vec::new();
+        for (i, o) in outs.iter().enumerate() {
+            let s = &self.running[o.seq];
+            if o.plan.is_none() && s.processor.is_none() && s.sampler.params.temperature != 0.0 {
+                plain.push((i, o.seq, row));
+            }
+            row += o.plan.as_ref().map_or(1, |p| p.rows());
+        }
+        if plain.len() < 2 {
+            return drawn;
+        }
+        plain.sort_by_key(|p| p.1);
+        let mut jobs: Vec<(usize, &mut Sampler, &[f32])> = Vec::with_capacity(plain.len());
+        let mut next = plain.iter().peekable();
+        // A sequence has one out a step; a second one would be drawn by the sequential loop.
+        for (si, s) in self.running.iter_mut().enumerate() {
+            if let Some(&&(oi, _, r)) = next.peek().filter(|p| p.1 == si) {
+                jobs.push((oi, &mut s.sampler, &logits[r * vocab..(r + 1) * vocab]));
+                next.next();
+            }
+            while next.peek().is_some_and(|p| p.1 == si) {
+                next.next();
+            }
+        }
+        let res: Vec<(usize, Result<u32, String>)> =
+            jobs.into_par_iter().map(|(oi, s, l)| (oi, s.sample(l).map_err(|e| e.to_string()))).collect();
+        for (oi, r) in res {
+            drawn[oi] = Some(r);
+        }
+        drawn
+    }
+
     /// Each output row's draw, in the order of `outs`: a plain sampled row (no speculative
     /// round, no host pass) is drawn on the device with the uniform its sampler would have
     /// taken on the host (one per token, from the request's seeded generator); every other
@@ -883,7 +939,7 @@ impl<B: Backend> Engine<B> {
         let mut draws = Vec::with_capacity(out_rows);
         for o in outs {
             let s = &mut self.running[o.seq];
-            if draws_on_device(s, o) {
+            if !self.config.host_sampling && draws_on_device(s, o) {
                 draws.push(s.sampler.device_draw());
             } else {
                 draws.extend(std::iter::repeat_n(Draw::GREEDY, o.plan.as_ref().map_or(1, |p| p.rows())));

@@ -60,9 +60,16 @@ fn parallel_requests_equal_their_sequential_runs() {
             generate(&mut m, &prompt(i), &mut s, &opts).unwrap().tokens
         })
         .collect();
-    // All at once, with a small budget so prefill chunks interleave with other sequences' decode.
-    let cfg = EngineConfig { token_budget: 24, prefill_chunk: 9, ..Default::default() };
-    let h = spawn(load(dir.path(), 6), cfg, 6);
+    // All at once, with a small budget so prefill chunks interleave with other sequences' decode;
+    // the rows drawn where the logits are (the CPU twin of the device draw), then on the host.
+    for host_sampling in [false, true] {
+        let cfg = EngineConfig { token_budget: 24, prefill_chunk: 9, host_sampling, ..Default::default() };
+        let h = spawn(load(dir.path(), 6), cfg, 6);
+        check_parallel(&h, &alone, n);
+    }
+}
+
+fn check_parallel(h: &dsv4_engine::EngineHandle, alone: &[Vec<u32>], n: usize) {
     let subs: Vec<_> = (0..n)
         .map(|i| {
             h.submit(Request {

@@ -200,6 +200,11 @@ struct ServeArgs {
     /// Checkpoint directory; without it the built-in demo model (random weights) is served.
     #[arg(long)]
     model: Option<PathBuf>,
+    /// Sample on the host from each sampled row's logits instead of where the logits are (an
+    /// A/B of the device draws: the same tokens but where a draw falls within ~1e-9 of a
+    /// boundary of the distribution).
+    #[arg(long)]
+    host_sampling: bool,
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     #[arg(long, default_value_t = 8000)]
@@ -382,6 +387,7 @@ where
         max_context,
         prefix_cache,
         dspark,
+        host_sampling: a.host_sampling,
     };
     let api_key = dsv4_server::guard::check_api_key(a.api_key)?;
     let addr: std::net::SocketAddr = format!("{}:{}", a.host, a.port).parse().context("--host/--port")?;
