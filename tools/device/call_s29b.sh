@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Twenty-ninth session: sampling on the device (draw.cu). Its twin check and launch times
 # (cuda_backend cuda_draws_match_the_cpu_twin), the recorded steps with sampled draws
-# (cuda_graph), then decode at batches 1 / 16 / 64 on FLASH_LAYERS q2 layers three ways: greedy
-# ids, ids drawn on the device (--step-sample), every row's logits (--step-logits, what a
-# sampled row cost before).
+# (cuda_graph), cuda_dspark unless DSPARK=0, then decode at batches 1 / 16 / 64 on FLASH_LAYERS
+# q2 layers in each of MODES: greedy (ids), sample (ids drawn on the device, --step-sample),
+# logits (every row's logits to the host, --step-logits: what a sampled row cost before).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/device/run_test.sh
@@ -11,13 +11,14 @@ nvidia-smi --query-gpu=name --format=csv,noheader >> "$S"
 run_test cuda_backend cuda_draws_match_the_cpu_twin --nocapture
 grep -E 'draw_rows|rows drawn' "$OUT/test-cuda_backend.txt" >> "$S"
 run_test cuda_graph
-run_test cuda_dspark
+[ "${DSPARK:-1}" = 0 ] || run_test cuda_dspark
 FL=${FLASH_LAYERS:-4}
-for mode in "" --step-sample --step-logits; do
+for mode in ${MODES:-greedy sample logits}; do
+  flag=""; [ $mode = sample ] && flag=--step-sample; [ $mode = logits ] && flag=--step-logits
   timeout 200 .devbin/dsv4 bench --backend cuda --synthetic flash --layers $FL --weights q2 --contexts '' \
-    --reserve 64x4096 --decode-fill clone --decode-batches 1,16,64 --decode-context 4096 --decode-tokens 16 $mode \
-    > "$OUT/bench$mode.txt" 2>&1
-  echo "bench $FL layers ${mode:-greedy}: exit $?" >> "$S"
-  grep -E '^decode' "$OUT/bench$mode.txt" | cut -c1-200 >> "$S"
+    --reserve 64x4096 --decode-fill clone --decode-batches 1,16,64 --decode-context 4096 --decode-tokens 16 $flag \
+    > "$OUT/bench-$mode.txt" 2>&1
+  echo "bench $FL layers $mode: exit $?" >> "$S"
+  grep -E '^decode' "$OUT/bench-$mode.txt" | cut -c1-200 >> "$S"
 done
 cat "$S"

@@ -50,6 +50,26 @@ impl Draw {
     }
 }
 
+/// The filter mixes (temperature, top-k, top-p, min-p) the draw's checks sweep (here, against the
+/// host sampler, and on the GPU): greedy, no filter, each filter alone and mixed, top-k of one
+/// and past a small row, a tiny temperature, and at T 0.05 top-k counts that reach past every
+/// token within 33·T of the best (the device's value bins).
+pub const CHECKED_MIXES: [(f32, u32, f32, f32); 13] = [
+    (0.0, 0, 1.0, 0.0),
+    (1.0, 0, 1.0, 0.0),
+    (0.7, 40, 1.0, 0.0),
+    (1.0, 0, 0.9, 0.0),
+    (1.3, 0, 0.999, 0.0),
+    (0.8, 0, 1.0, 0.05),
+    (0.9, 300, 0.95, 0.01),
+    (2.0, 0, 0.5, 0.1),
+    (0.6, 1, 1.0, 0.0),
+    (0.6, 5000, 1.0, 0.0),
+    (0.05, 300, 1.0, 0.0),
+    (0.05, 20, 0.9, 0.0),
+    (1e-30, 0, 1.0, 0.0),
+];
+
 /// `u32` words a row takes in the device's draw table.
 pub const DRAW_WORDS: usize = 6;
 

@@ -840,35 +840,19 @@ fn cuda_prefill_index_tc_matches_f32_kernel() {
 /// one launch at 1, 16 and 64 sampled rows of V4's vocabulary (a figure, not a check).
 #[test]
 fn cuda_draws_match_the_cpu_twin() {
-    use dsv4_backend::draw::{draw_row, Draw};
+    use dsv4_backend::draw::{draw_row, Draw, CHECKED_MIXES};
     let Some(b) = gpu() else { return };
     let mut s = 77u64;
     let mut next = move || {
         s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         (s >> 11) as f64 / (1u64 << 53) as f64
     };
-    // With T 0.05, top-k 300 can reach past every token within 33·T of the best (the kernel's
-    // value bins): it then keeps the whole row.
-    let params: [(f32, u32, f32, f32); 12] = [
-        (0.0, 0, 1.0, 0.0),
-        (0.05, 300, 1.0, 0.0),
-        (0.05, 20, 0.9, 0.0),
-        (1.0, 0, 1.0, 0.0),
-        (0.7, 40, 1.0, 0.0),
-        (1.0, 0, 0.9, 0.0),
-        (1.3, 0, 0.999, 0.0),
-        (0.8, 0, 1.0, 0.05),
-        (0.9, 300, 0.95, 0.01),
-        (2.0, 0, 0.5, 0.1),
-        (0.6, 1, 1.0, 0.0),
-        (1e-30, 0, 1.0, 0.0),
-    ];
     let mut checked = 0;
     for cols in [129_280usize, 1000, 7] {
         let mut data = Vec::new();
         let mut draws = Vec::new();
         for kind in 0..5 {
-            for &(temperature, top_k, top_p, min_p) in &params {
+            for &(temperature, top_k, top_p, min_p) in &CHECKED_MIXES {
                 let row: Vec<f32> = (0..cols)
                     .map(|i| match kind {
                         0 => (next() * 20.0 - 10.0) as f32,

@@ -1,20 +1,20 @@
 //! The DSpark drafter's ops on the GPU (`kernels/dspark.cu`): non-causal block attention over
-//! per-sequence context rings, ring row writes, and the greedy Markov choice (a row argmax, so
-//! that only `γ` token ids per sequence come back to the host, never a `[vocab]` logits row).
+//! per-sequence context rings, ring row writes, and the greedy Markov choice (a row argmax by
+//! `draw.cu`'s kernel, so that only `γ` token ids per sequence come back to the host, never a
+//! `[vocab]` logits row).
 //!
 //! The module is compiled and loaded once per device on first use (kept apart from
 //! [`super::Kernels`]).
 
 use super::launch::Kernel;
 use super::{cfg1d, ck, compile_ptx_kernel, CudaBackend, CudaTensor, CudaWeight};
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
+use cudarc::driver::{CudaFunction, LaunchConfig};
 use std::sync::{Arc, Mutex};
 
 pub(crate) const SOURCE: (&str, &str) = ("dspark.cu", include_str!("kernels/dspark.cu"));
 
 pub(crate) struct DsparkKernels {
     scatter_rows: CudaFunction,
-    argmax_rows: CudaFunction,
     block_attention: CudaFunction,
 }
 
@@ -30,11 +30,7 @@ fn kernels(b: &CudaBackend) -> Arc<DsparkKernels> {
     let ptx = ck(compile_ptx_kernel(SOURCE.0, SOURCE.1), "compile dspark.cu");
     let m = ck(b.ctx.load_module(ptx), "load dspark.cu");
     let f = |n: &str| ck(m.load_function(n), n);
-    let k = Arc::new(DsparkKernels {
-        scatter_rows: f("scatter_rows"),
-        argmax_rows: f("argmax_rows"),
-        block_attention: f("block_attention"),
-    });
+    let k = Arc::new(DsparkKernels { scatter_rows: f("scatter_rows"), block_attention: f("block_attention") });
     l.push((ord, k.clone()));
     k
 }
@@ -78,24 +74,12 @@ pub(crate) fn argmax_rows(b: &CudaBackend, x: &CudaTensor) -> Vec<u32> {
         return Vec::new();
     }
     let mut out = b.alloc::<u32>(x.rows);
-    argmax_into(b, &mut out, &x.data, x.rows, x.cols);
+    // draw.cu's kernel without a draw table: every row greedy.
+    super::graph::draw_into(b, &mut out, &x.data, None, x.rows, x.cols);
     let mut v = ck(b.stream.clone_dtoh(&out), "download argmax");
     ck(b.stream.synchronize(), "synchronize");
     v.truncate(x.rows);
     v
-}
-
-/// `out[r]` = the first index of the maximum of row `r` of `x [rows, cols]`, queued on the
-/// stream.
-pub(crate) fn argmax_into(b: &CudaBackend, out: &mut CudaSlice<u32>, x: &CudaSlice<f32>, rows: usize, cols: usize) {
-    assert!(out.len() >= rows && x.len() >= rows * cols, "argmax_into shape");
-    if rows == 0 {
-        return;
-    }
-    let k = kernels(b);
-    let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-    // SAFETY: argument types and sizes match the kernel's signature; sizes checked above.
-    ck(unsafe { b.stream.kernel(&k.argmax_rows).arg(out).arg(x).arg(&(cols as i32)).launch(cfg) }, "argmax_rows");
 }
 
 pub(crate) fn block_attention(
