@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Twenty-ninth session: sampling on the device (draw.cu). Its twin check and launch times
+# Twenty-ninth session: sampling on the device (draw.cu). Its twin check
 # (cuda_backend cuda_draws_match_the_cpu_twin), the recorded steps with sampled draws
 # (cuda_graph), cuda_dspark unless DSPARK=0, then decode at batches 1 / 16 / 64 on FLASH_LAYERS
 # q2 layers in each of MODES: greedy (ids), sample (ids drawn on the device, --step-sample),

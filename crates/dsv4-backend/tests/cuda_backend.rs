@@ -836,8 +836,8 @@ fn cuda_prefill_index_tc_matches_f32_kernel() {
 /// filter mix over a range of uniforms (nearly flat rows take the kernel's sub-bins, rows of a
 /// few values its radix passes). The weights are integers, so the one possible
 /// difference is f64 `exp`'s last bit (CUDA's against the host libm's), which moves a token
-/// only when a draw falls within ~1e-15 of a boundary: none is expected here. Then the time of
-/// one launch at 1, 16 and 64 sampled rows of V4's vocabulary (a figure, not a check).
+/// only when a draw falls within ~1e-15 of a boundary: none is expected here. (Its times: `dsv4
+/// bench --backend cuda --synthetic kernels`.)
 #[test]
 fn cuda_draws_match_the_cpu_twin() {
     use dsv4_backend::draw::{draw_row, Draw, CHECKED_MIXES};
@@ -878,26 +878,4 @@ fn cuda_draws_match_the_cpu_twin() {
         }
     }
     println!("{checked} rows drawn as the CPU twin draws them");
-    let cols = 129_280;
-    for rows in [1usize, 16, 64] {
-        let data: Vec<f32> = (0..rows * cols).map(|_| (next() * 20.0 - 10.0) as f32).collect();
-        let t = b.to_device(rows, cols, &data);
-        for (name, d) in [
-            ("greedy", Draw::GREEDY),
-            ("t 1", Draw { temperature: 1.0, ..Draw::GREEDY }),
-            ("t 0.7 top-p 0.95", Draw { temperature: 0.7, top_p: 0.95, ..Draw::GREEDY }),
-            ("t 0.7 top-k 40", Draw { temperature: 0.7, top_k: 40, ..Draw::GREEDY }),
-        ] {
-            let draws = vec![Draw { u: 0.5, ..d }; rows];
-            b.draw_rows(&t, &draws);
-            let t0 = std::time::Instant::now();
-            for _ in 0..20 {
-                b.draw_rows(&t, &draws);
-            }
-            let us = t0.elapsed().as_secs_f64() / 20.0 * 1e6;
-            println!(
-                "draw_rows {rows} rows of {cols} ({name}): {us:.1} µs a call (table upload and ids download included)"
-            );
-        }
-    }
 }

@@ -3,8 +3,9 @@
 //! the CPU decoder (`dsv4_model::quant`, f64 dot products), then timed at 1, 2, 4, 8 and 16
 //! rows with CUDA events (launches back to back). The figure is weight bytes read once per call over the time, against
 //! the 4.3 TB/s the H200 copies at. Then the int8-activation path of Q8_0, Q2_K and IQ2_XXS,
-//! checked against its CPU twin and the exact product, timed the same way. Last, products of
-//! 64 to 4096 rows on the tensor-core tiles (prefill), as TFLOP/s.
+//! checked against its CPU twin and the exact product, timed the same way. Then products of
+//! 64 to 4096 rows on the tensor-core tiles (prefill), as TFLOP/s. Last, the token choice
+//! (`draw.cu`, greedy and sampled) against its CPU twin, in µs a call.
 
 use anyhow::{bail, Context, Result};
 use dsv4_backend::cuda::{CudaBackend, CudaWeight};
@@ -208,9 +209,58 @@ pub fn run() -> Result<()> {
         }
     }
     b.set_tiles_dense_rows(dsv4_backend::cuda::gemm::TILES_DENSE_ROWS);
+    let draw_table = draws(&b)?;
     println!(
         "{}",
-        serde_json::json!({"device": b.device_name(), "kernels": table, "int8": x8_table, "tiles": pg_table})
+        serde_json::json!({"device": b.device_name(), "kernels": table, "int8": x8_table, "tiles": pg_table,
+            "draws": draw_table})
     );
     Ok(())
+}
+
+/// The token choice (`draw.cu`) on 1, 16 and 64 rows of V4's 129,280 logits, uniform in
+/// [-10, 10]: greedy and three sampled settings, each row checked against the CPU twin, then
+/// timed as µs a call (one block a row; the draw table's upload and the ids' download are in
+/// the figure, ~35 µs on the H100).
+fn draws(b: &CudaBackend) -> Result<Vec<serde_json::Value>> {
+    use dsv4_backend::draw::{draw_row, Draw};
+    let cols = 129_280;
+    let mut s = 77u64;
+    let mut next = move || {
+        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (s >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let settings = [
+        ("greedy", Draw::GREEDY),
+        ("T 1", Draw { temperature: 1.0, ..Draw::GREEDY }),
+        ("T 0.7 top-p 0.95", Draw { temperature: 0.7, top_p: 0.95, ..Draw::GREEDY }),
+        ("T 0.7 top-k 40", Draw { temperature: 0.7, top_k: 40, ..Draw::GREEDY }),
+    ];
+    let mut out = Vec::new();
+    for rows in [1usize, 16, 64] {
+        let data: Vec<f32> = (0..rows * cols).map(|_| (next() * 20.0 - 10.0) as f32).collect();
+        let t = b.to_device(rows, cols, &data);
+        let mut line = format!("draw_rows {rows:>2} rows of {cols}:");
+        let mut us = Vec::new();
+        for (name, d) in settings {
+            let draws: Vec<Draw> = (0..rows).map(|i| Draw { u: (i as f64 + 0.5) / rows as f64, ..d }).collect();
+            let got = b.draw_rows(&t, &draws);
+            for (r, d) in draws.iter().enumerate() {
+                let want = draw_row(&data[r * cols..(r + 1) * cols], d);
+                if got[r] != want {
+                    bail!("draw_rows ({name}) row {r}: the device drew {}, its CPU twin {want}", got[r]);
+                }
+            }
+            let t0 = std::time::Instant::now();
+            for _ in 0..20 {
+                b.draw_rows(&t, &draws);
+            }
+            let x = t0.elapsed().as_secs_f64() / 20.0 * 1e6;
+            us.push(x);
+            line += &format!("  {name} {x:6.1} µs");
+        }
+        println!("{line}");
+        out.push(serde_json::json!({"rows": rows, "cols": cols, "settings": settings.map(|s| s.0), "us": us}));
+    }
+    Ok(out)
 }
