@@ -791,7 +791,7 @@ impl<B: Backend> Engine<B> {
             let ids = out.ids.get(k..k + nrows).unwrap_or(&[]);
             k += nrows;
             let s = &mut self.running[o.seq];
-            let on_device = !self.config.host_sampling && draws_on_device(s, &o);
+            let on_device = draws_on_device(self.config.host_sampling, s, &o);
             // Decode rows of a speculating sequence: accept, cut back, commit (speculative.rs).
             let emitted: Result<Vec<u32>, String> = match (&o.plan, s.spec.as_mut(), &self.config.dspark) {
                 (Some(plan), Some(st), Some(sc)) => {
@@ -886,8 +886,9 @@ impl<B: Backend> Engine<B> {
     }
 
     /// With [`EngineConfig::host_sampling`], the tokens of the step's plain sampled rows (no
-    /// speculative round, no host pass) drawn on the host from their logits, in parallel: each sequence has its own sampler and generator, so the draws are the ones
-    /// a sequential loop makes. A draw over V4's vocabulary costs ~1 ms (BENCHMARKS.md), which
+    /// speculative round, no host pass) drawn on the host from their logits, in parallel: each
+    /// sequence has its own sampler and generator, so the draws are the ones a sequential loop
+    /// makes. A draw over V4's vocabulary costs ~1 ms (BENCHMARKS.md), which
     /// at 64 rows a step was the engine thread's largest cost. `None`: the row is not one.
     fn draw_plain_rows(&mut self, outs: &[Out], logits: &[f32], vocab: usize) -> Vec<Option<Result<u32, String>>> {
         use rayon::prelude::*;
@@ -939,7 +940,7 @@ impl<B: Backend> Engine<B> {
         let mut draws = Vec::with_capacity(out_rows);
         for o in outs {
             let s = &mut self.running[o.seq];
-            if !self.config.host_sampling && draws_on_device(s, o) {
+            if draws_on_device(self.config.host_sampling, s, o) {
                 draws.push(s.sampler.device_draw());
             } else {
                 draws.extend(std::iter::repeat_n(Draw::GREEDY, o.plan.as_ref().map_or(1, |p| p.rows())));
@@ -950,10 +951,10 @@ impl<B: Backend> Engine<B> {
 }
 
 /// Whether `o`'s token is drawn on the device: a plain row (not a speculative round) of a
-/// sampled request without a host pass (bias, penalties, grammar). Logprobs still bring the
-/// row's logits, for the host to read.
-fn draws_on_device(s: &Sequence, o: &Out) -> bool {
-    o.plan.is_none() && s.processor.is_none() && s.sampler.params.temperature != 0.0
+/// sampled request without a host pass (bias, penalties, grammar), unless the engine samples on
+/// the host. Logprobs still bring the row's logits, for the host to read.
+fn draws_on_device(host_sampling: bool, s: &Sequence, o: &Out) -> bool {
+    !host_sampling && o.plan.is_none() && s.processor.is_none() && s.sampler.params.temperature != 0.0
 }
 
 /// Long prompts report their prefill every [`PREFILL_LOG_EVERY`] tokens (and when done), so an

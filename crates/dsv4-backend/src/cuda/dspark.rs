@@ -75,7 +75,7 @@ pub(crate) fn argmax_rows(b: &CudaBackend, x: &CudaTensor) -> Vec<u32> {
     }
     let mut out = b.alloc::<u32>(x.rows);
     // draw.cu's kernel without a draw table: every row greedy.
-    super::graph::draw_into(b, &mut out, &x.data, None, x.rows, x.cols);
+    super::draw::draw_into(b, &mut out, &x.data, None, x.rows, x.cols);
     let mut v = ck(b.stream.clone_dtoh(&out), "download argmax");
     ck(b.stream.synchronize(), "synchronize");
     v.truncate(x.rows);

@@ -13,6 +13,7 @@
 
 pub mod attention;
 pub mod bf16;
+pub mod draw;
 pub mod dspark;
 pub mod gemm;
 pub mod graph;
@@ -2737,7 +2738,7 @@ impl Backend for CudaBackend {
     }
 
     fn draw_rows(&self, x: &CudaTensor, draws: &[crate::draw::Draw]) -> Vec<u32> {
-        graph::draw_rows(self, x, draws)
+        draw::draw_rows(self, x, draws)
     }
 }
 
