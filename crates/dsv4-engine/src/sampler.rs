@@ -101,12 +101,38 @@ impl Sampler {
     /// the same logits its token is `sample`'s unless that uniform falls within ~1e-9 of a
     /// boundary of the distribution (the device's weights are multiples of 2⁻⁴⁶).
     pub fn device_draw(&mut self) -> Draw {
-        let p = &self.params;
-        if p.temperature == 0.0 {
+        if self.params.temperature == 0.0 {
             return Draw::GREEDY;
         }
+        let u = self.rng.gen::<f64>();
+        self.draw_with(u)
+    }
+
+    /// The uniform of the token at absolute sequence position `pos` (prompt positions count):
+    /// a pure function of the seed and the position, the `pos`-th 64-bit word pair of the
+    /// seed's ChaCha8 stream. Whatever computes the token at `pos` (a plain decode row, a
+    /// speculative verify row, the host or the device) draws it with this uniform, so a
+    /// sequence's tokens do not depend on how its rows were batched or verified.
+    pub fn uniform_at(&self, pos: usize) -> f64 {
+        let mut rng = ChaCha8Rng::seed_from_u64(self.params.seed);
+        rng.set_word_pos(2 * pos as u128);
+        rng.gen::<f64>()
+    }
+
+    /// The device draw of the token at position `pos` ([`Sampler::uniform_at`]); greedy at
+    /// temperature 0. On the same logits its token is [`Sampler::sample_at`]'s (up to the
+    /// ~1e-9 boundary of [`Sampler::device_draw`]).
+    pub fn device_draw_at(&self, pos: usize) -> Draw {
+        if self.params.temperature == 0.0 {
+            return Draw::GREEDY;
+        }
+        self.draw_with(self.uniform_at(pos))
+    }
+
+    fn draw_with(&self, u: f64) -> Draw {
+        let p = &self.params;
         let top_k = u32::try_from(p.top_k).unwrap_or(u32::MAX);
-        Draw { temperature: p.temperature, top_k, top_p: p.top_p, min_p: p.min_p, u: self.rng.gen::<f64>() }
+        Draw { temperature: p.temperature, top_k, top_p: p.top_p, min_p: p.min_p, u }
     }
 
     /// The full-vocabulary distribution [`Sampler::sample`] draws from at temperature > 0
@@ -206,12 +232,30 @@ impl Sampler {
         (keep, inside)
     }
 
-    /// Picks the next token. Non-finite logits are an error, never a silent token.
+    /// Picks the next token with the next uniform of the sampler's sequential stream (rows with
+    /// a host pass; [`Sampler::sample_at`] keys the uniform by position instead). Non-finite
+    /// logits are an error, never a silent token.
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32, SampleError> {
+        // The generator moves out for the draw (`pick` borrows the parameters): a copy of ~200
+        // bytes, nothing next to the draw.
+        let mut rng = self.rng.clone();
+        let r = self.pick(logits, || rng.gen::<f64>());
+        self.rng = rng;
+        r
+    }
+
+    /// Picks the token at absolute position `pos` with [`Sampler::uniform_at`]`(pos)`: the
+    /// host twin of [`Sampler::device_draw_at`]. Leaves the sequential stream alone.
+    pub fn sample_at(&self, logits: &[f32], pos: usize) -> Result<u32, SampleError> {
+        self.pick(logits, || self.uniform_at(pos))
+    }
+
+    /// The draw of [`Sampler::sample`] with the uniform `u()` (taken only when sampling).
+    fn pick(&self, logits: &[f32], u: impl FnOnce() -> f64) -> Result<u32, SampleError> {
+        let p = &self.params;
         if let Some(index) = logits.iter().position(|v| !v.is_finite()) {
             return Err(SampleError::NonFinite { index });
         }
-        let p = &self.params;
         if p.temperature == 0.0 {
             return Ok(argmax_margin(logits).0);
         }
@@ -220,7 +264,7 @@ impl Sampler {
             let (m, t) = (logits.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v)) as f64, p.temperature as f64);
             let w: Vec<f64> = logits.iter().map(|&v| ((v as f64 - m) / t).exp()).collect();
             let total: f64 = w.iter().sum();
-            let mut r = self.rng.gen::<f64>() * total;
+            let mut r = u() * total;
             for (i, q) in w.iter().enumerate() {
                 r -= q;
                 if r <= 0.0 {
@@ -231,7 +275,7 @@ impl Sampler {
         }
         let (cand, probs, keep) = self.filtered(logits);
         let mass: f64 = probs[..keep].iter().sum();
-        let mut r = self.rng.gen::<f64>() * mass;
+        let mut r = u() * mass;
         for (i, q) in probs[..keep].iter().enumerate() {
             r -= q;
             if r <= 0.0 {
@@ -388,6 +432,70 @@ mod tests {
         }
         assert_eq!(drawn, 300 * CHECKED_MIXES.len());
         assert_eq!(Sampler::greedy().device_draw(), Draw::GREEDY);
+    }
+
+    /// Position-keyed uniforms: a pure function of (seed, position), in [0, 1), different
+    /// across positions and seeds, untouched by the sequential stream.
+    #[test]
+    fn uniforms_at_positions_are_reproducible_and_distinct() {
+        let p = SamplingParams { temperature: 0.8, seed: 11, ..Default::default() };
+        let (a, mut b) = (Sampler::new(p.clone()).unwrap(), Sampler::new(p.clone()).unwrap());
+        let logits: Vec<f32> = (0..40).map(|i| (i as f32 * 0.71).cos()).collect();
+        for _ in 0..5 {
+            b.sample(&logits).unwrap();
+        }
+        let us: Vec<f64> = (0..1000).map(|q| a.uniform_at(q)).collect();
+        assert!(us.iter().all(|u| (0.0..1.0).contains(u)));
+        assert_eq!(us, (0..1000).map(|q| b.uniform_at(q)).collect::<Vec<_>>());
+        // Out of order, the same values.
+        assert_eq!(a.uniform_at(517), us[517]);
+        assert_eq!(a.uniform_at(3), us[3]);
+        let distinct: std::collections::HashSet<u64> = us.iter().map(|u| u.to_bits()).collect();
+        assert_eq!(distinct.len(), us.len());
+        let other = Sampler::new(SamplingParams { seed: 12, ..p }).unwrap();
+        assert!((0..1000).filter(|&q| other.uniform_at(q) == us[q]).count() == 0);
+        // Roughly uniform: the mean of 1000 draws within 5 standard errors of 1/2.
+        let mean = us.iter().sum::<f64>() / us.len() as f64;
+        assert!((mean - 0.5).abs() < 5.0 * (1.0 / 12.0f64 / 1000.0).sqrt(), "mean {mean}");
+        // The draws take them: reproducible by position, and they vary with it.
+        let toks: Vec<u32> = (0..200).map(|q| a.sample_at(&logits, q).unwrap()).collect();
+        assert_eq!(toks, (0..200).map(|q| b.sample_at(&logits, q).unwrap()).collect::<Vec<_>>());
+        assert!(toks.iter().collect::<std::collections::HashSet<_>>().len() > 1);
+        assert_eq!(a.device_draw_at(9).u, us[9]);
+        assert_eq!(Sampler::greedy().device_draw_at(9), Draw::GREEDY);
+        assert_eq!(Sampler::greedy().sample_at(&[0.0, 2.0, 1.0], 4).unwrap(), 1);
+        assert_eq!(a.sample_at(&[1.0, f32::INFINITY], 0), Err(SampleError::NonFinite { index: 1 }));
+    }
+
+    /// [`Sampler::device_draw_at`] through the device's CPU twin takes
+    /// [`Sampler::sample_at`]'s token, as `device_draws_take_the_host_samplers_tokens` shows for
+    /// the sequential stream: over every filter mix and 100 positions of three kinds of logits.
+    #[test]
+    fn device_draws_at_positions_take_the_host_tokens() {
+        let mut s = 21u64;
+        let mut next = || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (s >> 33) as f32 / (1u64 << 31) as f32
+        };
+        let v = 3000;
+        let ties: Vec<f32> = (0..v).map(|_| ((next() * 40.0).round() - 20.0) * 0.25).collect();
+        let flat: Vec<f32> = (0..v).map(|_| next() * 0.01).collect();
+        let peaked: Vec<f32> = (0..v).map(|i| if i % 97 == 5 { 12.0 + next() } else { next() * 30.0 - 25.0 }).collect();
+        let mut drawn = 0;
+        for l in [&ties, &flat, &peaked] {
+            for &(t, top_k, top_p, min_p) in &CHECKED_MIXES {
+                let top_k = top_k as usize;
+                let p = SamplingParams { temperature: t, top_k, top_p, min_p, seed: 1000 + drawn as u64 };
+                let s = Sampler::new(p.clone()).unwrap();
+                for pos in (0..100).map(|k| k * 37 + 5) {
+                    let want = s.sample_at(l, pos).unwrap();
+                    let got = dsv4_backend::draw::draw_row(l, &s.device_draw_at(pos));
+                    assert_eq!(got, want, "{p:?} at position {pos}");
+                    drawn += 1;
+                }
+            }
+        }
+        assert_eq!(drawn, 300 * CHECKED_MIXES.len());
     }
 
     #[test]
