@@ -635,8 +635,9 @@ impl<B: Backend> Engine<B> {
                 if !*wi.next().expect("one flag per decoding sequence") {
                     continue;
                 }
-                let t = s.sampler.params.temperature;
-                jobs.push(s.spec.as_mut().expect("drafting needs a DSpark state").job(token, pos, t));
+                // Greedy drafts at every temperature: sampled sequences verify target-only
+                // (their drafts' distributions are not needed; the drafter batches greedy jobs).
+                jobs.push(s.spec.as_mut().expect("drafting needs a DSpark state").job(token, pos, 0.0));
             }
             let mut results = sc.proposer.draft_many(&mut jobs).into_iter();
             drop(jobs);
@@ -655,7 +656,7 @@ impl<B: Backend> Engine<B> {
                 Some(Planned::forced(token, pos, Vec::new()))
             } else {
                 match drafted[k].take().expect("a draft per job") {
-                    Ok(d) => Some(SpecSeq::planned(token, pos, l, s.sampler.params.temperature, d)),
+                    Ok(d) => Some(SpecSeq::planned(token, pos, l, 0.0, d)),
                     Err(e) => {
                         // Decode plainly this step (the row still enters the ring).
                         tracing::warn!(id = s.id, "drafting failed, decoding plainly: {e}");
@@ -663,6 +664,10 @@ impl<B: Backend> Engine<B> {
                     }
                 }
             };
+            // Sampled rounds verify target-only: every verify row draws the token of its next
+            // position as a plain run would, so the tokens are the plain run's.
+            let sampled = s.sampler.params.temperature != 0.0;
+            let plan = plan.map(|p| if sampled { p.target_only() } else { p });
             match plan {
                 Some(p) => {
                     for (k, &t) in p.tokens().iter().enumerate() {
@@ -798,7 +803,9 @@ impl<B: Backend> Engine<B> {
                     let h = hidden.get(o.row0 * width..(o.row0 + nrows) * width).unwrap_or(&[]);
                     let before = st.stats.clone();
                     let slot = s.slot.expect("admitted");
-                    let verdict = if l.is_empty() { Verdict::Ids(ids) } else { Verdict::Logits(l) };
+                    // Rows drawn on the device give their tokens (their logits may be here too,
+                    // for logprobs); rows drawn on the host give their logits.
+                    let verdict = if on_device || l.is_empty() { Verdict::Ids(ids) } else { Verdict::Logits(l) };
                     let r = st.finish(sc, &mut self.model, slot, plan, verdict, h, &mut s.sampler, &s.req.stop_ids);
                     self.metrics.spec.record(&before, &st.stats);
                     r.map(|r| r.tokens).map_err(|e| e.to_string())
@@ -809,7 +816,10 @@ impl<B: Backend> Engine<B> {
                 }
                 _ => match drawn[oi].take() {
                     Some(r) => r.map(|t| vec![t]),
-                    None => sample_row(&mut s.sampler, s.processor.as_mut(), l).map(|t| vec![t]),
+                    None => {
+                        let pos = next_pos(s);
+                        sample_row(&mut s.sampler, s.processor.as_mut(), l, pos).map(|t| vec![t])
+                    }
                 },
             };
             let emitted = match emitted {
@@ -870,7 +880,8 @@ impl<B: Backend> Engine<B> {
         let needs = |o: &Out| {
             let s = &self.running[o.seq];
             let sampled = s.sampler.params.temperature != 0.0;
-            s.processor.is_some() || s.req.top_logprobs.is_some() || (sampled && (host || o.plan.is_some()))
+            let drawn = o.plan.as_ref().is_none_or(|p| p.is_target_only());
+            s.processor.is_some() || s.req.top_logprobs.is_some() || (sampled && (host || !drawn))
         };
         let mut at = 0;
         let mut groups: Vec<(bool, Out, std::ops::Range<usize>)> = Vec::with_capacity(outs.len());
@@ -886,9 +897,9 @@ impl<B: Backend> Engine<B> {
     }
 
     /// With [`EngineConfig::host_sampling`], the tokens of the step's plain sampled rows (no
-    /// speculative round, no host pass) drawn on the host from their logits, in parallel: each
-    /// sequence has its own sampler and generator, so the draws are the ones a sequential loop
-    /// makes. A draw over V4's vocabulary costs ~1 ms (BENCHMARKS.md), which
+    /// speculative round, no host pass) drawn on the host from their logits, in parallel, each
+    /// with the uniform of its token's position ([`Sampler::sample_at`]): the draws a
+    /// sequential loop makes. A draw over V4's vocabulary costs ~1 ms (BENCHMARKS.md), which
     /// at 64 rows a step was the engine thread's largest cost. `None`: the row is not one.
     fn draw_plain_rows(&mut self, outs: &[Out], logits: &[f32], vocab: usize) -> Vec<Option<Result<u32, String>>> {
         use rayon::prelude::*;
@@ -910,12 +921,12 @@ impl<B: Backend> Engine<B> {
             return drawn;
         }
         plain.sort_by_key(|p| p.1);
-        let mut jobs: Vec<(usize, &mut Sampler, &[f32])> = Vec::with_capacity(plain.len());
+        let mut jobs: Vec<(usize, &Sampler, usize, &[f32])> = Vec::with_capacity(plain.len());
         let mut next = plain.iter().peekable();
         // A sequence has one out a step; a second one would be drawn by the sequential loop.
-        for (si, s) in self.running.iter_mut().enumerate() {
+        for (si, s) in self.running.iter().enumerate() {
             if let Some(&&(oi, _, r)) = next.peek().filter(|p| p.1 == si) {
-                jobs.push((oi, &mut s.sampler, &logits[r * vocab..(r + 1) * vocab]));
+                jobs.push((oi, &s.sampler, next_pos(s), &logits[r * vocab..(r + 1) * vocab]));
                 next.next();
             }
             while next.peek().is_some_and(|p| p.1 == si) {
@@ -923,25 +934,28 @@ impl<B: Backend> Engine<B> {
             }
         }
         let res: Vec<(usize, Result<u32, String>)> =
-            jobs.into_par_iter().map(|(oi, s, l)| (oi, s.sample(l).map_err(|e| e.to_string()))).collect();
+            jobs.into_par_iter().map(|(oi, s, pos, l)| (oi, s.sample_at(l, pos).map_err(|e| e.to_string()))).collect();
         for (oi, r) in res {
             drawn[oi] = Some(r);
         }
         drawn
     }
 
-    /// Each output row's draw, in the order of `outs`: a plain sampled row (no speculative
-    /// round, no host pass) is drawn on the device with the uniform its sampler would have
-    /// taken on the host (one per token, from the request's seeded generator); every other
-    /// row is greedy there, and the host samples it from its logits where it must. A draw over
+    /// Each output row's draw, in the order of `outs`: a sampled row without a host pass (a
+    /// plain row, or a verify row of a target-only round) is drawn on the device with the
+    /// uniform of the position of the token it gives ([`Sampler::device_draw_at`]); every
+    /// other row is greedy there, and the host samples it from its logits where it must. A draw over
     /// V4's vocabulary cost the engine's thread ~1 ms a row on the host (BENCHMARKS.md "Host
     /// sampler"), and its logits 0.5 MB a row of copy.
-    fn draws(&mut self, outs: &[Out], out_rows: usize) -> Vec<Draw> {
+    fn draws(&self, outs: &[Out], out_rows: usize) -> Vec<Draw> {
         let mut draws = Vec::with_capacity(out_rows);
         for o in outs {
-            let s = &mut self.running[o.seq];
+            let s = &self.running[o.seq];
             if draws_on_device(self.config.host_sampling, s, o) {
-                draws.push(s.sampler.device_draw());
+                match &o.plan {
+                    Some(p) => draws.extend((0..p.rows()).map(|k| s.sampler.device_draw_at(p.drawn_pos(k)))),
+                    None => draws.push(s.sampler.device_draw_at(next_pos(s))),
+                }
             } else {
                 draws.extend(std::iter::repeat_n(Draw::GREEDY, o.plan.as_ref().map_or(1, |p| p.rows())));
             }
@@ -950,11 +964,18 @@ impl<B: Backend> Engine<B> {
     }
 }
 
-/// Whether `o`'s token is drawn on the device: a plain row (not a speculative round) of a
-/// sampled request without a host pass (bias, penalties, grammar), unless the engine samples on
-/// the host. Logprobs still bring the row's logits, for the host to read.
+/// Whether `o`'s tokens are drawn on the device: a plain row or a target-only round's verify
+/// rows of a sampled request without a host pass (bias, penalties, grammar), unless the engine
+/// samples on the host. Logprobs still bring the rows' logits, for the host to read.
 fn draws_on_device(host_sampling: bool, s: &Sequence, o: &Out) -> bool {
-    !host_sampling && o.plan.is_none() && s.processor.is_none() && s.sampler.params.temperature != 0.0
+    let drawn = o.plan.as_ref().is_none_or(|p| p.is_target_only());
+    !host_sampling && drawn && s.processor.is_none() && s.sampler.params.temperature != 0.0
+}
+
+/// Position of the token a sequence's next output row gives (the row after the prompt's last
+/// or after the last generated token): the position whose uniform draws it.
+fn next_pos(s: &Sequence) -> usize {
+    s.req.prompt.len() + s.generated.len()
 }
 
 /// Long prompts report their prefill every [`PREFILL_LOG_EVERY`] tokens (and when done), so an
@@ -972,13 +993,16 @@ fn log_prefill_progress(s: &Sequence, fed: usize) {
     }
 }
 
-/// Samples one row, through the request's host pass (bias, penalties, grammar) when it has one.
+/// Samples the row of the token at position `pos`: with that position's uniform, or through
+/// the request's host pass (bias, penalties, grammar) when it has one (from the sampler's
+/// sequential stream).
 fn sample_row(
     sampler: &mut Sampler,
     processor: Option<&mut crate::logits::RowProcessor>,
     l: &[f32],
+    pos: usize,
 ) -> Result<u32, String> {
-    let Some(p) = processor else { return sampler.sample(l).map_err(|e| e.to_string()) };
+    let Some(p) = processor else { return sampler.sample_at(l, pos).map_err(|e| e.to_string()) };
     let mut row = l.to_vec();
     p.apply(&mut row).map_err(|e| e.to_string())?;
     let t = sampler.sample(&row).map_err(|e| e.to_string())?;

@@ -75,7 +75,9 @@ fn run<B: Backend>(
     let (mut tokens, mut margins) = (Vec::new(), Vec::new());
     let mut stop = StopReason::Length;
     while tokens.len() < opts.max_new_tokens {
-        let tok = sampler.sample(&logits)?;
+        // The uniform of the token's position: the engine draws it the same way, with or
+        // without speculation.
+        let tok = sampler.sample_at(&logits, prompt.len() + tokens.len())?;
         margins.push(argmax_margin(&logits).1);
         tokens.push(tok);
         if opts.stop_ids.contains(&tok) {

@@ -8,9 +8,15 @@
 //! be fed to the drafter.
 //!
 //! Lossless: at temperature 0 acceptance is greedy (the emitted stream is the plain greedy
-//! stream); at temperature > 0 it is token-level rejection sampling against the sequence's
-//! own sampling distribution ([`Sampler::probs`]: temperature, top-k, top-p, min-p), with the
-//! draft's exact proposal distribution.
+//! stream). At temperature > 0 a round is one of two kinds. A target-only round
+//! ([`Planned::target_only`], the engine's) verifies greedy drafts by drawing each verify row's
+//! token from the target's own sampling distribution with the uniform of that token's position
+//! ([`Sampler::uniform_at`]) and accepting a draft iff it equals the draw (spec dspark.md §6):
+//! the emitted tokens are exactly a plain seeded run's, and the round needs only token ids.
+//! Otherwise ([`generate_speculative`](crate::generate_speculative)) it is token-level
+//! rejection sampling against the sequence's own sampling distribution ([`Sampler::probs`]:
+//! temperature, top-k, top-p, min-p), with the draft's exact proposal distribution: the same
+//! distribution as a plain run, not the same tokens.
 
 use crate::sampler::{SampleError, Sampler};
 use dsv4_backend::{Backend, Model, ModelError, Outputs, StepPlan, MAX_ROLLBACK};
@@ -249,9 +255,11 @@ pub struct SpecConfig {
     pub proposer: Arc<dyn Proposer>,
     /// Longest draft verified per round (`--dspark-max-draft`, at most γ).
     pub max_draft: usize,
-    /// Use speculation for sequences sampled at temperature > 0 (rejection sampling: the same
-    /// distribution, not the same tokens as a plain run with that seed). Off: those sequences
-    /// decode plainly, so a seeded request gives exactly its plain tokens.
+    /// Use speculation for sequences sampled at temperature > 0. In the engine the rounds are
+    /// target-only ([`Planned::target_only`]): a seeded request gives exactly its plain tokens.
+    /// In [`generate_speculative`](crate::generate_speculative) they are rejection sampling:
+    /// the same distribution, not the same tokens as a plain run with that seed. Off: those
+    /// sequences decode plainly.
     pub sampled: bool,
     pub policy: SpecPolicy,
     /// Test hook: the rule of rounds at temperature > 0. Always [`accept_sampled`] outside tests;
@@ -315,12 +323,15 @@ pub enum SpecError {
     Sample(#[from] SampleError),
     #[error("the forward tapped no drafter rows")]
     NoCapture,
-    #[error("a verify of {want} rows got {rows} token ids at temperature {t} (ids serve greedy rounds only)")]
+    #[error(
+        "a verify of {want} rows got {rows} token ids at temperature {t} (ids serve greedy and target-only rounds only)"
+    )]
     Verdict { rows: usize, want: usize, t: f32 },
 }
 
-/// What a verify step brought back for [`SpecSeq::finish`]: the rows' logits, or (greedy
-/// rounds) only their argmax.
+/// What a verify step brought back for [`SpecSeq::finish`]: the rows' logits, or (greedy and
+/// target-only rounds) only their tokens: the argmax when greedy, else each row's draw with
+/// [`Sampler::device_draw_at`] of the position after it.
 #[derive(Clone, Copy, Debug)]
 pub enum Verdict<'a> {
     Logits(&'a [f32]),
@@ -397,6 +408,8 @@ pub struct Planned {
     pub drafts: Vec<u32>,
     /// The drafts' proposal distributions `[l, vocab]` (sampled drafting only).
     q: Option<Vec<f32>>,
+    /// A target-only round at temperature > 0 (see [`Planned::target_only`]).
+    target_only: bool,
 }
 
 impl Planned {
@@ -410,7 +423,28 @@ impl Planned {
 
     /// A block with chosen drafts (greedy verification; tests).
     pub fn forced(anchor: u32, anchor_pos: usize, drafts: Vec<u32>) -> Self {
-        Planned { anchor, anchor_pos, drafts, q: None }
+        Planned { anchor, anchor_pos, drafts, q: None, target_only: false }
+    }
+
+    /// The round verified target-only (spec dspark.md §6): verify row `k` (input position
+    /// `anchor_pos + k`) draws its token `y_k` from the target's sampling distribution with
+    /// [`Sampler::uniform_at`]`(anchor_pos + k + 1)`; draft `k` is accepted iff it equals `y_k`,
+    /// the first mismatch (or the last row) emits `y_k`. Each emitted token at position `q` is
+    /// then the token a plain seeded run draws at `q` from the same logits. Lossless for any
+    /// drafts; drafts' proposal distributions are not used (drafting should be greedy).
+    pub fn target_only(mut self) -> Self {
+        self.q = None;
+        self.target_only = true;
+        self
+    }
+
+    pub fn is_target_only(&self) -> bool {
+        self.target_only
+    }
+
+    /// Position of the token that verify row `k`'s draw gives.
+    pub fn drawn_pos(&self, k: usize) -> usize {
+        self.anchor_pos + k + 1
     }
 }
 
@@ -531,14 +565,16 @@ impl SpecSeq {
     pub fn planned(anchor: u32, anchor_pos: usize, l: usize, temperature: f32, d: Draft) -> Planned {
         let drafts = d.tokens[..l.min(d.tokens.len())].to_vec();
         let q = if temperature > 0.0 { d.q_probs.map(|q| q[..drafts.len() * d.vocab].to_vec()) } else { None };
-        Planned { anchor, anchor_pos, drafts, q }
+        Planned { anchor, anchor_pos, drafts, q, target_only: false }
     }
 
     /// Finishes a round after the verify forward: `verdict` holds the `1+l` verify rows' logits
-    /// `[1+l, vocab]` (or, at temperature 0, only their argmax), `hidden` their tapped rows. Accepts (greedy, or rejection sampling at
-    /// temperature > 0; a round without drafts samples exactly as plain decoding does), cuts the
-    /// target back to `anchor_pos + tokens.len()` tokens, and commits the anchor and accepted
-    /// rows to the ring. Emitted tokens stop after the first of `stop_ids`.
+    /// `[1+l, vocab]` (or, at temperature 0 and in target-only rounds, only their tokens),
+    /// `hidden` their tapped rows. Accepts (greedy; target-only, from the rows' tokens or their
+    /// draws with [`Sampler::sample_at`]; or rejection sampling at temperature > 0, where a
+    /// round without drafts samples exactly as plain decoding does), cuts the target back to
+    /// `anchor_pos + tokens.len()` tokens, and commits the anchor and accepted rows to the
+    /// ring. Emitted tokens stop after the first of `stop_ids`.
     #[allow(clippy::too_many_arguments)]
     pub fn finish<B: Backend>(
         &mut self,
@@ -554,8 +590,9 @@ impl SpecSeq {
         let vocab = model.cfg.vocab_size;
         let l = plan.drafts.len();
         let logits = match verdict {
-            Verdict::Ids(ids) if sampler.params.temperature == 0.0 && ids.len() == l + 1 => {
-                // The step checked its logits for nonfinite values on the backend.
+            Verdict::Ids(ids) if (sampler.params.temperature == 0.0 || plan.target_only) && ids.len() == l + 1 => {
+                // The step checked its logits for nonfinite values on the backend (and drew
+                // target-only rows with `device_draw_at` of their positions).
                 let (n, bonus) = accept_greedy_ids(&plan.drafts, ids);
                 return self.settle(cfg, model, slot, plan, n, bonus, hidden, stop_ids);
             }
@@ -565,7 +602,13 @@ impl SpecSeq {
             Verdict::Logits(x) => x,
         };
         debug_assert_eq!(logits.len(), (l + 1) * vocab);
-        let (n, bonus) = if l == 0 {
+        let (n, bonus) = if plan.target_only && sampler.params.temperature != 0.0 {
+            let mut ids = Vec::with_capacity(l + 1);
+            for (k, row) in logits.chunks(vocab).enumerate() {
+                ids.push(sampler.sample_at(row, plan.drawn_pos(k))?);
+            }
+            accept_greedy_ids(&plan.drafts, &ids)
+        } else if l == 0 {
             (0, sampler.sample(&logits[..vocab])?)
         } else if sampler.params.temperature == 0.0 {
             if let Some(index) = logits.iter().position(|v| !v.is_finite()) {

@@ -444,3 +444,99 @@ fn stop_inside_an_accepted_block_cuts_there() {
     assert_eq!(*r.tokens.last().unwrap(), stop);
     assert_eq!(m.seq_len(slot).unwrap(), p.len() + r.tokens.len());
 }
+
+fn sampled_params(i: usize) -> SamplingParams {
+    let seed = 1000 + i as u64 * 7919;
+    match i % 3 {
+        0 => SamplingParams { temperature: 0.8, top_p: 0.95, seed, ..Default::default() },
+        1 => SamplingParams { temperature: 1.0, top_k: 20, seed, ..Default::default() },
+        _ => SamplingParams { temperature: 0.6, min_p: 0.05, seed, ..Default::default() },
+    }
+}
+
+/// Runs `n` sampled requests (every third with logprobs, so their verify rows bring logits and
+/// ids) through `cfg`'s engine at once; returns each one's tokens and the engine's DSpark
+/// (rounds, drafted, accepted).
+fn run_sampled(dir: &Path, cfg: EngineConfig, n: usize, max_tokens: usize) -> (Vec<Vec<u32>>, (u64, u64, u64)) {
+    let h = spawn(load(dir, 6), cfg, 6);
+    let subs: Vec<_> = (0..n)
+        .map(|i| {
+            h.submit(Request {
+                prompt: engine_prompt(i),
+                sampling: sampled_params(i),
+                max_tokens,
+                stop_ids: vec![],
+                top_logprobs: (i % 3 == 1).then_some(2),
+                snapshot_at: vec![],
+                logits: Default::default(),
+            })
+            .unwrap()
+        })
+        .collect();
+    let out = subs.into_iter().map(collect).collect();
+    let sm = &h.metrics.spec;
+    let g = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    (out, (g(&sm.rounds), g(&sm.drafted), g(&sm.accepted)))
+}
+
+/// Sampled requests speculate target-only in the engine (greedy drafts, each verify row drawn
+/// with the uniform of its token's position): their tokens are exactly those of the same seeded
+/// requests in an engine without DSpark, and of `generate`, whatever the batching, the drafts
+/// (an oracle whose drafts are partly right, so rounds accept and reject; the real random
+/// drafter) and where the draws are made (device twin or host).
+#[test]
+fn engine_with_sampled_dspark_gives_the_plain_seeded_tokens() {
+    let dir = tiny_dir();
+    let (n, max_tokens) = (15, 24);
+    let plain_cfg = EngineConfig { token_budget: 48, prefill_chunk: 16, ..Default::default() };
+    let (plain, none) = run_sampled(dir.path(), plain_cfg, n, max_tokens);
+    assert_eq!(none, (0, 0, 0));
+    // `generate` draws the same tokens one at a time.
+    let mut m = load(dir.path(), 1);
+    for (i, want) in plain.iter().enumerate() {
+        let mut s = Sampler::new(sampled_params(i)).unwrap();
+        let opts = GenerateOptions { max_new_tokens: max_tokens, stop_ids: &[], prefill_chunk: 512 };
+        assert_eq!(&generate(&mut m, &engine_prompt(i), &mut s, &opts).unwrap().tokens, want, "request {i}");
+    }
+    // The runs differ by seed: the test is not one of a constant stream.
+    assert!(plain.iter().collect::<BTreeSet<_>>().len() == n);
+    let mut next = HashMap::new();
+    for (i, out) in plain.iter().enumerate() {
+        let p = engine_prompt(i);
+        let mut stream = p.clone();
+        stream.extend(out);
+        for a in p.len() - 1..stream.len() - 1 {
+            next.insert((a, stream[a]), stream[a + 1..].to_vec());
+        }
+    }
+    let oracle = Oracle { layers: vec![3, 4, 5], inner: Drafter::load_dir(dir.path()).unwrap(), next };
+    let mut oracle_accepted = 0;
+    for (budget, chunk, real, host) in [(24, 9, false, false), (64, 16, false, true), (40, 7, true, false)] {
+        let proposer: Arc<dyn Proposer> = if real {
+            Arc::new(Drafter::load_dir(dir.path()).unwrap())
+        } else {
+            Arc::new(clone_oracle(&oracle, dir.path()))
+        };
+        let mut sc = SpecConfig::new(proposer);
+        sc.sampled = true;
+        let cfg = EngineConfig {
+            token_budget: budget,
+            prefill_chunk: chunk,
+            dspark: Some(sc),
+            host_sampling: host,
+            ..Default::default()
+        };
+        let (got, (r, d, a)) = run_sampled(dir.path(), cfg, n, max_tokens);
+        eprintln!("budget {budget} chunk {chunk} real {real} host {host}: {r} rounds, {d} drafted, {a} accepted");
+        for (i, (g, w)) in got.iter().zip(&plain).enumerate() {
+            assert_eq!(g, w, "request {i} (budget {budget}, chunk {chunk}, real drafter {real}, host {host})");
+        }
+        assert!(r > 0 && d > 0, "sampled requests speculate");
+        if !real {
+            assert!(a > 0, "the oracle's drafts are accepted");
+            assert!(a < d, "and some are rejected");
+            oracle_accepted += a;
+        }
+    }
+    assert!(oracle_accepted >= 20, "{oracle_accepted} drafts accepted");
+}
