@@ -297,7 +297,7 @@ fn collect(mut sub: dsv4_engine::Submission) -> Vec<u32> {
 
 /// The continuous-batching engine on the GPU with the GPU drafter (greedy sequences of a step
 /// drafted in one batched forward): every request gets the tokens of a plain single-sequence
-/// run (greedy and sampled requests; sampled ones decode plainly, the server's setting).
+/// run (greedy and sampled requests; sampled ones speculate target-only, the server's setting).
 #[test]
 fn engine_with_gpu_drafter_gives_the_plain_tokens() {
     let Some(b) = gpu(false) else { return };
@@ -323,12 +323,9 @@ fn engine_with_gpu_drafter_gives_the_plain_tokens() {
     drop(m);
     let proposer: Arc<dyn Proposer> =
         Arc::new(DeviceProposer(Drafter::load_dir_on(gpu(false).unwrap(), dir.path()).unwrap()));
-    let cfg = EngineConfig {
-        token_budget: 48,
-        prefill_chunk: 8,
-        dspark: Some(SpecConfig::new(proposer)),
-        ..Default::default()
-    };
+    let mut sc = SpecConfig::new(proposer);
+    sc.sampled = true;
+    let cfg = EngineConfig { token_budget: 48, prefill_chunk: 8, dspark: Some(sc), ..Default::default() };
     let h = spawn(Model::load(gpu(false).unwrap(), dir.path(), n, false).unwrap(), cfg, n);
     let subs: Vec<_> = (0..n)
         .map(|i| {

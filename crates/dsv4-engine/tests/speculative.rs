@@ -455,9 +455,15 @@ fn sampled_params(i: usize) -> SamplingParams {
 }
 
 /// Runs `n` sampled requests (every third with logprobs, so their verify rows bring logits and
-/// ids) through `cfg`'s engine at once; returns each one's tokens and the engine's DSpark
-/// (rounds, drafted, accepted).
-fn run_sampled(dir: &Path, cfg: EngineConfig, n: usize, max_tokens: usize) -> (Vec<Vec<u32>>, (u64, u64, u64)) {
+/// ids; request `i` stopping at `stops[i]`) through `cfg`'s engine at once; returns each one's
+/// tokens and the engine's DSpark (rounds, drafted, accepted).
+fn run_sampled(
+    dir: &Path,
+    cfg: EngineConfig,
+    n: usize,
+    max_tokens: usize,
+    stops: &[Vec<u32>],
+) -> (Vec<Vec<u32>>, (u64, u64, u64)) {
     let h = spawn(load(dir, 6), cfg, 6);
     let subs: Vec<_> = (0..n)
         .map(|i| {
@@ -465,7 +471,7 @@ fn run_sampled(dir: &Path, cfg: EngineConfig, n: usize, max_tokens: usize) -> (V
                 prompt: engine_prompt(i),
                 sampling: sampled_params(i),
                 max_tokens,
-                stop_ids: vec![],
+                stop_ids: stops[i].clone(),
                 top_logprobs: (i % 3 == 1).then_some(2),
                 snapshot_at: vec![],
                 logits: Default::default(),
@@ -489,8 +495,19 @@ fn engine_with_sampled_dspark_gives_the_plain_seeded_tokens() {
     let dir = tiny_dir();
     let (n, max_tokens) = (15, 24);
     let plain_cfg = EngineConfig { token_budget: 48, prefill_chunk: 16, ..Default::default() };
-    let (plain, none) = run_sampled(dir.path(), plain_cfg, n, max_tokens);
+    let (plain, none) = run_sampled(dir.path(), plain_cfg, n, max_tokens, &vec![vec![]; n]);
     assert_eq!(none, (0, 0, 0));
+    // Every fourth request stops at its plain run's 12th token (inside a verify block when
+    // speculating): its output is the plain one cut there.
+    let stops: Vec<Vec<u32>> = (0..n).map(|i| if i % 4 == 3 { vec![plain[i][11]] } else { vec![] }).collect();
+    let want: Vec<Vec<u32>> = plain
+        .iter()
+        .zip(&stops)
+        .map(|(p, s)| match p.iter().position(|t| s.contains(t)) {
+            Some(c) => p[..=c].to_vec(),
+            None => p.clone(),
+        })
+        .collect();
     // `generate` draws the same tokens one at a time.
     let mut m = load(dir.path(), 1);
     for (i, want) in plain.iter().enumerate() {
@@ -526,9 +543,9 @@ fn engine_with_sampled_dspark_gives_the_plain_seeded_tokens() {
             host_sampling: host,
             ..Default::default()
         };
-        let (got, (r, d, a)) = run_sampled(dir.path(), cfg, n, max_tokens);
+        let (got, (r, d, a)) = run_sampled(dir.path(), cfg, n, max_tokens, &stops);
         eprintln!("budget {budget} chunk {chunk} real {real} host {host}: {r} rounds, {d} drafted, {a} accepted");
-        for (i, (g, w)) in got.iter().zip(&plain).enumerate() {
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(g, w, "request {i} (budget {budget}, chunk {chunk}, real drafter {real}, host {host})");
         }
         assert!(r > 0 && d > 0, "sampled requests speculate");

@@ -142,7 +142,8 @@ struct GenerateArgs {
 #[derive(clap::Args, Clone)]
 struct DsparkArgs {
     /// Speculate with the checkpoint's DSpark drafter (lossless: greedy output equals plain
-    /// greedy; at temperature > 0, rejection sampling keeps the target's distribution).
+    /// greedy; at temperature > 0, `serve` gives a seeded request's plain tokens exactly, and
+    /// `generate` keeps the target's distribution by rejection sampling).
     #[arg(long)]
     dspark: bool,
     /// Longest draft verified per round (default: the drafter's block size).
@@ -348,9 +349,10 @@ where
         .kv_disk_dir
         .as_ref()
         .map_or(0, |d| dsv4_engine::fingerprint::model_fingerprint(&dir, Some(&d.join(".weight-hashes"))));
-    // In the server, DSpark speculates for greedy requests; sampled ones decode plainly (their
-    // seeded outputs stay those of a plain run).
-    let dspark = a.dspark.config(&dir, &mut model, false)?;
+    // In the server, DSpark speculates for greedy and sampled requests alike: the engine
+    // verifies sampled rounds target-only (each verify row drawn with the uniform of its
+    // token's position), so a seeded request's output is exactly its plain run's.
+    let dspark = a.dspark.config(&dir, &mut model, true)?;
     serve_model(model, tok, a, default_name, fingerprint, dspark)
 }
 
