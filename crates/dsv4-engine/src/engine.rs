@@ -901,7 +901,7 @@ impl<B: Backend> Engine<B> {
     /// with the uniform of its token's position ([`Sampler::sample_at`]): the draws a
     /// sequential loop makes. A draw over V4's vocabulary costs ~1 ms (BENCHMARKS.md), which
     /// at 64 rows a step was the engine thread's largest cost. `None`: the row is not one.
-    fn draw_plain_rows(&mut self, outs: &[Out], logits: &[f32], vocab: usize) -> Vec<Option<Result<u32, String>>> {
+    fn draw_plain_rows(&self, outs: &[Out], logits: &[f32], vocab: usize) -> Vec<Option<Result<u32, String>>> {
         use rayon::prelude::*;
         let mut drawn: Vec<Option<Result<u32, String>>> = outs.iter().map(|_| None).collect();
         if logits.is_empty() {
