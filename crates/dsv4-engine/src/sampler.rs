@@ -401,13 +401,10 @@ mod tests {
         }
     }
 
-    /// The device's draw (its CPU twin, `dsv4_backend::draw::draw_row`) takes the host
-    /// sampler's token from the same seed: the same generator stream, the same filters and
-    /// walk order, weights apart by at most 2⁻⁴⁷ of the best one's. Over logits with ties,
-    /// flat ones (large nuclei) and peaked ones, every filter mix and 100 draws each.
-    #[test]
-    fn device_draws_take_the_host_samplers_tokens() {
-        let mut s = 9u64;
+    /// Rows of 3,000 logits for the twin checks: quantised values (ties), a nearly flat row
+    /// (large nuclei) and a peaked one.
+    fn twin_rows(seed: u64) -> [Vec<f32>; 3] {
+        let mut s = seed;
         let mut next = || {
             s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             (s >> 33) as f32 / (1u64 << 31) as f32
@@ -416,8 +413,17 @@ mod tests {
         let ties: Vec<f32> = (0..v).map(|_| ((next() * 40.0).round() - 20.0) * 0.25).collect();
         let flat: Vec<f32> = (0..v).map(|_| next() * 0.01).collect();
         let peaked: Vec<f32> = (0..v).map(|i| if i % 97 == 5 { 12.0 + next() } else { next() * 30.0 - 25.0 }).collect();
+        [ties, flat, peaked]
+    }
+
+    /// The device's draw (its CPU twin, `dsv4_backend::draw::draw_row`) takes the host
+    /// sampler's token from the same seed: the same generator stream, the same filters and
+    /// walk order, weights apart by at most 2⁻⁴⁷ of the best one's. Over logits with ties,
+    /// flat ones (large nuclei) and peaked ones, every filter mix and 100 draws each.
+    #[test]
+    fn device_draws_take_the_host_samplers_tokens() {
         let mut drawn = 0;
-        for l in [&ties, &flat, &peaked] {
+        for l in &twin_rows(9) {
             for &(t, top_k, top_p, min_p) in &CHECKED_MIXES {
                 let top_k = top_k as usize;
                 let p = SamplingParams { temperature: t, top_k, top_p, min_p, seed: drawn as u64 };
@@ -472,17 +478,8 @@ mod tests {
     /// the sequential stream: over every filter mix and 100 positions of three kinds of logits.
     #[test]
     fn device_draws_at_positions_take_the_host_tokens() {
-        let mut s = 21u64;
-        let mut next = || {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (s >> 33) as f32 / (1u64 << 31) as f32
-        };
-        let v = 3000;
-        let ties: Vec<f32> = (0..v).map(|_| ((next() * 40.0).round() - 20.0) * 0.25).collect();
-        let flat: Vec<f32> = (0..v).map(|_| next() * 0.01).collect();
-        let peaked: Vec<f32> = (0..v).map(|i| if i % 97 == 5 { 12.0 + next() } else { next() * 30.0 - 25.0 }).collect();
         let mut drawn = 0;
-        for l in [&ties, &flat, &peaked] {
+        for l in &twin_rows(21) {
             for &(t, top_k, top_p, min_p) in &CHECKED_MIXES {
                 let top_k = top_k as usize;
                 let p = SamplingParams { temperature: t, top_k, top_p, min_p, seed: 1000 + drawn as u64 };

@@ -323,6 +323,21 @@ fn engine_params(i: usize) -> SamplingParams {
     }
 }
 
+/// The oracle drafter's table: after each position `a` of request `i`'s prompt and output (the
+/// token there), the rest of that request's stream.
+fn continuations(outs: &[Vec<u32>]) -> HashMap<(usize, u32), Vec<u32>> {
+    let mut next = HashMap::new();
+    for (i, out) in outs.iter().enumerate() {
+        let p = engine_prompt(i);
+        let mut stream = p.clone();
+        stream.extend(out);
+        for a in p.len() - 1..stream.len() - 1 {
+            next.insert((a, stream[a]), stream[a + 1..].to_vec());
+        }
+    }
+    next
+}
+
 fn engine_prompt(i: usize) -> Vec<u32> {
     prompt(200 + i, 2 + i * 5 % 37)
 }
@@ -351,15 +366,7 @@ fn engine_with_dspark_gives_the_plain_tokens() {
             generate(&mut m, &engine_prompt(i), &mut s, &opts).unwrap().tokens
         })
         .collect();
-    let mut next = HashMap::new();
-    for (i, out) in alone.iter().enumerate() {
-        let p = engine_prompt(i);
-        let mut stream = p.clone();
-        stream.extend(out);
-        for a in p.len() - 1..stream.len() - 1 {
-            next.insert((a, stream[a]), stream[a + 1..].to_vec());
-        }
-    }
+    let next = continuations(&alone);
     let oracle = Oracle { layers: vec![3, 4, 5], inner: Drafter::load_dir(dir.path()).unwrap(), next };
     for (budget, chunk, real) in [(24, 9, false), (64, 16, false), (40, 7, true)] {
         let proposer: Arc<dyn Proposer> = if real {
@@ -517,15 +524,7 @@ fn engine_with_sampled_dspark_gives_the_plain_seeded_tokens() {
     }
     // The runs differ by seed: the test is not one of a constant stream.
     assert!(plain.iter().collect::<BTreeSet<_>>().len() == n);
-    let mut next = HashMap::new();
-    for (i, out) in plain.iter().enumerate() {
-        let p = engine_prompt(i);
-        let mut stream = p.clone();
-        stream.extend(out);
-        for a in p.len() - 1..stream.len() - 1 {
-            next.insert((a, stream[a]), stream[a + 1..].to_vec());
-        }
-    }
+    let next = continuations(&plain);
     let oracle = Oracle { layers: vec![3, 4, 5], inner: Drafter::load_dir(dir.path()).unwrap(), next };
     let mut oracle_accepted = 0;
     for (budget, chunk, real, host) in [(24, 9, false, false), (64, 16, false, true), (40, 7, true, false)] {
