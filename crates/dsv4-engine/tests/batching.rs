@@ -90,8 +90,19 @@ fn check_parallel(h: &dsv4_engine::EngineHandle, alone: &[Vec<u32>], n: usize) {
         assert_eq!(toks, alone[i], "request {i}");
     }
     assert_eq!(Metrics::get(&h.metrics.generated_tokens_total), 12 * n as u64);
-    // The step timers: the forward runs inside the engine step, so it cannot take longer.
-    let (fwd, step) = (Metrics::get(&h.metrics.forward_ns), Metrics::get(&h.metrics.step_ns));
+    // The step timers: the forward runs inside the engine step, so it cannot take longer. The
+    // last step adds its step time after it has sent the tokens read above: read the timers
+    // once the idle engine has stopped moving them (at most 5 s).
+    let step_ns = || Metrics::get(&h.metrics.step_ns);
+    let t0 = std::time::Instant::now();
+    loop {
+        let before = step_ns();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        if step_ns() == before || t0.elapsed() > std::time::Duration::from_secs(5) {
+            break;
+        }
+    }
+    let (fwd, step) = (Metrics::get(&h.metrics.forward_ns), step_ns());
     assert!(Metrics::get(&h.metrics.steps_total) > 0 && fwd > 0 && fwd <= step, "forward {fwd} ns, step {step} ns");
     // Planning and snapshots are parts of the step outside the forward.
     let (plan, snap) = (Metrics::get(&h.metrics.plan_ns), Metrics::get(&h.metrics.snapshot_ns));
