@@ -378,6 +378,72 @@ fn cuda_int8_products_match_the_twin() {
     b.set_int8(false);
 }
 
+/// The routed gate/up of several rows on the persistent, bulk-copy-fed `moe_upp`
+/// (`set_moe_pipe`) is bitwise `moe_upx`: ds4's q2 layout (IQ2_XXS gate/up, Q2_K down) and Q2_K
+/// throughout, at Flash's d = 4,096 (an item's 8 gate and 8 up rows: 18 KB of IQ2_XXS a stage)
+/// and at d = 256, with 2 to 48 rows over 8 experts: experts of one pair, of a group of each
+/// size, and of more pairs than an item stages (UPP_MAXP = 32: 48 rows routed to 3 of 8 experts
+/// give each 48).
+#[test]
+fn cuda_experts_on_the_pipelined_kernel_are_bitwise() {
+    let Some(b) = gpu() else { return };
+    b.set_exact(false);
+    b.set_int8(true);
+    b.set_x8_rows(64);
+    b.set_x8_tiles(X8Tiles::Dense);
+    for (fi, (formats, d, inter)) in [
+        ((PackedFormat::IQ2_XXS, PackedFormat::Q2_K), 4096, 256),
+        ((PackedFormat::IQ2_XXS, PackedFormat::Q2_K), 256, 512),
+        ((PackedFormat::Q2_K, PackedFormat::Q2_K), 512, 256),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let ne = 8;
+        let (gpu_e, _) = random_experts(&b, formats, (d, inter, ne), 9000 + fi as u64);
+        let mut c = dsv4_model::synth::tiny_config(64);
+        c.n_routed_experts = ne;
+        c.n_experts_per_tok = 3;
+        let bias = b.upload(HostTensor::new("bias", vec![ne], vec![0.0; ne])).unwrap();
+        for (n, spread) in [(2, true), (5, true), (24, true), (48, false)] {
+            let (x, _) = activations(&b, n, d, 11 + n as u64);
+            // `spread`: random routes; else every row to experts 0, 1 and 2 (48 pairs each).
+            let (logits, _) = activations(&b, n, ne, 13 + n as u64);
+            let logits = if spread {
+                logits
+            } else {
+                let l: Vec<f32> =
+                    (0..n * ne).map(|i| if i % ne < 3 { 10.0 - (i % ne) as f32 } else { -10.0 }).collect();
+                b.upload(HostTensor::new("logits", vec![n, ne], l)).map(|t| CudaTensor::new(n, ne, t.data)).unwrap()
+            };
+            let route = b.route(&logits, Some(&bias), None, &c);
+            b.set_moe_pipe(false);
+            let want = b.to_host(&b.moe(&x, &route, &gpu_e, 0, 10.0));
+            b.set_moe_pipe(true);
+            let before = b.moe_pipe_launches();
+            let got = b.to_host(&b.moe(&x, &route, &gpu_e, 0, 10.0));
+            assert_eq!(b.moe_pipe_launches(), before + 1, "{n} rows, d {d}: moe_upp was not launched");
+            b.set_moe_pipe(false);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(
+                    g.to_bits(),
+                    w.to_bits(),
+                    "{}/{} d {d}, {n} rows: moe_upp {g} vs moe_upx {w} at {i}",
+                    formats.0.name(),
+                    formats.1.name()
+                );
+            }
+            println!(
+                "moe_upp {}/{} d {d} inter {inter}, {n} rows (spread {spread}): bitwise moe_upx",
+                formats.0.name(),
+                formats.1.name()
+            );
+        }
+    }
+    b.set_x8_rows(QGEMV_ROWS);
+    b.set_int8(false);
+}
+
 /// One token row's experts in two launches (`moe_up1s` / `moe_down1s`, `set_ffn1`) are bitwise
 /// the separate launches (moe_sort, up, quant_x8, down, moe_combine; the shared expert's up,
 /// quant_x8, down; the add) for the routed, shared and summed outputs: ds4's q2 layout (IQ2_XXS

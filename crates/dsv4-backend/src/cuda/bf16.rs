@@ -480,6 +480,7 @@ struct ExpertShape {
 fn x8_pairs(
     b: &CudaBackend,
     (up1x, down1x): (&CudaFunction, &CudaFunction),
+    upp: Option<(&CudaFunction, usize)>,
     table: &CudaSlice<u64>,
     p: &Pairs<'_>,
     s: ExpertShape,
@@ -500,12 +501,28 @@ fn x8_pairs(
         shared_mem_bytes: 0,
     };
     let super::X8Twin { q: xq, d: xd } = b.x8_of(x);
+    // moe_upp: a persistent grid of two blocks an SM (their stages fill 148 KB of an SM's shared
+    // memory), 8 outputs an item; it needs inter a multiple of 8 (its items hold whole groups).
+    let (up_kernel, up_grid) = match upp.filter(|_| s.inter.is_multiple_of(8) && !tiles && x.rows > 1) {
+        Some((k, smem)) => (
+            {
+                b.upp_launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                k
+            },
+            LaunchConfig {
+                grid_dim: (2 * b.sm_count() as u32, 1, 1),
+                block_dim: (super::quant::UPP_THREADS, 1, 1),
+                shared_mem_bytes: smem as u32,
+            },
+        ),
+        None => (up1x, grid(s.inter, o.up)),
+    };
     // SAFETY (both launches): argument types and buffer sizes match the kernels; h holds a row
     // of `inter` per pair, y a row of `d`.
     ck(
         unsafe {
             b.stream
-                .kernel(up1x)
+                .kernel(up_kernel)
                 .arg(&mut *h)
                 .arg(xq)
                 .arg(xd)
@@ -518,7 +535,7 @@ fn x8_pairs(
                 .arg(&di)
                 .arg(&ii)
                 .arg(&limit)
-                .launch(grid(s.inter, o.up))
+                .launch(up_grid)
         },
         "moe_up int8",
     );
@@ -681,7 +698,7 @@ pub(crate) fn shared_expert_x8(
     let mut h = b.alloc::<f32>(inter);
     let mut out = b.tensor(1, d);
     let shape = ExpertShape { nexp: 1, k: 1, d, inter };
-    x8_pairs(b, kernels, &ek.table, &pairs, shape, x, (&mut h, &mut out.data), limit, ek.x8_tiles);
+    x8_pairs(b, kernels, None, &ek.table, &pairs, shape, x, (&mut h, &mut out.data), limit, ek.x8_tiles);
     Some(out)
 }
 
@@ -762,7 +779,12 @@ pub(crate) fn moe(
         if let Some(kernels) = ek.x8.filter(|_| d.is_multiple_of(blk) && inter.is_multiple_of(blk)) {
             let pairs = Pairs { order: order.as_view(), off: off.as_view(), active: active.as_view(), blocks };
             let shape = ExpertShape { nexp: ne, k, d, inter };
-            x8_pairs(b, kernels, table, &pairs, shape, x, (&mut h, &mut y), limit, ek.x8_tiles);
+            let upp = ek
+                .upp
+                .filter(|_| b.moe_pipe())
+                .zip(super::quant::upp_format(experts))
+                .and_then(|(k, f)| super::quant::upp_smem(f, d).map(|smem| (k, smem)));
+            x8_pairs(b, kernels, upp, table, &pairs, shape, x, (&mut h, &mut y), limit, ek.x8_tiles);
         } else {
             ck(
                 unsafe {

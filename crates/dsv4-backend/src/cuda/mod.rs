@@ -715,6 +715,10 @@ pub struct CudaBackend {
     /// Int8 calls of 2 to 4 rows on the kernels built for that many (see
     /// [`CudaBackend::set_row_caps`]).
     row_caps: std::sync::atomic::AtomicBool,
+    /// Several-row routed gate/up on the persistent `moe_upp` (see [`CudaBackend::set_moe_pipe`]).
+    moe_pipe: std::sync::atomic::AtomicBool,
+    /// `moe_upp` launches so far (tests: the pipelined path was taken).
+    pub(crate) upp_launches: std::sync::atomic::AtomicU64,
     /// f32-activation products of many rows on `gemvo` (see [`CudaBackend::set_gemvo`]).
     gemvo: std::sync::atomic::AtomicBool,
     /// A decode layer's attention norms and rotations two launches (see [`CudaBackend::set_norm_group`]).
@@ -963,6 +967,25 @@ impl CudaBackend {
 
     pub fn row_caps(&self) -> bool {
         self.row_caps.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The routed experts' gate/up products of several rows (2-bit formats, the dp4a row groups)
+    /// on `moe_upp`: a persistent grid whose producer warp queues each (expert, 8 outputs) item's
+    /// weight rows into shared memory by bulk copies, items ahead, instead of one block an item
+    /// loading into registers. The same sums, bit for bit. Start value `DSV4_MOE_PIPE` (`1`);
+    /// off by default until measured (PERF.md v38).
+    pub fn set_moe_pipe(&self, on: bool) {
+        self.moe_pipe.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
+    }
+
+    pub fn moe_pipe(&self) -> bool {
+        self.moe_pipe.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// How many `moe_upp` launches this backend has queued.
+    pub fn moe_pipe_launches(&self) -> u64 {
+        self.upp_launches.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether routed experts of `pairs` (row, slot) pairs over `experts` experts take the int8
@@ -1368,6 +1391,8 @@ impl CudaBackend {
                 std::env::var("DSV4_ROW_CAPS").map_or(true, |v| v.trim() != "0"),
             ),
             gemvo: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_GEMVO").map_or(true, |v| v.trim() != "0")),
+            moe_pipe: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_MOE_PIPE").is_ok_and(|v| v.trim() == "1")),
+            upp_launches: std::sync::atomic::AtomicU64::new(0),
             attention_tc_slices: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_ATT_TC_SLICES").map_or(true, |v| v.trim() != "0"),
             ),

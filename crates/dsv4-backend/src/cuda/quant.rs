@@ -127,6 +127,9 @@ pub(crate) struct ExpertKernels<'a> {
     pub x8: Option<(&'a CudaFunction, &'a CudaFunction)>,
     /// `x8` are the tile kernels (`moe_upt` / `moe_downt`: blocks of 16 outputs).
     pub x8_tiles: bool,
+    /// The persistent gate/up kernel fed by bulk copies (`moe_upp`, 2-bit formats), where
+    /// every expert's w1 / w3 planes are 16-byte aligned ([`CudaBackend::set_moe_pipe`]).
+    pub upp: Option<&'a CudaFunction>,
     /// The tensor-core tiles for many rows (gemm.cu: `pgemm_up64`, `pgemm_down64`, and the
     /// 128-row tiles).
     pub pg_up: &'a CudaFunction,
@@ -337,6 +340,9 @@ impl QuantKernels {
         for (nt, w) in TILE_SHAPES {
             names.push(format!("gemvtc{nt}{w}_q8_0"));
         }
+        for f in UPP_FORMATS {
+            names.push(format!("moe_upp_{}", suffix(f)));
+        }
         for (r, s) in FFN1_PAIRS {
             for k in ["moe_up1s", "moe_down1s"] {
                 names.push(format!("{k}_{}_{}", suffix(r), suffix(s)));
@@ -350,6 +356,8 @@ impl QuantKernels {
             let ring = TILE_SHAPES.into_iter().find(|&(nt, w)| n == format!("gemvtc{nt}{w}_q8_0"));
             let smem = if n.starts_with("pgemm") {
                 Some(super::gemm::PG_SMEM_MAX)
+            } else if n.starts_with("moe_upp") {
+                Some(UPP_SMEM_MAX)
             } else {
                 ring.map(|(nt, w)| xtc_smem(nt, w))
             };
@@ -383,6 +391,34 @@ impl QuantKernels {
     pub(crate) fn of(&self, kind: &str, f: PackedFormat) -> &CudaFunction {
         self.get(&format!("{kind}_{}", suffix(f)))
     }
+}
+
+/// The formats quant.cu builds `moe_upp` for (`UPP_KERNEL`).
+pub(crate) const UPP_FORMATS: [PackedFormat; 2] = [PackedFormat::Q2_K, PackedFormat::IQ2_XXS];
+/// `UPP_S`, `UPP_MAXP` and `UPP_THREADS` of quant.cu.
+const UPP_STAGES: usize = 4;
+const UPP_MAXP: usize = 32;
+pub(crate) const UPP_THREADS: u32 = 32 * 9;
+/// The dynamic shared memory `moe_upp` may take (its attribute): stages for d up to 16,384 of a
+/// 2-bit format.
+const UPP_SMEM_MAX: usize = 200 * 1024;
+
+/// `moe_upp`'s dynamic shared memory for gate/up rows of `d` values in format `f`: UPP_S stages
+/// of the 8 gate and 8 up rows' codes and heads, an item's pairs a stage, two barriers a stage.
+pub(crate) fn upp_smem(f: PackedFormat, d: usize) -> Option<usize> {
+    let (rb, hb) = match f {
+        PackedFormat::Q2_K => (d / 4, d / 256 * 20),
+        PackedFormat::IQ2_XXS => (d / 4, d / 256 * 8),
+        _ => return None,
+    };
+    let bytes = UPP_STAGES * (2 * 8 * (rb + hb) + 16 + 4 * UPP_MAXP) + 2 * UPP_STAGES * 8;
+    (d.is_multiple_of(256) && (8 * rb).is_multiple_of(16) && (8 * hb).is_multiple_of(16) && bytes <= UPP_SMEM_MAX)
+        .then_some(bytes)
+}
+
+/// The routed experts' gate/up format, where `moe_upp` is built for it.
+pub(crate) fn upp_format(experts: &[dsv4_model::weights::Expert<CudaWeight>]) -> Option<PackedFormat> {
+    experts[0].w1.q.as_ref().map(|q| q.format).filter(|f| UPP_FORMATS.contains(f))
 }
 
 /// `XG_MAX` of quant.cu: one-row int8 products one `gemv1xg` launch takes at most.
@@ -932,7 +968,13 @@ impl CudaBackend {
         };
         let x8 = (self.int8() && int8(&ex.w1) && int8(&ex.w3) && int8(&ex.w2))
             .then(|| (self.qk.get(&format!("moe_up{r}{x}_{f13}")), self.qk.get(&format!("moe_down{r}{x}{cap}_{f2}"))));
+        let aligned = (0..2)
+            .all(|i| ptrs[i * ne..(i + 1) * ne].iter().chain(&ptrs[(3 + i) * ne..(4 + i) * ne]).all(|p| p % 16 == 0));
+        let upp = (x8.is_some() && !single && !x8_tiles && aligned)
+            .then(|| self.qk.0.get(&format!("moe_upp_{f13}")))
+            .flatten();
         ExpertKernels {
+            upp,
             up: self.qk.get(&format!("moe_up{r}_{f13}")),
             down: self.qk.get(&format!("moe_down{r}_{f2}")),
             table: self.address_table(ptrs),

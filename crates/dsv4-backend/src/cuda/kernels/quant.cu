@@ -1597,6 +1597,147 @@ X8_KERNELS(F_Q8_0, q8_0, 1, 2, 3)
 X8_KERNELS(F_Q2_K, q2_k, 1, 3, 4)
 X8_KERNELS(F_IQ2_XXS, iq2_xxs, 3, 3, 4)
 
+// ---- Routed experts' gate/up of several rows, persistent and fed by bulk copies (moe_upp).
+// moe_upx's blocks each run one chain: the expert's id, its offsets and pointers (three
+// dependent L2 trips), the table fill and a barrier, then each warp's loads of ~2 KB of weights
+// (1 to 4 chunks a lane in registers), the decode, the stores, exit. At 16–64 rows that kernel
+// used about half of the issue slots and a third of DRAM (PERF.md v29: global loads the largest
+// stall, 35 % occupancy at 80 registers), and holding more chunks in registers lost (v30 pre2,
+// pre3). Here a grid of a few blocks an SM strides over the items (active expert, 8 outputs):
+// a producer warp resolves each item's expert and pairs and asks the copy engine
+// (cp.async.bulk) for its four contiguous spans (the 8 gate rows' codes and heads, the 8 up
+// rows') into one of UPP_S shared-memory stages, UPP_S − 1 items ahead, so no register holds a
+// load in flight and no consumer waits on a pointer chain. The 8 consumer warps each take one
+// output of the item, as moe_upx's warps do, through the same xrows_all on the staged rows:
+// every sum and every value is moe_upx's, bit for bit.
+// (Launcher: d and inter multiples of 256 and 8, every expert's code and head planes 16-byte
+// aligned; UPP_THREADS threads; dynamic shared memory upp_smem(F, d).)
+#define UPP_S 4
+#define UPP_MAXP 32  // an item's pairs staged with it (more: read from `order`)
+#define UPP_THREADS (32 * (Q_WARPS + 1))
+
+struct UppMeta {
+    unsigned b0, cnt, pad[2];
+    unsigned ord[UPP_MAXP];
+};
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(unsigned long long* b, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(b)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(unsigned long long* b) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(b)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect(unsigned long long* b, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(b)), "r"(bytes) : "memory");
+}
+
+// Until the phase of parity `par` of barrier b has completed.
+__device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned par) {
+    unsigned a = smem_addr(b), ok;
+    do {
+        asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                     "selp.u32 %0, 1, 0, p;\n\t}"
+                     : "=r"(ok)
+                     : "r"(a), "r"(par)
+                     : "memory");
+    } while (!ok);
+}
+
+// bytes (a multiple of 16, both addresses 16-byte aligned) from global src to shared dst, its
+// completion counted on barrier b.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* b) {
+    unsigned long long g;
+    asm volatile("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(src));
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_addr(dst)),
+                 "l"(g), "r"(bytes), "r"(smem_addr(b))
+                 : "memory");
+}
+
+template <int F>
+__device__ void moe_upp(float* __restrict__ h, const signed char* __restrict__ xq, const float* __restrict__ xd,
+                        const unsigned* order, const unsigned* off, const unsigned* active,
+                        const unsigned long long* ptrs, int nexp, int k, int d, int inter, float limit) {
+    extern __shared__ __align__(128) unsigned char upp_sm[];
+    const unsigned rb = (unsigned)row_bytes(F, d), hb = (unsigned)head_bytes(F, d);
+    const unsigned stage = 2 * Q_WARPS * (rb + hb);  // gate codes, gate heads, up codes, up heads
+    UppMeta* meta = (UppMeta*)(upp_sm + UPP_S * stage);
+    unsigned long long* full = (unsigned long long*)(meta + UPP_S);
+    unsigned long long* empty = full + UPP_S;
+    const int groups = inter / Q_WARPS, items = (int)active[nexp] * groups;
+    int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < UPP_S; s++) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], Q_WARPS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    fill_tabs<F, true>();
+    __syncthreads();  // the barriers' initialisation published (fill_tabs has none for Q2_K)
+    if (wp == Q_WARPS) {
+        // The producer: one lane resolves and queues the items, UPP_S ahead.
+        if (lane != 0) return;
+        for (int it = blockIdx.x, j = 0; it < items; it += gridDim.x, j++) {
+            int s = j % UPP_S, u = j / UPP_S;
+            if (u > 0) mbar_wait(&empty[s], (unsigned)(u - 1) & 1u);
+            unsigned e = active[it / groups];
+            long long o0 = (long long)(it % groups) * Q_WARPS;
+            unsigned b0 = off[e], cnt = off[e + 1] - b0;
+            meta[s].b0 = b0;
+            meta[s].cnt = cnt;
+            for (unsigned r = 0; r < cnt && r < UPP_MAXP; r++) meta[s].ord[r] = order[b0 + r];
+            unsigned char* st = upp_sm + (size_t)s * stage;
+            mbar_expect(&full[s], stage);
+            bulk_copy(st, (const u8*)ptrs[e] + o0 * rb, Q_WARPS * rb, &full[s]);
+            bulk_copy(st + Q_WARPS * rb, (const u8*)ptrs[3 * nexp + e] + o0 * hb, Q_WARPS * hb, &full[s]);
+            bulk_copy(st + Q_WARPS * (rb + hb), (const u8*)ptrs[nexp + e] + o0 * rb, Q_WARPS * rb, &full[s]);
+            bulk_copy(st + Q_WARPS * (2 * rb + hb), (const u8*)ptrs[4 * nexp + e] + o0 * hb, Q_WARPS * hb, &full[s]);
+        }
+        return;
+    }
+    for (int it = blockIdx.x, j = 0; it < items; it += gridDim.x, j++) {
+        int s = j % UPP_S;
+        mbar_wait(&full[s], (unsigned)(j / UPP_S) & 1u);
+        const unsigned char* st = upp_sm + (size_t)s * stage;
+        int o = (it % groups) * Q_WARPS + wp;
+        const u8* wr[2] = {st + wp * rb, st + Q_WARPS * (rb + hb) + wp * rb};
+        const u8* sr[2] = {st + Q_WARPS * rb + wp * hb, st + Q_WARPS * (2 * rb + hb) + wp * hb};
+        const UppMeta& m = meta[s];
+        unsigned b0 = m.b0;
+        int cnt = (int)m.cnt;
+        auto pair = [&](int r) { return r < UPP_MAXP ? m.ord[r] : order[b0 + r]; };
+        float g[4];
+        xrows_all<F, 2>(wr, sr, cnt, d, lane,
+                        [&](int r, const signed char*& q, const float*& sc) {
+                            long long t = pair(r) / k;
+                            q = xq + t * d;
+                            sc = xd + t * d / 32;
+                        },
+                        [&](int w, int r, float v) {
+                            if (w == 0) g[r & 3] = v;
+                            else if (lane == 0) h[(long long)pair(r) * inter + o] = swiglu_q(g[r & 3], v, limit);
+                        });
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[s]);
+    }
+}
+
+#define UPP_KERNEL(F, N)                                                                                             \
+    extern "C" __global__ void __launch_bounds__(UPP_THREADS, 2) moe_upp_##N(float* h, const signed char* xq,       \
+                                    const float* xd, const unsigned* order, const unsigned* off,                     \
+                                    const unsigned* active, const unsigned long long* ptrs, int nexp, int k, int d, \
+                                    int inter, float limit) {                                                        \
+        pdl_enter();                                                                                                 \
+        moe_upp<F>(h, xq, xd, order, off, active, ptrs, nexp, k, d, inter, limit);                                   \
+    }
+UPP_KERNEL(F_Q2_K, q2_k)
+UPP_KERNEL(F_IQ2_XXS, iq2_xxs)
+
 // One row's routed experts (format R: w1/w3 for up, w2 for down) with the shared expert (format
 // S) in two launches; the shared expert's formats of ds4's files (Q8_0) and each format with
 // itself (cuda/quant.rs `ffn1_kernels` falls back to the separate launches for any other pair).
