@@ -12,7 +12,7 @@ mod common;
 
 use common::{gpu, rel_err};
 use dsv4_backend::cpu::{CpuBackend, Tensor};
-use dsv4_backend::cuda::quant::{X8Tiles, QGEMV_ROWS};
+use dsv4_backend::cuda::quant::{X8Tiles, PIPE_DOWN, PIPE_UP, QGEMV_ROWS};
 use dsv4_backend::cuda::{CudaBackend, CudaTensor, CudaWeight};
 use dsv4_backend::Backend;
 use dsv4_model::packed::{Packed, PackedFormat};
@@ -378,8 +378,8 @@ fn cuda_int8_products_match_the_twin() {
     b.set_int8(false);
 }
 
-/// The routed gate/up of several rows on the persistent, bulk-copy-fed `moe_upp`
-/// (`set_moe_pipe`) is bitwise `moe_upx`: ds4's q2 layout (IQ2_XXS gate/up, Q2_K down) and Q2_K
+/// The routed experts of several rows on the persistent, bulk-copy-fed `moe_upp` and
+/// `moe_downp` (`set_moe_pipe`) are bitwise `moe_upx` and `moe_downx`: ds4's q2 layout (IQ2_XXS gate/up, Q2_K down) and Q2_K
 /// throughout, at Flash's d = 4,096 (an item's 8 gate and 8 up rows: 18 KB of IQ2_XXS a stage)
 /// and at d = 256, with 2 to 48 rows over 8 experts: experts of one pair, of a group of each
 /// size, and of more pairs than an item stages (UPP_MAXP = 32: 48 rows routed to 3 of 8 experts
@@ -417,18 +417,18 @@ fn cuda_experts_on_the_pipelined_kernel_are_bitwise() {
                 b.upload(HostTensor::new("logits", vec![n, ne], l)).map(|t| CudaTensor::new(n, ne, t.data)).unwrap()
             };
             let route = b.route(&logits, Some(&bias), None, &c);
-            b.set_moe_pipe(false);
+            b.set_moe_pipe(0);
             let want = b.to_host(&b.moe(&x, &route, &gpu_e, 0, 10.0));
-            b.set_moe_pipe(true);
+            b.set_moe_pipe(PIPE_UP | PIPE_DOWN);
             let before = b.moe_pipe_launches();
             let got = b.to_host(&b.moe(&x, &route, &gpu_e, 0, 10.0));
-            assert_eq!(b.moe_pipe_launches(), before + 1, "{n} rows, d {d}: moe_upp was not launched");
-            b.set_moe_pipe(false);
+            assert_eq!(b.moe_pipe_launches(), before + 2, "{n} rows, d {d}: moe_upp and moe_downp not both launched");
+            b.set_moe_pipe(0);
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert_eq!(
                     g.to_bits(),
                     w.to_bits(),
-                    "{}/{} d {d}, {n} rows: moe_upp {g} vs moe_upx {w} at {i}",
+                    "{}/{} d {d}, {n} rows: pipelined {g} vs moe_upx / moe_downx {w} at {i}",
                     formats.0.name(),
                     formats.1.name()
                 );

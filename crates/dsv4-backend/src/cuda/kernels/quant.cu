@@ -1610,8 +1610,10 @@ X8_KERNELS(F_IQ2_XXS, iq2_xxs, 3, 3, 4)
 // load in flight and no consumer waits on a pointer chain. The 8 consumer warps each take one
 // output of the item, as moe_upx's warps do, through the same xrows_all on the staged rows:
 // every sum and every value is moe_upx's, bit for bit.
-// (Launcher: d and inter multiples of 256 and 8, every expert's code and head planes 16-byte
-// aligned; UPP_THREADS threads; dynamic shared memory upp_smem(F, d).)
+// moe_downp does the same for the down products (items of 32 outputs, a warp four in turn).
+// (Launchers: the rows' widths multiples of 256, the item widths dividing the outputs, every
+// expert's code and head planes 16-byte aligned; UPP_THREADS threads; dynamic shared memory
+// quant.rs `pipe_smem`.)
 #define UPP_S 4
 #define UPP_MAXP 32  // an item's pairs staged with it (more: read from `order`)
 #define UPP_THREADS (32 * (Q_WARPS + 1))
@@ -1658,17 +1660,19 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
                  : "memory");
 }
 
-template <int F>
-__device__ void moe_upp(float* __restrict__ h, const signed char* __restrict__ xq, const float* __restrict__ xd,
-                        const unsigned* order, const unsigned* off, const unsigned* active,
-                        const unsigned long long* ptrs, int nexp, int k, int d, int inter, float limit) {
+// The persistent pipeline of moe_upp and moe_downp. Item it of `items` is expert
+// active[it / groups]'s outputs (it % groups)·per .. + per − 1. The producer warp's lane 0
+// queues an item's copies with spans(e, o0, stage, barrier) (returning their bytes, after
+// mbar_expect) and its pairs into the stage's UppMeta; each consumer warp runs consume(o0,
+// stage, meta) on it, then releases the stage. Shared memory: UPP_S stages of `stage` bytes,
+// UPP_S UppMeta, 2·UPP_S barriers (upp_smem on the host).
+template <int F, typename SP, typename CO>
+__device__ __forceinline__ void pipe_items(int items, int groups, int per, unsigned stage, const unsigned* order,
+                                           const unsigned* off, const unsigned* active, SP spans, CO consume) {
     extern __shared__ __align__(128) unsigned char upp_sm[];
-    const unsigned rb = (unsigned)row_bytes(F, d), hb = (unsigned)head_bytes(F, d);
-    const unsigned stage = 2 * Q_WARPS * (rb + hb);  // gate codes, gate heads, up codes, up heads
     UppMeta* meta = (UppMeta*)(upp_sm + UPP_S * stage);
     unsigned long long* full = (unsigned long long*)(meta + UPP_S);
     unsigned long long* empty = full + UPP_S;
-    const int groups = inter / Q_WARPS, items = (int)active[nexp] * groups;
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (threadIdx.x == 0) {
         for (int s = 0; s < UPP_S; s++) {
@@ -1680,51 +1684,107 @@ __device__ void moe_upp(float* __restrict__ h, const signed char* __restrict__ x
     fill_tabs<F, true>();
     __syncthreads();  // the barriers' initialisation published (fill_tabs has none for Q2_K)
     if (wp == Q_WARPS) {
-        // The producer: one lane resolves and queues the items, UPP_S ahead.
         if (lane != 0) return;
         for (int it = blockIdx.x, j = 0; it < items; it += gridDim.x, j++) {
             int s = j % UPP_S, u = j / UPP_S;
             if (u > 0) mbar_wait(&empty[s], (unsigned)(u - 1) & 1u);
             unsigned e = active[it / groups];
-            long long o0 = (long long)(it % groups) * Q_WARPS;
             unsigned b0 = off[e], cnt = off[e + 1] - b0;
             meta[s].b0 = b0;
             meta[s].cnt = cnt;
             for (unsigned r = 0; r < cnt && r < UPP_MAXP; r++) meta[s].ord[r] = order[b0 + r];
-            unsigned char* st = upp_sm + (size_t)s * stage;
             mbar_expect(&full[s], stage);
-            bulk_copy(st, (const u8*)ptrs[e] + o0 * rb, Q_WARPS * rb, &full[s]);
-            bulk_copy(st + Q_WARPS * rb, (const u8*)ptrs[3 * nexp + e] + o0 * hb, Q_WARPS * hb, &full[s]);
-            bulk_copy(st + Q_WARPS * (rb + hb), (const u8*)ptrs[nexp + e] + o0 * rb, Q_WARPS * rb, &full[s]);
-            bulk_copy(st + Q_WARPS * (2 * rb + hb), (const u8*)ptrs[4 * nexp + e] + o0 * hb, Q_WARPS * hb, &full[s]);
+            spans(e, (long long)(it % groups) * per, upp_sm + (size_t)s * stage, &full[s]);
         }
         return;
     }
     for (int it = blockIdx.x, j = 0; it < items; it += gridDim.x, j++) {
         int s = j % UPP_S;
         mbar_wait(&full[s], (unsigned)(j / UPP_S) & 1u);
-        const unsigned char* st = upp_sm + (size_t)s * stage;
-        int o = (it % groups) * Q_WARPS + wp;
-        const u8* wr[2] = {st + wp * rb, st + Q_WARPS * (rb + hb) + wp * rb};
-        const u8* sr[2] = {st + Q_WARPS * rb + wp * hb, st + Q_WARPS * (2 * rb + hb) + wp * hb};
-        const UppMeta& m = meta[s];
-        unsigned b0 = m.b0;
-        int cnt = (int)m.cnt;
-        auto pair = [&](int r) { return r < UPP_MAXP ? m.ord[r] : order[b0 + r]; };
-        float g[4];
-        xrows_all<F, 2>(wr, sr, cnt, d, lane,
-                        [&](int r, const signed char*& q, const float*& sc) {
-                            long long t = pair(r) / k;
-                            q = xq + t * d;
-                            sc = xd + t * d / 32;
-                        },
-                        [&](int w, int r, float v) {
-                            if (w == 0) g[r & 3] = v;
-                            else if (lane == 0) h[(long long)pair(r) * inter + o] = swiglu_q(g[r & 3], v, limit);
-                        });
+        consume((it % groups) * per, (const unsigned char*)upp_sm + (size_t)s * stage, meta[s]);
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[s]);
     }
+}
+
+// Pair r of an item: staged, or past UPP_MAXP from `order`.
+__device__ __forceinline__ unsigned upp_pair(const UppMeta& m, const unsigned* order, int r) {
+    return r < UPP_MAXP ? m.ord[r] : order[m.b0 + r];
+}
+
+// moe_upn_x8 on the pipeline: items of 8 outputs, a warp one (the 8 gate rows' codes, their
+// heads, the 8 up rows' codes, their heads: four spans a stage).
+template <int F>
+__device__ void moe_upp(float* __restrict__ h, const signed char* __restrict__ xq, const float* __restrict__ xd,
+                        const unsigned* order, const unsigned* off, const unsigned* active,
+                        const unsigned long long* ptrs, int nexp, int k, int d, int inter, float limit) {
+    const unsigned rb = (unsigned)row_bytes(F, d), hb = (unsigned)head_bytes(F, d);
+    const unsigned stage = 2 * Q_WARPS * (rb + hb);
+    const int groups = inter / Q_WARPS;
+    int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    pipe_items<F>(
+        (int)active[nexp] * groups, groups, Q_WARPS, stage, order, off, active,
+        [&](unsigned e, long long o0, unsigned char* st, unsigned long long* bar) {
+            bulk_copy(st, (const u8*)ptrs[e] + o0 * rb, Q_WARPS * rb, bar);
+            bulk_copy(st + Q_WARPS * rb, (const u8*)ptrs[3 * nexp + e] + o0 * hb, Q_WARPS * hb, bar);
+            bulk_copy(st + Q_WARPS * (rb + hb), (const u8*)ptrs[nexp + e] + o0 * rb, Q_WARPS * rb, bar);
+            bulk_copy(st + Q_WARPS * (2 * rb + hb), (const u8*)ptrs[4 * nexp + e] + o0 * hb, Q_WARPS * hb, bar);
+        },
+        [&](int o0, const unsigned char* st, const UppMeta& m) {
+            int o = o0 + wp;
+            const u8* wr[2] = {st + wp * rb, st + Q_WARPS * (rb + hb) + wp * rb};
+            const u8* sr[2] = {st + Q_WARPS * rb + wp * hb, st + Q_WARPS * (2 * rb + hb) + wp * hb};
+            float g[4];
+            xrows_all<F, 2>(wr, sr, (int)m.cnt, d, lane,
+                            [&](int r, const signed char*& q, const float*& sc) {
+                                long long t = upp_pair(m, order, r) / k;
+                                q = xq + t * d;
+                                sc = xd + t * d / 32;
+                            },
+                            [&](int w, int r, float v) {
+                                if (w == 0) g[r & 3] = v;
+                                else if (lane == 0)
+                                    h[(long long)upp_pair(m, order, r) * inter + o] = swiglu_q(g[r & 3], v, limit);
+                            });
+        });
+}
+
+// moe_downn_x8 (one output a warp) on the pipeline: items of 8·UPP_DQ outputs (the w2 rows'
+// codes, then their heads: two spans a stage), warp w taking outputs w, w + 8, ... of the item
+// one after another (each output's sums those of moe_downx).
+#define UPP_DQ 4
+template <int F>
+__device__ void moe_downp(float* __restrict__ y, const signed char* __restrict__ hq, const float* __restrict__ hd,
+                          const unsigned* order, const unsigned* off, const unsigned* active,
+                          const unsigned long long* ptrs, int nexp, int d, int inter) {
+    constexpr int PER = Q_WARPS * UPP_DQ;
+    const unsigned rb = (unsigned)row_bytes(F, inter), hb = (unsigned)head_bytes(F, inter);
+    const unsigned stage = PER * (rb + hb);
+    const int groups = d / PER;
+    int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    pipe_items<F>(
+        (int)active[nexp] * groups, groups, PER, stage, order, off, active,
+        [&](unsigned e, long long o0, unsigned char* st, unsigned long long* bar) {
+            bulk_copy(st, (const u8*)ptrs[2 * nexp + e] + o0 * rb, PER * rb, bar);
+            bulk_copy(st + PER * rb, (const u8*)ptrs[5 * nexp + e] + o0 * hb, PER * hb, bar);
+        },
+        [&](int o0, const unsigned char* st, const UppMeta& m) {
+#pragma unroll 1
+            for (int q = 0; q < UPP_DQ; q++) {
+                int i = q * Q_WARPS + wp, c = o0 + i;
+                const u8* wr = st + i * rb;
+                const u8* sr = st + PER * rb + i * hb;
+                xrows_all<F, 1, 8>(&wr, &sr, (int)m.cnt, inter, lane,
+                                   [&](int r, const signed char*& q8, const float*& sc) {
+                                       long long p = upp_pair(m, order, r);
+                                       q8 = hq + p * inter;
+                                       sc = hd + p * inter / 32;
+                                   },
+                                   [&](int, int r, float v) {
+                                       if (lane == 0) y[(long long)upp_pair(m, order, r) * d + c] = v;
+                                   });
+            }
+        });
 }
 
 #define UPP_KERNEL(F, N)                                                                                             \
@@ -1734,6 +1794,13 @@ __device__ void moe_upp(float* __restrict__ h, const signed char* __restrict__ x
                                     int inter, float limit) {                                                        \
         pdl_enter();                                                                                                 \
         moe_upp<F>(h, xq, xd, order, off, active, ptrs, nexp, k, d, inter, limit);                                   \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(UPP_THREADS, 2) moe_downp_##N(float* y, const signed char* hq,     \
+                                    const float* hd, const unsigned* order, const unsigned* off,                     \
+                                    const unsigned* active, const unsigned long long* ptrs, int nexp, int d,         \
+                                    int inter) {                                                                     \
+        pdl_enter();                                                                                                 \
+        moe_downp<F>(y, hq, hd, order, off, active, ptrs, nexp, d, inter);                                           \
     }
 UPP_KERNEL(F_Q2_K, q2_k)
 UPP_KERNEL(F_IQ2_XXS, iq2_xxs)
