@@ -473,10 +473,6 @@ struct ExpertShape {
     inter: usize,
 }
 
-/// Gate/up with the clamped SwiGLU into `h` (a row per pair) and down into `y`, on int8
-/// activations: x's twin, gate/up, quant_x8 of h, down. The one-row kernels (one pair an
-/// expert) take several outputs a warp (quant::x8_opw).
-#[allow(clippy::too_many_arguments)]
 /// The persistent, bulk-copy-fed expert kernels a call may take (`moe_upp`, `moe_downp`), each
 /// with its dynamic shared memory.
 #[derive(Default, Clone, Copy)]
@@ -485,6 +481,10 @@ struct PipeKernels<'a> {
     down: Option<(&'a CudaFunction, usize)>,
 }
 
+/// Gate/up with the clamped SwiGLU into `h` (a row per pair) and down into `y`, on int8
+/// activations: x's twin, gate/up, quant_x8 of h, down. The one-row kernels (one pair an
+/// expert) take several outputs a warp (quant::x8_opw).
+#[allow(clippy::too_many_arguments)]
 fn x8_pairs<'k>(
     b: &CudaBackend,
     (up1x, down1x): (&CudaFunction, &CudaFunction),
