@@ -1633,8 +1633,9 @@ __device__ __forceinline__ void mbar_arrive(unsigned long long* b) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(b)) : "memory");
 }
 
+// Barrier b's current phase also waits for `bytes` of copies (no arrival).
 __device__ __forceinline__ void mbar_expect(unsigned long long* b, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(b)), "r"(bytes) : "memory");
+    asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(b)), "r"(bytes) : "memory");
 }
 
 // Until the phase of parity `par` of barrier b has completed.
@@ -1662,8 +1663,8 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
 
 // The persistent pipeline of moe_upp and moe_downp. Item it of `items` is expert
 // active[it / groups]'s outputs (it % groups)·per .. + per − 1. The producer warp's lane 0
-// queues an item's copies with spans(e, o0, stage, barrier) (returning their bytes, after
-// mbar_expect) and its pairs into the stage's UppMeta; each consumer warp runs consume(o0,
+// queues an item's copies with spans(e, o0, stage, barrier) (after the barrier expects the
+// stage's bytes) and its pairs into the stage's UppMeta; each consumer warp runs consume(o0,
 // stage, meta) on it, then releases the stage. Shared memory: UPP_S stages of `stage` bytes,
 // UPP_S UppMeta, 2·UPP_S barriers (upp_smem on the host).
 template <int F, typename SP, typename CO>
@@ -1684,19 +1685,37 @@ __device__ __forceinline__ void pipe_items(int items, int groups, int per, unsig
     fill_tabs<F, true>();
     __syncthreads();  // the barriers' initialisation published (fill_tabs has none for Q2_K)
     if (wp == Q_WARPS) {
-        if (lane != 0) return;
-        for (int it = blockIdx.x, j = 0; it < items; it += gridDim.x, j++) {
-            int s = j % UPP_S, u = j / UPP_S;
-            if (u > 0) mbar_wait(&empty[s], (unsigned)(u - 1) & 1u);
-            unsigned e = active[it / groups];
-            unsigned b0 = off[e], cnt = off[e + 1] - b0;
-            meta[s].b0 = b0;
-            meta[s].cnt = cnt;
-            for (unsigned r = 0; r < cnt && r < UPP_MAXP; r++) meta[s].ord[r] = order[b0 + r];
-            mbar_expect(&full[s], stage);
-            spans(e, (long long)(it % groups) * per, upp_sm + (size_t)s * stage, &full[s]);
+        // The producer warp: its lanes resolve the next 32 items' experts and pair offsets at
+        // once (one chain of L2 trips for 32 items, not one an item), then the items are queued
+        // in order: the stage's copies first (they need only the expert), then its pairs (the
+        // warp's lanes load them together) and the arrival that publishes both.
+        for (int j0 = 0;; j0 += 32) {
+            int my = blockIdx.x + (j0 + lane) * gridDim.x;
+            unsigned e = 0, b0 = 0, cnt = 0;
+            if (my < items) {
+                e = active[my / groups];
+                b0 = off[e];
+                cnt = off[e + 1] - b0;
+            }
+            int left = (items - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x - j0;  // this block's items from j0
+            if (left <= 0) return;
+            for (int q = 0; q < 32 && q < left; q++) {
+                int j = j0 + q, it = blockIdx.x + j * gridDim.x;
+                int s = j % UPP_S, u = j / UPP_S;
+                unsigned eq = __shfl_sync(0xffffffffu, e, q), bq = __shfl_sync(0xffffffffu, b0, q),
+                         cq = __shfl_sync(0xffffffffu, cnt, q);
+                if (u > 0) mbar_wait(&empty[s], (unsigned)(u - 1) & 1u);
+                if (lane == 0) {
+                    mbar_expect(&full[s], stage);
+                    spans(eq, (long long)(it % groups) * per, upp_sm + (size_t)s * stage, &full[s]);
+                    meta[s].b0 = bq;
+                    meta[s].cnt = cq;
+                }
+                if ((unsigned)lane < cq && lane < UPP_MAXP) meta[s].ord[lane] = order[bq + lane];
+                __syncwarp();
+                if (lane == 0) mbar_arrive(&full[s]);
+            }
         }
-        return;
     }
     for (int it = blockIdx.x, j = 0; it < items; it += gridDim.x, j++) {
         int s = j % UPP_S;
