@@ -381,9 +381,9 @@ fn cuda_int8_products_match_the_twin() {
 /// The routed experts of several rows on the persistent, bulk-copy-fed `moe_upp` and
 /// `moe_downp` (`set_moe_pipe`) are bitwise `moe_upx` and `moe_downx`: ds4's q2 layout (IQ2_XXS gate/up, Q2_K down) and Q2_K
 /// throughout, at Flash's d = 4,096 (an item's 8 gate and 8 up rows: 18 KB of IQ2_XXS a stage)
-/// and at d = 256, with 2 to 48 rows over 8 experts: experts of one pair, of a group of each
-/// size, and of more pairs than an item stages (UPP_MAXP = 32: 48 rows routed to 3 of 8 experts
-/// give each 48).
+/// and at d = 256, with 2 to 48 rows over 64 experts: experts of one pair, of a group of each
+/// size, and of more pairs than an item stages (UPP_MAXP = 32: 48 rows routed to 3 of 64
+/// experts give each 48).
 #[test]
 fn cuda_experts_on_the_pipelined_kernel_are_bitwise() {
     let Some(b) = gpu() else { return };
@@ -399,7 +399,9 @@ fn cuda_experts_on_the_pipelined_kernel_are_bitwise() {
     .into_iter()
     .enumerate()
     {
-        let ne = 8;
+        // 64 experts: below the expert tiles' 4 pairs an expert on average (`expert_tiles`) at
+        // every size here, so every call takes the dp4a row groups (the pipelined kernels').
+        let ne = 64;
         let (gpu_e, _) = random_experts(&b, formats, (d, inter, ne), 9000 + fi as u64);
         let mut c = dsv4_model::synth::tiny_config(64);
         c.n_routed_experts = ne;
@@ -407,7 +409,7 @@ fn cuda_experts_on_the_pipelined_kernel_are_bitwise() {
         let bias = b.upload(HostTensor::new("bias", vec![ne], vec![0.0; ne])).unwrap();
         for (n, spread) in [(2, true), (5, true), (24, true), (48, false)] {
             let (x, _) = activations(&b, n, d, 11 + n as u64);
-            // `spread`: random routes; else every row to experts 0, 1 and 2 (48 pairs each).
+            // `spread`: random routes; else every row to experts 0, 1 and 2 (n pairs each).
             let (logits, _) = activations(&b, n, ne, 13 + n as u64);
             let logits = if spread {
                 logits
