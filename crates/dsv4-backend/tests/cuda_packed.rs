@@ -12,7 +12,7 @@ mod common;
 
 use common::{gpu, rel_err};
 use dsv4_backend::cpu::{CpuBackend, Tensor};
-use dsv4_backend::cuda::quant::{X8Tiles, PIPE_DOWN, PIPE_UP, QGEMV_ROWS};
+use dsv4_backend::cuda::quant::{X8Tiles, QGEMV_ROWS};
 use dsv4_backend::cuda::{CudaBackend, CudaTensor, CudaWeight};
 use dsv4_backend::Backend;
 use dsv4_model::packed::{Packed, PackedFormat};
@@ -374,74 +374,6 @@ fn cuda_int8_products_match_the_twin() {
         }
     }
     b.set_x8_tiles(X8Tiles::Dense);
-    b.set_x8_rows(QGEMV_ROWS);
-    b.set_int8(false);
-}
-
-/// The routed experts of several rows on the persistent, bulk-copy-fed `moe_upp` and
-/// `moe_downp` (`set_moe_pipe`) are bitwise `moe_upx` and `moe_downx`: ds4's q2 layout (IQ2_XXS gate/up, Q2_K down) and Q2_K
-/// throughout, at Flash's d = 4,096 (an item's 8 gate and 8 up rows: 18 KB of IQ2_XXS a stage)
-/// and at d = 256, with 2 to 48 rows over 64 experts: experts of one pair, of a group of each
-/// size, and of more pairs than an item stages (UPP_MAXP = 32: 48 rows routed to 3 of 64
-/// experts give each 48).
-#[test]
-fn cuda_experts_on_the_pipelined_kernel_are_bitwise() {
-    let Some(b) = gpu() else { return };
-    b.set_exact(false);
-    b.set_int8(true);
-    b.set_x8_rows(64);
-    b.set_x8_tiles(X8Tiles::Dense);
-    for (fi, (formats, d, inter)) in [
-        ((PackedFormat::IQ2_XXS, PackedFormat::Q2_K), 4096, 256),
-        ((PackedFormat::IQ2_XXS, PackedFormat::Q2_K), 256, 512),
-        ((PackedFormat::Q2_K, PackedFormat::Q2_K), 512, 256),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        // 64 experts: below the expert tiles' 4 pairs an expert on average (`expert_tiles`) at
-        // every size here, so every call takes the dp4a row groups (the pipelined kernels').
-        let ne = 64;
-        let (gpu_e, _) = random_experts(&b, formats, (d, inter, ne), 9000 + fi as u64);
-        let mut c = dsv4_model::synth::tiny_config(64);
-        c.n_routed_experts = ne;
-        c.n_experts_per_tok = 3;
-        let bias = b.upload(HostTensor::new("bias", vec![ne], vec![0.0; ne])).unwrap();
-        for (n, spread) in [(2, true), (5, true), (24, true), (48, false)] {
-            let (x, _) = activations(&b, n, d, 11 + n as u64);
-            // `spread`: random routes; else every row to experts 0, 1 and 2 (n pairs each).
-            let (logits, _) = activations(&b, n, ne, 13 + n as u64);
-            let logits = if spread {
-                logits
-            } else {
-                let l: Vec<f32> =
-                    (0..n * ne).map(|i| if i % ne < 3 { 10.0 - (i % ne) as f32 } else { -10.0 }).collect();
-                b.upload(HostTensor::new("logits", vec![n, ne], l)).map(|t| CudaTensor::new(n, ne, t.data)).unwrap()
-            };
-            let route = b.route(&logits, Some(&bias), None, &c);
-            b.set_moe_pipe(0);
-            let want = b.to_host(&b.moe(&x, &route, &gpu_e, 0, 10.0));
-            b.set_moe_pipe(PIPE_UP | PIPE_DOWN);
-            let before = b.moe_pipe_launches();
-            let got = b.to_host(&b.moe(&x, &route, &gpu_e, 0, 10.0));
-            assert_eq!(b.moe_pipe_launches(), before + 2, "{n} rows, d {d}: moe_upp and moe_downp not both launched");
-            b.set_moe_pipe(0);
-            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert_eq!(
-                    g.to_bits(),
-                    w.to_bits(),
-                    "{}/{} d {d}, {n} rows: pipelined {g} vs moe_upx / moe_downx {w} at {i}",
-                    formats.0.name(),
-                    formats.1.name()
-                );
-            }
-            println!(
-                "moe_upp {}/{} d {d} inter {inter}, {n} rows (spread {spread}): bitwise moe_upx",
-                formats.0.name(),
-                formats.1.name()
-            );
-        }
-    }
     b.set_x8_rows(QGEMV_ROWS);
     b.set_int8(false);
 }

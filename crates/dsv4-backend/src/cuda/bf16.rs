@@ -473,22 +473,13 @@ struct ExpertShape {
     inter: usize,
 }
 
-/// The persistent, bulk-copy-fed expert kernels a call may take (`moe_upp`, `moe_downp`), each
-/// with its dynamic shared memory.
-#[derive(Default, Clone, Copy)]
-struct PipeKernels<'a> {
-    up: Option<(&'a CudaFunction, usize)>,
-    down: Option<(&'a CudaFunction, usize)>,
-}
-
 /// Gate/up with the clamped SwiGLU into `h` (a row per pair) and down into `y`, on int8
 /// activations: x's twin, gate/up, quant_x8 of h, down. The one-row kernels (one pair an
 /// expert) take several outputs a warp (quant::x8_opw).
 #[allow(clippy::too_many_arguments)]
-fn x8_pairs<'k>(
+fn x8_pairs(
     b: &CudaBackend,
     (up1x, down1x): (&CudaFunction, &CudaFunction),
-    pipe: PipeKernels<'k>,
     table: &CudaSlice<u64>,
     p: &Pairs<'_>,
     s: ExpertShape,
@@ -509,26 +500,12 @@ fn x8_pairs<'k>(
         shared_mem_bytes: 0,
     };
     let super::X8Twin { q: xq, d: xd } = b.x8_of(x);
-    // moe_upp / moe_downp: persistent grids of two blocks an SM (their stages take 74 and 86 KB
-    // of an SM's shared memory each), for several rows on the dp4a row groups.
-    let persistent = |k: Option<(&'k CudaFunction, usize)>| {
-        k.filter(|_| !tiles && x.rows > 1).map(|(k, smem)| {
-            b.upp_launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let cfg = LaunchConfig {
-                grid_dim: (2 * b.sm_count() as u32, 1, 1),
-                block_dim: (super::quant::UPP_THREADS, 1, 1),
-                shared_mem_bytes: smem as u32,
-            };
-            (k, cfg)
-        })
-    };
-    let (up_kernel, up_grid) = persistent(pipe.up).unwrap_or((up1x, grid(s.inter, o.up)));
     // SAFETY (both launches): argument types and buffer sizes match the kernels; h holds a row
     // of `inter` per pair, y a row of `d`.
     ck(
         unsafe {
             b.stream
-                .kernel(up_kernel)
+                .kernel(up1x)
                 .arg(&mut *h)
                 .arg(xq)
                 .arg(xd)
@@ -541,16 +518,15 @@ fn x8_pairs<'k>(
                 .arg(&di)
                 .arg(&ii)
                 .arg(&limit)
-                .launch(up_grid)
+                .launch(grid(s.inter, o.up))
         },
         "moe_up int8",
     );
     let (hq, hd) = b.quant_x8(h, h.len());
-    let (down_kernel, down_grid) = persistent(pipe.down).unwrap_or((down1x, grid(s.d, o.down)));
     ck(
         unsafe {
             b.stream
-                .kernel(down_kernel)
+                .kernel(down1x)
                 .arg(y)
                 .arg(&hq)
                 .arg(&hd)
@@ -561,7 +537,7 @@ fn x8_pairs<'k>(
                 .arg(&nei)
                 .arg(&di)
                 .arg(&ii)
-                .launch(down_grid)
+                .launch(grid(s.d, o.down))
         },
         "moe_down int8",
     );
@@ -705,18 +681,7 @@ pub(crate) fn shared_expert_x8(
     let mut h = b.alloc::<f32>(inter);
     let mut out = b.tensor(1, d);
     let shape = ExpertShape { nexp: 1, k: 1, d, inter };
-    x8_pairs(
-        b,
-        kernels,
-        PipeKernels::default(),
-        &ek.table,
-        &pairs,
-        shape,
-        x,
-        (&mut h, &mut out.data),
-        limit,
-        ek.x8_tiles,
-    );
+    x8_pairs(b, kernels, &ek.table, &pairs, shape, x, (&mut h, &mut out.data), limit, ek.x8_tiles);
     Some(out)
 }
 
@@ -797,13 +762,7 @@ pub(crate) fn moe(
         if let Some(kernels) = ek.x8.filter(|_| d.is_multiple_of(blk) && inter.is_multiple_of(blk)) {
             let pairs = Pairs { order: order.as_view(), off: off.as_view(), active: active.as_view(), blocks };
             let shape = ExpertShape { nexp: ne, k, d, inter };
-            // The pipelined kernels where the setting picked them and the shape suits them.
-            let fm = super::quant::expert_formats(experts);
-            let pipe = PipeKernels {
-                up: ek.upp.zip(fm.and_then(|(f, _)| super::quant::upp_smem(f, d, inter))),
-                down: ek.downp.zip(fm.and_then(|(_, f)| super::quant::downp_smem(f, inter, d))),
-            };
-            x8_pairs(b, kernels, pipe, table, &pairs, shape, x, (&mut h, &mut y), limit, ek.x8_tiles);
+            x8_pairs(b, kernels, table, &pairs, shape, x, (&mut h, &mut y), limit, ek.x8_tiles);
         } else {
             ck(
                 unsafe {

@@ -715,11 +715,6 @@ pub struct CudaBackend {
     /// Int8 calls of 2 to 4 rows on the kernels built for that many (see
     /// [`CudaBackend::set_row_caps`]).
     row_caps: std::sync::atomic::AtomicBool,
-    /// Several-row routed experts on the persistent `moe_upp` / `moe_downp` (see
-    /// [`CudaBackend::set_moe_pipe`]).
-    moe_pipe: std::sync::atomic::AtomicU8,
-    /// `moe_upp` and `moe_downp` launches so far (tests: the pipelined path was taken).
-    pub(crate) upp_launches: std::sync::atomic::AtomicU64,
     /// f32-activation products of many rows on `gemvo` (see [`CudaBackend::set_gemvo`]).
     gemvo: std::sync::atomic::AtomicBool,
     /// A decode layer's attention norms and rotations two launches (see [`CudaBackend::set_norm_group`]).
@@ -968,26 +963,6 @@ impl CudaBackend {
 
     pub fn row_caps(&self) -> bool {
         self.row_caps.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// The routed experts' products of several rows (2-bit formats, the dp4a row groups) on
-    /// persistent grids whose producer warp queues each (expert, outputs) item's weight rows into
-    /// shared memory by bulk copies, items ahead, instead of one block an item loading into
-    /// registers: gate/up on `moe_upp` ([`quant::PIPE_UP`]), down on `moe_downp`
-    /// ([`quant::PIPE_DOWN`]). The same sums, bit for bit. Start value `DSV4_MOE_PIPE` (`1` or
-    /// `all`, `up`, `down`); off by default until measured (PERF.md v38).
-    pub fn set_moe_pipe(&self, bits: u8) {
-        self.moe_pipe.store(bits, std::sync::atomic::Ordering::Relaxed);
-        self.bump_settings();
-    }
-
-    pub fn moe_pipe(&self) -> u8 {
-        self.moe_pipe.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// How many `moe_upp` and `moe_downp` launches this backend has queued.
-    pub fn moe_pipe_launches(&self) -> u64 {
-        self.upp_launches.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether routed experts of `pairs` (row, slot) pairs over `experts` experts take the int8
@@ -1393,13 +1368,6 @@ impl CudaBackend {
                 std::env::var("DSV4_ROW_CAPS").map_or(true, |v| v.trim() != "0"),
             ),
             gemvo: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_GEMVO").map_or(true, |v| v.trim() != "0")),
-            moe_pipe: std::sync::atomic::AtomicU8::new(std::env::var("DSV4_MOE_PIPE").map_or(0, |v| match v.trim() {
-                "1" | "all" => quant::PIPE_UP | quant::PIPE_DOWN,
-                "up" => quant::PIPE_UP,
-                "down" => quant::PIPE_DOWN,
-                _ => 0,
-            })),
-            upp_launches: std::sync::atomic::AtomicU64::new(0),
             attention_tc_slices: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_ATT_TC_SLICES").map_or(true, |v| v.trim() != "0"),
             ),

@@ -127,11 +127,6 @@ pub(crate) struct ExpertKernels<'a> {
     pub x8: Option<(&'a CudaFunction, &'a CudaFunction)>,
     /// `x8` are the tile kernels (`moe_upt` / `moe_downt`: blocks of 16 outputs).
     pub x8_tiles: bool,
-    /// The persistent kernels fed by bulk copies (`moe_upp`, `moe_downp`; 2-bit formats), each
-    /// where its planes are 16-byte aligned and the backend's setting asks for it
-    /// ([`CudaBackend::set_moe_pipe`]).
-    pub upp: Option<&'a CudaFunction>,
-    pub downp: Option<&'a CudaFunction>,
     /// The tensor-core tiles for many rows (gemm.cu: `pgemm_up64`, `pgemm_down64`, and the
     /// 128-row tiles).
     pub pg_up: &'a CudaFunction,
@@ -342,10 +337,6 @@ impl QuantKernels {
         for (nt, w) in TILE_SHAPES {
             names.push(format!("gemvtc{nt}{w}_q8_0"));
         }
-        for f in UPP_FORMATS {
-            names.push(format!("moe_upp_{}", suffix(f)));
-            names.push(format!("moe_downp_{}", suffix(f)));
-        }
         for (r, s) in FFN1_PAIRS {
             for k in ["moe_up1s", "moe_down1s"] {
                 names.push(format!("{k}_{}_{}", suffix(r), suffix(s)));
@@ -359,8 +350,6 @@ impl QuantKernels {
             let ring = TILE_SHAPES.into_iter().find(|&(nt, w)| n == format!("gemvtc{nt}{w}_q8_0"));
             let smem = if n.starts_with("pgemm") {
                 Some(super::gemm::PG_SMEM_MAX)
-            } else if n.starts_with("moe_upp") || n.starts_with("moe_downp") {
-                Some(UPP_SMEM_MAX)
             } else {
                 ring.map(|(nt, w)| xtc_smem(nt, w))
             };
@@ -394,53 +383,6 @@ impl QuantKernels {
     pub(crate) fn of(&self, kind: &str, f: PackedFormat) -> &CudaFunction {
         self.get(&format!("{kind}_{}", suffix(f)))
     }
-}
-
-/// The formats quant.cu builds `moe_upp` and `moe_downp` for (`UPP_KERNEL`).
-pub(crate) const UPP_FORMATS: [PackedFormat; 2] = [PackedFormat::Q2_K, PackedFormat::IQ2_XXS];
-/// [`CudaBackend::moe_pipe`]'s bits: the gate/up products on `moe_upp`, the down on `moe_downp`.
-pub const PIPE_UP: u8 = 1;
-pub const PIPE_DOWN: u8 = 2;
-/// `UPP_S`, `UPP_MAXP`, `UPP_DQ` and `UPP_THREADS` of quant.cu.
-const UPP_STAGES: usize = 4;
-const UPP_MAXP: usize = 32;
-const UPP_DQ: usize = 4;
-pub(crate) const UPP_THREADS: u32 = 32 * 9;
-/// The dynamic shared memory the pipelined kernels may take (their attribute).
-const UPP_SMEM_MAX: usize = 200 * 1024;
-
-/// The pipelined kernels' dynamic shared memory (`pipe_items`: UPP_S stages of `rows` rows of
-/// `k` values in format `f`, an item's pairs a stage, two barriers a stage), where the shape
-/// suits them: `k` a multiple of 256, each stage's spans 16-byte multiples.
-fn pipe_smem(f: PackedFormat, k: usize, rows: usize) -> Option<usize> {
-    let (rb, hb) = match f {
-        PackedFormat::Q2_K => (k / 4, k / 256 * 20),
-        PackedFormat::IQ2_XXS => (k / 4, k / 256 * 8),
-        _ => return None,
-    };
-    let bytes = UPP_STAGES * (rows * (rb + hb) + 16 + 4 * UPP_MAXP) + 2 * UPP_STAGES * 8;
-    let aligned = (8 * rb).is_multiple_of(16) && (8 * hb).is_multiple_of(16);
-    (k.is_multiple_of(256) && aligned && bytes <= UPP_SMEM_MAX).then_some(bytes)
-}
-
-/// `moe_upp`'s shared memory for gate/up rows of `d` values (an item: 8 gate and 8 up rows),
-/// where `inter` is whole items.
-pub(crate) fn upp_smem(f: PackedFormat, d: usize, inter: usize) -> Option<usize> {
-    pipe_smem(f, d, 16).filter(|_| inter.is_multiple_of(8))
-}
-
-/// `moe_downp`'s shared memory for down rows of `inter` values (an item: 8·UPP_DQ rows), where
-/// `d` is whole items.
-pub(crate) fn downp_smem(f: PackedFormat, inter: usize, d: usize) -> Option<usize> {
-    pipe_smem(f, inter, 8 * UPP_DQ).filter(|_| d.is_multiple_of(8 * UPP_DQ))
-}
-
-/// The routed experts' packed formats (w1/w3, w2).
-pub(crate) fn expert_formats(
-    experts: &[dsv4_model::weights::Expert<CudaWeight>],
-) -> Option<(PackedFormat, PackedFormat)> {
-    let f = |w: &CudaWeight| w.q.as_ref().map(|q| q.format);
-    Some((f(&experts[0].w1)?, f(&experts[0].w2)?))
 }
 
 /// `XG_MAX` of quant.cu: one-row int8 products one `gemv1xg` launch takes at most.
@@ -990,16 +932,7 @@ impl CudaBackend {
         };
         let x8 = (self.int8() && int8(&ex.w1) && int8(&ex.w3) && int8(&ex.w2))
             .then(|| (self.qk.get(&format!("moe_up{r}{x}_{f13}")), self.qk.get(&format!("moe_down{r}{x}{cap}_{f2}"))));
-        // Matrix i's code and head planes 16-byte aligned in every expert (the bulk copies').
-        let aligned =
-            |i: usize| ptrs[i * ne..(i + 1) * ne].iter().chain(&ptrs[(3 + i) * ne..(4 + i) * ne]).all(|p| p % 16 == 0);
-        let pipe = |bit: u8, name: String, ok: bool| {
-            let on = x8.is_some() && !single && !x8_tiles && self.moe_pipe() & bit != 0 && ok;
-            on.then(|| self.qk.0.get(&name)).flatten()
-        };
         ExpertKernels {
-            upp: pipe(PIPE_UP, format!("moe_upp_{f13}"), aligned(0) && aligned(1)),
-            downp: pipe(PIPE_DOWN, format!("moe_downp_{f2}"), aligned(2)),
             up: self.qk.get(&format!("moe_up{r}_{f13}")),
             down: self.qk.get(&format!("moe_down{r}_{f2}")),
             table: self.address_table(ptrs),
