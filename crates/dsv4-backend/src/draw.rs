@@ -4,20 +4,22 @@
 //! and defines its arithmetic.
 //!
 //! The distribution is the engine's host sampler's (`dsv4_engine::Sampler`): weights
-//! `exp((v − max) / T)` in f64 (here times `1 / T`, within an ulp); top-k keeps the k best by (value, then lowest id); top-p the
-//! shortest best-first prefix whose mass reaches `top_p`; min-p the tokens whose weight is at
-//! least `min_p` times the best one's; the draw walks the kept tokens best-first (in id order
-//! when no filter is set) until its uniform `u` times their mass is reached. What differs is
-//! the representation: every weight is rounded to a multiple of 2⁻⁴⁶ (`u64`), so every mass,
-//! cut and walk is an integer sum, exact in any order. A GPU block then gives the same token as
-//! this twin whatever its reduction order, and replayed steps the same token as eager ones.
+//! `exp((v − max) / T)`; top-k keeps the k best by (value, then lowest id); top-p the shortest
+//! best-first prefix whose mass reaches `top_p`; min-p the tokens whose weight is at least
+//! `min_p` times the best one's; the draw walks the kept tokens best-first (in id order when no
+//! filter is set) until its uniform `u` times their mass is reached. What differs is the
+//! arithmetic: `x = (v − max) · (1/T)` in f32, `exp(x)` by a degree-6 polynomial of `2^f` in
+//! f32 ([`weight_of`]), and every weight an integer multiple of 2⁻⁴⁶ (`u64`), so every mass,
+//! cut and walk is an integer sum, exact in any order. The CUDA kernel repeats those f32
+//! operations in the same order, unfused, so it gives this twin's weights bit for bit and a
+//! GPU block the same token whatever its reduction order (replayed steps the eager ones').
 //!
-//! Tolerance against the host sampler, for the same `u`: each weight moves by at most 2⁻⁴⁷ of
-//! the best token's (tokens more than ~32.6·T below the maximum get weight 0, probability below
-//! 1.5·10⁻¹⁴ each), so a CDF boundary moves by at most `V·2⁻⁴⁷ / mass` ≤ 1·10⁻⁹ of the mass at
-//! V4's 129,280 tokens; the tokens differ only when `u` falls that close to a boundary. Against
-//! the GPU kernel the one difference is `exp`'s last bit (CUDA's and the host libm's f64 `exp`
-//! may round apart), which moves a weight by one unit of 2⁻⁴⁶ when it moves it at all.
+//! Tolerance against the host sampler (f64, unrounded), for the same `u`: each weight is within
+//! 2·10⁻⁶ of its f64 value relatively (the f32 `x`, its product with log₂e and the
+//! polynomial: `weights_are_exp_within_two_millionths`) plus 2⁻⁴⁷ of the best token's (the rounding; tokens
+//! more than 33·T below the maximum get weight 0, probability below 5·10⁻¹⁵ each), so a CDF
+//! boundary moves by at most ~2·10⁻⁶ of the mass; the tokens differ only when `u` falls that
+//! close to a boundary.
 
 /// How one output row's token is chosen. `temperature == 0` is greedy (the other fields are
 /// ignored); otherwise `u ∈ [0, 1)` is the row's uniform draw, taken by the caller from the
@@ -90,15 +92,53 @@ pub fn key(v: f32) -> u32 {
     }
 }
 
-/// A token's weight in units of 2⁻⁴⁶: `exp((v − m) · inv_t)` (`inv_t = 1 / T`: a product per
-/// token, not a division), rounded to the nearest unit. Below −33 the rounding gives 0 whatever
-/// `exp`'s last bit, so it is not called there (most of a real model's vocabulary).
-pub fn weight(v: f32, m: f32, inv_t: f64) -> u64 {
-    let x = (v as f64 - m as f64) * inv_t;
-    if x < -33.0 {
+/// `x = (v − m) · inv_t` in f32 (`inv_t = 1 / T` in f32; 0 where `v == m`): the token's
+/// log-weight, the same roundings on the device.
+pub fn log_weight(v: f32, m: f32, inv_t: f32) -> f32 {
+    let d = v - m;
+    // The best token is 0 even where 1/T overflows to infinity (0 · ∞ would be NaN).
+    if d == 0.0 {
+        0.0
+    } else {
+        d * inv_t
+    }
+}
+
+/// Coefficients of `2^f` on `[−½, ½]` (the Taylor series of `e^{f·ln 2}`, degree 6: within
+/// ~1.2·10⁻⁷ relative), highest first.
+const EXP2_POLY: [f32; 7] = [1.540_353e-4, 1.333_355_8e-3, 9.618_129e-3, 5.550_411e-2, 2.402_265e-1, 6.931_472e-1, 1.0];
+
+/// `exp(x)` for `x ≤ 0` in units of 2⁻⁴⁶ (`x` from [`log_weight`]), rounded half up; 0 below
+/// −33 (and for NaN). f32 operations in a fixed order, none fused (the device compiles draw.cu
+/// with `--fmad=false`), then integer shifts: the CUDA kernel computes the same bits. Against
+/// the f64 `exp` it is within 2·10⁻⁶ relative (see the module doc's tolerance).
+pub fn weight_of(x: f32) -> u64 {
+    if x.is_nan() || x < -33.0 {
         return 0;
     }
-    (x.exp() * ONE + 0.5) as u64
+    let t = x * std::f32::consts::LOG2_E;
+    let n = t.round_ties_even();
+    let f = t - n;
+    let mut p = EXP2_POLY[0];
+    for &c in &EXP2_POLY[1..] {
+        p = p * f + c;
+    }
+    // p = m24 · 2^(e − 23) with m24 the 24-bit significand: the weight m24 · 2^(e − 23 + n + 46).
+    let b = p.to_bits();
+    let m24 = ((b & 0x7f_ffff) | 0x80_0000) as u64;
+    let shift = ((b >> 23) & 0xff) as i32 - 127 - 23 + n as i32 + 46;
+    if shift >= 0 {
+        m24 << shift
+    } else if shift > -40 {
+        (m24 + (1 << (-shift - 1))) >> -shift
+    } else {
+        0
+    }
+}
+
+/// A token's weight: [`weight_of`] its [`log_weight`].
+pub fn weight(v: f32, m: f32, inv_t: f32) -> u64 {
+    weight_of(log_weight(v, m, inv_t))
 }
 
 /// The first index of the largest value (NaN never wins; a row of NaN gives 0): the greedy
@@ -120,7 +160,7 @@ pub fn draw_row(row: &[f32], d: &Draw) -> u32 {
     if d.temperature <= 0.0 || row.is_empty() || !m.is_finite() {
         return best;
     }
-    let inv_t = 1.0 / d.temperature as f64;
+    let inv_t = 1.0 / d.temperature;
     let w = |v: f32| weight(v, m, inv_t);
     if !d.sorted() {
         let total: u64 = row.iter().map(|&v| w(v)).sum();
@@ -258,6 +298,32 @@ mod tests {
         for (i, &c) in counts.iter().enumerate() {
             assert!((c as f64 - p[i] / sum * n as f64).abs() <= 1.5, "token {i}: {c} vs {}", p[i] / sum * n as f64);
         }
+    }
+
+    /// The f32 weights against f64 `exp`: within 2·10⁻⁶ relative plus the 2⁻⁴⁷ rounding, the best
+    /// token exactly 2⁴⁶, nothing below −33 (nor NaN), and never increasing as `x` falls.
+    #[test]
+    fn weights_are_exp_within_two_millionths() {
+        assert_eq!(weight_of(0.0), 1 << 46);
+        assert_eq!(weight_of(-33.000_004), 0);
+        assert_eq!(weight_of(f32::NAN), 0);
+        assert_eq!(weight_of(f32::NEG_INFINITY), 0);
+        let mut prev = u64::MAX;
+        let mut worst = 0f64;
+        for i in 0..=3_300_000u32 {
+            let x = -(i as f32) * 1e-5;
+            let w = weight_of(x);
+            assert!(w <= prev, "weight rises at x = {x}");
+            prev = w;
+            let e = (x as f64).exp();
+            let err = (w as f64 / ONE - e).abs();
+            assert!(err <= 2e-6 * e + 0.5 / ONE, "x = {x}: {} vs {e}", w as f64 / ONE);
+            if e > 1e-6 {
+                worst = worst.max(err / e);
+            }
+        }
+        assert!(worst > 0.0 && worst < 2e-6, "worst relative error {worst:e}");
+        println!("worst relative error {worst:e} (weights above 10⁻⁶)");
     }
 
     #[test]

@@ -29,22 +29,43 @@ __device__ __forceinline__ unsigned draw_key(float v) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// x = (v - m) / t, as a product with inv_t = 1 / t.
-__device__ __forceinline__ double draw_x(float v, float m, double inv_t) { return ((double)v - (double)m) * inv_t; }
-
-// exp(x) in units of 2^-46: below -33 the rounding gives 0 anyway, so the exp is skipped there.
-__device__ __forceinline__ u64 draw_weight_x(double x) {
-    if (x < -33.0) return 0;
-    return (u64)(exp(x) * DRAW_ONE + 0.5);
+// x = (v - m) / t as the f32 product with inv_t = 1 / t (draw.rs log_weight: 0 for the best
+// token even where inv_t is infinite).
+__device__ __forceinline__ float draw_x(float v, float m, float inv_t) {
+    float d = __fsub_rn(v, m);
+    return d == 0.0f ? 0.0f : __fmul_rn(d, inv_t);
 }
 
-__device__ __forceinline__ u64 draw_weight(float v, float m, double inv_t) { return draw_weight_x(draw_x(v, m, inv_t)); }
+// exp(x) in units of 2^-46 (draw.rs weight_of, bit for bit): t = x log2(e), 2^(t - rint(t)) by
+// the degree-6 polynomial, its significand shifted into place, rounded half up; 0 below -33
+// and for NaN.
+__device__ __forceinline__ u64 draw_weight_x(float x) {
+    if (!(x >= -33.0f)) return 0;
+    float t = __fmul_rn(x, 1.44269502f);
+    float n = rintf(t);
+    float f = __fsub_rn(t, n);
+    float p = 1.540353e-4f;
+    p = __fadd_rn(__fmul_rn(p, f), 1.3333558e-3f);
+    p = __fadd_rn(__fmul_rn(p, f), 9.618129e-3f);
+    p = __fadd_rn(__fmul_rn(p, f), 5.550411e-2f);
+    p = __fadd_rn(__fmul_rn(p, f), 2.402265e-1f);
+    p = __fadd_rn(__fmul_rn(p, f), 6.931472e-1f);
+    p = __fadd_rn(__fmul_rn(p, f), 1.0f);
+    unsigned b = __float_as_uint(p);
+    u64 m24 = (u64)((b & 0x7fffffu) | 0x800000u);
+    int shift = (int)((b >> 23) & 0xffu) - 127 - 23 + (int)n + 46;
+    if (shift >= 0) return m24 << shift;
+    if (shift > -40) return (m24 + (1ull << (-shift - 1))) >> (-shift);
+    return 0;
+}
+
+__device__ __forceinline__ u64 draw_weight(float v, float m, float inv_t) { return draw_weight_x(draw_x(v, m, inv_t)); }
 
 // A token's value bin, best first (any function of x that never increases with it would do:
 // only a bin's members are ranked by value).
-__device__ __forceinline__ int draw_vbin(double x) {
-    if (x < -33.0) return DRAW_CATCH;
-    int b = (int)(-x * (DRAW_VBINS / 33.0));
+__device__ __forceinline__ int draw_vbin(float x) {
+    if (!(x >= -33.0f)) return DRAW_CATCH;
+    int b = (int)__fmul_rn(-x, DRAW_VBINS / 33.0f);
     return b < DRAW_VBINS - 1 ? b : DRAW_VBINS - 1;
 }
 
@@ -62,7 +83,7 @@ __device__ __forceinline__ bool draw_in_prefix(unsigned k, int i, unsigned kc, i
 
 // A token's measure in `s` (0: not in it): 1 when counting, else its weight.
 __device__ __forceinline__ u64 draw_measure(float v, unsigned k, int i, const DrawSet& s, bool mass, float m,
-                                            double inv_t) {
+                                            float inv_t) {
     if (!draw_in_prefix(k, i, s.kc, s.ic) || !draw_in_prefix(k, i, s.pc, s.pi)) return 0;
     if (!mass && s.floor == 0) return 1;
     u64 w = draw_weight(v, m, inv_t);
@@ -114,7 +135,7 @@ __device__ u64 draw_scan(u64 v, u64* sh) {
 // In id order over the tokens of `s` (with key == key_eq when use_key), the first whose running
 // measure reaches the target (resolved on the set's total); -1 if none does. Each thread walks
 // a contiguous run of ids.
-__device__ int draw_find_in_order(const float* row, int cols, const DrawSet& s, bool mass, float m, double inv_t,
+__device__ int draw_find_in_order(const float* row, int cols, const DrawSet& s, bool mass, float m, float inv_t,
                                   bool use_key, unsigned key_eq, DrawTarget tg, u64* sh, int* found) {
     int c = (cols + blockDim.x - 1) / blockDim.x;
     int i0 = threadIdx.x * c, i1 = min(cols, i0 + c);
@@ -208,10 +229,10 @@ __device__ int draw_pick_bin(DrawShared& S, int nb, bool ascending, const DrawTa
 
 // A token's measure in `s` with its value bin (DRAW_CATCH: none to count).
 __device__ __forceinline__ u64 draw_measure_bin(float v, unsigned k, int i, const DrawSet& s, bool mass, float m,
-                                                double inv_t, int* vb) {
+                                                float inv_t, int* vb) {
     *vb = DRAW_CATCH;
     if (!draw_in_prefix(k, i, s.kc, s.ic) || !draw_in_prefix(k, i, s.pc, s.pi)) return 0;
-    double x = draw_x(v, m, inv_t);
+    float x = draw_x(v, m, inv_t);
     *vb = draw_vbin(x);
     if (!mass && s.floor == 0) return 1;
     u64 w = draw_weight_x(x);
@@ -220,20 +241,20 @@ __device__ __forceinline__ u64 draw_measure_bin(float v, unsigned k, int i, cons
 }
 
 // A token's sub-bin inside value bin b (1024 of them, best first), for a crowded bin.
-__device__ __forceinline__ int draw_sbin(double x, int b) {
-    int sb = (int)((-x * (DRAW_VBINS / 33.0) - (double)b) * DRAW_VBINS);
+__device__ __forceinline__ int draw_sbin(float x, int b) {
+    int sb = (int)__fmul_rn(__fsub_rn(__fmul_rn(-x, DRAW_VBINS / 33.0f), (float)b), (float)DRAW_VBINS);
     return sb < 0 ? 0 : (sb < DRAW_VBINS - 1 ? sb : DRAW_VBINS - 1);
 }
 
 // Whether a token of value x is in bin b and, where sb >= 0, in its sub-bin sb.
-__device__ __forceinline__ bool draw_in_bin(double x, int b, int sb) {
+__device__ __forceinline__ bool draw_in_bin(float x, int b, int sb) {
     return draw_vbin(x) == b && (sb < 0 || draw_sbin(x, b) == sb);
 }
 
 // The tokens of `s` in bin (b, sb), gathered into S.cand / S.ckey by their value alone (no exp:
 // a token of measure 0 never holds a position), then measured into S.cmeas; their count (past
-// DRAW_CAP: the bin is crowded, and only the first DRAW_CAP are kept).
-__device__ int draw_gather(const float* row, int cols, const DrawSet& s, bool mass, float m, double inv_t, int b,
+// DRAW_CAP: the bin is crowded, only the first DRAW_CAP are kept and the count is a bound).
+__device__ int draw_gather(const float* row, int cols, const DrawSet& s, bool mass, float m, float inv_t, int b,
                            int sb, DrawShared& S) {
     if (threadIdx.x == 0) S.n = 0;
     __syncthreads();
@@ -242,6 +263,9 @@ __device__ int draw_gather(const float* row, int cols, const DrawSet& s, bool ma
         unsigned k = draw_key(v);
         if (!draw_in_prefix(k, i, s.kc, s.ic) || !draw_in_prefix(k, i, s.pc, s.pi)) continue;
         if (!draw_in_bin(draw_x(v, m, inv_t), b, sb)) continue;
+        // Past DRAW_CAP the count only has to stay past it: no more adds on the one counter (a
+        // flat row's bin would take ~V of them).
+        if (*(volatile int*)&S.n > DRAW_CAP) continue;
         int slot = atomicAdd(&S.n, 1);
         if (slot < DRAW_CAP) {
             S.cand[slot] = i;
@@ -288,7 +312,7 @@ __device__ int draw_rank(DrawShared& S, int n, u64 target) {
 // token within 33 T of the best (top-k then keeps every token of nonzero weight: the whole row
 // does the same), -1: none (a bug). A value bin of more than DRAW_CAP tokens is cut into
 // sub-bins; a sub-bin still that crowded (near-ties) takes radix passes over the order key.
-__device__ int draw_select(const float* row, int cols, const DrawSet& s, bool mass, float m, double inv_t,
+__device__ int draw_select(const float* row, int cols, const DrawSet& s, bool mass, float m, float inv_t,
                            DrawTarget tg, DrawShared& S) {
     draw_hist_clear(S, DRAW_VBINS);
     __syncthreads();
@@ -311,7 +335,7 @@ __device__ int draw_select(const float* row, int cols, const DrawSet& s, bool ma
         float v = row[i];
         unsigned k = draw_key(v);
         int vb;
-        double xv = draw_x(v, m, inv_t);
+        float xv = draw_x(v, m, inv_t);
         if (draw_vbin(xv) != b) continue;
         u64 x = draw_measure_bin(v, k, i, s, mass, m, inv_t, &vb);
         if (x) draw_hist_add(S, draw_sbin(xv, b), x);
@@ -398,7 +422,7 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS) draw_rows(unsigned* o
     unsigned top_k = p[1];
     float top_p = __uint_as_float(p[2]), min_p = __uint_as_float(p[3]);
     double u = __hiloint2double((int)p[5], (int)p[4]);
-    double inv_t = 1.0 / (double)temp;
+    float inv_t = __fdiv_rn(1.0f, temp);
     DrawSet s = {0u, 0u, 0x7fffffff, 0x7fffffff, 0ull};
     DrawTarget draw = {2, 0, u};
     int tok;
