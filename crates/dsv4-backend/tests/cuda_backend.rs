@@ -834,9 +834,8 @@ fn cuda_prefill_index_tc_matches_f32_kernel() {
 /// The device's token choice (`draw.cu`) is its CPU twin's (`draw::draw_row`) on every row:
 /// V4's vocabulary and small ones; uniform, tied, peaked and flat logits; greedy and every
 /// filter mix over a range of uniforms (nearly flat rows take the kernel's sub-bins, rows of a
-/// few values its radix passes). The weights are integers, so the one possible
-/// difference is f64 `exp`'s last bit (CUDA's against the host libm's), which moves a token
-/// only when a draw falls within ~1e-15 of a boundary: none is expected here. (Its times: `dsv4
+/// few values its radix passes). The weights are integers formed by the same unfused f32
+/// operations on both sides (draw.rs `weight_of`), so every row must agree. (Its times: `dsv4
 /// bench --backend cuda --synthetic kernels`.)
 #[test]
 fn cuda_draws_match_the_cpu_twin() {
