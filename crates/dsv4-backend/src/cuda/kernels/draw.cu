@@ -167,6 +167,22 @@ __device__ int draw_find_in_order(const float* row, int cols, const DrawSet& s, 
     return r;
 }
 
+// f(i, v) for every token i of the row (value v), the block's threads striding over it: each
+// thread loads 8 of its tokens before handling any, so one load latency serves 8 (a loop of
+// one load a token, each behind the last one's shared atomics, waited ~0.5 us a token on one SM).
+template <typename F>
+__device__ __forceinline__ void draw_each(const float* __restrict__ row, int cols, F f) {
+    const int nb = blockDim.x;
+    for (int i0 = threadIdx.x; i0 < cols; i0 += 8 * nb) {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = i0 + j * nb < cols ? __ldg(row + i0 + j * nb) : 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (i0 + j * nb < cols) f(i0 + j * nb, v[j]);
+    }
+}
+
 // A block's shared memory for the selects.
 struct DrawShared {
     unsigned hist[DRAW_LIMBS][DRAW_VBINS];
@@ -258,20 +274,19 @@ __device__ int draw_gather(const float* row, int cols, const DrawSet& s, bool ma
                            int sb, DrawShared& S) {
     if (threadIdx.x == 0) S.n = 0;
     __syncthreads();
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float v = row[i];
+    draw_each(row, cols, [&](int i, float v) {
         unsigned k = draw_key(v);
-        if (!draw_in_prefix(k, i, s.kc, s.ic) || !draw_in_prefix(k, i, s.pc, s.pi)) continue;
-        if (!draw_in_bin(draw_x(v, m, inv_t), b, sb)) continue;
+        if (!draw_in_prefix(k, i, s.kc, s.ic) || !draw_in_prefix(k, i, s.pc, s.pi)) return;
+        if (!draw_in_bin(draw_x(v, m, inv_t), b, sb)) return;
         // Past DRAW_CAP the count only has to stay past it: no more adds on the one counter (a
         // flat row's bin would take ~V of them).
-        if (*(volatile int*)&S.n > DRAW_CAP) continue;
+        if (*(volatile int*)&S.n > DRAW_CAP) return;
         int slot = atomicAdd(&S.n, 1);
         if (slot < DRAW_CAP) {
             S.cand[slot] = i;
             S.ckey[slot] = k;
         }
-    }
+    });
     __syncthreads();
     int n = S.n;
     for (int t = threadIdx.x; t < min(n, DRAW_CAP); t += blockDim.x) {
@@ -316,12 +331,11 @@ __device__ int draw_select(const float* row, int cols, const DrawSet& s, bool ma
                            DrawTarget tg, DrawShared& S) {
     draw_hist_clear(S, DRAW_VBINS);
     __syncthreads();
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float v = row[i];
+    draw_each(row, cols, [&](int i, float v) {
         int vb;
         u64 x = draw_measure_bin(v, draw_key(v), i, s, mass, m, inv_t, &vb);
         if (x && vb != DRAW_CATCH) draw_hist_add(S, vb, x);
-    }
+    });
     __syncthreads();
     u64 target = 0;
     int b = draw_pick_bin(S, DRAW_VBINS, true, &tg, &target);
@@ -331,15 +345,14 @@ __device__ int draw_select(const float* row, int cols, const DrawSet& s, bool ma
     // A crowded bin: its sub-bins.
     draw_hist_clear(S, DRAW_VBINS);
     __syncthreads();
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float v = row[i];
+    draw_each(row, cols, [&](int i, float v) {
         unsigned k = draw_key(v);
         int vb;
         float xv = draw_x(v, m, inv_t);
-        if (draw_vbin(xv) != b) continue;
+        if (draw_vbin(xv) != b) return;
         u64 x = draw_measure_bin(v, k, i, s, mass, m, inv_t, &vb);
         if (x) draw_hist_add(S, draw_sbin(xv, b), x);
-    }
+    });
     __syncthreads();
     int sb = draw_pick_bin(S, DRAW_VBINS, true, 0, &target);
     if (sb < 0) return -1;
@@ -351,14 +364,13 @@ __device__ int draw_select(const float* row, int cols, const DrawSet& s, bool ma
     for (int shift = 24; shift >= 0; shift -= 8) {
         draw_hist_clear(S, 256);
         __syncthreads();
-        for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-            float v = row[i];
+        draw_each(row, cols, [&](int i, float v) {
             unsigned k = draw_key(v);
-            if ((k & pmask) != prefix || !draw_in_bin(draw_x(v, m, inv_t), b, sb)) continue;
+            if ((k & pmask) != prefix || !draw_in_bin(draw_x(v, m, inv_t), b, sb)) return;
             int vb;
             u64 x = draw_measure_bin(v, k, i, s, mass, m, inv_t, &vb);
             if (x) draw_hist_add(S, (k >> shift) & 255, x);
-        }
+        });
         __syncthreads();
         int d = draw_pick_bin(S, 256, false, 0, &target);
         if (d < 0) return -1;
