@@ -8,9 +8,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/device/run_test.sh
-nvidia-smi --query-gpu=name --format=csv,noheader >> "$S"
-run_test cuda_backend cuda_draws_match_the_cpu_twin --nocapture
-grep -E 'draw_rows|rows drawn' "$OUT/test-cuda_backend.txt" >> "$S"
+draw_twin_check
 run_test cuda_dspark
 run_test cuda_graph
 for b in 1 64; do

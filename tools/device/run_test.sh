@@ -13,3 +13,10 @@ run_test() {
   echo "test $t $*: exit $? $(grep -E '^test result' "$OUT/test-$t.txt" | tail -1)" >> "$S"
   grep -E -A3 '^test .*FAILED|panicked' "$OUT/test-$t.txt" | head -12 >> "$S"
 }
+# The device's name, then the device draw against its CPU twin (`cuda_backend
+# cuda_draws_match_the_cpu_twin`), into the summary: the start of the sampling calls.
+draw_twin_check() {
+  nvidia-smi --query-gpu=name --format=csv,noheader >> "$S"
+  run_test cuda_backend cuda_draws_match_the_cpu_twin --nocapture
+  grep -E 'draw_rows|rows drawn' "$OUT/test-cuda_backend.txt" >> "$S"
+}
