@@ -133,32 +133,56 @@ __device__ u64 draw_scan(u64 v, u64* sh) {
 }
 
 // In id order over the tokens of `s` (with key == key_eq when use_key), the first whose running
-// measure reaches the target (resolved on the set's total); -1 if none does. Each thread walks
-// a contiguous run of ids.
-__device__ int draw_find_in_order(const float* row, int cols, const DrawSet& s, bool mass, float m, float inv_t,
-                                  bool use_key, unsigned key_eq, DrawTarget tg, u64* sh, int* found) {
-    int c = (cols + blockDim.x - 1) / blockDim.x;
-    int i0 = threadIdx.x * c, i1 = min(cols, i0 + c);
-    u64 sum = 0;
-    for (int i = i0; i < i1; i++) {
-        float v = row[i];
+// measure reaches the target (resolved on the set's total); -1 if none does. Each warp takes a
+// contiguous segment of ids: its lanes sum it with coalesced loads, 8 in flight a lane; the block
+// scans the warps' sums in order; the warp whose segment holds the target walks it 32 ids at a
+// time (a warp scan a step), so no thread walks a run alone.
+__device__ int draw_find_in_order(const float* __restrict__ row, int cols, const DrawSet& s, bool mass, float m,
+                                  float inv_t, bool use_key, unsigned key_eq, DrawTarget tg, u64* sh, int* found) {
+    int nw = blockDim.x >> 5, w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int seg = (cols + nw - 1) / nw;
+    int s0 = min(cols, w * seg), s1 = min(cols, s0 + seg);
+    auto measure = [&](int i) -> u64 {
+        float v = __ldg(row + i);
         unsigned k = draw_key(v);
-        if (!use_key || k == key_eq) sum += draw_measure(v, k, i, s, mass, m, inv_t);
+        return use_key && k != key_eq ? 0 : draw_measure(v, k, i, s, mass, m, inv_t);
+    };
+    u64 sum = 0;
+    for (int c0 = s0; c0 < s1; c0 += 256) {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int i = c0 + 32 * j + lane;
+            v[j] = i < s1 ? __ldg(row + i) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int i = c0 + 32 * j + lane;
+            if (i >= s1) continue;
+            unsigned k = draw_key(v[j]);
+            if (!use_key || k == key_eq) sum += draw_measure(v[j], k, i, s, mass, m, inv_t);
+        }
     }
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     if (threadIdx.x == 0) *found = -1;
-    u64 incl = draw_scan(sum, sh);
+    u64 incl = draw_scan(lane == 0 ? sum : 0, sh);  // lane 0: the warps' sums up to its own
     u64 target = draw_resolve(tg, sh[32]);
-    if (sum > 0 && incl >= target && incl - sum < target) {
+    incl = __shfl_sync(0xffffffffu, incl, 0);
+    if (sum > 0 && incl >= target && incl - sum < target) {  // warp-uniform
         u64 acc = incl - sum;
-        for (int i = i0; i < i1; i++) {
-            float v = row[i];
-            unsigned k = draw_key(v);
-            if (use_key && k != key_eq) continue;
-            acc += draw_measure(v, k, i, s, mass, m, inv_t);
-            if (acc >= target) {
-                *found = i;
+        for (int c0 = s0; c0 < s1; c0 += 32) {
+            int i = c0 + lane;
+            u64 x = i < s1 ? measure(i) : 0, inc = x;
+            for (int o = 1; o < 32; o <<= 1) {
+                u64 n = __shfl_up_sync(0xffffffffu, inc, o);
+                if (lane >= o) inc += n;
+            }
+            u64 tot = __shfl_sync(0xffffffffu, inc, 31);
+            if (acc + tot >= target) {
+                if (x > 0 && acc + inc >= target && acc + inc - x < target) *found = i;
                 break;
             }
+            acc += tot;
         }
     }
     __syncthreads();
