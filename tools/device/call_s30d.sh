@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Thirtieth session, call d: draw.cu with 8 loads in flight a thread in its passes (789f28f, as
-# the kernel directory kvar/each over 70e2680's binaries): the twin check, the draw table, then
+# Thirtieth session, call d: draw.cu with 8 loads in flight a thread in its passes and the warp walk (as
+# of the commit after 789f28f, the kernel directory kvar/each over 70e2680's binaries): the twin check, the draw table, then
 # one pass of sampled decode at batch 1 against 70e2680's draw.cu (built in).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
