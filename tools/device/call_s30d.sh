@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Thirtieth session, call d: draw.cu with 8 loads in flight a thread in its passes and the warp walk (as
-# of the commit after 789f28f, the kernel directory kvar/each over 70e2680's binaries): the twin check, the draw table, then
-# one pass of sampled decode at batch 1 against 70e2680's draw.cu (built in).
+# Thirtieth session, call d (not run: the session's device time ran out): draw.cu with 8 loads
+# in flight a thread in its passes and the unfiltered draw walked by a warp
+# (tools/device/patches/v39-draw-loads.diff, as the kernel directory kvar/each: after build.sh,
+# `bash tools/device/variants.sh each=patch:tools/device/patches/v39-draw-loads.diff`): the twin
+# check, the draw table, then one pass of sampled decode at batch 1 against main's draw.cu.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/device/run_test.sh
