@@ -98,8 +98,8 @@ impl Sampler {
 
     /// The next token's draw on the device ([`dsv4_backend::draw`]): the parameters and the
     /// one uniform [`Sampler::sample`] would take from the generator (none when greedy). On
-    /// the same logits its token is `sample`'s unless that uniform falls within ~1e-9 of a
-    /// boundary of the distribution (the device's weights are multiples of 2⁻⁴⁶).
+    /// the same logits its token is `sample`'s unless that uniform falls within ~2e-6 of a
+    /// boundary of the distribution (the device's weights are f32, then multiples of 2⁻⁴⁶).
     pub fn device_draw(&mut self) -> Draw {
         if self.params.temperature == 0.0 {
             return Draw::GREEDY;
@@ -121,7 +121,7 @@ impl Sampler {
 
     /// The device draw of the token at position `pos` ([`Sampler::uniform_at`]); greedy at
     /// temperature 0. On the same logits its token is [`Sampler::sample_at`]'s (up to the
-    /// ~1e-9 boundary of [`Sampler::device_draw`]).
+    /// ~2e-6 boundary of [`Sampler::device_draw`]).
     pub fn device_draw_at(&self, pos: usize) -> Draw {
         if self.params.temperature == 0.0 {
             return Draw::GREEDY;

@@ -202,7 +202,7 @@ struct ServeArgs {
     #[arg(long)]
     model: Option<PathBuf>,
     /// Sample on the host from each sampled row's logits instead of where the logits are (an
-    /// A/B of the device draws: the same tokens but where a draw falls within ~1e-9 of a
+    /// A/B of the device draws: the same tokens but where a draw falls within ~2e-6 of a
     /// boundary of the distribution).
     #[arg(long)]
     host_sampling: bool,
