@@ -133,38 +133,78 @@ __device__ u64 draw_scan(u64 v, u64* sh) {
 }
 
 // In id order over the tokens of `s` (with key == key_eq when use_key), the first whose running
-// measure reaches the target (resolved on the set's total); -1 if none does. Each thread walks
-// a contiguous run of ids.
-__device__ int draw_find_in_order(const float* row, int cols, const DrawSet& s, bool mass, float m, float inv_t,
-                                  bool use_key, unsigned key_eq, DrawTarget tg, u64* sh, int* found) {
-    int c = (cols + blockDim.x - 1) / blockDim.x;
-    int i0 = threadIdx.x * c, i1 = min(cols, i0 + c);
-    u64 sum = 0;
-    for (int i = i0; i < i1; i++) {
-        float v = row[i];
+// measure reaches the target (resolved on the set's total); -1 if none does. Each warp takes a
+// contiguous segment of ids: its lanes sum it with coalesced loads, 8 in flight a lane; the block
+// scans the warps' sums in order; the warp whose segment holds the target walks it 32 ids at a
+// time (a warp scan a step), so no thread walks a run alone.
+__device__ int draw_find_in_order(const float* __restrict__ row, int cols, const DrawSet& s, bool mass, float m,
+                                  float inv_t, bool use_key, unsigned key_eq, DrawTarget tg, u64* sh, int* found) {
+    int nw = blockDim.x >> 5, w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int seg = (cols + nw - 1) / nw;
+    int s0 = min(cols, w * seg), s1 = min(cols, s0 + seg);
+    auto measure = [&](int i) -> u64 {
+        float v = __ldg(row + i);
         unsigned k = draw_key(v);
-        if (!use_key || k == key_eq) sum += draw_measure(v, k, i, s, mass, m, inv_t);
+        return use_key && k != key_eq ? 0 : draw_measure(v, k, i, s, mass, m, inv_t);
+    };
+    u64 sum = 0;
+    for (int c0 = s0; c0 < s1; c0 += 256) {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int i = c0 + 32 * j + lane;
+            v[j] = i < s1 ? __ldg(row + i) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int i = c0 + 32 * j + lane;
+            if (i >= s1) continue;
+            unsigned k = draw_key(v[j]);
+            if (!use_key || k == key_eq) sum += draw_measure(v[j], k, i, s, mass, m, inv_t);
+        }
     }
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     if (threadIdx.x == 0) *found = -1;
-    u64 incl = draw_scan(sum, sh);
+    u64 incl = draw_scan(lane == 0 ? sum : 0, sh);  // lane 0: the warps' sums up to its own
     u64 target = draw_resolve(tg, sh[32]);
-    if (sum > 0 && incl >= target && incl - sum < target) {
+    incl = __shfl_sync(0xffffffffu, incl, 0);
+    if (sum > 0 && incl >= target && incl - sum < target) {  // warp-uniform
         u64 acc = incl - sum;
-        for (int i = i0; i < i1; i++) {
-            float v = row[i];
-            unsigned k = draw_key(v);
-            if (use_key && k != key_eq) continue;
-            acc += draw_measure(v, k, i, s, mass, m, inv_t);
-            if (acc >= target) {
-                *found = i;
+        for (int c0 = s0; c0 < s1; c0 += 32) {
+            int i = c0 + lane;
+            u64 x = i < s1 ? measure(i) : 0, inc = x;
+            for (int o = 1; o < 32; o <<= 1) {
+                u64 n = __shfl_up_sync(0xffffffffu, inc, o);
+                if (lane >= o) inc += n;
+            }
+            u64 tot = __shfl_sync(0xffffffffu, inc, 31);
+            if (acc + tot >= target) {
+                if (x > 0 && acc + inc >= target && acc + inc - x < target) *found = i;
                 break;
             }
+            acc += tot;
         }
     }
     __syncthreads();
     int r = *found;
     __syncthreads();
     return r;
+}
+
+// f(i, v) for every token i of the row (value v), the block's threads striding over it: each
+// thread loads 8 of its tokens before handling any, so one load latency serves 8 (a loop of
+// one load a token, each behind the last one's shared atomics, waited ~0.5 us a token on one SM).
+template <typename F>
+__device__ __forceinline__ void draw_each(const float* __restrict__ row, int cols, F f) {
+    const int nb = blockDim.x;
+    for (int i0 = threadIdx.x; i0 < cols; i0 += 8 * nb) {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = i0 + j * nb < cols ? __ldg(row + i0 + j * nb) : 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (i0 + j * nb < cols) f(i0 + j * nb, v[j]);
+    }
 }
 
 // A block's shared memory for the selects.
@@ -258,20 +298,19 @@ __device__ int draw_gather(const float* row, int cols, const DrawSet& s, bool ma
                            int sb, DrawShared& S) {
     if (threadIdx.x == 0) S.n = 0;
     __syncthreads();
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float v = row[i];
+    draw_each(row, cols, [&](int i, float v) {
         unsigned k = draw_key(v);
-        if (!draw_in_prefix(k, i, s.kc, s.ic) || !draw_in_prefix(k, i, s.pc, s.pi)) continue;
-        if (!draw_in_bin(draw_x(v, m, inv_t), b, sb)) continue;
+        if (!draw_in_prefix(k, i, s.kc, s.ic) || !draw_in_prefix(k, i, s.pc, s.pi)) return;
+        if (!draw_in_bin(draw_x(v, m, inv_t), b, sb)) return;
         // Past DRAW_CAP the count only has to stay past it: no more adds on the one counter (a
         // flat row's bin would take ~V of them).
-        if (*(volatile int*)&S.n > DRAW_CAP) continue;
+        if (*(volatile int*)&S.n > DRAW_CAP) return;
         int slot = atomicAdd(&S.n, 1);
         if (slot < DRAW_CAP) {
             S.cand[slot] = i;
             S.ckey[slot] = k;
         }
-    }
+    });
     __syncthreads();
     int n = S.n;
     for (int t = threadIdx.x; t < min(n, DRAW_CAP); t += blockDim.x) {
@@ -316,12 +355,11 @@ __device__ int draw_select(const float* row, int cols, const DrawSet& s, bool ma
                            DrawTarget tg, DrawShared& S) {
     draw_hist_clear(S, DRAW_VBINS);
     __syncthreads();
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float v = row[i];
+    draw_each(row, cols, [&](int i, float v) {
         int vb;
         u64 x = draw_measure_bin(v, draw_key(v), i, s, mass, m, inv_t, &vb);
         if (x && vb != DRAW_CATCH) draw_hist_add(S, vb, x);
-    }
+    });
     __syncthreads();
     u64 target = 0;
     int b = draw_pick_bin(S, DRAW_VBINS, true, &tg, &target);
@@ -331,15 +369,14 @@ __device__ int draw_select(const float* row, int cols, const DrawSet& s, bool ma
     // A crowded bin: its sub-bins.
     draw_hist_clear(S, DRAW_VBINS);
     __syncthreads();
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float v = row[i];
+    draw_each(row, cols, [&](int i, float v) {
         unsigned k = draw_key(v);
         int vb;
         float xv = draw_x(v, m, inv_t);
-        if (draw_vbin(xv) != b) continue;
+        if (draw_vbin(xv) != b) return;
         u64 x = draw_measure_bin(v, k, i, s, mass, m, inv_t, &vb);
         if (x) draw_hist_add(S, draw_sbin(xv, b), x);
-    }
+    });
     __syncthreads();
     int sb = draw_pick_bin(S, DRAW_VBINS, true, 0, &target);
     if (sb < 0) return -1;
@@ -351,14 +388,13 @@ __device__ int draw_select(const float* row, int cols, const DrawSet& s, bool ma
     for (int shift = 24; shift >= 0; shift -= 8) {
         draw_hist_clear(S, 256);
         __syncthreads();
-        for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-            float v = row[i];
+        draw_each(row, cols, [&](int i, float v) {
             unsigned k = draw_key(v);
-            if ((k & pmask) != prefix || !draw_in_bin(draw_x(v, m, inv_t), b, sb)) continue;
+            if ((k & pmask) != prefix || !draw_in_bin(draw_x(v, m, inv_t), b, sb)) return;
             int vb;
             u64 x = draw_measure_bin(v, k, i, s, mass, m, inv_t, &vb);
             if (x) draw_hist_add(S, (k >> shift) & 255, x);
-        }
+        });
         __syncthreads();
         int d = draw_pick_bin(S, 256, false, 0, &target);
         if (d < 0) return -1;
