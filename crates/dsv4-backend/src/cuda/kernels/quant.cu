@@ -1337,27 +1337,32 @@ __device__ void moe_down1s(float* __restrict__ routed, float* __restrict__ share
 // dp4a sums and FMAs, the same operations as one row alone (integer sums are exact), so a row's
 // result does not depend on how many rows share the call. Row groups as rows_all. NW weight
 // rows (wr[w], sr[w]: the up kernel's gate and up rows) share each activation load, and all
-// their loads for U chunks are issued before any decode; store(w, r, v) gets weight row w's
-// result for row r (for w = 0 first, then 1, ...).
+// their loads for U chunks are issued before any decode; store(r, v) gets row r's results of
+// the NW weight rows (v[w]) together, so a caller pairing them (gate and up) keeps no values
+// across rows (a runtime-indexed array there went to local memory: PERF.md v40).
+// Row r's activations are xq[e..e + k] with scales xd[e / 32..], e = xr_of(r): a row keeps a
+// 32-bit offset, not two 64-bit pointers (3 registers a row fewer: 24 in the 8-row group).
 template <int F, int R, int NW, int U, typename XR, typename ST>
-__device__ __forceinline__ void xrows_group(const u8* const* wr, const u8* const* sr, int r0, int nr, int k, int lane,
-                                            XR xr_of, ST store) {
+__device__ __forceinline__ void xrows_group(const u8* const* wr, const u8* const* sr, const signed char* __restrict__ xq,
+                                            const float* __restrict__ xd, int r0, int nr, int k, int lane, XR xr_of,
+                                            ST store) {
     float acc[NW][R];
-    const signed char* xq[R];
-    const float* xd[R];
+    unsigned xe[R];
 #pragma unroll
     for (int j = 0; j < R; j++) {
 #pragma unroll
         for (int w = 0; w < NW; w++) acc[w][j] = 0.f;
-        xr_of(r0 + min(j, nr - 1), xq[j], xd[j]);
+        xe[j] = xr_of(r0 + min(j, nr - 1));
     }
     for (int c0 = lane * 32; c0 < k; c0 += 1024 * U) {
         XRaw raw[NW][U];
+        // A chunk past k loads the row's last chunk again and is never applied: every raw word
+        // is written each iteration, where a skipped load kept the last iteration's word live
+        // across the loop (ptxas spilled two head words of the one-row group for it).
 #pragma unroll
         for (int u = 0; u < U; u++)
 #pragma unroll
-            for (int w = 0; w < NW; w++)
-                if (c0 + 1024 * u < k) raw[w][u] = xraw32<F>(wr[w], sr[w], c0 + 1024 * u);
+            for (int w = 0; w < NW; w++) raw[w][u] = xraw32<F>(wr[w], sr[w], min(c0 + 1024 * u, k - 32));
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int c = c0 + 1024 * u;
@@ -1365,9 +1370,10 @@ __device__ __forceinline__ void xrows_group(const u8* const* wr, const u8* const
             if constexpr (R == 1) {
                 // One row (an expert holding one pair, the common case at batch 16): the
                 // one-row form, the same value (xapply32_one).
-                int4 a = *(const int4*)(xq[0] + c), b = *(const int4*)(xq[0] + c + 16);
+                unsigned e = xe[0] + c;
+                int4 a = *(const int4*)(xq + e), b = *(const int4*)(xq + e + 16);
                 int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-                float dx = xd[0][c >> 5];
+                float dx = xd[e >> 5];
 #pragma unroll
                 for (int w = 0; w < NW; w++) acc[w][0] = xapply32_one<F>(raw[w][u], c, x, dx, acc[w][0]);
             } else {
@@ -1377,9 +1383,10 @@ __device__ __forceinline__ void xrows_group(const u8* const* wr, const u8* const
 #pragma unroll
                 for (int j = 0; j < R; j++) {
                     if (j < nr) {
-                        int4 a = *(const int4*)(xq[j] + c), b = *(const int4*)(xq[j] + c + 16);
+                        unsigned e = xe[j] + c;
+                        int4 a = *(const int4*)(xq + e), b = *(const int4*)(xq + e + 16);
                         int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-                        float dx = xd[j][c >> 5];
+                        float dx = xd[e >> 5];
 #pragma unroll
                         for (int w = 0; w < NW; w++) acc[w][j] = xapply32<F>(ch[w], x, dx, acc[w][j]);
                     }
@@ -1388,12 +1395,12 @@ __device__ __forceinline__ void xrows_group(const u8* const* wr, const u8* const
         }
     }
 #pragma unroll
-    for (int w = 0; w < NW; w++)
+    for (int j = 0; j < R; j++) {
+        float v[NW];
 #pragma unroll
-        for (int j = 0; j < R; j++) {
-            float v = warp_sum(acc[w][j]);
-            if (j < nr) store(w, r0 + j, v);
-        }
+        for (int w = 0; w < NW; w++) v[w] = warp_sum(acc[w][j]);
+        if (j < nr) store(r0 + j, (const float*)v);
+    }
 }
 
 // All nrows rows in groups of up to 8 (one pass over the weights a group; see rows_all; two
@@ -1402,17 +1409,17 @@ __device__ __forceinline__ void xrows_group(const u8* const* wr, const u8* const
 // instantiates (the launcher's bound on nrows: 2 or 4), so a call of few rows does not carry the
 // 8-row group's registers; any cap gives the same values (a row's sums never depend on its group).
 template <int F, int NW, int GM = 8, typename XR, typename ST>
-__device__ __forceinline__ void xrows_all(const u8* const* wr, const u8* const* sr, int nrows, int k, int lane, XR xr,
-                                          ST st) {
+__device__ __forceinline__ void xrows_all(const u8* const* wr, const u8* const* sr, const signed char* __restrict__ xq,
+                                          const float* __restrict__ xd, int nrows, int k, int lane, XR xr, ST st) {
     constexpr int U1 = NW == 1 ? 2 : 4, G = (NW == 1 ? 8 : 4) < GM ? (NW == 1 ? 8 : 4) : GM;
     int r0 = 0;
     while (r0 < nrows) {
         int left = nrows - r0;
         int nr = min(left, G);
-        if (G >= 5 && nr >= 5) xrows_group<F, 8, NW, 1>(wr, sr, r0, nr, k, lane, xr, st);
-        else if (G >= 3 && nr >= 3) xrows_group<F, 4, NW, 1>(wr, sr, r0, nr, k, lane, xr, st);
-        else if (nr == 2) xrows_group<F, 2, NW, 2>(wr, sr, r0, 2, k, lane, xr, st);
-        else xrows_group<F, 1, NW, U1>(wr, sr, r0, 1, k, lane, xr, st);
+        if (G >= 5 && nr >= 5) xrows_group<F, 8, NW, 1>(wr, sr, xq, xd, r0, nr, k, lane, xr, st);
+        else if (G >= 3 && nr >= 3) xrows_group<F, 4, NW, 1>(wr, sr, xq, xd, r0, nr, k, lane, xr, st);
+        else if (nr == 2) xrows_group<F, 2, NW, 2>(wr, sr, xq, xd, r0, 2, k, lane, xr, st);
+        else xrows_group<F, 1, NW, U1>(wr, sr, xq, xd, r0, 1, k, lane, xr, st);
         r0 += nr;
     }
 }
@@ -1428,13 +1435,8 @@ __device__ void gemvn_x8(float* __restrict__ out, const signed char* __restrict_
     long long xoff = (long long)(o / rpg) * k;
     const u8* wr = w + (long long)o * row_bytes(F, k);
     const u8* sr = scale_row(F, s, o, k);
-    xrows_all<F, 1, GM>(&wr, &sr, n, k, lane,
-                    [&](int r, const signed char*& q, const float*& d) {
-                        long long e = (long long)r * ldx + xoff;
-                        q = xq + e;
-                        d = xd + e / 32;
-                    },
-                    [&](int, int r, float v) { if (lane == 0) out[(long long)r * m + o] = v; });
+    xrows_all<F, 1, GM>(&wr, &sr, xq, xd, n, k, lane, [&](int r) { return (unsigned)(r * ldx + xoff); },
+                    [&](int r, const float* v) { if (lane == 0) out[(long long)r * m + o] = v[0]; });
 }
 
 // Routed experts of several token rows on int8 activations (see moe_up_q): an expert's pairs in
@@ -1461,16 +1463,9 @@ __device__ void moe_upn_x8(float* __restrict__ h, const signed char* __restrict_
     // theirs instead of before them (the block's chain to its first weight load one trip shorter).
     fill_tabs<F, true>();
     if (o0 >= inter) return;
-    float g[4];  // a group's gate values (groups of up to 4 from r0 a multiple of 4)
-    xrows_all<F, 2>(wr, sr, cnt, d, lane,
-                    [&](int r, const signed char*& q, const float*& s) {
-                        long long t = order[b0 + r] / k;
-                        q = xq + t * d;
-                        s = xd + t * d / 32;
-                    },
-                    [&](int w, int r, float v) {
-                        if (w == 0) g[r & 3] = v;
-                        else if (lane == 0) h[(long long)order[b0 + r] * inter + o] = swiglu_q(g[r & 3], v, limit);
+    xrows_all<F, 2>(wr, sr, xq, xd, cnt, d, lane, [&](int r) { return order[b0 + r] / k * (unsigned)d; },
+                    [&](int r, const float* v) {
+                        if (lane == 0) h[(long long)order[b0 + r] * inter + o] = swiglu_q(v[0], v[1], limit);
                     });
 }
 
@@ -1491,14 +1486,12 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
     const u8* wr[P];
     const u8* sr[P];
     down_rows<F, P>(wr, sr, ptrs, nexp, e, c, d, inter);
-    xrows_all<F, P, GM>(wr, sr, cnt, inter, lane,
-                    [&](int r, const signed char*& q, const float*& s) {
-                        long long p = order[b0 + r];
-                        q = hq + p * inter;
-                        s = hd + p * inter / 32;
-                    },
-                    [&](int w, int r, float v) {
-                        if (lane == 0 && c + w < d) y[(long long)order[b0 + r] * d + c + w] = v;
+    xrows_all<F, P, GM>(wr, sr, hq, hd, cnt, inter, lane, [&](int r) { return order[b0 + r] * (unsigned)inter; },
+                    [&](int r, const float* v) {
+                        if (lane == 0)
+#pragma unroll
+                            for (int w = 0; w < P; w++)
+                                if (c + w < d) y[(long long)order[b0 + r] * d + c + w] = v[w];
                     });
 }
 
