@@ -1586,9 +1586,13 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
 // kernel built for calls of at most 2 rows (moe_downx2; gemvx2 / gemvx4 / moe_downx4 likewise
 // for 2 and 4 rows, with xrows_all's groups capped): Q2_K 64 registers and 4 blocks an SM with
 // no spills, where moe_downx_q2_k holds 80 and spills 12 bytes (offline sm_90a, PERF.md v24).
+// Since v40 (rows as 32-bit offsets, no loop-carried raw words) moe_downx_q2_k fits 64 registers
+// with no spills and moe_upx_iq2_xxs 64 with 12 bytes: both at 4 blocks an SM, H100 4 q2 layers,
+// batch 64 8.48 → 7.44–7.53 ms a step (at 3: 7.96), batch 16 3.46 → 3.30. At 5, 40 and 84
+// bytes of spills.
 X8_KERNELS(F_Q8_0, q8_0, 1, 2, 3)
-X8_KERNELS(F_Q2_K, q2_k, 1, 3, 4)
-X8_KERNELS(F_IQ2_XXS, iq2_xxs, 3, 3, 4)
+X8_KERNELS(F_Q2_K, q2_k, 1, 4, 4)
+X8_KERNELS(F_IQ2_XXS, iq2_xxs, 4, 3, 4)
 
 // One row's routed experts (format R: w1/w3 for up, w2 for down) with the shared expert (format
 // S) in two launches; the shared expert's formats of ds4's files (Q8_0) and each format with
