@@ -63,8 +63,9 @@ template <int F> static void row(const u8* w, const u8* s, int k, float* out) {
 // Format ids + 100: the int8 path's `xdot32` over each 32-value chunk, the activations and
 // their scales following the row's heads (k int8, then k/32 floats); the accumulator starts at
 // 0.375.
-// ONE: the one-row kernels' form instead (`xapply32_one`), ids + 150.
-template <int F, bool ONE = false> static void xrow(const u8* w, const u8* s, int k, float* out) {
+// ONE: the one-row kernels' form instead (`xapply32_one`), ids + 150; SPLIT: the several-row
+// groups' two dp4a chains (`xapply32<F, true>`), ids + 180.
+template <int F, bool ONE = false, bool SPLIT = false> static void xrow(const u8* w, const u8* s, int k, float* out) {
     const u8* h = s;
     s += head_bytes(F, k);
     const signed char* xq = (const signed char*)s;
@@ -72,8 +73,9 @@ template <int F, bool ONE = false> static void xrow(const u8* w, const u8* s, in
     for (int c = 0; c < k; c += 32) {
         int x[8];
         std::memcpy(x, xq + c, 32);
-        out[c / 32] = ONE ? xapply32_one<F>(xraw32<F>(w, h, c), c, x, xd[c / 32], 0.375f)
-                          : xdot32<F>(w, h, c, x, xd[c / 32], 0.375f);
+        out[c / 32] = ONE     ? xapply32_one<F>(xraw32<F>(w, h, c), c, x, xd[c / 32], 0.375f)
+                      : SPLIT ? xapply32<F, true>(xdecode32<F>(w, h, c), x, xd[c / 32], 0.375f)
+                              : xdot32<F>(w, h, c, x, xd[c / 32], 0.375f);
     }
 }
 int main() {
@@ -98,6 +100,9 @@ int main() {
                 case 50 + F_Q8_0: xrow<F_Q8_0, true>(w.data(), s.data(), k, out.data()); break;
                 case 50 + F_Q2_K: xrow<F_Q2_K, true>(w.data(), s.data(), k, out.data()); break;
                 case 50 + F_IQ2_XXS: xrow<F_IQ2_XXS, true>(w.data(), s.data(), k, out.data()); break;
+                case 80 + F_Q8_0: xrow<F_Q8_0, false, true>(w.data(), s.data(), k, out.data()); break;
+                case 80 + F_Q2_K: xrow<F_Q2_K, false, true>(w.data(), s.data(), k, out.data()); break;
+                case 80 + F_IQ2_XXS: xrow<F_IQ2_XXS, false, true>(w.data(), s.data(), k, out.data()); break;
                 default: return 3;
             }
             fwrite(out.data(), 4, k / 32, stdout);
@@ -281,7 +286,8 @@ fn device_dequant_built_for_the_host_equals_the_cpu_decoders() {
 
 /// The int8 path's per-chunk product (`xdot32`) built for the host equals its CPU twin
 /// (`dsv4_backend::x8::xdot32`) bit for bit, for the three formats it serves; so does the
-/// one-row kernels' form (`xapply32_one`: Q2_K's codes masked in place).
+/// one-row kernels' form (`xapply32_one`: Q2_K's codes masked in place) and the several-row
+/// groups' form (`xapply32<F, true>`: two dp4a chains).
 #[test]
 fn device_int8_products_built_for_the_host_equal_the_twin() {
     use dsv4_backend::x8;
@@ -305,7 +311,7 @@ fn device_int8_products_built_for_the_host_equal_the_twin() {
             side.extend(xd.iter().flat_map(|d| d.to_le_bytes()));
             let twin: Vec<f32> =
                 (0..k).step_by(32).map(|ch| x8::xdot32(f, &c.row, ch, &xq[ch..ch + 32], xd[ch / 32], 0.375)).collect();
-            for form in [100, 150] {
+            for form in [100, 150, 180] {
                 for v in [form + id, k as i32, codes.len() as i32, side.len() as i32] {
                     input.extend(v.to_le_bytes());
                 }
@@ -323,8 +329,9 @@ fn device_int8_products_built_for_the_host_equal_the_twin() {
     assert_eq!(got.len(), want.len());
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         let same = g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan());
-        let (case, form) = (i / (k / 32), if (i / (k / 32)) % 2 == 0 { "xdot32" } else { "xapply32_one" });
-        assert!(same, "chunk {i} ({}, {form}): device {g:e}, twin {w:e}", formats[case / 400].1.name());
+        let case = i / (k / 32);
+        let form = ["xdot32", "xapply32_one", "xapply32 (two chains)"][case % 3];
+        assert!(same, "chunk {i} ({}, {form}): device {g:e}, twin {w:e}", formats[case / 600].1.name());
     }
     println!("int8 chunks bitwise equal: {}", got.len());
 }

@@ -445,7 +445,7 @@ __device__ __forceinline__ XChunk xdecode32(const u8* __restrict__ w, const u8* 
 
 // acc plus the chunk's product with the activations x[0..8] (32 int8, four a word) of scale dx:
 // exact integer sums, then one FMA per group (Q2_K: and one for its min term).
-template <int F>
+template <int F, bool SPLIT = false>
 __device__ __forceinline__ float xapply32(const XChunk& ch, const int* x, float dx, float acc) {
     if (F == F_Q2_K) {
 #pragma unroll
@@ -460,6 +460,19 @@ __device__ __forceinline__ float xapply32(const XChunk& ch, const int* x, float 
             acc = __fmaf_rn(-__fmul_rn(dx, ch.m[g]), i2f_small(xs), acc);
         }
         return acc;
+    }
+    // SPLIT: two chains of four dp4a, not one of eight (integer sums: the same value), for the
+    // several-row groups (xrows_group), whose warps wait on dp4a's latency between decodes. With
+    // it everywhere (one-row kernels too) an H100 4-layer step went batch 64 7.50 → 7.37 ms but
+    // batch 1 1.018 → ~1.025 (PERF.md v40), so the one-row forms keep one chain.
+    if constexpr (SPLIT) {
+        int is0 = 0, is1 = 0;
+#pragma unroll
+        for (int j = 0; j < 8; j += 2) {
+            is0 = __dp4a(ch.q[j], x[j], is0);
+            is1 = __dp4a(ch.q[j + 1], x[j + 1], is1);
+        }
+        return __fmaf_rn(__fmul_rn(ch.d[0], dx), i2f_small(is0 + is1), acc);
     }
     int is = 0;
 #pragma unroll
@@ -1388,7 +1401,7 @@ __device__ __forceinline__ void xrows_group(const u8* const* wr, const u8* const
                         int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
                         float dx = xd[e >> 5];
 #pragma unroll
-                        for (int w = 0; w < NW; w++) acc[w][j] = xapply32<F>(ch[w], x, dx, acc[w][j]);
+                        for (int w = 0; w < NW; w++) acc[w][j] = xapply32<F, true>(ch[w], x, dx, acc[w][j]);
                     }
                 }
             }
@@ -1405,9 +1418,11 @@ __device__ __forceinline__ void xrows_group(const u8* const* wr, const u8* const
 
 // All nrows rows in groups of up to 8 (one pass over the weights a group; see rows_all; two
 // weight rows: groups of up to 4, for registers); more chunks in flight for small groups
-// (registers: a group also holds its rows' accumulators). GM caps the group size the kernel
-// instantiates (the launcher's bound on nrows: 2 or 4), so a call of few rows does not carry the
-// 8-row group's registers; any cap gives the same values (a row's sums never depend on its group).
+// (registers: a group also holds its rows' accumulators; four-row groups 2 chunks ahead since
+// v40, at 64 registers with no spills: H100 4 q2 layers, batch 64 7.37 → 7.26 ms). GM caps the
+// group size the kernel instantiates (the launcher's bound on nrows: 2 or 4), so a call of few
+// rows does not carry the 8-row group's registers; any cap gives the same values (a row's sums
+// never depend on its group).
 template <int F, int NW, int GM = 8, typename XR, typename ST>
 __device__ __forceinline__ void xrows_all(const u8* const* wr, const u8* const* sr, const signed char* __restrict__ xq,
                                           const float* __restrict__ xd, int nrows, int k, int lane, XR xr, ST st) {
@@ -1417,7 +1432,7 @@ __device__ __forceinline__ void xrows_all(const u8* const* wr, const u8* const* 
         int left = nrows - r0;
         int nr = min(left, G);
         if (G >= 5 && nr >= 5) xrows_group<F, 8, NW, 1>(wr, sr, xq, xd, r0, nr, k, lane, xr, st);
-        else if (G >= 3 && nr >= 3) xrows_group<F, 4, NW, 1>(wr, sr, xq, xd, r0, nr, k, lane, xr, st);
+        else if (G >= 3 && nr >= 3) xrows_group<F, 4, NW, 2>(wr, sr, xq, xd, r0, nr, k, lane, xr, st);
         else if (nr == 2) xrows_group<F, 2, NW, 2>(wr, sr, xq, xd, r0, 2, k, lane, xr, st);
         else xrows_group<F, 1, NW, U1>(wr, sr, xq, xd, r0, 1, k, lane, xr, st);
         r0 += nr;
