@@ -81,6 +81,12 @@ pub const DRAW_MAX_COLS: usize = 1 << 20;
 /// One unit of weight: the best token weighs `2^46` (a vocabulary's sum stays below 2⁶³).
 const ONE: f64 = (1u64 << 46) as f64;
 
+/// The widest row the device *samples* (T > 0): a flat row of `V` tokens sums to `V · 2^46`,
+/// below 2⁶³ only up to 2¹⁷ tokens (V4's 129,280 fit). Wider vocabularies sample on the host
+/// (the engine switches `host_sampling` on); greedy rows sum nothing and take up to
+/// [`DRAW_MAX_COLS`].
+pub const DRAW_MAX_SAMPLED_COLS: usize = 1 << 17;
+
 /// The total order of `f32` (Rust's `total_cmp`) as an unsigned key: a larger key is a larger
 /// value.
 pub fn key(v: f32) -> u32 {

@@ -8,6 +8,7 @@ use crate::sampler::{argmax_margin, Sampler};
 use crate::sequence::{CancelToken, Event, FinishReason, Request, Sequence, TokenEvent};
 use crate::snapshots::SnapshotWorker;
 use crate::speculative::{Planned, SpecConfig, SpecSeq, Verdict};
+use dsv4_backend::draw::DRAW_MAX_SAMPLED_COLS;
 use dsv4_backend::{Backend, Batch, Draw, Model, Outputs, Row, Snapshot, StepPlan};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -32,7 +33,8 @@ pub struct EngineConfig {
     /// inside the step's batch.
     pub dspark: Option<SpecConfig>,
     /// Sample every sampled row on the host from its logits instead of where the logits are
-    /// (the A/B of the device draws; the tokens agree but within ~2e-6 of a boundary).
+    /// (the A/B of the device draws; the tokens agree but within ~2e-6 of a boundary). `spawn`
+    /// turns it on for a vocabulary wider than the device draw samples (2^17 tokens).
     pub host_sampling: bool,
 }
 
@@ -243,6 +245,15 @@ where
 {
     // Positions beyond the model's limit would fail in the forward: refuse them at the door.
     config.max_context = config.max_context.min(model.cfg.max_position);
+    // The device draw's weight sums hold 2^17 tokens a row: a wider vocabulary samples on the host.
+    let vocab = model.cfg.vocab_size;
+    if !config.host_sampling && vocab > DRAW_MAX_SAMPLED_COLS {
+        tracing::info!(
+            vocab,
+            "sampling on the host: the device draw samples rows of at most {DRAW_MAX_SAMPLED_COLS} tokens"
+        );
+        config.host_sampling = true;
+    }
     let (tx, rx) = channel();
     let metrics = Arc::new(Metrics::default());
     metrics.pool_capacity.store(max_seqs as u64, Ordering::Relaxed);

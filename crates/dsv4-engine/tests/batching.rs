@@ -189,3 +189,32 @@ fn bad_requests_get_typed_refusals() {
     let (toks, reason) = collect(h.submit(Request { stop_ids: vec![first], ..base.clone() }).unwrap());
     assert_eq!((toks, reason), (vec![first], FinishReason::Stop));
 }
+
+/// A vocabulary past the device draw's 2^17 sampled tokens (its u64 weight sums would overflow
+/// on a flat row) samples on the host, and still serves sampled requests; V4's 129,280 does not.
+#[test]
+fn vocabularies_past_the_device_draw_sample_on_the_host() {
+    use dsv4_backend::draw::DRAW_MAX_SAMPLED_COLS;
+    for (vocab, host) in [(129_280, false), (DRAW_MAX_SAMPLED_COLS + 1, true)] {
+        let d = tempfile::tempdir().unwrap();
+        let cfg = tiny_config(vocab);
+        std::fs::write(d.path().join("config.json"), cfg.to_hf_json().to_string()).unwrap();
+        write_safetensors(&d.path().join("model.safetensors"), &random_checkpoint(&cfg, 5, SynthDType::F32)).unwrap();
+        let h = spawn(load(d.path(), 1), EngineConfig::default(), 1);
+        assert_eq!(h.config.host_sampling, host, "vocabulary {vocab}");
+        let params = SamplingParams { temperature: 0.8, top_p: 0.95, seed: 3, ..Default::default() };
+        let req = Request {
+            prompt: vec![1, 2, 3],
+            sampling: params,
+            max_tokens: 3,
+            stop_ids: vec![],
+            top_logprobs: None,
+            snapshot_at: vec![],
+            logits: Default::default(),
+        };
+        let sub = h.submit(req).unwrap();
+        let (toks, _) = collect(sub);
+        assert_eq!(toks.len(), 3);
+        assert!(toks.iter().all(|&t| (t as usize) < vocab));
+    }
+}

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Prepared in the thirty-first session for the next: the first GPU run of 22dcdfd's quant.cu
+# (PERF.md v40: two dp4a chains only in the several-row groups, `u2s`) and of 0279e2a's draw.cu
+# as built-in kernels, against the measured `u2` (two chains in every int8 form) as a kernel
+# directory. Value checks, then decode steps at batches 1, 16 and 64.
+#   after build.sh: `bash tools/device/variants.sh u2=sed:quant.cu:'s/bool SPLIT = false>/bool SPLIT = true>/'`
+#   (u2: the split in every form, as measured in call c), then pack devbin.tar.xz:
+#   run(command: "bash tools/device/call_s32a.sh", carry: ["devbin.tar.xz"])
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+. tools/device/run_test.sh
+draw_twin_check
+run_test cuda_packed
+run_test cuda_invariance
+run_test cuda_graph
+run_test cuda_dspark
+for b in 1 64 16; do
+  echo "== batch $b" >> "$S"
+  BATCH=$b EXTRA="--reserve 64x4096 --decode-fill clone" bash tools/device/ab_step.sh .devbin/kvar/u2 2>&1 | cut -c1-80 >> "$S"
+done
+cat "$S"
