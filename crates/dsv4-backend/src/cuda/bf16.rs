@@ -687,6 +687,12 @@ pub(crate) fn shared_expert_x8(
     Some(out)
 }
 
+/// Words of moe_sort's `active` buffer for `ne` experts: the active list (`ne + 1`, padded to 16
+/// bytes), then a 4-word slot record an expert (common.cuh `moe_slots`).
+fn moe_active_words(ne: usize) -> usize {
+    ((ne + 4) & !3) + 4 * ne
+}
+
 /// Routed experts with bf16 or packed weights (see the module docs and [`super::quant`]).
 /// `experts[i]` is global expert `first + i`; with `share` (a rank's share of the experts) the
 /// slots routed elsewhere add nothing.
@@ -711,7 +717,7 @@ pub(crate) fn moe(
     let packed = [&experts[0].w1, &experts[0].w3, &experts[0].w2].iter().any(|w| w.q.is_some());
     let mut order = b.alloc::<u32>(nk);
     let mut off = b.alloc::<u32>(ne + 1);
-    let mut active = b.alloc::<u32>(ne + 1);
+    let mut active = b.alloc::<u32>(moe_active_words(ne));
     let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
     // SAFETY (every launch below): argument types and buffer sizes match the kernels.
     ck(

@@ -280,8 +280,8 @@ extern "C" __global__ void cast_bf16(unsigned short* out, const float* x, long l
 
 // Groups the n·k (row, slot) pairs by expert (one block): off[e]..off[e+1] of `order` are the
 // slots routed to local expert e = id − first; active[0..active[ne]] lists the experts with any
-// slot. Slots routed outside first..first+ne (other ranks' experts) are left out: off[ne] counts
-// the slots held here.
+// slot, followed by the slot records (moe_slots). Slots routed outside first..first+ne (other
+// ranks' experts) are left out: off[ne] counts the slots held here.
 extern "C" __global__ void moe_sort(unsigned* order, unsigned* off, unsigned* active, const unsigned* ids, int nk,
                                     int ne, unsigned first) {
     pdl_enter();
@@ -319,11 +319,18 @@ extern "C" __global__ void moe_sort(unsigned* order, unsigned* off, unsigned* ac
         }
         __syncthreads();
         unsigned xc = wc[wp] + ic - c, xa = wa[wp] + ia - a;  // exclusive prefixes
+        __shared__ unsigned nact;
         if (e < ne) {
             off[e] = xc;
             pos[e] = xc;
             if (c) active[xa] = (unsigned)e;
-            if (e == ne - 1) off[ne] = xc + c, active[ne] = xa + a;
+            if (e == ne - 1) off[ne] = xc + c, active[ne] = nact = xa + a;
+        }
+        __syncthreads();
+        if (e < ne) {
+            uint4* rec = moe_slots(active, ne);
+            if (c) rec[xa] = make_uint4((unsigned)e, xc, c, nact);
+            if ((unsigned)e >= nact) rec[e] = make_uint4(0u, 0u, 0u, 0u);
         }
     } else if (threadIdx.x == 0) {
         unsigned acc = 0, na = 0;
@@ -335,6 +342,11 @@ extern "C" __global__ void moe_sort(unsigned* order, unsigned* off, unsigned* ac
         }
         off[ne] = acc;
         active[ne] = na;
+        uint4* rec = moe_slots(active, ne);
+        for (unsigned a = 0; a < (unsigned)ne; a++) {
+            unsigned e = a < na ? active[a] : 0u;
+            rec[a] = a < na ? make_uint4(e, off[e], cnt[e], na) : make_uint4(0u, 0u, 0u, 0u);
+        }
     }
     __syncthreads();
     for (int s = threadIdx.x; s < nk; s += blockDim.x) {

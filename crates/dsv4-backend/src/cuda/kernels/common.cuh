@@ -1,6 +1,15 @@
 // Shared helpers, prepended to every kernel file before NVRTC compiles it.
 #define INFINITY __int_as_float(0x7f800000)
 
+// moe_sort's slot records, after its active list (active[0..ne + 1], padded to 16 bytes): slot a
+// is {expert, its first pair in order, its pairs, active experts} for a < active experts, zeros
+// after. One load gives a block of the several-row expert kernels what active[ne], active[a]
+// and off[e], off[e + 1] gave in three dependent trips (bf16.rs `moe_active_words`).
+__device__ __forceinline__ uint4* moe_slots(unsigned* active, int ne) { return (uint4*)(active + ((ne + 4) & ~3)); }
+__device__ __forceinline__ const uint4* moe_slots(const unsigned* active, int ne) {
+    return (const uint4*)(active + ((ne + 4) & ~3));
+}
+
 // Row table layout (u32, see CudaRows): six arrays of n entries each.
 #define ROW_SEQ(t) rows[(t)]
 #define ROW_POS(t) rows[n + (t)]

@@ -1493,16 +1493,16 @@ template <int F>
 __device__ void moe_upn_x8(float* __restrict__ h, const signed char* __restrict__ xq, const float* __restrict__ xd,
                            const unsigned* order, const unsigned* off, const unsigned* active,
                            const unsigned long long* ptrs, int nexp, int k, int d, int inter, float limit) {
-    if (blockIdx.x >= active[nexp]) return;
-    unsigned e = active[blockIdx.x];
+    uint4 sl = moe_slots(active, nexp)[blockIdx.x];  // one trip for the expert and its pairs
+    if (blockIdx.x >= sl.w) return;
+    unsigned e = sl.x, b0 = sl.y;
+    int cnt = (int)sl.z;
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int o0 = blockIdx.y * Q_WARPS + wp, o = min(o0, inter - 1);
     long long rb = row_bytes(F, d);
     const u8* wr[2] = {(const u8*)ptrs[e] + o * rb, (const u8*)ptrs[nexp + e] + o * rb};
     const u8* sr[2] = {scale_row(F, (const u8*)ptrs[3 * nexp + e], o, d),
                        scale_row(F, (const u8*)ptrs[4 * nexp + e], o, d)};
-    unsigned b0 = off[e];
-    int cnt = (int)(off[e + 1] - b0);
     // The table after the expert's pointers and pairs are asked for: its L2 trip runs beside
     // theirs instead of before them (the block's chain to its first weight load one trip shorter).
     fill_tabs<F, true>();
@@ -1520,13 +1520,13 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
                              const float* __restrict__ hs, const unsigned* order, const unsigned* off, const unsigned* active,
                              const unsigned long long* ptrs, int nexp, int d, int inter) {
     constexpr int P = X8_OPWN_DOWN;
-    if (blockIdx.x >= active[nexp]) return;
-    unsigned e = active[blockIdx.x];
+    uint4 sl = moe_slots(active, nexp)[blockIdx.x];  // one trip for the expert and its pairs
+    if (blockIdx.x >= sl.w) return;
+    unsigned e = sl.x, b0 = sl.y;
+    int cnt = (int)sl.z;
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int c = (blockIdx.y * Q_WARPS + wp) * P;
     if (c >= d) return;
-    unsigned b0 = off[e];
-    int cnt = (int)(off[e + 1] - b0);
     const u8* wr[P];
     const u8* sr[P];
     down_rows<F, P>(wr, sr, ptrs, nexp, e, c, d, inter);
