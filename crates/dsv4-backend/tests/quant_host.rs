@@ -26,7 +26,6 @@ const SHIM: &str = r#"
 #define __restrict__
 struct uint2 { unsigned x, y; };
 struct uint4 { unsigned x, y, z, w; };
-struct float2 { float x, y; };
 static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
@@ -65,21 +64,17 @@ template <int F> static void row(const u8* w, const u8* s, int k, float* out) {
 // their scales following the row's heads (k int8, then k/32 floats); the accumulator starts at
 // 0.375.
 // ONE: the one-row kernels' form instead (`xapply32_one`), ids + 150; SPLIT: the several-row
-// groups' two dp4a chains (`xapply32<F, true>`), ids + 180. XS: either with the activations'
-// 16-value sums read (k/16 floats after the scales, as quant_x8s writes them), ids + 160 / 190.
-template <int F, bool ONE = false, bool SPLIT = false, bool XS = false>
-static void xrow(const u8* w, const u8* s, int k, float* out) {
+// groups' two dp4a chains (`xapply32<F, true>`), ids + 180.
+template <int F, bool ONE = false, bool SPLIT = false> static void xrow(const u8* w, const u8* s, int k, float* out) {
     const u8* h = s;
     s += head_bytes(F, k);
     const signed char* xq = (const signed char*)s;
     const float* xd = (const float*)(s + k);
-    const float* xs = xd + k / 32;
     for (int c = 0; c < k; c += 32) {
         int x[8];
         std::memcpy(x, xq + c, 32);
-        float2 s2 = {xs[c / 16], xs[c / 16 + 1]};
-        out[c / 32] = ONE     ? xapply32_one<F, XS>(xraw32<F>(w, h, c), c, x, xd[c / 32], 0.375f, s2)
-                      : SPLIT ? xapply32<F, true, XS>(xdecode32<F>(w, h, c), x, xd[c / 32], 0.375f, s2)
+        out[c / 32] = ONE     ? xapply32_one<F>(xraw32<F>(w, h, c), c, x, xd[c / 32], 0.375f)
+                      : SPLIT ? xapply32<F, true>(xdecode32<F>(w, h, c), x, xd[c / 32], 0.375f)
                               : xdot32<F>(w, h, c, x, xd[c / 32], 0.375f);
     }
 }
@@ -108,8 +103,6 @@ int main() {
                 case 80 + F_Q8_0: xrow<F_Q8_0, false, true>(w.data(), s.data(), k, out.data()); break;
                 case 80 + F_Q2_K: xrow<F_Q2_K, false, true>(w.data(), s.data(), k, out.data()); break;
                 case 80 + F_IQ2_XXS: xrow<F_IQ2_XXS, false, true>(w.data(), s.data(), k, out.data()); break;
-                case 60 + F_Q2_K: xrow<F_Q2_K, true, false, true>(w.data(), s.data(), k, out.data()); break;
-                case 90 + F_Q2_K: xrow<F_Q2_K, false, true, true>(w.data(), s.data(), k, out.data()); break;
                 default: return 3;
             }
             fwrite(out.data(), 4, k / 32, stdout);
@@ -294,8 +287,7 @@ fn device_dequant_built_for_the_host_equals_the_cpu_decoders() {
 /// The int8 path's per-chunk product (`xdot32`) built for the host equals its CPU twin
 /// (`dsv4_backend::x8::xdot32`) bit for bit, for the three formats it serves; so does the
 /// one-row kernels' form (`xapply32_one`: Q2_K's codes masked in place) and the several-row
-/// groups' form (`xapply32<F, true>`: two dp4a chains), and for Q2_K both with the activations'
-/// 16-value sums read as `quant_x8s` writes them (XS).
+/// groups' form (`xapply32<F, true>`: two dp4a chains).
 #[test]
 fn device_int8_products_built_for_the_host_equal_the_twin() {
     use dsv4_backend::x8;
@@ -317,12 +309,9 @@ fn device_int8_products_built_for_the_host_equal_the_twin() {
             let (codes, mut side) = c.device_planes();
             side.extend(xq.iter().map(|&q| q as u8));
             side.extend(xd.iter().flat_map(|d| d.to_le_bytes()));
-            // quant_x8s's sums: each 16 codes' integer sum as f32.
-            side.extend(xq.chunks(16).flat_map(|h| (h.iter().map(|&q| q as i32).sum::<i32>() as f32).to_le_bytes()));
             let twin: Vec<f32> =
                 (0..k).step_by(32).map(|ch| x8::xdot32(f, &c.row, ch, &xq[ch..ch + 32], xd[ch / 32], 0.375)).collect();
-            let forms: &[i32] = if f == PackedFormat::Q2_K { &[100, 150, 180, 160, 190] } else { &[100, 150, 180] };
-            for &form in forms {
+            for form in [100, 150, 180] {
                 for v in [form + id, k as i32, codes.len() as i32, side.len() as i32] {
                     input.extend(v.to_le_bytes());
                 }
@@ -340,21 +329,11 @@ fn device_int8_products_built_for_the_host_equal_the_twin() {
     assert_eq!(got.len(), want.len());
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         let same = g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan());
-        assert!(same, "chunk {i} ({}): device {g:e}, twin {w:e}", case_name(i / (k / 32)));
+        let case = i / (k / 32);
+        let form = ["xdot32", "xapply32_one", "xapply32 (two chains)"][case % 3];
+        assert!(same, "chunk {i} ({}, {form}): device {g:e}, twin {w:e}", formats[case / 600].1.name());
     }
     println!("int8 chunks bitwise equal: {}", got.len());
-    // Case i's format and form: 200 rows a format, 3 forms a row (Q2_K 5).
-    fn case_name(i: usize) -> String {
-        let (f, form) = match i {
-            i if i < 600 => ("Q8_0", i % 3),
-            i if i < 1600 => ("Q2_K", (i - 600) % 5),
-            i => ("IQ2_XXS", (i - 1600) % 3),
-        };
-        format!(
-            "{f}, {}",
-            ["xdot32", "xapply32_one", "xapply32 (two chains)", "xapply32_one, sums read", "xapply32, sums read"][form]
-        )
-    }
 }
 
 /// The synthetic draw's fix-up of random IQ2_XXS sign words (`iq2_even_signs`, built for the

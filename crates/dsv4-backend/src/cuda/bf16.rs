@@ -522,8 +522,7 @@ fn x8_pairs(
         },
         "moe_up int8",
     );
-    // The down kernels take h's 16-value code sums too (read by the several-row Q2_K ones).
-    let (hq, hd, hs) = b.quant_x8s(h, h.len());
+    let (hq, hd) = b.quant_x8(h, h.len());
     ck(
         unsafe {
             b.stream
@@ -531,7 +530,6 @@ fn x8_pairs(
                 .arg(y)
                 .arg(&hq)
                 .arg(&hd)
-                .arg(&hs)
                 .arg(&p.order)
                 .arg(&p.off)
                 .arg(&p.active)

@@ -284,7 +284,6 @@ impl QuantKernels {
             "iq2_even_signs_k".into(),
             "fill_u8".into(),
             "quant_x8".into(),
-            "quant_x8s".into(),
             "moe_tiles".into(),
             "pg_sum_splits".into(),
         ];
@@ -773,33 +772,6 @@ impl CudaBackend {
             );
         }
         (xq, xd)
-    }
-
-    /// [`Self::quant_x8`] and each 16-value half's sum of codes (two f32 a block): the several-row
-    /// Q2_K down kernels' min term reads these instead of forming them in every warp (the same
-    /// integers, exact as f32).
-    pub(crate) fn quant_x8s(&self, x: &CudaSlice<f32>, len: usize) -> (CudaSlice<i8>, CudaSlice<f32>, CudaSlice<f32>) {
-        assert!(len.is_multiple_of(crate::x8::BLOCK) && x.len() >= len, "quant_x8s: {len} values");
-        let nb = len / crate::x8::BLOCK;
-        let (mut xq, mut xd, mut xs) = (self.alloc::<i8>(len), self.alloc::<f32>(nb), self.alloc::<f32>(2 * nb));
-        if len > 0 {
-            // SAFETY: argument types and buffer sizes match the kernel (one warp per block of 32,
-            // two sums a block).
-            ck(
-                unsafe {
-                    self.stream
-                        .kernel(self.qk.get("quant_x8s"))
-                        .arg(&mut xq)
-                        .arg(&mut xd)
-                        .arg(&mut xs)
-                        .arg(x)
-                        .arg(&(nb as i64))
-                        .launch(cfg1d(len, 256))
-                },
-                "quant_x8s",
-            );
-        }
-        (xq, xd, xs)
     }
 
     /// The one-row products of `ws` in one `gemv1xg` launch where every weight is

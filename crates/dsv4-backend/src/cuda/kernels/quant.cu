@@ -445,11 +445,8 @@ __device__ __forceinline__ XChunk xdecode32(const u8* __restrict__ w, const u8* 
 
 // acc plus the chunk's product with the activations x[0..8] (32 int8, four a word) of scale dx:
 // exact integer sums, then one FMA per group (Q2_K: and one for its min term).
-// XS (Q2_K): the activations' two 16-value sums come in xs2 (quant_x8s formed them once for
-// every warp that reads the row: the same integers as the second dp4a chain, as floats, exact),
-// so a row's chunk costs 4 dp4a a group instead of 8 and no conversion of the sums.
-template <int F, bool SPLIT = false, bool XS = false>
-__device__ __forceinline__ float xapply32(const XChunk& ch, const int* x, float dx, float acc, float2 xs2 = {}) {
+template <int F, bool SPLIT = false>
+__device__ __forceinline__ float xapply32(const XChunk& ch, const int* x, float dx, float acc) {
     if (F == F_Q2_K) {
 #pragma unroll
         for (int g = 0; g < 2; g++) {
@@ -457,11 +454,10 @@ __device__ __forceinline__ float xapply32(const XChunk& ch, const int* x, float 
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 is = __dp4a(ch.q[4 * g + j], x[4 * g + j], is);
-                if constexpr (!XS) xs = __dp4a(0x01010101, x[4 * g + j], xs);
+                xs = __dp4a(0x01010101, x[4 * g + j], xs);
             }
-            float xsf = XS ? (g ? xs2.y : xs2.x) : i2f_small(xs);
             acc = __fmaf_rn(__fmul_rn(dx, ch.d[g]), i2f_small(is), acc);
-            acc = __fmaf_rn(-__fmul_rn(dx, ch.m[g]), xsf, acc);
+            acc = __fmaf_rn(-__fmul_rn(dx, ch.m[g]), i2f_small(xs), acc);
         }
         return acc;
     }
@@ -500,9 +496,8 @@ __device__ __forceinline__ int dp4a_us(unsigned a, int b, int c) {
 // value bit for bit. (IQ2_XXS's signed codes cost three instructions a quad since v26, so its
 // one-row form, q·x = g·x − 2·(g & neg)·x with two dp4a a quad, no longer pays: the general
 // form's.)
-template <int F, bool XS = false>
-__device__ __forceinline__ float xapply32_one(const XRaw& r, int c, const int* x, float dx, float acc,
-                                              float2 xs2 = {}) {
+template <int F>
+__device__ __forceinline__ float xapply32_one(const XRaw& r, int c, const int* x, float dx, float acc) {
     if constexpr (F == F_Q2_K) {
         // The codes where they lie (bits sh.. of each byte, masked, not shifted down: values
         // q·2^sh ≤ 192, unsigned for dp4a), then the group's sum shifted back, exactly (every
@@ -517,12 +512,11 @@ __device__ __forceinline__ float xapply32_one(const XRaw& r, int c, const int* x
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 is = dp4a_us(r.u[4 * g + j] & msk, x[4 * g + j], is);
-                if constexpr (!XS) xs = __dp4a(0x01010101, x[4 * g + j], xs);
+                xs = __dp4a(0x01010101, x[4 * g + j], xs);
             }
             is >>= sh;
-            float xsf = XS ? (g ? xs2.y : xs2.x) : i2f_small(xs);
             acc = __fmaf_rn(__fmul_rn(dx, dg[g]), i2f_small(is), acc);
-            acc = __fmaf_rn(-__fmul_rn(dx, mg[g]), xsf, acc);
+            acc = __fmaf_rn(-__fmul_rn(dx, mg[g]), i2f_small(xs), acc);
         }
         return acc;
     } else {
@@ -888,24 +882,6 @@ extern "C" __global__ void quant_x8(signed char* __restrict__ xq, float* __restr
     float d;
     xq[b * 32 + lane] = quant_block32(x[b * 32 + lane], &d);
     if (lane == 0) xd[b] = d;
-}
-
-// quant_x8 and each 16-value half's sum of codes, as a float (xs[2b], xs[2b + 1]): Q2_K's min
-// term in the several-row down kernels (xapply32's XS) reads it where every warp formed it.
-extern "C" __global__ void quant_x8s(signed char* __restrict__ xq, float* __restrict__ xd, float* __restrict__ xs,
-                                     const float* __restrict__ x, long long nblocks) {
-    pdl_enter();
-    long long b = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
-    int lane = threadIdx.x & 31;
-    if (b >= nblocks) return;  // uniform in the warp
-    float d;
-    signed char q = quant_block32(x[b * 32 + lane], &d);
-    xq[b * 32 + lane] = q;
-    if (lane == 0) xd[b] = d;
-    int sum = q;
-#pragma unroll
-    for (int o = 1; o < 16; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if ((lane & 15) == 0) xs[2 * b + (lane >> 4)] = (float)sum;
 }
 
 // Outputs a warp computes in the one-row int8 kernels (gemv, gate/up, down); the launcher
@@ -1379,11 +1355,10 @@ __device__ void moe_down1s(float* __restrict__ routed, float* __restrict__ share
 // across rows (a runtime-indexed array there went to local memory: PERF.md v40).
 // Row r's activations are xq[e..e + k] with scales xd[e / 32..], e = xr_of(r): a row keeps a
 // 32-bit offset, not two 64-bit pointers (3 registers a row fewer: 24 in the 8-row group).
-// XS: Q2_K's activation sums from xs[e / 16..] (quant_x8s; see xapply32), else formed here.
-template <int F, int R, int NW, int U, bool XS, typename XR, typename ST>
+template <int F, int R, int NW, int U, typename XR, typename ST>
 __device__ __forceinline__ void xrows_group(const u8* const* wr, const u8* const* sr, const signed char* __restrict__ xq,
-                                            const float* __restrict__ xd, const float* __restrict__ xs, int r0, int nr,
-                                            int k, int lane, XR xr_of, ST store) {
+                                            const float* __restrict__ xd, int r0, int nr, int k, int lane, XR xr_of,
+                                            ST store) {
     float acc[NW][R];
     unsigned xe[R];
 #pragma unroll
@@ -1412,9 +1387,8 @@ __device__ __forceinline__ void xrows_group(const u8* const* wr, const u8* const
                 int4 a = *(const int4*)(xq + e), b = *(const int4*)(xq + e + 16);
                 int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
                 float dx = xd[e >> 5];
-                float2 s2 = XS ? *(const float2*)(xs + (e >> 4)) : float2{};
 #pragma unroll
-                for (int w = 0; w < NW; w++) acc[w][0] = xapply32_one<F, XS>(raw[w][u], c, x, dx, acc[w][0], s2);
+                for (int w = 0; w < NW; w++) acc[w][0] = xapply32_one<F>(raw[w][u], c, x, dx, acc[w][0]);
             } else {
                 XChunk ch[NW];
 #pragma unroll
@@ -1426,10 +1400,8 @@ __device__ __forceinline__ void xrows_group(const u8* const* wr, const u8* const
                         int4 a = *(const int4*)(xq + e), b = *(const int4*)(xq + e + 16);
                         int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
                         float dx = xd[e >> 5];
-                        float2 s2 = XS ? *(const float2*)(xs + (e >> 4)) : float2{};
 #pragma unroll
-                        for (int w = 0; w < NW; w++)
-                            acc[w][j] = xapply32<F, true, XS>(ch[w], x, dx, acc[w][j], s2);
+                        for (int w = 0; w < NW; w++) acc[w][j] = xapply32<F, true>(ch[w], x, dx, acc[w][j]);
                     }
                 }
             }
@@ -1451,19 +1423,18 @@ __device__ __forceinline__ void xrows_group(const u8* const* wr, const u8* const
 // group size the kernel instantiates (the launcher's bound on nrows: 2 or 4), so a call of few
 // rows does not carry the 8-row group's registers; any cap gives the same values (a row's sums
 // never depend on its group).
-template <int F, int NW, int GM = 8, bool XS = false, typename XR, typename ST>
+template <int F, int NW, int GM = 8, typename XR, typename ST>
 __device__ __forceinline__ void xrows_all(const u8* const* wr, const u8* const* sr, const signed char* __restrict__ xq,
-                                          const float* __restrict__ xd, const float* __restrict__ xs, int nrows, int k,
-                                          int lane, XR xr, ST st) {
+                                          const float* __restrict__ xd, int nrows, int k, int lane, XR xr, ST st) {
     constexpr int U1 = NW == 1 ? 2 : 4, G = (NW == 1 ? 8 : 4) < GM ? (NW == 1 ? 8 : 4) : GM;
     int r0 = 0;
     while (r0 < nrows) {
         int left = nrows - r0;
         int nr = min(left, G);
-        if (G >= 5 && nr >= 5) xrows_group<F, 8, NW, 1, XS>(wr, sr, xq, xd, xs, r0, nr, k, lane, xr, st);
-        else if (G >= 3 && nr >= 3) xrows_group<F, 4, NW, 2, XS>(wr, sr, xq, xd, xs, r0, nr, k, lane, xr, st);
-        else if (nr == 2) xrows_group<F, 2, NW, 2, XS>(wr, sr, xq, xd, xs, r0, 2, k, lane, xr, st);
-        else xrows_group<F, 1, NW, U1, XS>(wr, sr, xq, xd, xs, r0, 1, k, lane, xr, st);
+        if (G >= 5 && nr >= 5) xrows_group<F, 8, NW, 1>(wr, sr, xq, xd, r0, nr, k, lane, xr, st);
+        else if (G >= 3 && nr >= 3) xrows_group<F, 4, NW, 2>(wr, sr, xq, xd, r0, nr, k, lane, xr, st);
+        else if (nr == 2) xrows_group<F, 2, NW, 2>(wr, sr, xq, xd, r0, 2, k, lane, xr, st);
+        else xrows_group<F, 1, NW, U1>(wr, sr, xq, xd, r0, 1, k, lane, xr, st);
         r0 += nr;
     }
 }
@@ -1479,7 +1450,7 @@ __device__ void gemvn_x8(float* __restrict__ out, const signed char* __restrict_
     long long xoff = (long long)(o / rpg) * k;
     const u8* wr = w + (long long)o * row_bytes(F, k);
     const u8* sr = scale_row(F, s, o, k);
-    xrows_all<F, 1, GM>(&wr, &sr, xq, xd, nullptr, n, k, lane, [&](int r) { return (unsigned)(r * ldx + xoff); },
+    xrows_all<F, 1, GM>(&wr, &sr, xq, xd, n, k, lane, [&](int r) { return (unsigned)(r * ldx + xoff); },
                     [&](int r, const float* v) { if (lane == 0) out[(long long)r * m + o] = v[0]; });
 }
 
@@ -1507,7 +1478,7 @@ __device__ void moe_upn_x8(float* __restrict__ h, const signed char* __restrict_
     // theirs instead of before them (the block's chain to its first weight load one trip shorter).
     fill_tabs<F, true>();
     if (o0 >= inter) return;
-    xrows_all<F, 2>(wr, sr, xq, xd, nullptr, cnt, d, lane, [&](int r) { return order[b0 + r] / k * (unsigned)d; },
+    xrows_all<F, 2>(wr, sr, xq, xd, cnt, d, lane, [&](int r) { return order[b0 + r] / k * (unsigned)d; },
                     [&](int r, const float* v) {
                         if (lane == 0) h[(long long)order[b0 + r] * inter + o] = swiglu_q(v[0], v[1], limit);
                     });
@@ -1517,7 +1488,7 @@ __device__ void moe_upn_x8(float* __restrict__ h, const signed char* __restrict_
 // xrows_all's cap (an expert holds at most as many pairs as the call has rows).
 template <int F, int GM = 8>
 __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restrict__ hq, const float* __restrict__ hd,
-                             const float* __restrict__ hs, const unsigned* order, const unsigned* off, const unsigned* active,
+                             const unsigned* order, const unsigned* off, const unsigned* active,
                              const unsigned long long* ptrs, int nexp, int d, int inter) {
     constexpr int P = X8_OPWN_DOWN;
     uint4 sl = moe_slots(active, nexp)[blockIdx.x];  // one trip for the expert and its pairs
@@ -1530,7 +1501,7 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
     const u8* wr[P];
     const u8* sr[P];
     down_rows<F, P>(wr, sr, ptrs, nexp, e, c, d, inter);
-    xrows_all<F, P, GM, F == F_Q2_K>(wr, sr, hq, hd, hs, cnt, inter, lane, [&](int r) { return order[b0 + r] * (unsigned)inter; },
+    xrows_all<F, P, GM>(wr, sr, hq, hd, cnt, inter, lane, [&](int r) { return order[b0 + r] * (unsigned)inter; },
                     [&](int r, const float* v) {
                         if (lane == 0)
 #pragma unroll
@@ -1569,8 +1540,7 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
         moe_up_x8<F>(h, xq, xd, order, off, active, ptrs, nexp, d, inter, limit);                                    \
     }                                                                                                                \
     extern "C" __global__ void moe_down1x_##N(float* y, const signed char* hq, const float* hd,                     \
-                                              const float* /* hs: unused */, const unsigned* order,                  \
-                                              const unsigned* off, const unsigned* active,                           \
+                                              const unsigned* order, const unsigned* off, const unsigned* active,    \
                                               const unsigned long long* ptrs, int nexp, int d, int inter) {          \
         pdl_enter();                                                                                                 \
         moe_down_x8<F>(y, hq, hd, order, off, active, ptrs, nexp, d, inter);                                         \
@@ -1600,26 +1570,26 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
         pdl_enter();                                                                                                 \
         moe_upn_x8<F>(h, xq, xd, order, off, active, ptrs, nexp, k, d, inter, limit);                                \
     }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(256, DNB) moe_downx_##N(float* y, const signed char* hq, const float* hd, const float* hs, \
+    extern "C" __global__ void __launch_bounds__(256, DNB) moe_downx_##N(float* y, const signed char* hq, const float* hd, \
                                              const unsigned* order, const unsigned* off, const unsigned* active,     \
                                              const unsigned long long* ptrs, int nexp, int d, int inter) {           \
         pdl_enter();                                                                                                 \
         fill_tabs<F, true>();                                                                                        \
-        moe_downn_x8<F>(y, hq, hd, hs, order, off, active, ptrs, nexp, d, inter);                                        \
+        moe_downn_x8<F>(y, hq, hd, order, off, active, ptrs, nexp, d, inter);                                        \
     }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(256, DNB2) moe_downx2_##N(float* y, const signed char* hq, const float* hd, const float* hs, \
+    extern "C" __global__ void __launch_bounds__(256, DNB2) moe_downx2_##N(float* y, const signed char* hq, const float* hd, \
                                              const unsigned* order, const unsigned* off, const unsigned* active,     \
                                              const unsigned long long* ptrs, int nexp, int d, int inter) {           \
         pdl_enter();                                                                                                 \
         fill_tabs<F, true>();                                                                                        \
-        moe_downn_x8<F, 2>(y, hq, hd, hs, order, off, active, ptrs, nexp, d, inter);                                     \
+        moe_downn_x8<F, 2>(y, hq, hd, order, off, active, ptrs, nexp, d, inter);                                     \
     }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(256, DNB) moe_downx4_##N(float* y, const signed char* hq, const float* hd, const float* hs, \
+    extern "C" __global__ void __launch_bounds__(256, DNB) moe_downx4_##N(float* y, const signed char* hq, const float* hd, \
                                              const unsigned* order, const unsigned* off, const unsigned* active,     \
                                              const unsigned long long* ptrs, int nexp, int d, int inter) {           \
         pdl_enter();                                                                                                 \
         fill_tabs<F, true>();                                                                                        \
-        moe_downn_x8<F, 4>(y, hq, hd, hs, order, off, active, ptrs, nexp, d, inter);                                     \
+        moe_downn_x8<F, 4>(y, hq, hd, order, off, active, ptrs, nexp, d, inter);                                     \
     }
 
 // UPB / DNB: blocks an SM the several-row up / down kernels are compiled for. At batch 16 an
@@ -2330,8 +2300,8 @@ TILE_GEMV_CP(2, 16)
         moe_upt_x8<F, 1, 8>(h, xq, xd, order, off, active, ptrs, nexp, k, d, inter, limit);                          \
     }                                                                                                                \
     extern "C" __global__ void TILE_BOUNDS(8) moe_downt_##N(                                                                                                         \
-        float* y, const signed char* hq, const float* hd, const float* hs, const unsigned* order,                   \
-        const unsigned* off, const unsigned* active, const unsigned long long* ptrs, int nexp, int d, int inter) {   \
+        float* y, const signed char* hq, const float* hd, const unsigned* order, const unsigned* off,               \
+        const unsigned* active, const unsigned long long* ptrs, int nexp, int d, int inter) {                        \
         pdl_enter();                                                                                                 \
         fill_tabs<F, false>();                                                                                        \
         moe_downt_x8<F, 1, 8>(y, hq, hd, order, off, active, ptrs, nexp, d, inter);                                  \
