@@ -1603,10 +1603,14 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
 // no spills, where moe_downx_q2_k holds 80 and spills 12 bytes (offline sm_90a, PERF.md v24).
 // Since v40 (rows as 32-bit offsets, no loop-carried raw words) moe_downx_q2_k fits 64 registers
 // with no spills and moe_upx_iq2_xxs 64 with 12 bytes: both at 4 blocks an SM, H100 4 q2 layers,
-// batch 64 8.48 → 7.44–7.53 ms a step (at 3: 7.96), batch 16 3.46 → 3.30. At 5, 40 and 84
-// bytes of spills.
+// batch 64 8.48 → 7.44–7.53 ms a step (at 3: 7.96), batch 16 3.46 → 3.30. Since v41 the Q2_K
+// down kernel takes 5 blocks an SM (48 registers; 96 bytes of spill stores, in the 8-row group,
+// which an expert of 5 or more pairs takes): its warps wait on their loads (ncu long-scoreboard
+// ~6 of ~13 cycles an issue), so 40 warps an SM beat 32 with fewer spills. H100, 4 q2 layers,
+// three calls: batch 16 3.25 → 3.18–3.20 ms, batch 64 7.27–7.32 → 7.15–7.21. The IQ2_XXS up
+// kernel at 5 (84 bytes of spills) lost: batch 64 7.16 → 7.41–7.50.
 X8_KERNELS(F_Q8_0, q8_0, 1, 2, 3)
-X8_KERNELS(F_Q2_K, q2_k, 1, 4, 4)
+X8_KERNELS(F_Q2_K, q2_k, 1, 5, 4)
 X8_KERNELS(F_IQ2_XXS, iq2_xxs, 4, 3, 4)
 
 // One row's routed experts (format R: w1/w3 for up, w2 for down) with the shared expert (format
