@@ -65,6 +65,9 @@ pub trait Backend: Send + Sync {
     type Route;
     /// A recorded step the backend replays (CUDA graphs); `()` where it records nothing.
     type Graph: Send + Sync;
+    /// Token ids left where the backend computes (the drafter's Markov loop: a slot's choice
+    /// feeds the next slot's embedding with no host round trip).
+    type Ids;
 
     fn name(&self) -> &'static str;
     /// Takes a loaded tensor; one that arrives packed ([`HostTensor::packed`]) is kept so where
@@ -398,6 +401,14 @@ pub trait Backend: Send + Sync {
     ) -> Self::T;
     /// The first index of the maximum of every row, on the host (greedy draft choice).
     fn argmax_rows(&self, x: &Self::T) -> Vec<u32>;
+    /// [`Backend::argmax_rows`], left on the backend (nothing waits).
+    fn argmax_ids(&self, x: &Self::T) -> Self::Ids;
+    /// Host token ids on the backend.
+    fn upload_ids(&self, ids: &[u32]) -> Self::Ids;
+    /// Rows `ids` of `table`: [`Backend::embed`] of rows with those tokens.
+    fn embed_ids(&self, table: &Self::W, ids: &Self::Ids) -> Self::T;
+    /// `ids` on the host (waits for the backend).
+    fn ids_to_host(&self, ids: &Self::Ids) -> Vec<u32>;
 }
 
 /// One job of [`Backend::norms`].

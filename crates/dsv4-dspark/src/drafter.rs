@@ -397,10 +397,11 @@ impl<B: Backend> Drafter<B> {
     /// slot by slot, `Z_k = U_k + markov_w2 · markov_w1[prev]`, the confidence
     /// `conf · [h_k ; markov_w1[prev]]`, and the choice of `d_k`, for every sequence at once.
     ///
-    /// Greedy choice runs as a row argmax on the backend, so one slot costs a `[n]` download
-    /// of token ids instead of `n` logits rows of `vocab` floats (on a GPU that is ~4 µs instead
-    /// of a 0.5 MB copy per sequence); the loop is sequential (slot `k+1` needs `d_k`), so `γ`
-    /// such round trips per draft. The confidences come back once, after the loop.
+    /// Greedy choice runs as a row argmax on the backend whose ids stay there: the next slot's
+    /// embedding reads them ([`Backend::embed_ids`]), so the loop queues all `γ` slots without
+    /// waiting, and the tokens and confidences come back once, after it. (Until v41 each slot
+    /// downloaded its ids and uploaded them again: `γ` host round trips a draft.) Sampling, and
+    /// greedy drafts that return their logits, bring each slot's `Z` rows to the host.
     fn heads<R: Rng + ?Sized>(
         &self,
         reqs: &[DraftRequest<B::T>],
@@ -411,7 +412,10 @@ impl<B: Backend> Drafter<B> {
     ) -> Vec<Draft> {
         let b = &self.b;
         let (n, g, v) = (reqs.len(), self.dcfg.block_size, self.cfg.vocab_size);
-        let mut prev: Vec<u32> = reqs.iter().map(|r| r.anchor).collect();
+        let anchors: Vec<u32> = reqs.iter().map(|r| r.anchor).collect();
+        let anchors = b.upload_ids(&anchors);
+        // Each slot's chosen ids, on the backend.
+        let mut chosen: Vec<B::Ids> = Vec::with_capacity(g);
         let mut out: Vec<Draft> = (0..n)
             .map(|_| Draft {
                 tokens: Vec::with_capacity(g),
@@ -421,18 +425,18 @@ impl<B: Backend> Drafter<B> {
                 vocab: v,
             })
             .collect();
-        let zero_pos = vec![0usize; n];
         let mut confs = Vec::with_capacity(g);
         for k in 0..g {
             let sel: Vec<usize> = (0..n).map(|i| i * g + k).collect();
             let uk = b.select_rows(u, &sel);
             let hk = b.select_rows(h, &sel);
-            let e = b.embed(&self.w.heads.markov_w1, &self.row_table(&zero_pos, &prev));
+            let prev = chosen.last().unwrap_or(&anchors);
+            let e = b.embed_ids(&self.w.heads.markov_w1, prev);
             let bias = b.matmul(&e, &self.w.heads.markov_w2);
             let z = b.add(&uk, &bias);
             let conf = b.add(&b.matmul(&hk, &self.w.heads.conf_h), &b.matmul(&e, &self.w.heads.conf_e));
             if let Some(tr) = trace.as_deref_mut() {
-                tr.markov_prev.extend_from_slice(&prev);
+                tr.markov_prev.extend(b.ids_to_host(prev));
                 tr.markov_embed.extend(b.to_host(&e));
                 tr.markov_bias.extend(b.to_host(&bias));
             }
@@ -444,11 +448,11 @@ impl<B: Backend> Drafter<B> {
                             d.logits.extend_from_slice(&zh[i * v..(i + 1) * v]);
                         }
                     }
-                    b.argmax_rows(&z)
+                    b.argmax_ids(&z)
                 }
                 Choice::Sampled { temperature, rng } => {
                     let zh = b.to_host(&z);
-                    (0..n)
+                    let tokens: Vec<u32> = (0..n)
                         .map(|i| {
                             let zi = &zh[i * v..(i + 1) * v];
                             let d = &mut out[i];
@@ -459,16 +463,19 @@ impl<B: Backend> Drafter<B> {
                             softmax_into(zi, *temperature, &mut q[at..]);
                             sample(&q[at..], &mut **rng) as u32
                         })
-                        .collect()
+                        .collect();
+                    b.upload_ids(&tokens)
                 }
             };
             confs.push(conf);
-            for (i, d) in out.iter_mut().enumerate() {
-                d.tokens.push(tokens[i]);
-            }
-            prev = tokens;
+            chosen.push(tokens);
         }
-        // The confidences come back once, after the loop (they do not steer it).
+        // The tokens and confidences come back once, after the loop.
+        for ids in &chosen {
+            for (d, t) in out.iter_mut().zip(b.ids_to_host(ids)) {
+                d.tokens.push(t);
+            }
+        }
         for c in &confs {
             let c = b.to_host(c);
             for (i, d) in out.iter_mut().enumerate() {

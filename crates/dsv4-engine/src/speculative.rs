@@ -192,14 +192,16 @@ where
         debug_assert_eq!(d.tags(), ring.tags(), "host and device ring tags");
         self.0.draft(d, anchor, anchor_pos, temperature, rng)
     }
-    /// Greedy jobs in one batched forward ([`Drafter::draft_batch`]); sampled ones (their
-    /// Markov loop samples on the host) one by one. A batch that fails is retried job by job,
-    /// so one bad request cannot fail the others.
+    /// Greedy jobs in one batched forward ([`Drafter::draft_batch`], without the `Z` rows:
+    /// greedy verification reads only the tokens; a lone greedy job too, where
+    /// [`Drafter::draft`] would bring `γ` rows of `vocab` logits to the host); sampled ones
+    /// (their Markov loop samples on the host) one by one. A batch that fails is retried job by
+    /// job, so one bad request cannot fail the others.
     fn draft_many(&self, jobs: &mut [DraftJob<'_>]) -> Vec<Result<Draft, DsparkError>> {
         let greedy: Vec<usize> =
             (0..jobs.len()).filter(|&i| jobs[i].temperature <= 0.0 || !jobs[i].temperature.is_finite()).collect();
         let mut out: Vec<Option<Result<Draft, DsparkError>>> = (0..jobs.len()).map(|_| None).collect();
-        if greedy.len() > 1 {
+        if !greedy.is_empty() {
             let reqs: Result<Vec<DraftRequest<B::T>>, DsparkError> = greedy
                 .iter()
                 .map(|&i| {

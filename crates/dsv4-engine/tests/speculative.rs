@@ -8,7 +8,8 @@ use dsv4_backend::{Batch, Capture, Model};
 use dsv4_dspark::{ContextRing, Draft, Drafter, DsparkError, HiddenCapture};
 use dsv4_engine::speculative::{self, Planned, Proposer, SpecConfig, SpecSeq};
 use dsv4_engine::{
-    generate, generate_speculative, spawn, EngineConfig, Event, GenerateOptions, Request, Sampler, SamplingParams,
+    generate, generate_speculative, spawn, DeviceProposer, EngineConfig, Event, GenerateOptions, Request, Sampler,
+    SamplingParams,
 };
 use dsv4_model::store::write_safetensors;
 use dsv4_model::synth::{random_checkpoint, random_dspark, tiny_config, SynthDType, SynthDspark};
@@ -410,6 +411,43 @@ fn engine_with_dspark_gives_the_plain_tokens() {
         let text = h.metrics.render();
         assert!(text.contains("dsv4_dspark_acceptance_length_bucket"));
         assert!(text.contains("dsv4_dspark_position_accepted_total{position=\"0\"}"));
+    }
+}
+
+/// The device-ring proposer (rings on the drafter's own backend, here the CPU's) drafts every
+/// greedy job in the batched forward, a lone one included (no `Z` rows come back), and its
+/// Markov loop keeps each slot's ids on the backend: the engine's tokens stay the plain greedy
+/// ones, for one request alone and for several together.
+#[test]
+fn device_proposer_gives_the_plain_tokens_alone_and_batched() {
+    let dir = tiny_dir();
+    let max_tokens = 20;
+    let mut m = load(dir.path(), 1);
+    for n in [1, 3] {
+        let alone: Vec<Vec<u32>> = (0..n).map(|i| greedy_plain(&mut m, &engine_prompt(i), max_tokens, 512)).collect();
+        let drafter = Drafter::load_dir_on(CpuBackend, dir.path()).unwrap();
+        let proposer: Arc<dyn Proposer> = Arc::new(DeviceProposer(drafter));
+        let cfg = EngineConfig { dspark: Some(SpecConfig::new(proposer)), ..Default::default() };
+        let h = spawn(load(dir.path(), 4), cfg, 4);
+        let subs: Vec<_> = (0..n)
+            .map(|i| {
+                h.submit(Request {
+                    prompt: engine_prompt(i),
+                    sampling: SamplingParams::default(),
+                    max_tokens,
+                    stop_ids: vec![],
+                    top_logprobs: None,
+                    snapshot_at: vec![],
+                    logits: Default::default(),
+                })
+                .unwrap()
+            })
+            .collect();
+        for (i, s) in subs.into_iter().enumerate() {
+            assert_eq!(collect(s), alone[i], "request {i} of {n}");
+        }
+        let rounds = h.metrics.spec.rounds.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(rounds > 0, "{n} requests: no DSpark round ran");
     }
 }
 

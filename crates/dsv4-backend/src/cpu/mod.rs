@@ -106,6 +106,7 @@ impl Backend for CpuBackend {
     type T = Tensor;
     type Cache = CpuCache;
     type Rows = Batch;
+    type Ids = Vec<u32>;
     type Sel = Vec<Vec<u32>>;
     type Route = Route;
     type Graph = ();
@@ -488,6 +489,22 @@ impl Backend for CpuBackend {
 
     fn argmax_rows(&self, x: &Tensor) -> Vec<u32> {
         (0..x.rows).map(|i| dspark::argmax(x.row(i)) as u32).collect()
+    }
+
+    fn argmax_ids(&self, x: &Tensor) -> Vec<u32> {
+        self.argmax_rows(x)
+    }
+
+    fn upload_ids(&self, ids: &[u32]) -> Vec<u32> {
+        ids.to_vec()
+    }
+
+    fn embed_ids(&self, table: &Tensor, ids: &Vec<u32>) -> Tensor {
+        Tensor::new(ids.len(), table.cols, ids.iter().flat_map(|&t| table.row(t as usize).iter().copied()).collect())
+    }
+
+    fn ids_to_host(&self, ids: &Vec<u32>) -> Vec<u32> {
+        ids.clone()
     }
 }
 

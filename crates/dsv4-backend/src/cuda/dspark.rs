@@ -8,7 +8,7 @@
 
 use super::launch::Kernel;
 use super::{cfg1d, ck, compile_ptx_kernel, CudaBackend, CudaTensor, CudaWeight};
-use cudarc::driver::{CudaFunction, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 use std::sync::{Arc, Mutex};
 
 pub(crate) const SOURCE: (&str, &str) = ("dspark.cu", include_str!("kernels/dspark.cu"));
@@ -73,13 +73,21 @@ pub(crate) fn argmax_rows(b: &CudaBackend, x: &CudaTensor) -> Vec<u32> {
     if x.rows == 0 {
         return Vec::new();
     }
-    let mut out = b.alloc::<u32>(x.rows);
-    // draw.cu's kernel without a draw table: every row greedy.
-    super::draw::draw_into(b, &mut out, &x.data, None, x.rows, x.cols);
+    let out = argmax_ids(b, x);
     let mut v = ck(b.stream.clone_dtoh(&out), "download argmax");
     ck(b.stream.synchronize(), "synchronize");
     v.truncate(x.rows);
     v
+}
+
+/// Each row's first maximum into a device buffer of `x.rows` ids (at least one slot).
+pub(crate) fn argmax_ids(b: &CudaBackend, x: &CudaTensor) -> CudaSlice<u32> {
+    let mut out = b.alloc::<u32>(x.rows);
+    if x.rows > 0 {
+        // draw.cu's kernel without a draw table: every row greedy.
+        super::draw::draw_into(b, &mut out, &x.data, None, x.rows, x.cols);
+    }
+    out
 }
 
 pub(crate) fn block_attention(

@@ -134,6 +134,13 @@ impl CudaRows {
     }
 }
 
+/// Token ids on the device ([`Backend::Ids`]): the first `n` of `dev` (an upload's buffer may be
+/// longer).
+pub struct CudaIds {
+    dev: CudaSlice<u32>,
+    n: usize,
+}
+
 /// Indexer selection: `[rows, topk]` entry ids; row `t` uses the first `min(topk, visible)`.
 pub struct CudaSel {
     pub topk: usize,
@@ -1739,6 +1746,16 @@ impl CudaBackend {
 
     /// Copies `data` to a new device buffer through a pinned staging buffer, ordered on the
     /// stream; the staging buffer is not written again until the stream has passed the copy.
+    /// Rows `tokens[..n]` of `table` ([`Backend::embed`], [`Backend::embed_ids`]).
+    fn embed_view(&self, table: &CudaWeight, tokens: &cudarc::driver::CudaView<'_, u32>, n: usize) -> CudaTensor {
+        let mut out = self.tensor(n, table.cols);
+        match &table.bf {
+            Some(bf) => self.gather_bf16(&mut out, bf, tokens, n, table.cols),
+            None => self.gather(&out, &table.data, tokens, n, table.cols),
+        }
+        out
+    }
+
     pub(crate) fn upload_u32(&self, data: &[u32]) -> CudaSlice<u32> {
         let mut pool = self.staging.lock().unwrap();
         let ready = pool.iter().position(|s| s.buf.len() >= data.len() && s.done.is_complete());
@@ -1888,6 +1905,7 @@ impl Backend for CudaBackend {
     type T = CudaTensor;
     type Cache = CudaCache;
     type Rows = CudaRows;
+    type Ids = CudaIds;
     type Sel = CudaSel;
     type Route = CudaRoute;
     type Graph = graph::StepGraph;
@@ -2024,13 +2042,7 @@ impl Backend for CudaBackend {
 
     fn embed(&self, table: &CudaWeight, rows: &CudaRows) -> CudaTensor {
         let n = rows.len();
-        let mut out = self.tensor(n, table.cols);
-        let tokens = rows.dev.as_ref().slice(2 * n..3 * n);
-        match &table.bf {
-            Some(bf) => self.gather_bf16(&mut out, bf, &tokens, n, table.cols),
-            None => self.gather(&out, &table.data, &tokens, n, table.cols),
-        }
-        out
+        self.embed_view(table, &rows.dev.as_ref().slice(2 * n..3 * n), n)
     }
 
     fn matmul(&self, x: &CudaTensor, w: &CudaWeight) -> CudaTensor {
@@ -2735,6 +2747,27 @@ impl Backend for CudaBackend {
 
     fn argmax_rows(&self, x: &CudaTensor) -> Vec<u32> {
         dspark::argmax_rows(self, x)
+    }
+
+    fn argmax_ids(&self, x: &CudaTensor) -> CudaIds {
+        CudaIds { dev: dspark::argmax_ids(self, x), n: x.rows }
+    }
+
+    fn upload_ids(&self, ids: &[u32]) -> CudaIds {
+        CudaIds { dev: self.upload_u32(ids), n: ids.len() }
+    }
+
+    fn embed_ids(&self, table: &CudaWeight, ids: &CudaIds) -> CudaTensor {
+        self.embed_view(table, &ids.dev.slice(..ids.n), ids.n)
+    }
+
+    fn ids_to_host(&self, ids: &CudaIds) -> Vec<u32> {
+        if ids.n == 0 {
+            return Vec::new();
+        }
+        let v = ck(self.stream.clone_dtoh(&ids.dev.slice(..ids.n)), "download ids");
+        ck(self.stream.synchronize(), "synchronize");
+        v
     }
 
     fn draw_rows(&self, x: &CudaTensor, draws: &[crate::draw::Draw]) -> Vec<u32> {
