@@ -22,6 +22,22 @@ pub struct Request {
     pub logits: crate::logits::LogitsSpec,
 }
 
+impl Request {
+    /// `max_tokens` of `prompt`'s continuation under `sampling`, with no stop ids, logprobs,
+    /// snapshots or logits processing.
+    pub fn new(prompt: Vec<u32>, sampling: SamplingParams, max_tokens: usize) -> Self {
+        Self {
+            prompt,
+            sampling,
+            max_tokens,
+            stop_ids: Vec::new(),
+            top_logprobs: None,
+            snapshot_at: Vec::new(),
+            logits: Default::default(),
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
     /// A stop token was generated.

@@ -70,20 +70,7 @@ fn parallel_requests_equal_their_sequential_runs() {
 }
 
 fn check_parallel(h: &dsv4_engine::EngineHandle, alone: &[Vec<u32>], n: usize) {
-    let subs: Vec<_> = (0..n)
-        .map(|i| {
-            h.submit(Request {
-                prompt: prompt(i),
-                sampling: params(i),
-                max_tokens: 12,
-                stop_ids: vec![],
-                top_logprobs: None,
-                snapshot_at: vec![],
-                logits: Default::default(),
-            })
-            .unwrap()
-        })
-        .collect();
+    let subs: Vec<_> = (0..n).map(|i| h.submit(Request::new(prompt(i), params(i), 12)).unwrap()).collect();
     for (i, s) in subs.into_iter().enumerate() {
         let (toks, reason) = collect(s);
         assert_eq!(reason, FinishReason::Length);
@@ -165,15 +152,7 @@ fn bad_requests_get_typed_refusals() {
     let dir = tiny_dir();
     let cfg = EngineConfig { max_context: 64, max_waiting: 1, ..Default::default() };
     let h = spawn(load(dir.path(), 1), cfg, 1);
-    let base = Request {
-        prompt: vec![1, 2, 3],
-        sampling: SamplingParams::default(),
-        max_tokens: 4,
-        stop_ids: vec![],
-        top_logprobs: None,
-        snapshot_at: vec![],
-        logits: Default::default(),
-    };
+    let base = Request::new(vec![1, 2, 3], SamplingParams::default(), 4);
     let with = |f: &dyn Fn(&mut Request)| {
         let mut r = base.clone();
         f(&mut r);
@@ -203,15 +182,7 @@ fn vocabularies_past_the_device_draw_sample_on_the_host() {
         let h = spawn(load(d.path(), 1), EngineConfig::default(), 1);
         assert_eq!(h.config.host_sampling, host, "vocabulary {vocab}");
         let params = SamplingParams { temperature: 0.8, top_p: 0.95, seed: 3, ..Default::default() };
-        let req = Request {
-            prompt: vec![1, 2, 3],
-            sampling: params,
-            max_tokens: 3,
-            stop_ids: vec![],
-            top_logprobs: None,
-            snapshot_at: vec![],
-            logits: Default::default(),
-        };
+        let req = Request::new(vec![1, 2, 3], params, 3);
         let sub = h.submit(req).unwrap();
         let (toks, _) = collect(sub);
         assert_eq!(toks.len(), 3);

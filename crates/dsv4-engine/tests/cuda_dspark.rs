@@ -327,20 +327,7 @@ fn engine_with_gpu_drafter_gives_the_plain_tokens() {
     sc.sampled = true;
     let cfg = EngineConfig { token_budget: 48, prefill_chunk: 8, dspark: Some(sc), ..Default::default() };
     let h = spawn(Model::load(gpu(false).unwrap(), dir.path(), n, false).unwrap(), cfg, n);
-    let subs: Vec<_> = (0..n)
-        .map(|i| {
-            h.submit(Request {
-                prompt: prompt(i),
-                sampling: params(i),
-                max_tokens,
-                stop_ids: vec![],
-                top_logprobs: None,
-                snapshot_at: vec![],
-                logits: Default::default(),
-            })
-            .unwrap()
-        })
-        .collect();
+    let subs: Vec<_> = (0..n).map(|i| h.submit(Request::new(prompt(i), params(i), max_tokens)).unwrap()).collect();
     for (i, s) in subs.into_iter().enumerate() {
         assert_eq!(collect(s), alone[i], "request {i}");
     }

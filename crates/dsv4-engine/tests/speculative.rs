@@ -378,20 +378,8 @@ fn engine_with_dspark_gives_the_plain_tokens() {
         let sc = SpecConfig::new(proposer);
         let cfg = EngineConfig { token_budget: budget, prefill_chunk: chunk, dspark: Some(sc), ..Default::default() };
         let h = spawn(load(dir.path(), 6), cfg, 6);
-        let subs: Vec<_> = (0..n)
-            .map(|i| {
-                h.submit(Request {
-                    prompt: engine_prompt(i),
-                    sampling: engine_params(i),
-                    max_tokens,
-                    stop_ids: vec![],
-                    top_logprobs: None,
-                    snapshot_at: vec![],
-                    logits: Default::default(),
-                })
-                .unwrap()
-            })
-            .collect();
+        let subs: Vec<_> =
+            (0..n).map(|i| h.submit(Request::new(engine_prompt(i), engine_params(i), max_tokens)).unwrap()).collect();
         for (i, s) in subs.into_iter().enumerate() {
             assert_eq!(collect(s), alone[i], "request {i} (budget {budget}, chunk {chunk}, real drafter {real})");
         }
@@ -430,18 +418,7 @@ fn device_proposer_gives_the_plain_tokens_alone_and_batched() {
         let cfg = EngineConfig { dspark: Some(SpecConfig::new(proposer)), ..Default::default() };
         let h = spawn(load(dir.path(), 4), cfg, 4);
         let subs: Vec<_> = (0..n)
-            .map(|i| {
-                h.submit(Request {
-                    prompt: engine_prompt(i),
-                    sampling: SamplingParams::default(),
-                    max_tokens,
-                    stop_ids: vec![],
-                    top_logprobs: None,
-                    snapshot_at: vec![],
-                    logits: Default::default(),
-                })
-                .unwrap()
-            })
+            .map(|i| h.submit(Request::new(engine_prompt(i), SamplingParams::default(), max_tokens)).unwrap())
             .collect();
         for (i, s) in subs.into_iter().enumerate() {
             assert_eq!(collect(s), alone[i], "request {i} of {n}");
