@@ -1454,6 +1454,25 @@ __device__ void gemvn_x8(float* __restrict__ out, const signed char* __restrict_
                     [&](int r, const float* v) { if (lane == 0) out[(long long)r * m + o] = v[0]; });
 }
 
+// L2 prefetch for the several-row expert kernels: each warp asks for the rows that the same
+// warp of a block X8_PF_BLOCKS later in launch order (x fastest: the same expert, a later output
+// group) will read, so that block's weight loads hit L2 instead of DRAM. Their warps wait mostly
+// on those loads (ncu at batch 64: ~2/3 of moe_downx's long-scoreboard samples; one DRAM trip a
+// warp, whose loop body runs once, PERF.md v41). A prefetch holds no register and waits for
+// nothing. 0: off (the A/B sets it; values never change).
+#ifndef X8_PF_BLOCKS
+#define X8_PF_BLOCKS 0
+#endif
+// Bytes [p, p + n) into L2, a 128-byte line a lane.
+__device__ __forceinline__ void pf_span(const u8* p, long long n, int lane) {
+    unsigned long long a = (unsigned long long)p & ~127ull, end = (unsigned long long)p + n;
+    for (a += 128ull * lane; a < end; a += 32 * 128) asm volatile("prefetch.L2 [%0];" ::"l"(a));
+}
+// Outputs between a block's and the block X8_PF_BLOCKS later's (per_block outputs a block).
+__device__ __forceinline__ int pf_ahead(int per_block) {
+    return (int)((X8_PF_BLOCKS + gridDim.x - 1) / gridDim.x) * per_block;
+}
+
 // Routed experts of several token rows on int8 activations (see moe_up_q): an expert's pairs in
 // groups of up to 8, each group's gate and up products in one pass (their loads in flight
 // together). A warp one output. (v27's rounds, a warp striding over several outputs to pay the
@@ -1474,6 +1493,15 @@ __device__ void moe_upn_x8(float* __restrict__ h, const signed char* __restrict_
     const u8* wr[2] = {(const u8*)ptrs[e] + o * rb, (const u8*)ptrs[nexp + e] + o * rb};
     const u8* sr[2] = {scale_row(F, (const u8*)ptrs[3 * nexp + e], o, d),
                        scale_row(F, (const u8*)ptrs[4 * nexp + e], o, d)};
+    if constexpr (X8_PF_BLOCKS > 0) {
+        int of = o0 + pf_ahead(Q_WARPS);
+        if (of < inter)
+#pragma unroll
+            for (int w = 0; w < 2; w++) {
+                pf_span((const u8*)ptrs[w * nexp + e] + of * rb, rb, lane);
+                pf_span(scale_row(F, (const u8*)ptrs[(3 + w) * nexp + e], of, d), head_bytes(F, d), lane);
+            }
+    }
     // The table after the expert's pointers and pairs are asked for: its L2 trip runs beside
     // theirs instead of before them (the block's chain to its first weight load one trip shorter).
     fill_tabs<F, true>();
@@ -1501,6 +1529,15 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
     const u8* wr[P];
     const u8* sr[P];
     down_rows<F, P>(wr, sr, ptrs, nexp, e, c, d, inter);
+    if constexpr (X8_PF_BLOCKS > 0) {
+        int cf = c + pf_ahead(Q_WARPS * P);
+        if (cf < d) {
+            int n = min(P, d - cf);
+            long long rb = row_bytes(F, inter);
+            pf_span((const u8*)ptrs[2 * nexp + e] + cf * rb, n * rb, lane);
+            pf_span(scale_row(F, (const u8*)ptrs[5 * nexp + e], cf, inter), n * head_bytes(F, inter), lane);
+        }
+    }
     xrows_all<F, P, GM>(wr, sr, hq, hd, cnt, inter, lane, [&](int r) { return order[b0 + r] * (unsigned)inter; },
                     [&](int r, const float* v) {
                         if (lane == 0)
