@@ -5,6 +5,7 @@
         --metrics gpu__time_duration.sum --csv --print-units base \\
         dsv4 bench --backend cuda --synthetic flash ... --decode-tokens 1 > run.csv
     python3 tools/ncu_step.py run.csv [LAYERS]
+    python3 tools/ncu_step.py --all run.csv   (every captured kernel: a DSpark draft, say)
 
 A forward starts with `hc_expand` (the embedding's spread over the mHC streams), so the kernels
 from the last `hc_expand` on are the last decode step. Prints them in launch order and then by
@@ -32,12 +33,15 @@ def kernels(path):
 
 
 def main():
-    ks = kernels(sys.argv[1])
-    layers = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    args = sys.argv[1:]
+    every = "--all" in args
+    args = [a for a in args if a != "--all"]
+    ks = kernels(args[0])
+    layers = int(args[1]) if len(args) > 1 else 0
     starts = [i for i, (n, _) in enumerate(ks) if n == "hc_expand"]
-    if not starts:
+    if not starts and not every:
         sys.exit("no hc_expand kernel: not a forward")
-    step = ks[starts[-1]:]
+    step = ks if every else ks[starts[-1]:]
     print("launch order (us):")
     for n, v in step:
         print(f"  {v:8.1f}  {n[:70]}")

@@ -772,6 +772,14 @@ fn dspark_round(
             d.block_only(&reqs)?;
             Ok(())
         })? * 1e3;
+        if std::env::var_os("DSV4_PROFILE_DRAFT").is_some() {
+            // One more draft inside the profiler's capture (ncu `--profile-from-start off`,
+            // tools/device/ncu_draft.sh): its kernels' times against the draft's wall time above
+            // say how much of a draft is launches and waits rather than kernels.
+            d.backend().profiler_capture(true);
+            d.draft_batch(&reqs, false)?;
+            d.backend().profiler_capture(false);
+        }
         drop(reqs);
         // Committing n + 1 rows per sequence (the anchor and n accepted drafts), rewriting the
         // ring's last slots.
