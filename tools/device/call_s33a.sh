@@ -4,7 +4,8 @@
 # and of 94beae5 (moe_downx_q2_k at 5 blocks) built in. Value checks (cuda_dspark compares the
 # GPU drafts with the CPU's, batched and alone), then the DSpark round at 4 q2 layers, batches 1
 # and 16, on these binaries and on 04c8d31's (`.devbin/dsv4-old`: the loop with a round trip a
-# slot). The bench prints each draft's split: stages + LM head, Markov loop.
+# slot). The bench prints each draft's split: stages + LM head, Markov loop. Then one draft's
+# kernels under ncu (ncu_draft.sh): their sum against the draft's wall time.
 #   after build.sh: `tar -xJf <04c8d31's devbin.tar.xz> .devbin/dsv4 -O > .devbin/dsv4-old`
 #   (chmod +x), then pack devbin.tar.xz: run(command: "bash tools/device/call_s33a.sh", carry: ["devbin.tar.xz"])
 set -uo pipefail
@@ -22,4 +23,6 @@ for bin in dsv4 dsv4-old; do
   echo "== $bin: exit $?" >> "$S"
   grep -E '^(decode|dspark batch)' "$OUT/round-$bin.txt" | cut -c1-200 >> "$S"
 done
+echo "== one draft's kernels (ncu, batch 1)" >> "$S"
+timeout 240 bash tools/device/ncu_draft.sh 4 1 >> "$S" 2>&1
 cat "$S"
