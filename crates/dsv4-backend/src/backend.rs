@@ -409,6 +409,8 @@ pub trait Backend: Send + Sync {
     fn embed_ids(&self, table: &Self::W, ids: &Self::Ids) -> Self::T;
     /// `ids` on the host (waits for the backend).
     fn ids_to_host(&self, ids: &Self::Ids) -> Vec<u32>;
+    /// `parts` one after the other, on the backend (one download for several slots' ids).
+    fn concat_ids(&self, parts: &[&Self::Ids]) -> Self::Ids;
 }
 
 /// One job of [`Backend::norms`].

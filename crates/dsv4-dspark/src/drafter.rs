@@ -399,9 +399,13 @@ impl<B: Backend> Drafter<B> {
     ///
     /// Greedy choice runs as a row argmax on the backend whose ids stay there: the next slot's
     /// embedding reads them ([`Backend::embed_ids`]), so the loop queues all `γ` slots without
-    /// waiting, and the tokens and confidences come back once, after it. (Until v41 each slot
-    /// downloaded its ids and uploaded them again: `γ` host round trips a draft.) Sampling, and
-    /// greedy drafts that return their logits, bring each slot's `Z` rows to the host.
+    /// waiting. The confidence does not steer the loop, so its two products run once over every
+    /// slot after it (`conf_h · h` over the `n·γ` rows, `conf_e` over the slots' embeddings
+    /// gathered again), and the tokens and both halves come back in three downloads; their sum
+    /// is the f32 add [`Backend::add`] did. (Until v41 each slot downloaded its ids and uploaded
+    /// them again, `γ` host round trips a draft, and formed its confidence in four launches.)
+    /// Sampling, and greedy drafts that return their logits, bring each slot's `Z` rows to the
+    /// host.
     fn heads<R: Rng + ?Sized>(
         &self,
         reqs: &[DraftRequest<B::T>],
@@ -425,16 +429,13 @@ impl<B: Backend> Drafter<B> {
                 vocab: v,
             })
             .collect();
-        let mut confs = Vec::with_capacity(g);
         for k in 0..g {
             let sel: Vec<usize> = (0..n).map(|i| i * g + k).collect();
             let uk = b.select_rows(u, &sel);
-            let hk = b.select_rows(h, &sel);
             let prev = chosen.last().unwrap_or(&anchors);
             let e = b.embed_ids(&self.w.heads.markov_w1, prev);
             let bias = b.matmul(&e, &self.w.heads.markov_w2);
             let z = b.add(&uk, &bias);
-            let conf = b.add(&b.matmul(&hk, &self.w.heads.conf_h), &b.matmul(&e, &self.w.heads.conf_e));
             if let Some(tr) = trace.as_deref_mut() {
                 tr.markov_prev.extend(b.ids_to_host(prev));
                 tr.markov_embed.extend(b.to_host(&e));
@@ -467,19 +468,21 @@ impl<B: Backend> Drafter<B> {
                     b.upload_ids(&tokens)
                 }
             };
-            confs.push(conf);
             chosen.push(tokens);
         }
-        // The tokens and confidences come back once, after the loop.
-        for ids in &chosen {
-            for (d, t) in out.iter_mut().zip(b.ids_to_host(ids)) {
-                d.tokens.push(t);
-            }
-        }
-        for c in &confs {
-            let c = b.to_host(c);
+        // The confidence's halves: rows i·γ + k of `ch`, k·n + i of `ce` (slot k's embedding
+        // reads the ids chosen before it: the anchors, then slots 0..γ−1).
+        let ch = b.to_host(&b.matmul(h, &self.w.heads.conf_h));
+        let mut prevs: Vec<&B::Ids> = vec![&anchors];
+        prevs.extend(chosen.iter().take(g.saturating_sub(1)));
+        let e_all = b.embed_ids(&self.w.heads.markov_w1, &b.concat_ids(&prevs));
+        let ce = b.to_host(&b.matmul(&e_all, &self.w.heads.conf_e));
+        let refs: Vec<&B::Ids> = chosen.iter().collect();
+        let tokens = b.ids_to_host(&b.concat_ids(&refs));
+        for k in 0..g {
             for (i, d) in out.iter_mut().enumerate() {
-                d.conf_raw.push(c[i]);
+                d.tokens.push(tokens[k * n + i]);
+                d.conf_raw.push(ch[i * g + k] + ce[k * n + i]);
             }
         }
         out

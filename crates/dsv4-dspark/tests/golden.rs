@@ -114,6 +114,44 @@ fn teacher_forced_blocks_match_the_reference() {
     }
 }
 
+/// Several sequences drafted in one batched forward (`draft_batch`) get what each gets alone
+/// (`draft`), bit for bit on the CPU: tokens, the `Z` rows and the confidences, whose halves the
+/// Markov loop forms over all slots at once and reassembles by (sequence, slot).
+#[test]
+fn batched_drafts_equal_each_sequence_alone() {
+    use dsv4_dspark::DraftRequest;
+    let d = drafter();
+    let t = Golden::open("target_golden.safetensors");
+    let mh: Vec<f32> = t.f64("main_hidden").iter().map(|&x| x as f32).collect();
+    let (hw, win) = (d.hidden_width(), d.target_config().window);
+    let ends = [41usize, 52, 63];
+    let rings: Vec<ContextRing> = ends
+        .iter()
+        .map(|&end| {
+            let mut ring = d.new_ring();
+            let rows: Vec<(usize, &[f32])> =
+                (end.saturating_sub(win)..end).map(|p| (p, &mh[p * hw..(p + 1) * hw])).collect();
+            d.commit(&mut ring, &rows).unwrap();
+            ring
+        })
+        .collect();
+    let anchors = [5u32, 33, 71];
+    let reqs: Vec<DraftRequest<_>> = rings
+        .iter()
+        .zip(ends.iter().zip(anchors))
+        .map(|(ring, (&end, anchor))| DraftRequest { ring, anchor, anchor_pos: end })
+        .collect();
+    let batched = d.draft_batch(&reqs, true).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+    for (i, (r, got)) in reqs.iter().zip(&batched).enumerate() {
+        let want = d.draft(r.ring, r.anchor, r.anchor_pos, 0.0, &mut rng).unwrap();
+        assert_eq!(got.tokens, want.tokens, "sequence {i}: tokens");
+        assert_eq!(got.logits, want.logits, "sequence {i}: Z rows");
+        assert_eq!(got.conf_raw, want.conf_raw, "sequence {i}: confidences");
+        assert_eq!(got.conf_raw.len(), d.block_size());
+    }
+}
+
 #[test]
 fn ring_not_yet_full_blocks_match_the_reference() {
     let d = drafter();

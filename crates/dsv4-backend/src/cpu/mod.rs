@@ -506,6 +506,10 @@ impl Backend for CpuBackend {
     fn ids_to_host(&self, ids: &Vec<u32>) -> Vec<u32> {
         ids.clone()
     }
+
+    fn concat_ids(&self, parts: &[&Vec<u32>]) -> Vec<u32> {
+        parts.iter().flat_map(|p| p.iter().copied()).collect()
+    }
 }
 
 #[cfg(test)]

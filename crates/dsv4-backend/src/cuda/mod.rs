@@ -2770,6 +2770,18 @@ impl Backend for CudaBackend {
         v
     }
 
+    fn concat_ids(&self, parts: &[&CudaIds]) -> CudaIds {
+        let n = parts.iter().map(|p| p.n).sum();
+        let mut dev = self.alloc::<u32>(n);
+        let mut at = 0;
+        for p in parts.iter().filter(|p| p.n > 0) {
+            let mut dst = dev.slice_mut(at..at + p.n);
+            ck(self.stream.memcpy_dtod(&p.dev.slice(..p.n), &mut dst), "concatenate ids");
+            at += p.n;
+        }
+        CudaIds { dev, n }
+    }
+
     fn draw_rows(&self, x: &CudaTensor, draws: &[crate::draw::Draw]) -> Vec<u32> {
         draw::draw_rows(self, x, draws)
     }
