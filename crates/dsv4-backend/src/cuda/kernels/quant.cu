@@ -1439,6 +1439,41 @@ __device__ __forceinline__ void xrows_all(const u8* const* wr, const u8* const* 
     }
 }
 
+// L2 prefetch for the several-row expert kernels: each warp asks for the rows that the same
+// warp of a block X8_PF_BLOCKS later in launch order (x fastest: the same expert, a later output
+// group) will read, so that block's weight loads hit L2 instead of DRAM. Their warps wait mostly
+// on those loads (ncu at batch 64: ~2/3 of moe_downx's long-scoreboard samples; one DRAM trip a
+// warp, whose loop body runs once, PERF.md v41). A prefetch holds no register and waits for
+// nothing. 0: off (the A/B sets it; values never change).
+#ifndef X8_PF_BLOCKS
+#define X8_PF_BLOCKS 0
+#endif
+// X8_PF_SELF: each warp of the several-row dense products (gemvx) asks for its own row (codes
+// and heads) before its first load, so its eight-row groups' later passes over the row (4 at
+// k = 4,096 for Q8_0) find it in L2. 0: off. (In the expert kernels the same prefetch raised
+// their spills, 96 → 120 bytes and 0 → 48 offline; not there.)
+#ifndef X8_PF_SELF
+#define X8_PF_SELF 0
+#endif
+// Bytes [p, p + n) into L2, a 128-byte line a lane.
+__device__ __forceinline__ void pf_span(const u8* p, long long n, int lane) {
+    unsigned long long a = ((unsigned long long)p & ~127ull) + 128ull * lane, end = (unsigned long long)p + n;
+    for (; a < end; a += 32 * 128) asm volatile("prefetch.L2 [%0];" ::"l"(a));
+}
+// Outputs between a block's and the block X8_PF_BLOCKS later's (per_block outputs a block).
+__device__ __forceinline__ int pf_ahead(int per_block) {
+    return (int)((X8_PF_BLOCKS + gridDim.x - 1) / gridDim.x) * per_block;
+}
+
+// X8_PF_SELF's prefetch of a warp's weight row of k values.
+template <int F>
+__device__ __forceinline__ void pf_self(const u8* wr, const u8* sr, int k, int lane) {
+    if constexpr (X8_PF_SELF) {
+        pf_span(wr, row_bytes(F, k), lane);
+        pf_span(sr, head_bytes(F, k), lane);
+    }
+}
+
 // out[r, o] for n rows (see gemv_q); xq/xd: quant_x8 of x [n, ldx] (ldx a multiple of 32); GM:
 // xrows_all's cap.
 template <int F, int GM = 8>
@@ -1450,27 +1485,9 @@ __device__ void gemvn_x8(float* __restrict__ out, const signed char* __restrict_
     long long xoff = (long long)(o / rpg) * k;
     const u8* wr = w + (long long)o * row_bytes(F, k);
     const u8* sr = scale_row(F, s, o, k);
+    pf_self<F>(wr, sr, k, lane);
     xrows_all<F, 1, GM>(&wr, &sr, xq, xd, n, k, lane, [&](int r) { return (unsigned)(r * ldx + xoff); },
                     [&](int r, const float* v) { if (lane == 0) out[(long long)r * m + o] = v[0]; });
-}
-
-// L2 prefetch for the several-row expert kernels: each warp asks for the rows that the same
-// warp of a block X8_PF_BLOCKS later in launch order (x fastest: the same expert, a later output
-// group) will read, so that block's weight loads hit L2 instead of DRAM. Their warps wait mostly
-// on those loads (ncu at batch 64: ~2/3 of moe_downx's long-scoreboard samples; one DRAM trip a
-// warp, whose loop body runs once, PERF.md v41). A prefetch holds no register and waits for
-// nothing. 0: off (the A/B sets it; values never change).
-#ifndef X8_PF_BLOCKS
-#define X8_PF_BLOCKS 0
-#endif
-// Bytes [p, p + n) into L2, a 128-byte line a lane.
-__device__ __forceinline__ void pf_span(const u8* p, long long n, int lane) {
-    unsigned long long a = (unsigned long long)p & ~127ull, end = (unsigned long long)p + n;
-    for (a += 128ull * lane; a < end; a += 32 * 128) asm volatile("prefetch.L2 [%0];" ::"l"(a));
-}
-// Outputs between a block's and the block X8_PF_BLOCKS later's (per_block outputs a block).
-__device__ __forceinline__ int pf_ahead(int per_block) {
-    return (int)((X8_PF_BLOCKS + gridDim.x - 1) / gridDim.x) * per_block;
 }
 
 // Routed experts of several token rows on int8 activations (see moe_up_q): an expert's pairs in
