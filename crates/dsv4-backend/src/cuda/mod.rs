@@ -1744,8 +1744,6 @@ impl CudaBackend {
         v
     }
 
-    /// Copies `data` to a new device buffer through a pinned staging buffer, ordered on the
-    /// stream; the staging buffer is not written again until the stream has passed the copy.
     /// Rows `tokens[..n]` of `table` ([`Backend::embed`], [`Backend::embed_ids`]).
     fn embed_view(&self, table: &CudaWeight, tokens: &cudarc::driver::CudaView<'_, u32>, n: usize) -> CudaTensor {
         let mut out = self.tensor(n, table.cols);
@@ -1756,6 +1754,8 @@ impl CudaBackend {
         out
     }
 
+    /// Copies `data` to a new device buffer through a pinned staging buffer, ordered on the
+    /// stream; the staging buffer is not written again until the stream has passed the copy.
     pub(crate) fn upload_u32(&self, data: &[u32]) -> CudaSlice<u32> {
         let mut pool = self.staging.lock().unwrap();
         let ready = pool.iter().position(|s| s.buf.len() >= data.len() && s.done.is_complete());
