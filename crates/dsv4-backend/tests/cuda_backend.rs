@@ -878,3 +878,63 @@ fn cuda_draws_match_the_cpu_twin() {
     }
     println!("{checked} rows drawn as the CPU twin draws them");
 }
+
+/// DSpark's block attention against its CPU twin on random data: the drafter's shape (γ = 5
+/// rows a block, 64 heads of 512, a 128-key window, two blocks with ragged key lists) and a
+/// small one whose head width is not a multiple of 4 (the kernel's scalar path). Both sides
+/// compute in f32 and differ only in summation order (the scores' warp sums, the softmax's
+/// block sums): a few ulp, held to 1e-5 of the largest output. Prints the kernel's time at
+/// the drafter's shape (information, not asserted).
+#[test]
+fn cuda_block_attention_matches_the_cpu_twin() {
+    use dsv4_backend::cpu::{dspark::grouped_block_attention, Tensor};
+    use dsv4_model::HostTensor;
+    let Some(b) = gpu() else { return };
+    let mut s = 5u64;
+    let mut next = move || {
+        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+    };
+    for &(heads, hd, qpg, window, ref lens) in
+        &[(64usize, 512usize, 5usize, 136usize, vec![128usize, 37]), (3, 6, 3, 9, vec![0, 9, 4])]
+    {
+        let groups = lens.len();
+        let rows = groups * qpg;
+        let mut rand = |n: usize, amp: f32| (0..n).map(|_| next() * amp).collect::<Vec<f32>>();
+        let q = rand(rows * heads * hd, 2.0);
+        let kb = rand(rows * hd, 1.0);
+        let sinks = rand(heads, 3.0);
+        let rings: Vec<Vec<f32>> = (0..groups).map(|_| rand(window * hd, 1.0)).collect();
+        // Each group's slots in a scrambled order (the ring's oldest row is not row 0).
+        let slots: Vec<Vec<usize>> =
+            lens.iter().enumerate().map(|(g, &n)| (0..n).map(|i| (i * 7 + g * 3) % window).collect()).collect();
+        let ct: Vec<Tensor> = rings.iter().map(|r| Tensor::new(window, hd, r.clone())).collect();
+        let want = grouped_block_attention(
+            &Tensor::new(rows, heads * hd, q.clone()),
+            &Tensor::new(rows, hd, kb.clone()),
+            &ct.iter().collect::<Vec<_>>(),
+            &slots,
+            &Tensor::new(1, heads, sinks.clone()),
+            heads,
+        );
+        let gr: Vec<_> = rings.iter().map(|r| b.to_device(window, hd, r)).collect();
+        let (gq, gk) = (b.to_device(rows, heads * hd, &q), b.to_device(rows, hd, &kb));
+        let gs = b.upload(HostTensor::new("sinks", vec![heads], sinks)).unwrap();
+        let gr_refs: Vec<_> = gr.iter().collect();
+        let got = b.to_host(&b.block_attention(&gq, &gk, &gr_refs, &slots, &gs, heads));
+        let e = rel_err(&got, &want.data);
+        assert!(e <= 1e-5, "{heads} heads of {hd}, {qpg} rows a block, keys {lens:?}: rel err {e:.3e}");
+        if hd == 512 {
+            let n = 50;
+            let t0 = std::time::Instant::now();
+            for _ in 0..n {
+                let _ = b.block_attention(&gq, &gk, &gr_refs, &slots, &gs, heads);
+            }
+            let _ = b.to_host(&gq);
+            println!(
+                "block_attention, {rows} rows, {heads} heads of {hd}, keys {lens:?} + {qpg}: {:.1} us a call (host work included)",
+                t0.elapsed().as_secs_f64() * 1e6 / n as f64
+            );
+        }
+    }
+}

@@ -113,6 +113,7 @@ pub(crate) fn block_attention(
         off.push(flat.len() as u32);
     }
     let max_keys = slots.iter().map(Vec::len).max().unwrap_or(0) + qpg;
+    assert!(max_keys * 12 <= 48 << 10, "block attention over {max_keys} keys: past the kernel's shared memory");
     let ptrs: Vec<u64> = rings.iter().map(|r| b.dev_ptr(&r.data)).collect();
     let ptrs = ck(b.stream.clone_htod(&ptrs), "upload ring table");
     let slots_d = b.upload_u32(&flat);
@@ -122,7 +123,8 @@ pub(crate) fn block_attention(
     let cfg = LaunchConfig {
         grid_dim: (q.rows as u32, heads as u32, 1),
         block_dim: (128, 1, 1),
-        shared_mem_bytes: (max_keys * 4) as u32,
+        // Each key's address (8 bytes) and score (4).
+        shared_mem_bytes: (max_keys * 12) as u32,
     };
     // SAFETY: argument types and sizes match the kernel's signature; every slot is inside its
     // ring (checked above) and the ring table lives until the stream has run the kernel (it is
