@@ -248,18 +248,20 @@ fn cuda_int8_products_match_the_twin() {
         let w = b.upload(host("layers.0.attn.wq_a.weight", m, k, &p)).unwrap();
         let rb = format.row_bytes(k);
         // One row, the dp4a row groups' sizes (8, 4, 2, 1), 2 to 4 rows also on the kernels
-        // built for that many (gemvx2, gemvx4: `set_row_caps`), and the tensor-core tiles' (one
+        // built for that many (gemvx2, gemvx4: `set_row_caps`) at one output a warp and at two
+        // (gemvx2p, gemvx4p: `set_row_pairs`), and the tensor-core tiles' (one
         // n-tile of 8, two of 8, several blocks of 16 rows): each row bitwise its twin, so a
         // row's result does not depend on the rows beside it.
         // The tiles (8 rows and more) both with their chunks staged by cp.async (Q8_0's
         // `gemvtc`) and held in registers (`gemvt`, the default): `caps` picks the second.
         let sizes = [1, 2, 3, 4, 8, 15, 33];
-        for (n, caps) in sizes
+        for (n, caps, pairs) in sizes
             .into_iter()
-            .flat_map(|n| [(n, false), (n, true)])
-            .filter(|&(n, c)| !c || (2..=4).contains(&n) || n >= 8)
+            .flat_map(|n| [(n, false, false), (n, true, false), (n, true, true)])
+            .filter(|&(n, c, p)| (!c || (2..=4).contains(&n) || n >= 8) && (!p || (2..=4).contains(&n)))
         {
             b.set_row_caps(caps);
+            b.set_row_pairs(pairs);
             b.set_tile_cp(!(caps && n >= 8));
             let (xg, xc) = activations(&b, n, k, 77 + fi as u64);
             let got = b.to_host(&b.matmul(&xg, &w));
@@ -277,8 +279,8 @@ fn cuda_int8_products_match_the_twin() {
             }
             let e = rel_err(&got, &reference(&xc, &p.dequantize(m, k), m, k, 1));
             println!(
-                "int8 {} {n} rows (row caps {caps}, tiles by cp.async {}): bitwise the twin; {e:.2e} from the exact \
-                 product",
+                "int8 {} {n} rows (row caps {caps}, pairs {pairs}, tiles by cp.async {}): bitwise the twin; {e:.2e} \
+                 from the exact product",
                 format.name(),
                 b.tile_cp()
             );
@@ -291,22 +293,27 @@ fn cuda_int8_products_match_the_twin() {
         if k == 512 {
             let pg = random_packed(format, 64, k, 60 + fi as u64);
             let wg = b.upload(host("layers.0.attn.wo_a.weight", 64, k, &pg)).unwrap();
-            let n = 5;
-            let (xg, xc) = activations(&b, n, 2 * k, 83 + fi as u64);
-            let got = b.to_host(&b.grouped_matmul(&xg, &wg, 2));
-            for r in 0..n {
-                for (o, row) in pg.blocks.chunks(rb).enumerate() {
-                    let xr = &xc.data[r * 2 * k + (o / 32) * k..][..k];
-                    let (xq, xd) = dsv4_backend::x8::quantize(xr);
-                    let twin = dsv4_backend::x8::dot(format, row, k, &xq, &xd);
-                    assert_eq!(
-                        got[r * 64 + o].to_bits(),
-                        twin.to_bits(),
-                        "{} grouped, row {r} output {o}",
-                        format.name()
-                    );
+            // 3 rows: gemvx4p's warps, two outputs of one group each; 5: the tiles.
+            b.set_row_caps(true);
+            b.set_row_pairs(true);
+            for n in [3, 5] {
+                let (xg, xc) = activations(&b, n, 2 * k, 83 + fi as u64);
+                let got = b.to_host(&b.grouped_matmul(&xg, &wg, 2));
+                for r in 0..n {
+                    for (o, row) in pg.blocks.chunks(rb).enumerate() {
+                        let xr = &xc.data[r * 2 * k + (o / 32) * k..][..k];
+                        let (xq, xd) = dsv4_backend::x8::quantize(xr);
+                        let twin = dsv4_backend::x8::dot(format, row, k, &xq, &xd);
+                        assert_eq!(
+                            got[r * 64 + o].to_bits(),
+                            twin.to_bits(),
+                            "{} grouped, {n} rows: row {r} output {o}",
+                            format.name()
+                        );
+                    }
                 }
             }
+            b.set_row_caps(false);
         }
         b.set_tile_cp(false);
         // A product on an RMSNorm's output reuses the int8 codes the norm wrote beside it: bitwise

@@ -722,6 +722,8 @@ pub struct CudaBackend {
     /// Int8 calls of 2 to 4 rows on the kernels built for that many (see
     /// [`CudaBackend::set_row_caps`]).
     row_caps: std::sync::atomic::AtomicBool,
+    /// Int8 products of 2 to 4 rows at two outputs a warp (see [`CudaBackend::set_row_pairs`]).
+    row_pairs: std::sync::atomic::AtomicBool,
     /// f32-activation products of many rows on `gemvo` (see [`CudaBackend::set_gemvo`]).
     gemvo: std::sync::atomic::AtomicBool,
     /// A decode layer's attention norms and rotations two launches (see [`CudaBackend::set_norm_group`]).
@@ -970,6 +972,22 @@ impl CudaBackend {
 
     pub fn row_caps(&self) -> bool {
         self.row_caps.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Int8 products of 2 and 3–4 rows (with [`CudaBackend::set_row_caps`]) at two outputs a
+    /// warp (`gemvx2p`, `gemvx4p`) where a group's outputs are even: the warp's two weight rows
+    /// share each activation load and have twice the bytes in flight, the same sums an output.
+    /// The one-output kernels' warps live one DRAM trip each (k ≤ 4,096: one pass of the loop),
+    /// so these products ran at 1.3–2.2 TB/s where one row reads 3.3 (H200 kernel table), and a
+    /// DSpark verify of 3 rows pays that on every dense projection. On unless
+    /// `DSV4_ROW_PAIRS=0`.
+    pub fn set_row_pairs(&self, on: bool) {
+        self.row_pairs.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
+    }
+
+    pub fn row_pairs(&self) -> bool {
+        self.row_pairs.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether routed experts of `pairs` (row, slot) pairs over `experts` experts take the int8
@@ -1373,6 +1391,9 @@ impl CudaBackend {
             l2_launches: std::sync::atomic::AtomicU64::new(0),
             row_caps: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_ROW_CAPS").map_or(true, |v| v.trim() != "0"),
+            ),
+            row_pairs: std::sync::atomic::AtomicBool::new(
+                std::env::var("DSV4_ROW_PAIRS").map_or(true, |v| v.trim() != "0"),
             ),
             gemvo: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_GEMVO").map_or(true, |v| v.trim() != "0")),
             attention_tc_slices: std::sync::atomic::AtomicBool::new(

@@ -321,6 +321,8 @@ impl QuantKernels {
                 "gemvx",
                 "gemvx2",
                 "gemvx4",
+                "gemvx2p",
+                "gemvx4p",
                 "moe_upx",
                 "moe_downx",
                 "moe_downx2",
@@ -652,6 +654,9 @@ impl CudaBackend {
             } else if n == 1 && self.gemv4_fits(k, m / groups) {
                 let cfg = LaunchConfig { grid_dim: (m.div_ceil(Q_WARPS * 4) as u32, 1, 1), ..cfg };
                 (self.qk.of("gemv1x4", q.format), cfg)
+            } else if (2..=4).contains(&n) && self.row_caps() && self.row_pairs() && (m / groups).is_multiple_of(2) {
+                let cfg = LaunchConfig { grid_dim: (m.div_ceil(Q_WARPS * 2) as u32, 1, 1), ..cfg };
+                (self.qk.of(if n == 2 { "gemvx2p" } else { "gemvx4p" }, q.format), cfg)
             } else {
                 let cfg = LaunchConfig { grid_dim: (m.div_ceil(Q_WARPS * opw) as u32, 1, 1), ..cfg };
                 (self.qk.of(gemvx_name(n, self.row_caps()), q.format), cfg)

@@ -1475,19 +1475,30 @@ __device__ __forceinline__ void pf_self(const u8* wr, const u8* sr, int k, int l
 }
 
 // out[r, o] for n rows (see gemv_q); xq/xd: quant_x8 of x [n, ldx] (ldx a multiple of 32); GM:
-// xrows_all's cap.
-template <int F, int GM = 8>
+// xrows_all's cap. OPW outputs a warp (1 or 2; 2: m and rpg even): a warp's two weight rows
+// share each activation load and have their loads in flight together (xrows_group's NW), the
+// same sums an output.
+template <int F, int GM = 8, int OPW = 1>
 __device__ void gemvn_x8(float* __restrict__ out, const signed char* __restrict__ xq, const float* __restrict__ xd,
                          const u8* __restrict__ w, const u8* __restrict__ s, int n, int k, int m, int ldx, int rpg) {
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int o = blockIdx.x * Q_WARPS + wp;
+    int o = (blockIdx.x * Q_WARPS + wp) * OPW;
     if (o >= m) return;
     long long xoff = (long long)(o / rpg) * k;
-    const u8* wr = w + (long long)o * row_bytes(F, k);
-    const u8* sr = scale_row(F, s, o, k);
-    pf_self<F>(wr, sr, k, lane);
-    xrows_all<F, 1, GM>(&wr, &sr, xq, xd, n, k, lane, [&](int r) { return (unsigned)(r * ldx + xoff); },
-                    [&](int r, const float* v) { if (lane == 0) out[(long long)r * m + o] = v[0]; });
+    const u8* wr[OPW];
+    const u8* sr[OPW];
+#pragma unroll
+    for (int i = 0; i < OPW; i++) {
+        wr[i] = w + (long long)(o + i) * row_bytes(F, k);
+        sr[i] = scale_row(F, s, o + i, k);
+        pf_self<F>(wr[i], sr[i], k, lane);
+    }
+    xrows_all<F, OPW, GM>(wr, sr, xq, xd, n, k, lane, [&](int r) { return (unsigned)(r * ldx + xoff); },
+                          [&](int r, const float* v) {
+                              if (lane == 0)
+#pragma unroll
+                                  for (int i = 0; i < OPW; i++) out[(long long)r * m + o + i] = v[i];
+                          });
 }
 
 // Routed experts of several token rows on int8 activations (see moe_up_q): an expert's pairs in
@@ -1616,6 +1627,18 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
         pdl_enter();                                                                                                 \
         fill_tabs<F, true>();                                                                                        \
         gemvn_x8<F, 4>(out, xq, xd, w, s, n, k, m, ldx, rpg);                                                        \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(256, 4) gemvx2p_##N(float* out, const signed char* xq, const float* xd, const u8* w, \
+                                          const u8* s, int n, int k, int m, int ldx, int rpg) {                      \
+        pdl_enter();                                                                                                 \
+        fill_tabs<F, true>();                                                                                        \
+        gemvn_x8<F, 2, 2>(out, xq, xd, w, s, n, k, m, ldx, rpg);                                                     \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(256, 3) gemvx4p_##N(float* out, const signed char* xq, const float* xd, const u8* w, \
+                                          const u8* s, int n, int k, int m, int ldx, int rpg) {                      \
+        pdl_enter();                                                                                                 \
+        fill_tabs<F, true>();                                                                                        \
+        gemvn_x8<F, 4, 2>(out, xq, xd, w, s, n, k, m, ldx, rpg);                                                     \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(256, UPB) moe_upx_##N(float* h, const signed char* xq, const float* xd, const unsigned* order, \
                                            const unsigned* off, const unsigned* active,                             \
