@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# call_s34d.sh reordered for a device budget under 5 minutes: the two kernel checks, the
+# call_s34a.sh and call_s34b.sh cut for a device budget under 5 minutes: the two kernel checks, the
 # batch-1 A/B of DSV4_ROW_PAIRS at 43 layers (H100: 32), then cuda_dspark last.
 #   run(command: "bash tools/device/call_s34e.sh", carry: ["devbin.tar.xz"])
 set -uo pipefail
