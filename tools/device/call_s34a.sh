@@ -3,8 +3,10 @@
 # block_attention (PERF.md v42: key addresses in shared memory, a warp per four keys, a
 # block-wide softmax, float4 output columns with eight keys in flight; was ~185 us a stage) and of
 # gemvx2p / gemvx4p (int8 products of 2 to 4 rows at two outputs a warp, DSV4_ROW_PAIRS, on by
-# default). Value checks first (block attention against its CPU twin on the drafter's shape,
-# the int8 products bitwise their twin with pairs on and off, cuda_dspark, invariance, graphs),
+# default) and of moe_up1sn / moe_down1sn (the experts of 2-4 rows in two launches,
+# DSV4_FFN1_ROWS=4). Value checks first (block attention against its CPU twin on the drafter's
+# shape, the int8 products bitwise their twin with pairs on and off, the two-launch experts of
+# 1, 2 and 4 rows bitwise the separate launches, cuda_dspark, invariance, graphs),
 # then the kernel table's int8 rows with pairs off and on, then one draft's kernels under ncu.
 #   after build.sh and packing devbin.tar.xz: run(command: "bash tools/device/call_s34a.sh", carry: ["devbin.tar.xz"])
 set -uo pipefail

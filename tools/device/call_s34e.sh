@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# call_s34a.sh and call_s34b.sh cut for a device budget under 5 minutes: the two kernel checks, the
-# batch-1 A/B of DSV4_ROW_PAIRS at 43 layers (H100: 32), then cuda_dspark last.
+# call_s34a.sh and call_s34b.sh cut for a device budget under 5 minutes: the kernel checks of
+# v42's changes (block attention, the 2-4-row int8 products, the experts of several rows in two
+# launches), then batch 1's A/B at 43 layers (H100: 32): all on, DSV4_ROW_PAIRS=0,
+# DSV4_FFN1_ROWS=1; cuda_dspark last.
 #   run(command: "bash tools/device/call_s34e.sh", carry: ["devbin.tar.xz"])
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -8,14 +10,14 @@ cd "$(dirname "$0")/../.."
 G=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "$G" >> "$S"
 run_test cuda_backend cuda_block_attention_matches_the_cpu_twin --nocapture
 grep -E '^block_attention' "$OUT/test-cuda_backend.txt" >> "$S"
-run_test cuda_packed cuda_int8_products_match_the_twin
+run_test cuda_packed cuda_int8_products_match_the_twin cuda_one_row_experts_in_two_launches_are_bitwise
 FL=43; case "$G" in *H100*) FL=32 ;; esac
-for p in 1 0; do
-  DSV4_ROW_PAIRS=$p timeout 100 .devbin/dsv4 bench --backend cuda --synthetic flash --layers $FL --weights q2 --contexts '' \
+for cfg in "DSV4_ROW_PAIRS=1" "DSV4_ROW_PAIRS=0" "DSV4_FFN1_ROWS=1"; do
+  env $cfg timeout 100 .devbin/dsv4 bench --backend cuda --synthetic flash --layers $FL --weights q2 --contexts '' \
       --reserve 1x4096 --decode-fill clone --decode-batches 1 --decode-context 4096 --decode-tokens 16 \
-      --verify-drafts 1,2,3,4 --dspark-round > "$OUT/issue11-pairs$p.txt" 2>&1
-  echo "== flash q2 $FL layers, DSV4_ROW_PAIRS=$p: exit $?" >> "$S"
-  grep -E '^(decode batch|verify|dspark batch +[0-9]+(: draft|, measured))' "$OUT/issue11-pairs$p.txt" | cut -c1-200 >> "$S"
+      --verify-drafts 1,2,3,4 --dspark-round > "$OUT/issue11-${cfg#DSV4_}.txt" 2>&1
+  echo "== flash q2 $FL layers, $cfg: exit $?" >> "$S"
+  grep -E '^(decode batch|verify|dspark batch +[0-9]+(: draft|, measured))' "$OUT/issue11-${cfg#DSV4_}.txt" | cut -c1-200 >> "$S"
 done
 run_test cuda_dspark
 cat "$S"

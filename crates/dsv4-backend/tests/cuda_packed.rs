@@ -385,8 +385,8 @@ fn cuda_int8_products_match_the_twin() {
     b.set_int8(false);
 }
 
-/// One token row's experts in two launches (`moe_up1s` / `moe_down1s`, `set_ffn1`) are bitwise
-/// the separate launches (moe_sort, up, quant_x8, down, moe_combine; the shared expert's up,
+/// One token row's experts in two launches (`moe_up1s` / `moe_down1s`, `set_ffn1`; also 2 and 4
+/// distinct rows, a verify's shape) are bitwise the separate launches (moe_sort, up, quant_x8, down, moe_combine; the shared expert's up,
 /// quant_x8, down; the add) for the routed, shared and summed outputs: ds4's q2 layout (IQ2_XXS
 /// gate/up, Q2_K down, Q8_0 shared expert, 6 slots), Q8_0 throughout with 7 slots (8 pairs, a
 /// warp each in the down kernel) and Q2_K throughout. inter = 512 or 256: h's 32-value groups
@@ -438,7 +438,7 @@ fn cuda_one_row_experts_in_two_launches_are_bitwise() {
         let apart = b.moe_shared(&x, &rg, &gpu_e, 0, &sg[0], LIMIT);
         let apart = [&apart.0, &apart.1, &apart.2].map(|t| b.to_host(t));
         for run in 0..3 {
-            let fused = b.moe_shared_one_row(&x, &rg, &gpu_e, &sg[0], LIMIT);
+            let fused = b.moe_shared_two_launches(&x, &rg, &gpu_e, &sg[0], LIMIT);
             let fused = fused.unwrap_or_else(|| panic!("{name}: the two-launch path does not apply"));
             for (what, (f, a)) in
                 ["routed", "shared", "sum"].iter().zip([&fused.0, &fused.1, &fused.2].into_iter().zip(&apart))
@@ -470,6 +470,33 @@ fn cuda_one_row_experts_in_two_launches_are_bitwise() {
         {
             for (i, (t, a)) in b.to_host(t)[..d].iter().zip(a).enumerate() {
                 assert_eq!(t.to_bits(), a.to_bits(), "{name}: {what}[{i}] one row {a} vs the first of two {t}");
+            }
+        }
+        // A verify's few distinct rows in the two launches (each pair its own one-row product):
+        // bitwise the separate launches of the same rows, twice over (the counters).
+        for n in [2, 4] {
+            let (xn, _) = activations(&b, n, d, seed + 10 + n as u64);
+            let (ln, _) = activations(&b, n, ne, seed + 20 + n as u64);
+            let xn = b.rms_norm(&xn, None, d, 1e-6);
+            let rn = b.route(&ln, Some(&bias_g), None, &c);
+            let apart = b.moe_shared(&xn, &rn, &gpu_e, 0, &sg[0], LIMIT);
+            let apart = [&apart.0, &apart.1, &apart.2].map(|t| b.to_host(t));
+            for run in 0..2 {
+                let fused = b.moe_shared_two_launches(&xn, &rn, &gpu_e, &sg[0], LIMIT);
+                let fused = fused.unwrap_or_else(|| panic!("{name}: the two-launch path does not take {n} rows"));
+                for (what, (f, a)) in
+                    ["routed", "shared", "sum"].iter().zip([&fused.0, &fused.1, &fused.2].into_iter().zip(&apart))
+                {
+                    for (i, (f, a)) in b.to_host(f).iter().zip(a).enumerate() {
+                        assert_eq!(
+                            f.to_bits(),
+                            a.to_bits(),
+                            "{name}, {n} rows, run {run}: {what}[row {}, {}] two launches {f} vs apart {a}",
+                            i / d,
+                            i % d
+                        );
+                    }
+                }
             }
         }
         let rc = cpu.route(&lc, Some(&bias_c), None, &c);

@@ -543,17 +543,41 @@ fn x8_pairs(
     );
 }
 
-/// Counters `moe_up1s` keeps for its 32-value groups: (k + 1)·inter / 32 of them at most
-/// (k + 1 ≤ 8 pairs of up to 8,192 values).
-pub(crate) const FFN1_COUNTERS: usize = 8 * 256;
+/// Most token rows `moe_up1s` / `moe_down1s` take (their buffers' size; [`ffn1_rows`] the
+/// default bound).
+pub(crate) const FFN1_MAX_ROWS: usize = 8;
 
-/// One token row's routed experts, shared expert and their sum (see
+/// Counters `moe_up1s` keeps for its 32-value groups: n·(k + 1)·inter / 32 of them at most
+/// (n ≤ [`FFN1_MAX_ROWS`] rows of k + 1 ≤ 8 pairs of up to 8,192 values).
+pub(crate) const FFN1_COUNTERS: usize = FFN1_MAX_ROWS * 8 * 256;
+
+/// Most token rows whose experts take the two launches (`DSV4_FFN1_ROWS`, 1 to
+/// [`FFN1_MAX_ROWS`]; default 4): a DSpark verify of 1 + 1..3 drafts (2–4 rows) then launches 2
+/// kernels for its experts where the several-row path launches ~9 (moe_sort, up, quant_x8,
+/// down, moe_combine, the shared expert's three, the add). Each pair is its own one-row product
+/// there, so an expert chosen by two rows (and the shared expert, by every row) is read once a
+/// row: past a few rows the several-row kernels, which read it once, win.
+pub(crate) fn ffn1_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| match std::env::var("DSV4_FFN1_ROWS") {
+        Err(_) => 4,
+        Ok(v) => match v.trim().parse() {
+            Ok(n) if (1..=FFN1_MAX_ROWS).contains(&n) => n,
+            _ => {
+                tracing::warn!("DSV4_FFN1_ROWS={v:?} is not 1 to {FFN1_MAX_ROWS}; using 4");
+                4
+            }
+        },
+    })
+}
+
+/// A few token rows' routed experts, shared expert and their sum (see
 /// [`CudaBackend::set_ffn1`]): `(routed, shared, routed + shared)`, bitwise what
-/// [`Backend::moe`](crate::Backend::moe), the shared expert's [`shared_expert_x8`] and the add
-/// give. `None` where the separate launches must run: several rows, a share of the experts, more
-/// than 7 routed slots, formats without int8 kernels (or a pair quant.cu does not instantiate),
-/// or the int8 path off.
-pub(crate) fn ffn_one_row(
+/// [`Backend::moe`](crate::Backend::moe), the shared expert's product and the add give. `None`
+/// where the separate launches must run: more than [`ffn1_rows`] rows, a share of the experts,
+/// more than 7 routed slots, formats without int8 kernels (or a pair quant.cu does not
+/// instantiate), or the int8 path off.
+pub(crate) fn ffn_few_rows(
     b: &CudaBackend,
     x: &CudaTensor,
     route: &CudaRoute,
@@ -562,7 +586,7 @@ pub(crate) fn ffn_one_row(
     shared: &Expert<CudaWeight>,
     limit: f32,
 ) -> Option<(CudaTensor, CudaTensor, CudaTensor)> {
-    let (d, k, e0) = (x.cols, route.k, &experts[0]);
+    let (d, k, e0, n) = (x.cols, route.k, &experts[0], x.rows);
     let inter = e0.w1.rows;
     let pairs = k + 1;
     let blk = crate::x8::BLOCK;
@@ -571,7 +595,7 @@ pub(crate) fn ffn_one_row(
     let o = super::quant::x8_opw();
     // The separate launches this replaces are the one-row expert kernels for the shared expert
     // too (DSV4_SHARED_X8), and quant_groups needs 8·opw to divide 32 or be a multiple of it.
-    let fits = x.rows == 1
+    let fits = (1..=ffn1_rows()).contains(&n)
         && b.int8()
         && b.fusion.shared_x8
         && matches!(o.up, 1 | 2 | 4 | 8)
@@ -583,33 +607,35 @@ pub(crate) fn ffn_one_row(
         && (shared.w1.rows, shared.w2.cols, e0.w2.cols) == (inter, inter, inter)
         && d.is_multiple_of(blk)
         && inter.is_multiple_of(blk)
-        && pairs * inter / blk <= FFN1_COUNTERS;
+        && n * pairs * inter / blk <= FFN1_COUNTERS;
     if !fits {
         return None;
     }
-    let (up, down) = b.qk.ffn1((r13, r2), (s13, s2))?;
+    assert!(route.ids.len() >= n * k && route.weights.len() >= n * k, "route of {n} rows × {k} slots");
+    let (up, down) = b.qk.ffn1((r13, r2), (s13, s2), n)?;
     let table = b.packed_expert_kernels(experts, 1, false).table;
     let stable = b.packed_expert_kernels(std::slice::from_ref(shared), 1, false).table;
     let super::X8Twin { q: xq, d: xd } = b.x8_of(x);
-    let mut h = b.alloc::<f32>(pairs * inter);
-    let mut hq = b.alloc::<i8>(pairs * inter);
-    let mut hd = b.alloc::<f32>(pairs * inter / blk);
-    let (mut routed, mut sh, mut out) = (b.tensor(1, d), b.tensor(1, d), b.tensor(1, d));
+    let mut h = b.alloc::<f32>(n * pairs * inter);
+    let mut hq = b.alloc::<i8>(n * pairs * inter);
+    let mut hd = b.alloc::<f32>(n * pairs * inter / blk);
+    let (mut routed, mut sh, mut out) = (b.tensor(n, d), b.tensor(n, d), b.tensor(n, d));
     let (nei, ki, di, ii) = (experts.len() as i32, k as i32, d as i32, inter as i32);
     let up_cfg = LaunchConfig {
-        grid_dim: (pairs as u32, inter.div_ceil(Q_WARPS * o.up) as u32, 1),
+        grid_dim: ((n * pairs) as u32, inter.div_ceil(Q_WARPS * o.up) as u32, 1),
         block_dim: (32 * Q_WARPS as u32, 1, 1),
         shared_mem_bytes: 0,
     };
     let down_cfg = LaunchConfig {
-        grid_dim: (d.div_ceil(o.down) as u32, 1, 1),
+        grid_dim: (d.div_ceil(o.down) as u32, n as u32, 1),
         block_dim: (32 * Q_WARPS as u32, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY (both launches): argument types and buffer sizes match the kernels: h, hq hold
-    // k + 1 rows of `inter`, hd their scales, the counters (zero between launches) cover
-    // (k + 1)·inter / 32 groups (checked above), route.ids / weights hold k slots of the one
-    // row, the tables address every routed expert (nexp) and the shared one.
+    // SAFETY (both launches): argument types and buffer sizes match the kernels: x's codes
+    // hold n rows of d, h and hq n·(k + 1) rows of `inter`, hd their scales, the counters (zero
+    // between launches) cover n·(k + 1)·inter / 32 groups (checked above), route.ids / weights
+    // hold k slots of each of the n rows, routed / shared / out n rows of d, the tables address
+    // every routed expert (nexp) and the shared one.
     ck(
         unsafe {
             b.stream

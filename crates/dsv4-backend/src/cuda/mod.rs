@@ -865,12 +865,13 @@ impl CudaBackend {
     /// over 1-byte activations: 1.3 instructions a weight where the f32 path spends ~8, PERF.md
     /// v8); `DSV4_INT8=0` turns it off at start, and [`Self::exact_or_skip`] (tests) too. Each
     /// row is quantised on its own, so a row's result still does not depend on its batch.
-    /// One token row's MoE experts in two launches (`moe_up1s`: every routed slot's and the
-    /// shared expert's gate/up with the SwiGLU, h's int8 codes by the last block of each
-    /// 32-value group; `moe_down1s`: every pair's down rows, the routing-weighted sum and the add
-    /// of the shared expert), instead of moe_sort, up, quant_x8, down, moe_combine and the shared
-    /// expert's up, quant_x8, down, then add: 9 launches. The same values bit for bit. Start
-    /// value `DSV4_FFN1` (`0`/`1`), else `DSV4_DECODE_FUSIONS`; on by default.
+    /// The MoE experts of one token row, or of up to `DSV4_FFN1_ROWS` (4) rows, in two launches
+    /// (`moe_up1s`: every row's routed slots' and shared expert's gate/up with the SwiGLU, h's
+    /// int8 codes by the last block of each 32-value group; `moe_down1s`: every pair's down
+    /// rows, the routing-weighted sum and the add of the shared expert), instead of moe_sort, up,
+    /// quant_x8, down, moe_combine and the shared expert's up, quant_x8, down, then add: 9
+    /// launches. The same values bit for bit. Start value `DSV4_FFN1` (`0`/`1`), else
+    /// `DSV4_DECODE_FUSIONS`; on by default.
     pub fn set_ffn1(&self, on: bool) {
         self.ffn1.store(on, std::sync::atomic::Ordering::Relaxed);
         self.bump_settings();
@@ -1081,9 +1082,9 @@ impl CudaBackend {
     }
 
     /// The two-launch path of [`CudaBackend::set_ffn1`] alone, whatever the setting: `(routed,
-    /// shared, routed + shared)` of one row, `None` where it does not apply (tests compare it
+    /// shared, routed + shared)` of x's rows, `None` where it does not apply (tests compare it
     /// with the separate launches).
-    pub fn moe_shared_one_row(
+    pub fn moe_shared_two_launches(
         &self,
         x: &CudaTensor,
         route: &CudaRoute,
@@ -1091,7 +1092,7 @@ impl CudaBackend {
         shared: &Expert<CudaWeight>,
         limit: f32,
     ) -> Option<(CudaTensor, CudaTensor, CudaTensor)> {
-        bf16::ffn_one_row(self, x, route, experts, 0, shared, limit)
+        bf16::ffn_few_rows(self, x, route, experts, 0, shared, limit)
     }
 
     pub fn set_int8(&self, on: bool) {
@@ -2689,7 +2690,8 @@ impl Backend for CudaBackend {
         shared: &Expert<CudaWeight>,
         limit: f32,
     ) -> (CudaTensor, CudaTensor, CudaTensor) {
-        if let Some(r) = self.ffn1().then(|| bf16::ffn_one_row(self, x, route, experts, first, shared, limit)).flatten()
+        if let Some(r) =
+            self.ffn1().then(|| bf16::ffn_few_rows(self, x, route, experts, first, shared, limit)).flatten()
         {
             return r;
         }

@@ -340,7 +340,7 @@ impl QuantKernels {
             names.push(format!("gemvtc{nt}{w}_q8_0"));
         }
         for (r, s) in FFN1_PAIRS {
-            for k in ["moe_up1s", "moe_down1s"] {
+            for k in ["moe_up1s", "moe_up1sn", "moe_down1s", "moe_down1sn"] {
                 names.push(format!("{k}_{}_{}", suffix(r), suffix(s)));
             }
         }
@@ -370,16 +370,18 @@ impl QuantKernels {
         &self.0[name]
     }
 
-    /// One row's expert kernels (`moe_up1s`, `moe_down1s`) for routed experts in `r13` (w1/w3)
-    /// and `r2` (w2) with a shared expert in `s13` / `s2`, where quant.cu instantiates them
-    /// (`X8_FFN1_KERNELS`).
+    /// A few rows' expert kernels (`moe_up1s` and `moe_down1s`, or for several rows
+    /// `moe_up1sn` and `moe_down1sn`) for routed experts in `r13` (w1/w3) and `r2` (w2) with a shared expert in
+    /// `s13` / `s2`, where quant.cu instantiates them (`X8_FFN1_KERNELS`).
     pub(crate) fn ffn1(
         &self,
         (r13, r2): (PackedFormat, PackedFormat),
         (s13, s2): (PackedFormat, PackedFormat),
+        rows: usize,
     ) -> Option<(&CudaFunction, &CudaFunction)> {
         let name = |k: &str, r, s| format!("{k}_{}_{}", suffix(r), suffix(s));
-        Some((self.0.get(&name("moe_up1s", r13, s13))?, self.0.get(&name("moe_down1s", r2, s2))?))
+        let (up, down) = if rows > 1 { ("moe_up1sn", "moe_down1sn") } else { ("moe_up1s", "moe_down1s") };
+        Some((self.0.get(&name(up, r13, s13))?, self.0.get(&name(down, r2, s2))?))
     }
 
     pub(crate) fn of(&self, kind: &str, f: PackedFormat) -> &CudaFunction {

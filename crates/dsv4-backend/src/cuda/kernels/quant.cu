@@ -1289,34 +1289,43 @@ __device__ void moe_down_x8(float* __restrict__ y, const signed char* __restrict
         if (lane == 0 && c + j < d) y[r * d + c + j] = v[j];
 }
 
-// ---- One token row's routed experts and shared expert in two launches (moe_up1s, moe_down1s):
-// the one-row kernels' pairs above, with neither moe_sort, quant_x8 of h, moe_combine nor the
-// add of the two outputs. Pair j < k is slot j of the route (expert ids[j]); pair k is the
-// shared expert (its own table sptrs, format S). Results bitwise those of the separate launches.
+// ---- A few token rows' routed experts and shared expert in two launches (moe_up1s,
+// moe_down1s): the one-row kernels' pairs above, with neither moe_sort, quant_x8 of h,
+// moe_combine nor the add of the two outputs. Token row t has k + 1 pairs: pair j < k is slot j
+// of its route (expert ids[t·k + j]), pair k the shared expert (its own table sptrs, format S).
+// Each pair is a one-row product of its own (an expert two rows chose is read twice), so every
+// row's results are bitwise those of the separate launches, and of the row alone.
 
-// Grid (k + 1, ⌈inter / (8·X8_OPW_UP)⌉): block (j, y) forms pair j's outputs y·8·X8_OPW_UP..;
-// h, hq, hd hold k + 1 rows of `inter` (hd: inter / 32 scales a row), cnt (k + 1)·inter / 32
-// counters.
-template <int R, int S>
+// Grid (n·(k + 1), ⌈inter / (8·X8_OPW_UP)⌉): block (t·(k + 1) + j, y) forms row t's pair j's
+// outputs y·8·X8_OPW_UP..; xq / xd hold n rows of d; h, hq, hd n·(k + 1) rows of `inter` (hd:
+// inter / 32 scales a row), cnt n·(k + 1)·inter / 32 counters. ROWS false: one row (n = 1), the
+// form a decode step runs (the row arithmetic took it from 80 to 94 registers, sm_90a, past
+// the 3 blocks an SM it holds at 80).
+template <int R, int S, bool ROWS>
 __device__ void moe_up1s(float* __restrict__ h, signed char* __restrict__ hq, float* __restrict__ hd, unsigned* cnt,
                          const signed char* __restrict__ xq, const float* __restrict__ xd, const unsigned* ids,
                          const unsigned long long* ptrs, const unsigned long long* sptrs, int nexp, int k, int d,
                          int inter, float limit) {
-    int j = blockIdx.x, wp = threadIdx.x >> 5;
+    int t = ROWS ? blockIdx.x / (k + 1) : 0, j = ROWS ? blockIdx.x % (k + 1) : blockIdx.x, wp = threadIdx.x >> 5;
     int o0 = blockIdx.y * Q_WARPS * X8_OPW_UP, o = o0 + wp * X8_OPW_UP;
     bool live = o < inter;
-    long long row = (long long)j * inter;
-    if (j < k) up1_pair<R>(h + row, xq, xd, ptrs, nexp, ids[j], o, d, inter, limit, live);
+    long long row = (long long)(t * (k + 1) + j) * inter;
+    if (ROWS) {
+        xq += (long long)t * d;
+        xd += (long long)t * d / 32;
+    }
+    if (j < k) up1_pair<R>(h + row, xq, xd, ptrs, nexp, ids[t * k + j], o, d, inter, limit, live);
     // Q8_0's 9 words a chunk: 2 chunks ahead, so its registers do not set the routed blocks'
     // occupancy (the separate kernels: 79 registers for IQ2_XXS, 111 for Q8_0 with 4 ahead).
     else up1_pair<S, S == F_Q8_0 && R != F_Q8_0 ? 2 : 4>(h + row, xq, xd, sptrs, 1, 0, o, d, inter, limit, live);
     quant_groups<Q_WARPS * X8_OPW_UP>(h + row, hq + row, hd + row / 32, cnt + row / 32, o0, inter);
 }
 
-// Grid ⌈d / X8_OPW_DOWN⌉, k + 1 ≤ Q_WARPS: warp j of block x forms pair j's down outputs
-// c = x·X8_OPW_DOWN..; then routed[c] = Σ_j wts[j]·y_j (moe_combine's order and roundings),
-// shared[c] = the shared expert's y, out[c] = routed[c] + shared[c] (the add kernel's).
-template <int R, int S>
+// Grid (⌈d / X8_OPW_DOWN⌉, n), k + 1 ≤ Q_WARPS: warp j of block (x, t) forms row t's pair j's
+// down outputs c = x·X8_OPW_DOWN..; then routed[t, c] = Σ_j wts[t·k + j]·y_j (moe_combine's
+// order and roundings), shared[t, c] = the shared expert's y, out[t, c] = routed + shared (the
+// add kernel's). ROWS false: one row (n = 1; the row offsets cost 7 % more instructions).
+template <int R, int S, bool ROWS>
 __device__ void moe_down1s(float* __restrict__ routed, float* __restrict__ shared, float* __restrict__ out,
                            const signed char* __restrict__ hq, const float* __restrict__ hd, const unsigned* ids,
                            const float* wts, const unsigned long long* ptrs, const unsigned long long* sptrs, int nexp,
@@ -1324,12 +1333,19 @@ __device__ void moe_down1s(float* __restrict__ routed, float* __restrict__ share
     constexpr int P = X8_OPW_DOWN;
     __shared__ float ys[Q_WARPS][P];
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int c = blockIdx.x * P;
+    int c = blockIdx.x * P, t = ROWS ? blockIdx.y : 0;
     // Both formats' tables before the warps part ways (the barriers are the block's).
     fill_tabs<R, true>();
     if (S != R) fill_tabs<S, true>();
     float v[P];
-    long long row = (long long)wp * inter;
+    long long row = ((long long)t * (k + 1) + wp) * inter;
+    if (ROWS) {
+        ids += t * k;
+        wts += t * k;
+        routed += (long long)t * d;
+        shared += (long long)t * d;
+        out += (long long)t * d;
+    }
     if (wp < k) down1_pair<R, false>(v, hq + row, hd + row / 32, ptrs, nexp, ids[wp], c, d, inter, c < d);
     else if (wp == k) down1_pair<S, false>(v, hq + row, hd + row / 32, sptrs, 1, 0, c, d, inter, c < d);
     if (wp <= k && lane == 0 && c < d)
@@ -1700,7 +1716,15 @@ X8_KERNELS(F_IQ2_XXS, iq2_xxs, 4, 3, 4)
                                                      const unsigned long long* sptrs, int nexp, int k, int d,        \
                                                      int inter, float limit) {                                       \
         pdl_enter();                                                                                                 \
-        moe_up1s<R, S>(h, hq, hd, cnt, xq, xd, ids, ptrs, sptrs, nexp, k, d, inter, limit);                          \
+        moe_up1s<R, S, false>(h, hq, hd, cnt, xq, xd, ids, ptrs, sptrs, nexp, k, d, inter, limit);                   \
+    }                                                                                                                \
+    extern "C" __global__ void moe_up1sn_##NR##_##NS(float* h, signed char* hq, float* hd, unsigned* cnt,           \
+                                                      const signed char* xq, const float* xd, const unsigned* ids,   \
+                                                      const unsigned long long* ptrs,                                \
+                                                      const unsigned long long* sptrs, int nexp, int k, int d,       \
+                                                      int inter, float limit) {                                      \
+        pdl_enter();                                                                                                 \
+        moe_up1s<R, S, true>(h, hq, hd, cnt, xq, xd, ids, ptrs, sptrs, nexp, k, d, inter, limit);                    \
     }                                                                                                                \
     extern "C" __global__ void moe_down1s_##NR##_##NS(float* routed, float* shared, float* out,                     \
                                                        const signed char* hq, const float* hd, const unsigned* ids,  \
@@ -1708,7 +1732,15 @@ X8_KERNELS(F_IQ2_XXS, iq2_xxs, 4, 3, 4)
                                                        const unsigned long long* sptrs, int nexp, int k, int d,      \
                                                        int inter) {                                                  \
         pdl_enter();                                                                                                 \
-        moe_down1s<R, S>(routed, shared, out, hq, hd, ids, wts, ptrs, sptrs, nexp, k, d, inter);                     \
+        moe_down1s<R, S, false>(routed, shared, out, hq, hd, ids, wts, ptrs, sptrs, nexp, k, d, inter);              \
+    }                                                                                                                \
+    extern "C" __global__ void moe_down1sn_##NR##_##NS(float* routed, float* shared, float* out,                    \
+                                                        const signed char* hq, const float* hd, const unsigned* ids, \
+                                                        const float* wts, const unsigned long long* ptrs,            \
+                                                        const unsigned long long* sptrs, int nexp, int k, int d,     \
+                                                        int inter) {                                                 \
+        pdl_enter();                                                                                                 \
+        moe_down1s<R, S, true>(routed, shared, out, hq, hd, ids, wts, ptrs, sptrs, nexp, k, d, inter);               \
     }
 X8_FFN1_KERNELS(F_Q8_0, q8_0, F_Q8_0, q8_0)
 X8_FFN1_KERNELS(F_Q2_K, q2_k, F_Q8_0, q8_0)
