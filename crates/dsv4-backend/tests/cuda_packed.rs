@@ -13,7 +13,7 @@ mod common;
 use common::{gpu, rel_err};
 use dsv4_backend::cpu::{CpuBackend, Tensor};
 use dsv4_backend::cuda::quant::{X8Tiles, QGEMV_ROWS};
-use dsv4_backend::cuda::{CudaBackend, CudaTensor, CudaWeight};
+use dsv4_backend::cuda::{CudaBackend, CudaRoute, CudaTensor, CudaWeight};
 use dsv4_backend::Backend;
 use dsv4_model::packed::{Packed, PackedFormat};
 use dsv4_model::quant;
@@ -434,24 +434,33 @@ fn cuda_one_row_experts_in_two_launches_are_bitwise() {
         let xh = cpu.rms_norm(&xc, None, d, 1e-6);
         let rg = b.route(&lg, Some(&bias_g), None, &c);
         b.set_ffn1(false);
-        // A SwiGLU limit the gate/up values reach (the clamp's both branches run).
-        let apart = b.moe_shared(&x, &rg, &gpu_e, 0, &sg[0], LIMIT);
-        let apart = [&apart.0, &apart.1, &apart.2].map(|t| b.to_host(t));
-        for run in 0..3 {
-            let fused = b.moe_shared_two_launches(&x, &rg, &gpu_e, &sg[0], LIMIT);
-            let fused = fused.unwrap_or_else(|| panic!("{name}: the two-launch path does not apply"));
-            for (what, (f, a)) in
-                ["routed", "shared", "sum"].iter().zip([&fused.0, &fused.1, &fused.2].into_iter().zip(&apart))
-            {
-                for (i, (f, a)) in b.to_host(f).iter().zip(a).enumerate() {
-                    assert_eq!(
-                        f.to_bits(),
-                        a.to_bits(),
-                        "{name}, run {run}: {what}[{i}] two launches {f} vs apart {a}"
-                    );
+        // The separate launches' (routed, shared, sum) of x's rows, held against the two
+        // launches `runs` times (each launch must leave the counters zero).
+        let check = |x: &CudaTensor, r: &CudaRoute, runs: usize| {
+            // A SwiGLU limit the gate/up values reach (the clamp's both branches run).
+            let apart = b.moe_shared(x, r, &gpu_e, 0, &sg[0], LIMIT);
+            let apart = [&apart.0, &apart.1, &apart.2].map(|t| b.to_host(t));
+            let n = x.rows;
+            for run in 0..runs {
+                let fused = b.moe_shared_two_launches(x, r, &gpu_e, &sg[0], LIMIT);
+                let fused = fused.unwrap_or_else(|| panic!("{name}: the two-launch path does not take {n} rows"));
+                for (what, (f, a)) in
+                    ["routed", "shared", "sum"].iter().zip([&fused.0, &fused.1, &fused.2].into_iter().zip(&apart))
+                {
+                    for (i, (f, a)) in b.to_host(f).iter().zip(a).enumerate() {
+                        assert_eq!(
+                            f.to_bits(),
+                            a.to_bits(),
+                            "{name}, {n} rows, run {run}: {what}[row {}, {}] two launches {f} vs apart {a}",
+                            i / d,
+                            i % d
+                        );
+                    }
                 }
             }
-        }
+            apart
+        };
+        let apart = check(&x, &rg, 3);
         // The same row twice takes the several-row kernels, each row bitwise its one-row sums
         // and untouched by DSV4_X8_PIPE / DSV4_X8_OPW: so those variants of the one-row kernels
         // are held to the same bits, not only to each other.
@@ -479,25 +488,7 @@ fn cuda_one_row_experts_in_two_launches_are_bitwise() {
             let (ln, _) = activations(&b, n, ne, seed + 20 + n as u64);
             let xn = b.rms_norm(&xn, None, d, 1e-6);
             let rn = b.route(&ln, Some(&bias_g), None, &c);
-            let apart = b.moe_shared(&xn, &rn, &gpu_e, 0, &sg[0], LIMIT);
-            let apart = [&apart.0, &apart.1, &apart.2].map(|t| b.to_host(t));
-            for run in 0..2 {
-                let fused = b.moe_shared_two_launches(&xn, &rn, &gpu_e, &sg[0], LIMIT);
-                let fused = fused.unwrap_or_else(|| panic!("{name}: the two-launch path does not take {n} rows"));
-                for (what, (f, a)) in
-                    ["routed", "shared", "sum"].iter().zip([&fused.0, &fused.1, &fused.2].into_iter().zip(&apart))
-                {
-                    for (i, (f, a)) in b.to_host(f).iter().zip(a).enumerate() {
-                        assert_eq!(
-                            f.to_bits(),
-                            a.to_bits(),
-                            "{name}, {n} rows, run {run}: {what}[row {}, {}] two launches {f} vs apart {a}",
-                            i / d,
-                            i % d
-                        );
-                    }
-                }
-            }
+            check(&xn, &rn, 2);
         }
         let rc = cpu.route(&lc, Some(&bias_c), None, &c);
         let want = cpu.add(&cpu.moe(&xh, &rc, &cpu_e, 0, LIMIT), &cpu.swiglu(&xh, &sc[0], LIMIT));

@@ -1706,42 +1706,29 @@ X8_KERNELS(F_Q8_0, q8_0, 1, 2, 3)
 X8_KERNELS(F_Q2_K, q2_k, 1, 5, 4)
 X8_KERNELS(F_IQ2_XXS, iq2_xxs, 4, 3, 4)
 
-// One row's routed experts (format R: w1/w3 for up, w2 for down) with the shared expert (format
-// S) in two launches; the shared expert's formats of ds4's files (Q8_0) and each format with
+// One or a few rows' routed experts (format R: w1/w3 for up, w2 for down) with the shared
+// expert (format S) in two launches; the shared expert's formats of ds4's files (Q8_0) and each format with
 // itself (cuda/quant.rs `ffn1_kernels` falls back to the separate launches for any other pair).
-#define X8_FFN1_KERNELS(R, NR, S, NS)                                                                                \
-    extern "C" __global__ void moe_up1s_##NR##_##NS(float* h, signed char* hq, float* hd, unsigned* cnt,            \
-                                                     const signed char* xq, const float* xd, const unsigned* ids,    \
-                                                     const unsigned long long* ptrs,                                 \
-                                                     const unsigned long long* sptrs, int nexp, int k, int d,        \
-                                                     int inter, float limit) {                                       \
+// One form of each (ROWS: n token rows, else one): moe_up1s{,n}_R_S and moe_down1s{,n}_R_S.
+#define X8_FFN1_FORM(R, NR, S, NS, SUF, ROWS)                                                                        \
+    extern "C" __global__ void moe_up1s##SUF##_##NR##_##NS(float* h, signed char* hq, float* hd, unsigned* cnt,     \
+                                                           const signed char* xq, const float* xd,                  \
+                                                           const unsigned* ids, const unsigned long long* ptrs,     \
+                                                           const unsigned long long* sptrs, int nexp, int k, int d, \
+                                                           int inter, float limit) {                                \
         pdl_enter();                                                                                                 \
-        moe_up1s<R, S, false>(h, hq, hd, cnt, xq, xd, ids, ptrs, sptrs, nexp, k, d, inter, limit);                   \
+        moe_up1s<R, S, ROWS>(h, hq, hd, cnt, xq, xd, ids, ptrs, sptrs, nexp, k, d, inter, limit);                    \
     }                                                                                                                \
-    extern "C" __global__ void moe_up1sn_##NR##_##NS(float* h, signed char* hq, float* hd, unsigned* cnt,           \
-                                                      const signed char* xq, const float* xd, const unsigned* ids,   \
-                                                      const unsigned long long* ptrs,                                \
-                                                      const unsigned long long* sptrs, int nexp, int k, int d,       \
-                                                      int inter, float limit) {                                      \
+    extern "C" __global__ void moe_down1s##SUF##_##NR##_##NS(float* routed, float* shared, float* out,              \
+                                                             const signed char* hq, const float* hd,                \
+                                                             const unsigned* ids, const float* wts,                 \
+                                                             const unsigned long long* ptrs,                        \
+                                                             const unsigned long long* sptrs, int nexp, int k,      \
+                                                             int d, int inter) {                                    \
         pdl_enter();                                                                                                 \
-        moe_up1s<R, S, true>(h, hq, hd, cnt, xq, xd, ids, ptrs, sptrs, nexp, k, d, inter, limit);                    \
-    }                                                                                                                \
-    extern "C" __global__ void moe_down1s_##NR##_##NS(float* routed, float* shared, float* out,                     \
-                                                       const signed char* hq, const float* hd, const unsigned* ids,  \
-                                                       const float* wts, const unsigned long long* ptrs,             \
-                                                       const unsigned long long* sptrs, int nexp, int k, int d,      \
-                                                       int inter) {                                                  \
-        pdl_enter();                                                                                                 \
-        moe_down1s<R, S, false>(routed, shared, out, hq, hd, ids, wts, ptrs, sptrs, nexp, k, d, inter);              \
-    }                                                                                                                \
-    extern "C" __global__ void moe_down1sn_##NR##_##NS(float* routed, float* shared, float* out,                    \
-                                                        const signed char* hq, const float* hd, const unsigned* ids, \
-                                                        const float* wts, const unsigned long long* ptrs,            \
-                                                        const unsigned long long* sptrs, int nexp, int k, int d,     \
-                                                        int inter) {                                                 \
-        pdl_enter();                                                                                                 \
-        moe_down1s<R, S, true>(routed, shared, out, hq, hd, ids, wts, ptrs, sptrs, nexp, k, d, inter);               \
+        moe_down1s<R, S, ROWS>(routed, shared, out, hq, hd, ids, wts, ptrs, sptrs, nexp, k, d, inter);               \
     }
+#define X8_FFN1_KERNELS(R, NR, S, NS) X8_FFN1_FORM(R, NR, S, NS, , false) X8_FFN1_FORM(R, NR, S, NS, n, true)
 X8_FFN1_KERNELS(F_Q8_0, q8_0, F_Q8_0, q8_0)
 X8_FFN1_KERNELS(F_Q2_K, q2_k, F_Q8_0, q8_0)
 X8_FFN1_KERNELS(F_IQ2_XXS, iq2_xxs, F_Q8_0, q8_0)
