@@ -500,7 +500,8 @@ fn cuda_one_row_experts_in_two_launches_are_bitwise() {
 }
 
 /// One row's products of one input with several packed weights of one int8 format in one
-/// launch (`gemv1xg`, `set_x8_group`) are bitwise each product alone (`gemv1x`): 2 to 4 weights
+/// launch (`gemv1xg`, `set_x8_group`; 2 and 4 rows: `gemvxg4p`) are bitwise each product alone
+/// (`gemv1x`; `gemvx2p` / `gemvx4p`): 2 to 4 weights
 /// of 40, 64, 24 and 8 outputs (blocks of 8 outputs; a last entry of one block), each format;
 /// and `matmul_many` takes that path for them when the switch is on. The same with 4 outputs a
 /// warp (`set_gemv4`: `gemv1x4` alone, `gemv1xg4` grouped; blocks of 32 outputs, partial ones).
@@ -534,7 +535,7 @@ fn cuda_one_row_int8_products_in_one_launch_are_each_alone() {
         for (n, four) in (2..=4).flat_map(|n| [(n, false), (n, true)]) {
             b.set_gemv4(four);
             let refs: Vec<&CudaWeight> = ws[..n].iter().collect();
-            let grouped = b.matmul_one_row_grouped(&x, &refs).expect("one format, one row: the grouped path applies");
+            let grouped = b.matmul_grouped_x8(&x, &refs).expect("one format, one row: the grouped path applies");
             b.set_x8_group(true);
             let many = b.matmul_many(&x, &refs);
             b.set_x8_group(false);
@@ -552,8 +553,34 @@ fn cuda_one_row_int8_products_in_one_launch_are_each_alone() {
             }
         }
         b.set_gemv4(false);
+        // 2 and 4 rows (a verify's), two outputs a warp (gemvxg4p): each bitwise its product alone.
+        b.set_row_caps(true);
+        b.set_row_pairs(true);
+        for rows in [2, 4] {
+            let (xr, _) = activations(&b, rows, k, 330 + 10 * fi as u64 + rows as u64);
+            let alone: Vec<Vec<f32>> = ws.iter().map(|w| b.to_host(&b.matmul(&xr, w))).collect();
+            for n in 2..=4 {
+                let refs: Vec<&CudaWeight> = ws[..n].iter().collect();
+                let grouped = b.matmul_grouped_x8(&xr, &refs).expect("one format, 2-4 rows: the grouped path applies");
+                b.set_x8_group(true);
+                let many = b.matmul_many(&xr, &refs);
+                b.set_x8_group(false);
+                for (i, (g, m)) in grouped.iter().zip(&many).enumerate() {
+                    for (what, t) in [("grouped", g), ("matmul_many", m)] {
+                        for (o, (v, a)) in b.to_host(t).iter().zip(&alone[i]).enumerate() {
+                            assert_eq!(
+                                v.to_bits(),
+                                a.to_bits(),
+                                "{} {what} of {n}, {rows} rows: product {i} output {o}: {v} vs alone {a}",
+                                format.name()
+                            );
+                        }
+                    }
+                }
+            }
+        }
         println!(
-            "int8 {}: 2 to 4 one-row products in one launch, and 4 outputs a warp, bitwise each alone",
+            "int8 {}: 2 to 4 products in one launch (1, 2 and 4 rows), and 4 outputs a warp, bitwise each alone",
             format.name()
         );
     }

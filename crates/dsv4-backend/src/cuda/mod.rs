@@ -881,9 +881,10 @@ impl CudaBackend {
         self.ffn1.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// One row's products of packed int8-format weights of one input ([`crate::Backend::matmul_many`]:
+    /// The products of packed int8-format weights of one input ([`crate::Backend::matmul_many`]:
     /// the attention input's wq_a and wkv, qr's wq_b and the indexer's wq_b) in one launch a
-    /// format (`gemv1xg`), bitwise the launches one by one. Start value `DSV4_X8_GROUP` (`0`/`1`),
+    /// format, bitwise the launches one by one: of one row (`gemv1xg`), and of 2 to 4 rows where
+    /// those take two outputs a warp (`gemvxg4p`, [`Self::set_row_pairs`]). Start value `DSV4_X8_GROUP` (`0`/`1`),
     /// else `DSV4_DECODE_FUSIONS`; on by default.
     pub fn set_x8_group(&self, on: bool) {
         self.x8_group.store(on, std::sync::atomic::Ordering::Relaxed);
@@ -2102,9 +2103,9 @@ impl Backend for CudaBackend {
                 }
             }
         }
-        // One-row products of packed weights on int8 activations, one launch a format
-        // (`set_x8_group`).
-        if x.rows == 1 && self.x8_group() {
+        // Products of packed weights on int8 activations (one row, or 2–4 at two outputs a
+        // warp), one launch a format (`set_x8_group`).
+        if self.x8_group() {
             let fmt =
                 |w: &CudaWeight| w.q.as_ref().filter(|q| self.x8_groupable(x, q, w.rows, w.cols)).map(|q| q.format);
             let mut formats = Vec::new();

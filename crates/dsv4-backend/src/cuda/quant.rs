@@ -323,6 +323,7 @@ impl QuantKernels {
                 "gemvx4",
                 "gemvx2p",
                 "gemvx4p",
+                "gemvxg4p",
                 "moe_upx",
                 "moe_downx",
                 "moe_downx2",
@@ -781,11 +782,11 @@ impl CudaBackend {
         (xq, xd)
     }
 
-    /// The one-row products of `ws` in one `gemv1xg` launch where every weight is
+    /// The products of `ws` (one row, or 2 to 4) in one launch where every weight is
     /// [`CudaBackend::x8_groupable`] and all share a format (2 to [`XG_MAX`] of them), else
     /// `None`. [`crate::Backend::matmul_many`] takes this path when [`CudaBackend::set_x8_group`]
     /// is on; tests call it directly.
-    pub fn matmul_one_row_grouped(&self, x: &CudaTensor, ws: &[&CudaWeight]) -> Option<Vec<CudaTensor>> {
+    pub fn matmul_grouped_x8(&self, x: &CudaTensor, ws: &[&CudaWeight]) -> Option<Vec<CudaTensor>> {
         let group: Vec<_> = ws
             .iter()
             .map(|w| w.q.as_ref().filter(|q| self.x8_groupable(x, q, w.rows, w.cols)).map(|q| (q, w.rows)))
@@ -803,30 +804,43 @@ impl CudaBackend {
         self.gemv4() && k <= 1024 && rpg.is_multiple_of(4)
     }
 
-    /// Whether [`CudaBackend::matmul_x8_many`] takes `w` (`[m, k]` packed) for the one-row `x`.
+    /// Whether [`CudaBackend::matmul_x8_many`] takes `w` (`[m, k]` packed) for `x`: one row, or
+    /// 2 to 4 where their products take two outputs a warp ([`CudaBackend::set_row_pairs`]).
     pub(crate) fn x8_groupable(&self, x: &CudaTensor, q: &QuantDev, m: usize, k: usize) -> bool {
         let blk = crate::x8::BLOCK;
-        x.rows == 1
-            && (x.rows <= self.x8_rows() || self.exact())
+        let rows = match x.rows {
+            1 => m.is_multiple_of(x8_opw().gemv),
+            2..=4 => self.row_caps() && self.row_pairs() && m.is_multiple_of(2),
+            _ => false,
+        };
+        rows && (x.rows <= self.x8_rows() || self.exact())
             && x.cols == k
             && self.int8()
             && crate::x8::supports(q.format)
             && k.is_multiple_of(blk)
             && m > 0
-            && m.is_multiple_of(x8_opw().gemv)
     }
 
-    /// The one-row products `x · w_iᵀ` of packed weights of one int8 format (each
-    /// [`CudaBackend::x8_groupable`]) in one launch (`gemv1xg`): each result bitwise
-    /// [`crate::Backend::matmul`]'s. The attention input's wq_a and wkv, and qr's wq_b and the
-    /// indexer's wq_b, ran a launch each (1,024 / 512 outputs: ~5 µs latency chains).
+    /// The products `x · w_iᵀ` of packed weights of one int8 format (each
+    /// [`CudaBackend::x8_groupable`]) in one launch (`gemv1xg`, or `gemvxg4p` for 2 to 4 rows):
+    /// each result bitwise [`crate::Backend::matmul`]'s. The attention input's wq_a and wkv, and
+    /// qr's wq_b and the indexer's wq_b, ran a launch each (1,024 / 512 outputs: ~5 µs latency
+    /// chains), in a decode step and in a DSpark verify alike.
     pub(crate) fn matmul_x8_many(&self, x: &CudaTensor, ws: &[(&QuantDev, usize)]) -> Vec<CudaTensor> {
         assert!((2..=XG_MAX).contains(&ws.len()), "{} int8 products in one launch", ws.len());
         let format = ws[0].0.format;
         assert!(ws.iter().all(|(q, _)| q.format == format), "one format a grouped launch");
-        let four = ws.iter().all(|&(_, m)| self.gemv4_fits(x.cols, m));
-        let per = Q_WARPS * if four { 4 } else { x8_opw().gemv };
-        let outs: Vec<CudaTensor> = ws.iter().map(|&(_, m)| self.tensor(1, m)).collect();
+        let n = x.rows;
+        let four = n == 1 && ws.iter().all(|&(_, m)| self.gemv4_fits(x.cols, m));
+        let per = Q_WARPS
+            * if n > 1 {
+                2
+            } else if four {
+                4
+            } else {
+                x8_opw().gemv
+            };
+        let outs: Vec<CudaTensor> = ws.iter().map(|&(_, m)| self.tensor(n, m)).collect();
         let mut g = X8Group::default();
         let mut blocks = 0usize;
         for (i, (&(q, m), o)) in ws.iter().zip(&outs).enumerate() {
@@ -845,18 +859,19 @@ impl CudaBackend {
             block_dim: (32 * Q_WARPS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: argument types match the kernel (X8Group is quant.cu's struct); entry i's
-        // codes and heads hold m_i rows of k inputs, its output m_i floats, and xq / xd the
-        // row's k codes and k / 32 scales (16-byte aligned: a fresh allocation).
+        // SAFETY: argument types match the kernels (X8Group is quant.cu's struct); entry i's
+        // codes and heads hold m_i rows of k inputs, its output n·m_i floats (m_i even where
+        // n > 1: x8_groupable), and xq / xd the n rows' k codes and k / 32 scales each (16-byte
+        // aligned: a fresh allocation).
         ck(
             unsafe {
-                self.stream
-                    .kernel(self.qk.of(if four { "gemv1xg4" } else { "gemv1xg" }, format))
-                    .arg_struct(&g)
-                    .arg(xq)
-                    .arg(xd)
-                    .arg(&(x.cols as i32))
-                    .launch(cfg)
+                if n > 1 {
+                    let mut l = self.stream.kernel(self.qk.of("gemvxg4p", format));
+                    l.arg_struct(&g).arg(xq).arg(xd).arg(&(n as i32)).arg(&(x.cols as i32)).launch(cfg)
+                } else {
+                    let mut l = self.stream.kernel(self.qk.of(if four { "gemv1xg4" } else { "gemv1xg" }, format));
+                    l.arg_struct(&g).arg(xq).arg(xd).arg(&(x.cols as i32)).launch(cfg)
+                }
             },
             "gemv1xg",
         );

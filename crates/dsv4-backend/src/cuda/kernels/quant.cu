@@ -1494,11 +1494,13 @@ __device__ __forceinline__ void pf_self(const u8* wr, const u8* sr, int k, int l
 // xrows_all's cap. OPW outputs a warp (1 or 2; 2: m and rpg even): a warp's two weight rows
 // share each activation load and have their loads in flight together (xrows_group's NW), the
 // same sums an output.
+// bx: the block's index within this product (blockIdx.x, or relative to its X8Group entry).
 template <int F, int GM = 8, int OPW = 1>
 __device__ void gemvn_x8(float* __restrict__ out, const signed char* __restrict__ xq, const float* __restrict__ xd,
-                         const u8* __restrict__ w, const u8* __restrict__ s, int n, int k, int m, int ldx, int rpg) {
+                         const u8* __restrict__ w, const u8* __restrict__ s, int n, int k, int m, int ldx, int rpg,
+                         int bx) {
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int o = (blockIdx.x * Q_WARPS + wp) * OPW;
+    int o = (bx * Q_WARPS + wp) * OPW;
     if (o >= m) return;
     long long xoff = (long long)(o / rpg) * k;
     const u8* wr[OPW];
@@ -1630,31 +1632,38 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
                                          const u8* s, int n, int k, int m, int ldx, int rpg) {                       \
         pdl_enter();                                                                                                 \
         fill_tabs<F, true>();                                                                                        \
-        gemvn_x8<F>(out, xq, xd, w, s, n, k, m, ldx, rpg);                                                           \
+        gemvn_x8<F>(out, xq, xd, w, s, n, k, m, ldx, rpg, blockIdx.x);                                               \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(256, 4) gemvx2_##N(float* out, const signed char* xq, const float* xd, const u8* w, \
                                           const u8* s, int n, int k, int m, int ldx, int rpg) {                      \
         pdl_enter();                                                                                                 \
         fill_tabs<F, true>();                                                                                        \
-        gemvn_x8<F, 2>(out, xq, xd, w, s, n, k, m, ldx, rpg);                                                        \
+        gemvn_x8<F, 2>(out, xq, xd, w, s, n, k, m, ldx, rpg, blockIdx.x);                                            \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(256, 3) gemvx4_##N(float* out, const signed char* xq, const float* xd, const u8* w, \
                                           const u8* s, int n, int k, int m, int ldx, int rpg) {                      \
         pdl_enter();                                                                                                 \
         fill_tabs<F, true>();                                                                                        \
-        gemvn_x8<F, 4>(out, xq, xd, w, s, n, k, m, ldx, rpg);                                                        \
+        gemvn_x8<F, 4>(out, xq, xd, w, s, n, k, m, ldx, rpg, blockIdx.x);                                            \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(256, 4) gemvx2p_##N(float* out, const signed char* xq, const float* xd, const u8* w, \
                                           const u8* s, int n, int k, int m, int ldx, int rpg) {                      \
         pdl_enter();                                                                                                 \
         fill_tabs<F, true>();                                                                                        \
-        gemvn_x8<F, 2, 2>(out, xq, xd, w, s, n, k, m, ldx, rpg);                                                     \
+        gemvn_x8<F, 2, 2>(out, xq, xd, w, s, n, k, m, ldx, rpg, blockIdx.x);                                         \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(256, 3) gemvx4p_##N(float* out, const signed char* xq, const float* xd, const u8* w, \
                                           const u8* s, int n, int k, int m, int ldx, int rpg) {                      \
         pdl_enter();                                                                                                 \
         fill_tabs<F, true>();                                                                                        \
-        gemvn_x8<F, 4, 2>(out, xq, xd, w, s, n, k, m, ldx, rpg);                                                     \
+        gemvn_x8<F, 4, 2>(out, xq, xd, w, s, n, k, m, ldx, rpg, blockIdx.x);                                         \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(256, 3) gemvxg4p_##N(X8Group g, const signed char* xq, const float* xd, \
+                                          int n, int k) {                                                            \
+        pdl_enter();                                                                                                 \
+        fill_tabs<F, true>();                                                                                        \
+        int bx = blockIdx.x, e = x8g_entry(g, &bx);                                                                  \
+        gemvn_x8<F, 4, 2>(g.out[e], xq, xd, g.w[e], g.s[e], n, k, g.m[e], k, g.m[e], bx);                            \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(256, UPB) moe_upx_##N(float* h, const signed char* xq, const float* xd, const unsigned* order, \
                                            const unsigned* off, const unsigned* active,                             \
