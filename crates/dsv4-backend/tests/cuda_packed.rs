@@ -532,12 +532,13 @@ fn cuda_one_row_int8_products_in_one_launch_are_each_alone() {
                 assert_eq!(v.to_bits(), a.to_bits(), "{} gemv1x4: product {i} output {o}: {v} vs {a}", format.name());
             }
         }
-        for (n, four) in (2..=4).flat_map(|n| [(n, false), (n, true)]) {
-            b.set_gemv4(four);
+        // The first n products of x in one launch (the grouped path, and matmul_many with the
+        // switch on), each bitwise its product alone.
+        let grouped_each_alone = |x: &CudaTensor, n: usize, alone: &[Vec<f32>]| {
             let refs: Vec<&CudaWeight> = ws[..n].iter().collect();
-            let grouped = b.matmul_grouped_x8(&x, &refs).expect("one format, one row: the grouped path applies");
+            let grouped = b.matmul_grouped_x8(x, &refs).expect("one format, 1-4 rows: the grouped path applies");
             b.set_x8_group(true);
-            let many = b.matmul_many(&x, &refs);
+            let many = b.matmul_many(x, &refs);
             b.set_x8_group(false);
             for (i, (g, m)) in grouped.iter().zip(&many).enumerate() {
                 for (what, t) in [("grouped", g), ("matmul_many", m)] {
@@ -545,12 +546,17 @@ fn cuda_one_row_int8_products_in_one_launch_are_each_alone() {
                         assert_eq!(
                             v.to_bits(),
                             a.to_bits(),
-                            "{} {what} of {n}: product {i} output {o}: {v} vs alone {a}",
-                            format.name()
+                            "{} {what} of {n}, {} rows: product {i} output {o}: {v} vs alone {a}",
+                            format.name(),
+                            x.rows
                         );
                     }
                 }
             }
+        };
+        for (n, four) in (2..=4).flat_map(|n| [(n, false), (n, true)]) {
+            b.set_gemv4(four);
+            grouped_each_alone(&x, n, &alone);
         }
         b.set_gemv4(false);
         // 2 and 4 rows (a verify's), two outputs a warp (gemvxg4p): each bitwise its product alone.
@@ -560,23 +566,7 @@ fn cuda_one_row_int8_products_in_one_launch_are_each_alone() {
             let (xr, _) = activations(&b, rows, k, 330 + 10 * fi as u64 + rows as u64);
             let alone: Vec<Vec<f32>> = ws.iter().map(|w| b.to_host(&b.matmul(&xr, w))).collect();
             for n in 2..=4 {
-                let refs: Vec<&CudaWeight> = ws[..n].iter().collect();
-                let grouped = b.matmul_grouped_x8(&xr, &refs).expect("one format, 2-4 rows: the grouped path applies");
-                b.set_x8_group(true);
-                let many = b.matmul_many(&xr, &refs);
-                b.set_x8_group(false);
-                for (i, (g, m)) in grouped.iter().zip(&many).enumerate() {
-                    for (what, t) in [("grouped", g), ("matmul_many", m)] {
-                        for (o, (v, a)) in b.to_host(t).iter().zip(&alone[i]).enumerate() {
-                            assert_eq!(
-                                v.to_bits(),
-                                a.to_bits(),
-                                "{} {what} of {n}, {rows} rows: product {i} output {o}: {v} vs alone {a}",
-                                format.name()
-                            );
-                        }
-                    }
-                }
+                grouped_each_alone(&xr, n, &alone);
             }
         }
         println!(
