@@ -577,46 +577,47 @@ fn cuda_one_row_int8_products_in_one_launch_are_each_alone() {
     b.set_int8(false);
 }
 
-/// The one-row grouped product that writes its output's int8 codes (`gemv1xq`,
-/// `set_gemv_twin`: wo_a's, read by wo_b) gives bitwise the plain product, and the next
-/// product on its codes is bitwise the product on a copy of its values (quantised by that
-/// product itself): wo_a's shape at 2 groups × 128 outputs (8 groups of 32 values, each finished
-/// by the last of 4 blocks), run three times (the counters must be left zero), each int8 format.
+/// The grouped product that writes its output's int8 codes (`set_gemv_twin`: wo_a's, read by
+/// wo_b; `gemv1xq` at one row, `gemvx2pq` / `gemvx4pq` at 2–4) gives bitwise the plain
+/// product, and the next product on its codes is bitwise the product on a copy of its values
+/// (quantised by that product itself): wo_a's shape at 2 groups × 128 outputs (8 groups of 32
+/// values, each finished by the last of 4 blocks at one row, of 2 at 2–4 rows), run three times
+/// (the counters must be left zero), each int8 format, 1 to 4 rows.
 #[test]
 fn cuda_one_row_product_with_its_output_codes_is_bitwise() {
     let Some(b) = gpu() else { return };
     b.set_exact(false);
     b.set_int8(true);
+    b.set_row_caps(true);
+    b.set_row_pairs(true);
     let k = 256;
     for (fi, format) in [PackedFormat::Q8_0, PackedFormat::Q2_K, PackedFormat::IQ2_XXS].into_iter().enumerate() {
         let pa = random_packed(format, 256, k, 400 + fi as u64);
         let wa = b.upload(host("layers.0.attn.wo_a.weight", 256, k, &pa)).unwrap();
         let pb = random_packed(format, 32, 256, 410 + fi as u64);
         let wb = b.upload(host("layers.0.attn.wo_b.weight", 32, 256, &pb)).unwrap();
-        let (x, _) = activations(&b, 1, 2 * k, 420 + fi as u64);
-        b.set_gemv_twin(false);
-        let plain = b.to_host(&b.grouped_matmul(&x, &wa, 2));
-        for run in 0..3 {
-            b.set_gemv_twin(true);
-            let z = b.grouped_matmul(&x, &wa, 2);
+        for n in 1..=4 {
+            let (x, _) = activations(&b, n, 2 * k, 420 + fi as u64 + 7 * n as u64);
             b.set_gemv_twin(false);
-            assert!(b.has_x8_twin(&z), "{}: the product wrote no codes", format.name());
-            for (o, (g, p)) in b.to_host(&z).iter().zip(&plain).enumerate() {
-                assert_eq!(g.to_bits(), p.to_bits(), "{} run {run}: output {o}: {g} vs {p}", format.name());
-            }
-            let copy = b.upload(HostTensor::new("z", vec![1, 256], b.to_host(&z))).unwrap();
-            let (on_codes, on_copy) =
-                (b.to_host(&b.matmul(&z, &wb)), b.to_host(&b.matmul(&CudaTensor::new(1, 256, copy.data), &wb)));
-            for (o, (a, c)) in on_codes.iter().zip(&on_copy).enumerate() {
-                assert_eq!(
-                    a.to_bits(),
-                    c.to_bits(),
-                    "{} run {run}: next product output {o}: {a} vs {c}",
-                    format.name()
-                );
+            let plain = b.to_host(&b.grouped_matmul(&x, &wa, 2));
+            for run in 0..3 {
+                b.set_gemv_twin(true);
+                let z = b.grouped_matmul(&x, &wa, 2);
+                b.set_gemv_twin(false);
+                let what = format!("{} at {n} rows, run {run}", format.name());
+                assert!(b.has_x8_twin(&z), "{what}: the product wrote no codes");
+                for (o, (g, p)) in b.to_host(&z).iter().zip(&plain).enumerate() {
+                    assert_eq!(g.to_bits(), p.to_bits(), "{what}: output {o}: {g} vs {p}");
+                }
+                let copy = b.upload(HostTensor::new("z", vec![n, 256], b.to_host(&z))).unwrap();
+                let (on_codes, on_copy) =
+                    (b.to_host(&b.matmul(&z, &wb)), b.to_host(&b.matmul(&CudaTensor::new(n, 256, copy.data), &wb)));
+                for (o, (a, c)) in on_codes.iter().zip(&on_copy).enumerate() {
+                    assert_eq!(a.to_bits(), c.to_bits(), "{what}: next product output {o}: {a} vs {c}");
+                }
             }
         }
-        println!("int8 {}: one-row product with its output's codes bitwise, its codes quant_x8's", format.name());
+        println!("int8 {}: 1-4-row products with their outputs' codes bitwise, their codes quant_x8's", format.name());
     }
     b.set_int8(false);
 }

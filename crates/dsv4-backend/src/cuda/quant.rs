@@ -323,6 +323,8 @@ impl QuantKernels {
                 "gemvx4",
                 "gemvx2p",
                 "gemvx4p",
+                "gemvx2pq",
+                "gemvx4pq",
                 "gemvxg4p",
                 "moe_upx",
                 "moe_downx",
@@ -645,6 +647,10 @@ impl CudaBackend {
             let tiles = n >= TILE_MIN_ROWS
                 && self.x8_tiles() != X8Tiles::Off
                 && (groups == 1 || (m / groups).is_multiple_of(TILE_OUTPUTS));
+            // 2–4 rows at two outputs a warp (gemvx2p / gemvx4p: a warp's two weight rows share
+            // each activation load).
+            let pairs =
+                !tiles && (2..=4).contains(&n) && self.row_caps() && self.row_pairs() && (m / groups).is_multiple_of(2);
             let (kernel, cfg) = if tiles {
                 let (nt, w) = tile_gemv(n, m);
                 let (gx, gy) = (n.div_ceil(TILE_ROWS * nt), m.div_ceil(TILE_OUTPUTS));
@@ -657,7 +663,7 @@ impl CudaBackend {
             } else if n == 1 && self.gemv4_fits(k, m / groups) {
                 let cfg = LaunchConfig { grid_dim: (m.div_ceil(Q_WARPS * 4) as u32, 1, 1), ..cfg };
                 (self.qk.of("gemv1x4", q.format), cfg)
-            } else if (2..=4).contains(&n) && self.row_caps() && self.row_pairs() && (m / groups).is_multiple_of(2) {
+            } else if pairs {
                 let cfg = LaunchConfig { grid_dim: (m.div_ceil(Q_WARPS * 2) as u32, 1, 1), ..cfg };
                 (self.qk.of(if n == 2 { "gemvx2p" } else { "gemvx4p" }, q.format), cfg)
             } else {
@@ -668,6 +674,36 @@ impl CudaBackend {
             let blk = crate::x8::BLOCK;
             // quant_groups needs the outputs a block (8·opw) to divide 32 or be a multiple of it.
             let groups_fit = matches!(opw, 1 | 2 | 4 | 8) && m.is_multiple_of(blk) && m / blk <= FFN1_COUNTERS;
+            // 2–4 rows at two outputs a warp with their codes too (gemvx2pq / gemvx4pq).
+            if twin && pairs && self.gemv_twin() && m.is_multiple_of(blk) && m / blk <= FFN1_COUNTERS {
+                let (mut oq, mut od) = (self.alloc::<i8>(n * m), self.alloc::<f32>(n * m / blk));
+                // SAFETY: argument types and buffer sizes match the kernel: out holds n · m values,
+                // oq / od their n · m codes and n · m / 32 scales, the counters (zero between
+                // launches) cover the m / 32 groups; xq as below.
+                ck(
+                    unsafe {
+                        self.stream
+                            .kernel(self.qk.of(if n == 2 { "gemvx2pq" } else { "gemvx4pq" }, q.format))
+                            .arg(&mut out.data)
+                            .arg(&mut oq)
+                            .arg(&mut od)
+                            .arg(&self.ffn1_cnt)
+                            .arg(xq)
+                            .arg(xd)
+                            .arg(&q.blocks)
+                            .arg(&q.scales)
+                            .arg(&(n as i32))
+                            .arg(&(k as i32))
+                            .arg(&(m as i32))
+                            .arg(&(x.cols as i32))
+                            .arg(&((m / groups) as i32))
+                            .launch(cfg)
+                    },
+                    "gemv packed int8 of 2-4 rows with their outputs' codes",
+                );
+                let _ = out.x8.set(X8Twin { q: oq, d: od });
+                return out;
+            }
             if twin && n == 1 && !tiles && self.gemv_twin() && groups_fit {
                 let (mut oq, mut od) = (self.alloc::<i8>(m), self.alloc::<f32>(m / blk));
                 // SAFETY: argument types and buffer sizes match the kernel: out holds m values,

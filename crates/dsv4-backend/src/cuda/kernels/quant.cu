@@ -1090,6 +1090,44 @@ __device__ __forceinline__ void quant_groups(const float* row, signed char* qrow
     if (lane == 0) drow[g] = dd;
 }
 
+// quant_groups for a block that wrote outputs o0..o0 + OB of each of n rows (row r's values at
+// out + r·width, its codes at oq + r·width and scales at od + r·width / 32, as quant_x8 forms
+// the n rows): one counter a group counts the block once for all its rows, and the group's
+// last block quantises the group in every row (warp w: the tasks w, w + 8, .. of the n·⌈OB / 32⌉
+// (row, group) pairs). Every thread of the block calls it.
+template <int OB>
+__device__ __forceinline__ void quant_groups_rows(const float* out, signed char* oq, float* od, unsigned* cnt,
+                                                  int o0, int width, int n) {
+    if constexpr (!(OB % 32 == 0 || 32 % OB == 0)) return;
+    constexpr int GB = OB >= 32 ? OB / 32 : 1;  // groups a block completes (or shares)
+    __shared__ unsigned last;
+    int lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
+    __syncthreads();  // every warp's outputs stored
+    if (OB < 32) {
+        if (threadIdx.x == 0) {
+            int g = o0 / 32;
+            __threadfence();
+            unsigned prev = atomicAdd(&cnt[g], 1u);
+            last = prev == 32 / OB - 1;
+            if (last) {
+                cnt[g] = 0;  // every block of the group has counted: ready for the next launch
+                __threadfence();
+            }
+        }
+        __syncthreads();
+        if (!last) return;
+    }
+    for (int t = wp; t < n * GB; t += Q_WARPS) {
+        int r = t / GB, g = o0 / 32 + t % GB;
+        if (32 * g >= width) continue;
+        long long base = (long long)r * width;
+        float dd;
+        signed char q = quant_block32(__ldcg(out + base + 32 * g + lane), &dd);
+        oq[base + 32 * g + lane] = q;
+        if (lane == 0) od[base / 32 + g] = dd;
+    }
+}
+
 // out[0, o] = x[(o / rpg)·k .. +k] · w[o, :] for one row, from its int8 activations (xq, xd
 // as quant_x8 wrote them over the whole row of width ldx); X8_OPW_GEMV outputs a warp (the
 // launcher keeps rpg a multiple of it, so a warp's outputs share their activations). Waits for
@@ -1495,10 +1533,18 @@ __device__ __forceinline__ void pf_self(const u8* wr, const u8* sr, int k, int l
 // share each activation load and have their loads in flight together (xrows_group's NW), the
 // same sums an output.
 // bx: the block's index within this product (blockIdx.x, or relative to its X8Group entry).
-template <int F, int GM = 8, int OPW = 1>
+// TWIN: the output's int8 codes and scales too (oq, od; cnt: zeroed counters of its 32-value
+// groups; quant_groups_rows), as gemv_x8's for one row.
+template <int F, int GM = 8, int OPW = 1, bool TWIN = false>
 __device__ void gemvn_x8(float* __restrict__ out, const signed char* __restrict__ xq, const float* __restrict__ xd,
                          const u8* __restrict__ w, const u8* __restrict__ s, int n, int k, int m, int ldx, int rpg,
-                         int bx) {
+                         int bx, signed char* oq = nullptr, float* od = nullptr, unsigned* cnt = nullptr) {
+    if constexpr (TWIN) {
+        // Every warp reaches the block's barriers: a warp past m forms nothing.
+        if ((bx * Q_WARPS + (int)(threadIdx.x >> 5)) * OPW < m) gemvn_x8<F, GM, OPW>(out, xq, xd, w, s, n, k, m, ldx, rpg, bx);
+        quant_groups_rows<Q_WARPS * OPW>(out, oq, od, cnt, bx * Q_WARPS * OPW, m, n);
+        return;
+    }
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int o = (bx * Q_WARPS + wp) * OPW;
     if (o >= m) return;
@@ -1657,6 +1703,20 @@ __device__ void moe_downn_x8(float* __restrict__ y, const signed char* __restric
         pdl_enter();                                                                                                 \
         fill_tabs<F, true>();                                                                                        \
         gemvn_x8<F, 4, 2>(out, xq, xd, w, s, n, k, m, ldx, rpg, blockIdx.x);                                         \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(256, 4) gemvx2pq_##N(float* out, signed char* oq, float* od,        \
+                                          unsigned* cnt, const signed char* xq, const float* xd, const u8* w,        \
+                                          const u8* s, int n, int k, int m, int ldx, int rpg) {                      \
+        pdl_enter();                                                                                                 \
+        fill_tabs<F, true>();                                                                                        \
+        gemvn_x8<F, 2, 2, true>(out, xq, xd, w, s, n, k, m, ldx, rpg, blockIdx.x, oq, od, cnt);                      \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(256, 3) gemvx4pq_##N(float* out, signed char* oq, float* od,        \
+                                          unsigned* cnt, const signed char* xq, const float* xd, const u8* w,        \
+                                          const u8* s, int n, int k, int m, int ldx, int rpg) {                      \
+        pdl_enter();                                                                                                 \
+        fill_tabs<F, true>();                                                                                        \
+        gemvn_x8<F, 4, 2, true>(out, xq, xd, w, s, n, k, m, ldx, rpg, blockIdx.x, oq, od, cnt);                      \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(256, 3) gemvxg4p_##N(X8Group g, const signed char* xq, const float* xd, \
                                           int n, int k) {                                                            \
