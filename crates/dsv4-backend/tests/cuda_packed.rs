@@ -481,8 +481,11 @@ fn cuda_one_row_experts_in_two_launches_are_bitwise() {
                 assert_eq!(t.to_bits(), a.to_bits(), "{name}: {what}[{i}] one row {a} vs the first of two {t}");
             }
         }
-        // A verify's few distinct rows in the two launches (each pair its own one-row product):
-        // bitwise the separate launches of the same rows, twice over (the counters).
+        // A verify's few distinct rows in the two launches (each pair its own one-row product;
+        // `set_ffn1_rows`, 1 by default): bitwise the separate launches of the same rows, twice
+        // over (the counters).
+        let start_rows = b.ffn1_rows();
+        b.set_ffn1_rows(4);
         for n in [2, 4] {
             let (xn, _) = activations(&b, n, d, seed + 10 + n as u64);
             let (ln, _) = activations(&b, n, ne, seed + 20 + n as u64);
@@ -490,6 +493,7 @@ fn cuda_one_row_experts_in_two_launches_are_bitwise() {
             let rn = b.route(&ln, Some(&bias_g), None, &c);
             check(&xn, &rn, 2);
         }
+        b.set_ffn1_rows(start_rows);
         let rc = cpu.route(&lc, Some(&bias_c), None, &c);
         let want = cpu.add(&cpu.moe(&xh, &rc, &cpu_e, 0, LIMIT), &cpu.swiglu(&xh, &sc[0], LIMIT));
         let e = rel_err(&apart[2], &want.data);

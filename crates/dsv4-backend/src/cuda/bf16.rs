@@ -551,30 +551,25 @@ pub(crate) const FFN1_MAX_ROWS: usize = 8;
 /// (n ≤ [`FFN1_MAX_ROWS`] rows of k + 1 ≤ 8 pairs of up to 8,192 values).
 pub(crate) const FFN1_COUNTERS: usize = FFN1_MAX_ROWS * 8 * 256;
 
-/// Most token rows whose experts take the two launches (`DSV4_FFN1_ROWS`, 1 to
-/// [`FFN1_MAX_ROWS`]; default 4): a DSpark verify of 1 + 1..3 drafts (2–4 rows) then launches 2
-/// kernels for its experts where the several-row path launches ~9 (moe_sort, up, quant_x8,
-/// down, moe_combine, the shared expert's three, the add). Each pair is its own one-row product
-/// there, so an expert chosen by two rows (and the shared expert, by every row) is read once a
-/// row: past a few rows the several-row kernels, which read it once, win.
-pub(crate) fn ffn1_rows() -> usize {
-    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *ROWS.get_or_init(|| match std::env::var("DSV4_FFN1_ROWS") {
-        Err(_) => 4,
+/// Start value of [`CudaBackend::set_ffn1_rows`]: `DSV4_FFN1_ROWS` (1 to [`FFN1_MAX_ROWS`]),
+/// else 1.
+pub(crate) fn ffn1_rows_env() -> usize {
+    match std::env::var("DSV4_FFN1_ROWS") {
+        Err(_) => 1,
         Ok(v) => match v.trim().parse() {
             Ok(n) if (1..=FFN1_MAX_ROWS).contains(&n) => n,
             _ => {
-                tracing::warn!("DSV4_FFN1_ROWS={v:?} is not 1 to {FFN1_MAX_ROWS}; using 4");
-                4
+                tracing::warn!("DSV4_FFN1_ROWS={v:?} is not 1 to {FFN1_MAX_ROWS}; using 1");
+                1
             }
         },
-    })
+    }
 }
 
 /// A few token rows' routed experts, shared expert and their sum (see
 /// [`CudaBackend::set_ffn1`]): `(routed, shared, routed + shared)`, bitwise what
 /// [`Backend::moe`](crate::Backend::moe), the shared expert's product and the add give. `None`
-/// where the separate launches must run: more than [`ffn1_rows`] rows, a share of the experts,
+/// where the separate launches must run: more than [`CudaBackend::ffn1_rows`] rows, a share of the experts,
 /// more than 7 routed slots, formats without int8 kernels (or a pair quant.cu does not
 /// instantiate), or the int8 path off.
 pub(crate) fn ffn_few_rows(
@@ -595,7 +590,7 @@ pub(crate) fn ffn_few_rows(
     let o = super::quant::x8_opw();
     // The separate launches this replaces are the one-row expert kernels for the shared expert
     // too (DSV4_SHARED_X8), and quant_groups needs 8·opw to divide 32 or be a multiple of it.
-    let fits = (1..=ffn1_rows()).contains(&n)
+    let fits = (1..=b.ffn1_rows()).contains(&n)
         && b.int8()
         && b.fusion.shared_x8
         && matches!(o.up, 1 | 2 | 4 | 8)

@@ -724,6 +724,8 @@ pub struct CudaBackend {
     row_caps: std::sync::atomic::AtomicBool,
     /// Int8 products of 2 to 4 rows at two outputs a warp (see [`CudaBackend::set_row_pairs`]).
     row_pairs: std::sync::atomic::AtomicBool,
+    /// Most rows whose experts take two launches (see [`CudaBackend::set_ffn1_rows`]).
+    ffn1_rows: std::sync::atomic::AtomicUsize,
     /// f32-activation products of many rows on `gemvo` (see [`CudaBackend::set_gemvo`]).
     gemvo: std::sync::atomic::AtomicBool,
     /// A decode layer's attention norms and rotations two launches (see [`CudaBackend::set_norm_group`]).
@@ -859,13 +861,7 @@ impl CudaBackend {
         self.exact.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Products of Q8_0, Q2_K and IQ2_XXS weights on int8-quantised activations up to 16 rows,
-    /// and the routed experts of those formats at any batch the grouped kernels take (dp4a;
-    /// [`crate::x8`] is their CPU twin, and says what the rounding costs). On by default (dp4a
-    /// over 1-byte activations: 1.3 instructions a weight where the f32 path spends ~8, PERF.md
-    /// v8); `DSV4_INT8=0` turns it off at start, and [`Self::exact_or_skip`] (tests) too. Each
-    /// row is quantised on its own, so a row's result still does not depend on its batch.
-    /// The MoE experts of one token row, or of up to `DSV4_FFN1_ROWS` (4) rows, in two launches
+    /// The MoE experts of one token row, or of up to [`Self::ffn1_rows`] rows, in two launches
     /// (`moe_up1s`: every row's routed slots' and shared expert's gate/up with the SwiGLU, h's
     /// int8 codes by the last block of each 32-value group; `moe_down1s`: every pair's down
     /// rows, the routing-weighted sum and the add of the shared expert), instead of moe_sort, up,
@@ -992,6 +988,24 @@ impl CudaBackend {
         self.row_pairs.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Most token rows whose MoE experts take the two launches of one row (`moe_up1s`,
+    /// `moe_down1s`; their n-row forms past 1): a verify of 1 + 1..3 drafts would launch 2
+    /// kernels for its experts where the several-row path launches ~11. Each pair is its own
+    /// one-row product there, so an expert two rows chose, and the shared expert, are read
+    /// once a row, and the n-row kernels hold 94 registers (2 blocks an SM). Measured (H100, 32
+    /// q2 layers, batch 1, PERF.md v43): with 4, verify 1+2 9.73 ms and 1+3 11.33 against 9.27 and
+    /// 10.53 with 1, and 2 lost at 1+1 too (7.96 against 7.89), so the start value is 1
+    /// (`DSV4_FFN1_ROWS`, 1 to 8).
+    pub fn set_ffn1_rows(&self, rows: usize) {
+        assert!((1..=bf16::FFN1_MAX_ROWS).contains(&rows), "ffn1 rows {rows}: 1 to {}", bf16::FFN1_MAX_ROWS);
+        self.ffn1_rows.store(rows, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
+    }
+
+    pub fn ffn1_rows(&self) -> usize {
+        self.ffn1_rows.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Whether routed experts of `pairs` (row, slot) pairs over `experts` experts take the int8
     /// tiles under [`quant::X8Tiles::Dense`] (the default, which keeps them off at decode
     /// sizes: one or two pairs an expert, PERF.md v14): from `DSV4_EXPERT_TILE_PAIRS` (4) pairs an
@@ -1096,6 +1110,12 @@ impl CudaBackend {
         bf16::ffn_few_rows(self, x, route, experts, 0, shared, limit)
     }
 
+    /// Products of Q8_0, Q2_K and IQ2_XXS weights on int8-quantised activations up to 16 rows,
+    /// and the routed experts of those formats at any batch the grouped kernels take (dp4a;
+    /// [`crate::x8`] is their CPU twin, and says what the rounding costs). On by default (dp4a
+    /// over 1-byte activations: 1.3 instructions a weight where the f32 path spends ~8, PERF.md
+    /// v8); `DSV4_INT8=0` turns it off at start, and [`Self::exact_or_skip`] (tests) too. Each
+    /// row is quantised on its own, so a row's result still does not depend on its batch.
     pub fn set_int8(&self, on: bool) {
         self.int8.store(on, std::sync::atomic::Ordering::Relaxed);
         self.bump_settings();
@@ -1397,6 +1417,7 @@ impl CudaBackend {
             row_pairs: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_ROW_PAIRS").map_or(true, |v| v.trim() != "0"),
             ),
+            ffn1_rows: std::sync::atomic::AtomicUsize::new(bf16::ffn1_rows_env()),
             gemvo: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_GEMVO").map_or(true, |v| v.trim() != "0")),
             attention_tc_slices: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_ATT_TC_SLICES").map_or(true, |v| v.trim() != "0"),
