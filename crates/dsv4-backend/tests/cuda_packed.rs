@@ -366,18 +366,32 @@ fn cuda_int8_products_match_the_twin() {
         }
     }
     // The shared expert (Q8_0, as the q2 and q4 files store it): one row on the routed-expert
-    // kernels (gate/up with the SwiGLU, then down) is bitwise that row among 5 (three products
-    // and the SwiGLU kernel), and the 5 rows are within 2e-2 of the CPU oracle.
+    // kernels (gate/up with the SwiGLU, then down) is bitwise that row among 2–4 (the row-group
+    // expert kernels) and among 5 (three products and the SwiGLU kernel), and the 5 rows are
+    // within 2e-2 of the CPU oracle.
     let (sg, sc) = random_experts(&b, (PackedFormat::Q8_0, PackedFormat::Q8_0), (d, inter, 1), 7000);
     let (xg, xc) = activations(&b, 5, d, 8);
     let all = b.to_host(&b.swiglu(&xg, &sg[0], 10.0));
     let e = rel_err(&all, &cpu.swiglu(&xc, &sc[0], 10.0).data);
     println!("int8 Q8_0 shared expert, 5 rows: {e:.2e}");
     assert!(e <= 2e-2, "int8 shared expert vs the CPU oracle: {e:.2e}");
+    let first = |n: usize| {
+        let h = HostTensor::new("x", vec![n, d], xc.data[..n * d].to_vec());
+        CudaTensor::new(n, d, b.upload(h).unwrap().data)
+    };
+    // (2–4 rows as a decode step runs them: the dp4a row groups, the down kernels' row caps.)
+    b.set_x8_tiles(X8Tiles::Dense);
+    b.set_row_caps(true);
+    let few: Vec<Vec<f32>> = (2..=4).map(|n| b.to_host(&b.swiglu(&first(n), &sg[0], 10.0))).collect();
     for r in 0..5 {
         let one = b.to_host(&b.swiglu(&row_of(&b, &xc, r), &sg[0], 10.0));
         for (i, (a, g)) in one.iter().zip(&all[r * d..(r + 1) * d]).enumerate() {
             assert_eq!(a.to_bits(), g.to_bits(), "shared expert: row {r} alone {a} vs among 5 {g} (column {i})");
+        }
+        for (n, got) in (2..=4).zip(&few).filter(|(n, _)| r < *n) {
+            for (i, (a, g)) in one.iter().zip(&got[r * d..(r + 1) * d]).enumerate() {
+                assert_eq!(a.to_bits(), g.to_bits(), "shared expert: row {r} alone {a} vs among {n} {g} (column {i})");
+            }
         }
     }
     b.set_x8_tiles(X8Tiles::Dense);

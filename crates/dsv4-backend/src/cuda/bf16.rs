@@ -677,8 +677,27 @@ pub(crate) fn ffn_few_rows(
     Some((routed, sh, out))
 }
 
-/// The shared expert of one row on int8 activations, as a routed expert with one pair: gate/up
-/// and SwiGLU in one launch, down in another (the same sums as the three products, bitwise).
+/// Most rows the shared expert takes on the routed-expert kernels ([`shared_expert_x8`]): a
+/// verify of 1 + 1..3 drafts. Past them the dense products' tiles take its three products.
+pub(crate) const SHARED_X8_ROWS: usize = 4;
+
+/// The pair tables of n = 1..=[`SHARED_X8_ROWS`] rows through one expert, as moe_sort would
+/// write them: the order 0..n (words 0..8), then for each n 16 words at 8 + 16·(n − 1) (16-byte
+/// aligned, for the slot record's uint4 load): the active list [expert 0, 1 active] padded to
+/// 4 words, the slot record {expert 0, first pair 0, n pairs, 1 active}, then off [0, n].
+pub(crate) fn shared_pairs_words() -> Vec<u32> {
+    let mut w: Vec<u32> = (0..8).collect();
+    for n in 1..=SHARED_X8_ROWS as u32 {
+        w.extend([0, 1, 0, 0, 0, 0, n, 1, 0, n, 0, 0, 0, 0, 0, 0]);
+    }
+    w
+}
+
+/// The shared expert of 1 to [`SHARED_X8_ROWS`] rows on int8 activations, as a routed expert
+/// that every row chose once: gate/up and SwiGLU in one launch, down in another (the one-row
+/// kernels at one row, the row-group kernels past it: each row's sums are the three products'
+/// of that row alone, bitwise). At 2–4 rows (a DSpark verify) the products ran as gate, up,
+/// swiglu_act, quant_x8 and down: two launches fewer, and the gate and up rows read together.
 /// `None` where its weights are not all in int8-product formats (or the backend's int8 path is
 /// off); the caller then takes the products.
 pub(crate) fn shared_expert_x8(
@@ -687,20 +706,20 @@ pub(crate) fn shared_expert_x8(
     e: &Expert<CudaWeight>,
     limit: f32,
 ) -> Option<CudaTensor> {
-    let (d, inter) = (x.cols, e.w1.rows);
+    let (n, d, inter) = (x.rows, x.cols, e.w1.rows);
     let blk = crate::x8::BLOCK;
     let fmt = |w: &CudaWeight| w.q.as_ref().map(|q| q.format);
     let packed = fmt(&e.w1).is_some() && fmt(&e.w2).is_some() && fmt(&e.w1) == fmt(&e.w3);
-    if x.rows != 1 || !packed || !d.is_multiple_of(blk) || !inter.is_multiple_of(blk) {
+    if !(1..=SHARED_X8_ROWS).contains(&n) || !packed || !d.is_multiple_of(blk) || !inter.is_multiple_of(blk) {
         return None;
     }
-    let ek = b.packed_expert_kernels(std::slice::from_ref(e), 1, false);
+    let ek = b.packed_expert_kernels(std::slice::from_ref(e), n, false);
     let kernels = ek.x8?;
-    // order [0], off [0, 1], active [expert 0; one active].
-    let one = &b.one_pair;
-    let pairs = Pairs { order: one.slice(0..1), off: one.slice(1..3), active: one.slice(3..5), blocks: 1 };
-    let mut h = b.alloc::<f32>(inter);
-    let mut out = b.tensor(1, d);
+    let (t, base) = (&b.shared_pairs, 8 + 16 * (n - 1));
+    let pairs =
+        Pairs { order: t.slice(0..n), off: t.slice(base + 8..base + 10), active: t.slice(base..base + 8), blocks: 1 };
+    let mut h = b.alloc::<f32>(n * inter);
+    let mut out = b.tensor(n, d);
     let shape = ExpertShape { nexp: 1, k: 1, d, inter };
     x8_pairs(b, kernels, &ek.table, &pairs, shape, x, (&mut h, &mut out.data), limit, ek.x8_tiles);
     Some(out)

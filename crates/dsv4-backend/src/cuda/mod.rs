@@ -691,9 +691,9 @@ pub struct CudaBackend {
     _blas_workspace: CudaSlice<u8>,
     /// A packed weight the int8 products take was uploaded (the RMSNorms then write twins).
     pub(crate) x8_weights: std::sync::atomic::AtomicBool,
-    /// The pair tables of one row through one expert (order [0], off [0, 1], active [0, 1]):
-    /// the shared expert run by the routed-expert kernels.
-    pub(crate) one_pair: CudaSlice<u32>,
+    /// The pair tables of 1 to [`bf16::SHARED_X8_ROWS`] rows through one expert
+    /// ([`bf16::shared_pairs_words`]): the shared expert run by the routed-expert kernels.
+    pub(crate) shared_pairs: CudaSlice<u32>,
     /// Zeroed counters of 32-value groups (`moe_up1s`, `gemv1xq`: each launch leaves them zero,
     /// and launches on the stream never overlap): [`bf16::FFN1_COUNTERS`] of them.
     pub(crate) ffn1_cnt: CudaSlice<u32>,
@@ -1347,7 +1347,7 @@ impl CudaBackend {
         let dummy_u32 = stream.alloc_zeros::<u32>(1)?;
         let dummy_f64 = stream.alloc_zeros::<f64>(1)?;
         let dummy_i8 = stream.alloc_zeros::<i8>(1)?;
-        let one_pair = stream.clone_htod(&[0u32, 0, 1, 0, 1])?;
+        let shared_pairs = stream.clone_htod(&bf16::shared_pairs_words())?;
         let ffn1_cnt = stream.alloc_zeros::<u32>(bf16::FFN1_COUNTERS)?;
         Ok(CudaBackend {
             ctx,
@@ -1395,7 +1395,7 @@ impl CudaBackend {
             hash_tables: Mutex::new(HashMap::new()),
             _blas_workspace: ws,
             x8_weights: std::sync::atomic::AtomicBool::new(false),
-            one_pair,
+            shared_pairs,
             ffn1_cnt,
             settings: std::sync::atomic::AtomicU64::new(0),
             host_vecs: HostVecs::default(),
