@@ -710,7 +710,7 @@ pub(crate) fn shared_expert_x8(
     let blk = crate::x8::BLOCK;
     let fmt = |w: &CudaWeight| w.q.as_ref().map(|q| q.format);
     let packed = fmt(&e.w1).is_some() && fmt(&e.w2).is_some() && fmt(&e.w1) == fmt(&e.w3);
-    if !(1..=SHARED_X8_ROWS).contains(&n) || !packed || !d.is_multiple_of(blk) || !inter.is_multiple_of(blk) {
+    if !(1..=b.fusion.shared_rows).contains(&n) || !packed || !d.is_multiple_of(blk) || !inter.is_multiple_of(blk) {
         return None;
     }
     let ek = b.packed_expert_kernels(std::slice::from_ref(e), n, false);

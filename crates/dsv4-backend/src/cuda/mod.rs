@@ -785,6 +785,9 @@ pub(crate) struct Fusion {
     /// Values a thread in the RMSNorm (`DSV4_NORM_VALUES`, default 4; the block has at most
     /// 1024 threads).
     pub norm_values: usize,
+    /// Most rows the shared expert takes on the routed-expert kernels (`DSV4_SHARED_X8_ROWS`,
+    /// 1 to [`bf16::SHARED_X8_ROWS`], default the most; 1: one row only, the A/B).
+    pub shared_rows: usize,
 }
 
 impl Fusion {
@@ -797,6 +800,11 @@ impl Fusion {
             norm_rope: on("DSV4_NORM_ROPE"),
             hc_norm: on("DSV4_HC_NORM"),
             norm_values: usize::max(norm_values, 1),
+            shared_rows: std::env::var("DSV4_SHARED_X8_ROWS")
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(bf16::SHARED_X8_ROWS)
+                .clamp(1, bf16::SHARED_X8_ROWS),
         }
     }
 }
