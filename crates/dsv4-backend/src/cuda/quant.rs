@@ -674,36 +674,6 @@ impl CudaBackend {
             let blk = crate::x8::BLOCK;
             // quant_groups needs the outputs a block (8·opw) to divide 32 or be a multiple of it.
             let groups_fit = matches!(opw, 1 | 2 | 4 | 8) && m.is_multiple_of(blk) && m / blk <= FFN1_COUNTERS;
-            // 2–4 rows at two outputs a warp with their codes too (gemvx2pq / gemvx4pq).
-            if twin && pairs && self.gemv_twin() && m.is_multiple_of(blk) && m / blk <= FFN1_COUNTERS {
-                let (mut oq, mut od) = (self.alloc::<i8>(n * m), self.alloc::<f32>(n * m / blk));
-                // SAFETY: argument types and buffer sizes match the kernel: out holds n · m values,
-                // oq / od their n · m codes and n · m / 32 scales, the counters (zero between
-                // launches) cover the m / 32 groups; xq as below.
-                ck(
-                    unsafe {
-                        self.stream
-                            .kernel(self.qk.of(if n == 2 { "gemvx2pq" } else { "gemvx4pq" }, q.format))
-                            .arg(&mut out.data)
-                            .arg(&mut oq)
-                            .arg(&mut od)
-                            .arg(&self.ffn1_cnt)
-                            .arg(xq)
-                            .arg(xd)
-                            .arg(&q.blocks)
-                            .arg(&q.scales)
-                            .arg(&(n as i32))
-                            .arg(&(k as i32))
-                            .arg(&(m as i32))
-                            .arg(&(x.cols as i32))
-                            .arg(&((m / groups) as i32))
-                            .launch(cfg)
-                    },
-                    "gemv packed int8 of 2-4 rows with their outputs' codes",
-                );
-                let _ = out.x8.set(X8Twin { q: oq, d: od });
-                return out;
-            }
             if twin && n == 1 && !tiles && self.gemv_twin() && groups_fit {
                 let (mut oq, mut od) = (self.alloc::<i8>(m), self.alloc::<f32>(m / blk));
                 // SAFETY: argument types and buffer sizes match the kernel: out holds m values,
@@ -731,30 +701,40 @@ impl CudaBackend {
                 let _ = out.x8.set(X8Twin { q: oq, d: od });
                 return out;
             }
+            // 2–4 rows at two outputs a warp with their outputs' codes too (gemvx2pq / gemvx4pq:
+            // the same arguments after out, then the codes, scales and counters).
+            let mut codes = (twin && pairs && self.gemv_twin() && m.is_multiple_of(blk) && m / blk <= FFN1_COUNTERS)
+                .then(|| (self.alloc::<i8>(n * m), self.alloc::<f32>(n * m / blk)));
+            let kernel = if codes.is_some() {
+                self.qk.of(if n == 2 { "gemvx2pq" } else { "gemvx4pq" }, q.format)
+            } else {
+                kernel
+            };
             // SAFETY: argument types and buffer sizes match the kernel; xq holds the rows'
             // codes (16-byte aligned: a fresh allocation, rows and chunks of multiples of 32).
             // gemvtc's 16- and 4-byte cp.async copies read the codes and scales from their own
             // allocations, rows of k (a multiple of 32) and k / 16 bytes (k / 32 even: a multiple
             // of 4), and the launch carries the ring `xtc_smem` sizes, its function attribute set
-            // at load.
-            ck(
-                unsafe {
-                    self.stream
-                        .kernel(kernel)
-                        .arg(&mut out.data)
-                        .arg(xq)
-                        .arg(xd)
-                        .arg(&q.blocks)
-                        .arg(&q.scales)
-                        .arg(&(n as i32))
-                        .arg(&(k as i32))
-                        .arg(&(m as i32))
-                        .arg(&(x.cols as i32))
-                        .arg(&((m / groups) as i32))
-                        .launch(cfg)
-                },
-                "gemv packed int8",
-            );
+            // at load. With codes: oq / od hold the n · m codes and n · m / 32 scales of out's
+            // n · m values, the counters (zero between launches) cover the m / 32 groups.
+            let mut l = self.stream.kernel(kernel);
+            l.arg(&mut out.data);
+            if let Some((oq, od)) = codes.as_mut() {
+                l.arg(oq).arg(od).arg(&self.ffn1_cnt);
+            }
+            l.arg(xq)
+                .arg(xd)
+                .arg(&q.blocks)
+                .arg(&q.scales)
+                .arg(&(n as i32))
+                .arg(&(k as i32))
+                .arg(&(m as i32))
+                .arg(&(x.cols as i32))
+                .arg(&((m / groups) as i32));
+            ck(unsafe { l.launch(cfg) }, "gemv packed int8");
+            if let Some((q, d)) = codes {
+                let _ = out.x8.set(X8Twin { q, d });
+            }
             return out;
         }
         // Many rows: gemvo, bitwise gemv, a warp's activation loads shared by GEMVO_OUTS outputs.

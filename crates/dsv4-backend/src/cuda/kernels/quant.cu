@@ -1052,6 +1052,26 @@ __device__ __forceinline__ void xrows_pipe(int P, RowF rows, StoreF store, const
     }
 }
 
+// Whether this block, of the 32 / OB blocks that form a 32-value group g (OB < 32 outputs each),
+// is the last to count itself in cnt[g] (zero between launches; the last sets it back to zero),
+// with the pattern of the attention kernel's slice merge: one thread fences for the block after
+// the barrier the caller passed. Every thread of the block calls it.
+template <int OB>
+__device__ __forceinline__ bool last_of_group(unsigned* cnt, int g) {
+    __shared__ unsigned last;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        unsigned prev = atomicAdd(&cnt[g], 1u);
+        last = prev == 32 / OB - 1;
+        if (last) {
+            cnt[g] = 0;  // every block of the group has counted: ready for the next launch
+            __threadfence();
+        }
+    }
+    __syncthreads();
+    return last;
+}
+
 // After the block wrote its OB outputs o0.. of the row `row` (width values): the int8 codes and
 // scale of each 32-value group it completes (quant_block32 over the group, as quant_x8 forms
 // them). A block of fewer than 32 outputs counts itself in cnt[group] (zero between launches);
@@ -1063,7 +1083,6 @@ __device__ __forceinline__ void quant_groups(const float* row, signed char* qrow
     // Other block widths (DSV4_X8_OPW of 3, 5, 6, 7) would straddle groups: the launchers do not
     // take these kernels then, and this compiles to nothing so the module still builds.
     if constexpr (!(OB % 32 == 0 || 32 % OB == 0)) return;
-    __shared__ unsigned last;
     int lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
     __syncthreads();  // every warp's outputs stored
     int g;
@@ -1072,17 +1091,7 @@ __device__ __forceinline__ void quant_groups(const float* row, signed char* qrow
         if (wp >= OB / 32 || 32 * g >= width) return;
     } else {
         g = o0 / 32;
-        if (threadIdx.x == 0) {
-            __threadfence();
-            unsigned prev = atomicAdd(&cnt[g], 1u);
-            last = prev == 32 / OB - 1;
-            if (last) {
-                cnt[g] = 0;  // every block of the group has counted: ready for the next launch
-                __threadfence();
-            }
-        }
-        __syncthreads();
-        if (!last || wp != 0) return;
+        if (!last_of_group<OB>(cnt, g) || wp != 0) return;
     }
     float dd;
     signed char q = quant_block32(__ldcg(row + 32 * g + lane), &dd);
@@ -1100,23 +1109,9 @@ __device__ __forceinline__ void quant_groups_rows(const float* out, signed char*
                                                   int o0, int width, int n) {
     if constexpr (!(OB % 32 == 0 || 32 % OB == 0)) return;
     constexpr int GB = OB >= 32 ? OB / 32 : 1;  // groups a block completes (or shares)
-    __shared__ unsigned last;
     int lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
     __syncthreads();  // every warp's outputs stored
-    if (OB < 32) {
-        if (threadIdx.x == 0) {
-            int g = o0 / 32;
-            __threadfence();
-            unsigned prev = atomicAdd(&cnt[g], 1u);
-            last = prev == 32 / OB - 1;
-            if (last) {
-                cnt[g] = 0;  // every block of the group has counted: ready for the next launch
-                __threadfence();
-            }
-        }
-        __syncthreads();
-        if (!last) return;
-    }
+    if (OB < 32 && !last_of_group<OB>(cnt, o0 / 32)) return;
     for (int t = wp; t < n * GB; t += Q_WARPS) {
         int r = t / GB, g = o0 / 32 + t % GB;
         if (32 * g >= width) continue;
