@@ -128,16 +128,7 @@ impl CudaBackend {
                     Some(p) => l.arg(p),
                     None => l.arg(&mut out.data),
                 };
-                l.arg(&x.data)
-                    .arg(&q.blocks)
-                    .arg(&q.scales)
-                    .arg(&(n as i32))
-                    .arg(&(k as i32))
-                    .arg(&(m as i32))
-                    .arg(&(x.cols as i32))
-                    .arg(&(rpg as i32))
-                    .arg(&(ks as i32))
-                    .launch(cfg)
+                l.arg(&x.data).product_args(&q.blocks, &q.scales, [n, k, m, x.cols, rpg]).arg(&(ks as i32)).launch(cfg)
             },
             "pgemm",
         );

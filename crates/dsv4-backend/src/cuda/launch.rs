@@ -104,6 +104,21 @@ impl<'a> Launch<'a> {
     }
 
     /// Pushes a by-value struct parameter (its bytes are read when the kernel is queued).
+    /// A packed product's weight and shape arguments in the order every product kernel takes
+    /// them after its activations: codes, heads, then n, k, m, ldx and rows a group as i32.
+    pub(crate) fn product_args(
+        &mut self,
+        codes: &CudaSlice<u8>,
+        heads: &CudaSlice<u8>,
+        shape: [usize; 5],
+    ) -> &mut Self {
+        self.arg(codes).arg(heads);
+        for v in shape {
+            self.arg(&(v as i32));
+        }
+        self
+    }
+
     pub(crate) fn arg_struct<S: KernelStruct>(&mut self, s: &'a S) -> &mut Self {
         assert!(self.n < MAX_ARGS, "a kernel launch takes at most {MAX_ARGS} arguments");
         // SAFETY: `S` is plain `#[repr(C)]` data (KernelStruct's contract); the slice covers

@@ -722,15 +722,7 @@ impl CudaBackend {
             if let Some((oq, od)) = codes.as_mut() {
                 l.arg(oq).arg(od).arg(&self.ffn1_cnt);
             }
-            l.arg(xq)
-                .arg(xd)
-                .arg(&q.blocks)
-                .arg(&q.scales)
-                .arg(&(n as i32))
-                .arg(&(k as i32))
-                .arg(&(m as i32))
-                .arg(&(x.cols as i32))
-                .arg(&((m / groups) as i32));
+            l.arg(xq).arg(xd).product_args(&q.blocks, &q.scales, [n, k, m, x.cols, m / groups]);
             ck(unsafe { l.launch(cfg) }, "gemv packed int8");
             if let Some((q, d)) = codes {
                 let _ = out.x8.set(X8Twin { q, d });
@@ -751,13 +743,7 @@ impl CudaBackend {
                     .kernel(self.qk.of(name, q.format))
                     .arg(&mut out.data)
                     .arg(&x.data)
-                    .arg(&q.blocks)
-                    .arg(&q.scales)
-                    .arg(&(n as i32))
-                    .arg(&(k as i32))
-                    .arg(&(m as i32))
-                    .arg(&(x.cols as i32))
-                    .arg(&((m / groups) as i32))
+                    .product_args(&q.blocks, &q.scales, [n, k, m, x.cols, m / groups])
                     .launch(cfg)
             },
             "gemv packed",
