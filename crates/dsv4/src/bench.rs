@@ -71,6 +71,10 @@ pub struct BenchArgs {
     /// where the drafter drawn in bf16 is 42.8 GB.
     #[arg(long, default_value = "")]
     pub dspark_weights: String,
+    /// `--synthetic kernels`: the tables to run (comma-separated: products, int8, tiles, draws,
+    /// experts), or all.
+    #[arg(long, default_value = "all")]
+    pub tables: String,
     /// Longest prefill chunk.
     #[arg(long, default_value_t = 512)]
     pub prefill_chunk: usize,

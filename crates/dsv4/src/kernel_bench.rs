@@ -5,7 +5,10 @@
 //! the 4.3 TB/s the H200 copies at. Then the int8-activation path of Q8_0, Q2_K and IQ2_XXS,
 //! checked against its CPU twin and the exact product, timed the same way. Then products of
 //! 64 to 4096 rows on the tensor-core tiles (prefill), as TFLOP/s. Last, the token choice
-//! (`draw.cu`, greedy and sampled) against its CPU twin, in µs a call.
+//! (`draw.cu`, greedy and sampled) against its CPU twin, in µs a call. Last, a MoE block's
+//! experts (routed and shared, V4-Flash's shapes in ds4's q2 formats) at 1 and 3 rows, with
+//! their weights from DRAM and from L2. `--tables` picks the tables (`DSV4` variants of one
+//! kernel then take seconds, not minutes).
 
 use anyhow::{bail, Context, Result};
 use dsv4_backend::cuda::{CudaBackend, CudaWeight};
@@ -90,8 +93,14 @@ fn time(b: &CudaBackend, ws: &[CudaWeight], n: usize, reps: usize) -> f64 {
     ts[2]
 }
 
-pub fn run() -> Result<()> {
+pub fn run(tables: &str) -> Result<()> {
     let b = CudaBackend::new(0).context("starting the CUDA backend")?;
+    let all = ["products", "int8", "tiles", "draws", "experts"];
+    let on: Vec<&str> = if tables == "all" { all.to_vec() } else { tables.split(',').map(str::trim).collect() };
+    if let Some(t) = on.iter().find(|t| !all.contains(t)) {
+        bail!("--tables: no table `{t}` (the tables: {}, or all)", all.join(", "));
+    }
+    let want = |t: &str| on.contains(&t);
     b.set_int8(false); // the first table: the f32-activation products
     println!(
         "kernel bench on {}: products x[n, k] · w[m, k]ᵀ (bytes = weight bytes read once; the GB/s tables cycle \
@@ -112,7 +121,7 @@ pub fn run() -> Result<()> {
         Some(PackedFormat::Fp4),
     ];
     let mut table = Vec::new();
-    for f in formats {
+    for f in formats.into_iter().filter(|_| want("products")) {
         for (si, &(m, k)) in shapes.iter().enumerate() {
             let ws = copies(&b, f, m, k, 11 + si as u64);
             let w = &ws[0];
@@ -144,7 +153,7 @@ pub fn run() -> Result<()> {
     // the same sums: expected bitwise) and against the exact product (the activations' rounding).
     b.set_int8(true);
     let mut x8_table = Vec::new();
-    for f in [PackedFormat::Q8_0, PackedFormat::Q2_K, PackedFormat::IQ2_XXS] {
+    for f in [PackedFormat::Q8_0, PackedFormat::Q2_K, PackedFormat::IQ2_XXS].into_iter().filter(|_| want("int8")) {
         for (si, &(m, k)) in shapes.iter().enumerate() {
             let ws = copies(&b, Some(f), m, k, 11 + si as u64);
             let w = &ws[0];
@@ -189,7 +198,7 @@ pub fn run() -> Result<()> {
     // the CPU decoder (bf16 operands: the 1e-2 bound), timed as FLOP/s.
     let mut pg_table = Vec::new();
     b.set_tiles_dense_rows(usize::MAX);
-    for f in formats.into_iter().flatten() {
+    for f in formats.into_iter().flatten().filter(|_| want("tiles")) {
         for (si, &(m, k)) in shapes.iter().enumerate() {
             let w = b.upload_random_packed(f, m, k, 0.02, 11 + si as u64);
             let err = check(&b, &w, &host_values(&b, &w), 20);
@@ -209,11 +218,12 @@ pub fn run() -> Result<()> {
         }
     }
     b.set_tiles_dense_rows(dsv4_backend::cuda::gemm::TILES_DENSE_ROWS);
-    let draw_table = draws(&b)?;
+    let draw_table = if want("draws") { draws(&b)? } else { Vec::new() };
+    let expert_table = if want("experts") { experts(&b)? } else { Vec::new() };
     println!(
         "{}",
         serde_json::json!({"device": b.device_name(), "kernels": table, "int8": x8_table, "tiles": pg_table,
-            "draws": draw_table})
+            "draws": draw_table, "experts": expert_table})
     );
     Ok(())
 }
@@ -261,6 +271,125 @@ fn draws(b: &CudaBackend) -> Result<Vec<serde_json::Value>> {
         }
         println!("{line}");
         out.push(serde_json::json!({"rows": rows, "cols": cols, "settings": settings.map(|s| s.0), "us": us}));
+    }
+    Ok(out)
+}
+
+/// A MoE block's experts (`Backend::moe_shared`: the routed sum, the shared expert and their
+/// sum) at V4-Flash's shapes in ds4's q2 formats (gate/up IQ2_XXS [2048, 4096], down Q2_K
+/// [4096, 2048], the shared expert Q8_0; 6 slots a row) on 1 and 3 rows (a decode step and a
+/// DSpark verify of 1 + 2 drafts), as the default settings run them (one row: `moe_up1s` and
+/// `moe_down1s`). Two cases: "dram" routes each call to 6 random distinct experts a row out of
+/// EXPERTS (several times the L2, and each call the next of 32 routes), so the weights come from
+/// DRAM as in a decode step; "l2" puts one expert in every slot, so that after the first call
+/// a call's weights are L2 hits (the same instructions, the same grid). Where the two match,
+/// the kernels are bound by their own instruction chains, not by DRAM's latency or bandwidth.
+/// At one row the values are checked against the separate launches (`set_ffn1(false)`, expected
+/// bitwise; at 3 rows both take the several-row kernels, which `cuda_packed` holds to the
+/// one-row sums). The figure is µs a call and the distinct weight bytes over it.
+fn experts(b: &CudaBackend) -> Result<Vec<serde_json::Value>> {
+    use dsv4_model::weights::Expert;
+    const D: usize = 4096;
+    const INTER: usize = 2048;
+    const K: usize = 6;
+    const EXPERTS: usize = 128;
+    const ROUTES: usize = 32;
+    const LIMIT: f32 = 10.0;
+    let draw = |f: PackedFormat, m: usize, k: usize, s: u64| b.upload_random_packed(f, m, k, 0.02, s);
+    let ex: Vec<Expert<CudaWeight>> = (0..EXPERTS as u64)
+        .map(|e| Expert {
+            w1: draw(PackedFormat::IQ2_XXS, INTER, D, 7000 + 10 * e),
+            w3: draw(PackedFormat::IQ2_XXS, INTER, D, 7001 + 10 * e),
+            w2: draw(PackedFormat::Q2_K, D, INTER, 7002 + 10 * e),
+        })
+        .collect();
+    let shared = Expert {
+        w1: draw(PackedFormat::Q8_0, INTER, D, 6990),
+        w3: draw(PackedFormat::Q8_0, INTER, D, 6991),
+        w2: draw(PackedFormat::Q8_0, D, INTER, 6992),
+    };
+    let ebytes = ex[0].w1.bytes() + ex[0].w3.bytes() + ex[0].w2.bytes();
+    let sbytes = shared.w1.bytes() + shared.w3.bytes() + shared.w2.bytes();
+    let mut s = 4242u64;
+    let mut next = move |m: usize| {
+        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((s >> 33) as usize) % m
+    };
+    let mut out = Vec::new();
+    println!(
+        "experts: routed IQ2_XXS/IQ2_XXS/Q2_K [{INTER}, {D}] ({:.1} MB an expert), shared Q8_0 ({:.1} MB), {K} slots a row",
+        ebytes as f64 / 1e6,
+        sbytes as f64 / 1e6
+    );
+    for n in [1usize, 3] {
+        let x: Vec<f32> = (0..n * D).map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * 2.0).collect();
+        // The int8 codes beside x, as the sub-block's norm leaves them.
+        let x = b.rms_norm(&b.to_device(n, D, &x), None, D, 1e-6);
+        let wts: Vec<f32> = (0..n * K).map(|i| 0.1 + 0.05 * (i % K) as f32).collect();
+        let dram: Vec<Vec<u32>> = (0..ROUTES)
+            .map(|_| {
+                let mut ids = Vec::with_capacity(n * K);
+                for _ in 0..n {
+                    let mut row: Vec<u32> = Vec::with_capacity(K);
+                    while row.len() < K {
+                        let e = next(EXPERTS) as u32;
+                        if !row.contains(&e) {
+                            row.push(e);
+                        }
+                    }
+                    ids.extend(row);
+                }
+                ids
+            })
+            .collect();
+        for (case, routes) in [("dram", dram), ("l2", vec![vec![0u32; n * K]])] {
+            let routes: Vec<_> = routes.iter().map(|ids| (ids, b.route_from_host(K, EXPERTS, ids, &wts))).collect();
+            // The separate launches' values against the default path's (bitwise at one row;
+            // the several-row kernels keep each row's one-row sums too).
+            let (ids0, r0) = &routes[0];
+            let got = b.moe_shared(&x, r0, &ex, 0, &shared, LIMIT);
+            let ffn1 = b.ffn1();
+            b.set_ffn1(false);
+            let want = b.moe_shared(&x, r0, &ex, 0, &shared, LIMIT);
+            b.set_ffn1(ffn1);
+            let (got, want) = (b.to_host(&got.2), b.to_host(&want.2));
+            let scale = want.iter().fold(0f32, |a, v| a.max(v.abs())).max(f32::MIN_POSITIVE);
+            let err = got.iter().zip(&want).fold(0f32, |a, (g, w)| a.max((g - w).abs())) / scale;
+            if err.is_nan() || err > 1e-6 {
+                bail!("experts, {n} rows, {case}: the default path differs from the separate launches by {err:.2e}");
+            }
+            let mut distinct: Vec<u32> = ids0.to_vec();
+            distinct.sort_unstable();
+            distinct.dedup();
+            let bytes = (distinct.len() * ebytes + sbytes) as f64;
+            for (_, r) in routes.iter().take(3) {
+                drop(b.moe_shared(&x, r, &ex, 0, &shared, LIMIT));
+            }
+            let reps = 64;
+            let mut ts: Vec<f64> = (0..5)
+                .map(|_| {
+                    let e0 = b.timing_event();
+                    for i in 0..reps {
+                        drop(b.moe_shared(&x, &routes[i % routes.len()].1, &ex, 0, &shared, LIMIT));
+                    }
+                    let e1 = b.timing_event();
+                    b.synchronize();
+                    e0.elapsed_ms(&e1).unwrap_or(f32::NAN) as f64 / 1e3 / reps as f64
+                })
+                .collect();
+            ts.sort_by(f64::total_cmp);
+            let t = ts[2];
+            println!(
+                "experts {n} rows, {case:>4}: {:2} distinct experts + shared, {:6.1} MB  vs apart {err:.1e}: {:7.1} µs a call, {:6.0} GB/s ({:3.0}%)",
+                distinct.len(),
+                bytes / 1e6,
+                t * 1e6,
+                bytes / t / 1e9,
+                100.0 * bytes / t / HBM_BYTES_PER_S
+            );
+            out.push(serde_json::json!({"rows": n, "case": case, "distinct": distinct.len(), "bytes": bytes,
+                "rel_err_apart": err, "us": t * 1e6}));
+        }
     }
     Ok(out)
 }

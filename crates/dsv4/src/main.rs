@@ -720,7 +720,7 @@ fn kernels(a: bench::BenchArgs) -> Result<()> {
     if !matches!(a.backend, BackendKind::Cuda) {
         bail!("--synthetic kernels times the CUDA kernels: use --backend cuda");
     }
-    kernel_bench::run()
+    kernel_bench::run(&a.tables)
 }
 
 #[cfg(not(feature = "cuda"))]

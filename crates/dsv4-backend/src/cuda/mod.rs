@@ -1118,6 +1118,26 @@ impl CudaBackend {
         bf16::ffn_few_rows(self, x, route, experts, 0, shared, limit)
     }
 
+    /// A route of the given expert ids and weights (`k` slots a row, row-major), as the router
+    /// would leave it: the expert kernels' benchmark picks its experts itself (`dsv4 bench
+    /// --synthetic kernels`, the experts table), e.g. one expert in every slot so that a call's
+    /// weights stay in L2.
+    pub fn route_from_host(&self, k: usize, experts: usize, ids: &[u32], weights: &[f32]) -> CudaRoute {
+        assert!(
+            k > 0 && ids.len() == weights.len() && ids.len().is_multiple_of(k),
+            "route: {} ids, {} weights, k {k}",
+            ids.len(),
+            weights.len()
+        );
+        assert!(ids.iter().all(|&e| (e as usize) < experts), "route: an expert id past {experts}");
+        CudaRoute {
+            k,
+            experts,
+            ids: ck(self.stream.clone_htod(ids), "route ids"),
+            weights: ck(self.stream.clone_htod(weights), "route weights"),
+        }
+    }
+
     /// Products of Q8_0, Q2_K and IQ2_XXS weights on int8-quantised activations up to 16 rows,
     /// and the routed experts of those formats at any batch the grouped kernels take (dp4a;
     /// [`crate::x8`] is their CPU twin, and says what the rounding costs). On by default (dp4a
