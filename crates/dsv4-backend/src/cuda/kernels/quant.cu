@@ -1199,6 +1199,21 @@ __device__ __forceinline__ int x8g_entry(const X8Group& g, int* bx) {
     return e;
 }
 
+// Bytes [p, p + n) into L2, a 128-byte line a lane.
+__device__ __forceinline__ void pf_span(const u8* p, long long n, int lane) {
+    unsigned long long a = ((unsigned long long)p & ~127ull) + 128ull * lane, end = (unsigned long long)p + n;
+    for (; a < end; a += 32 * 128) asm volatile("prefetch.L2 [%0];" ::"l"(a));
+}
+
+// X8_PF1_BLOCKS: the one-row expert kernels' form of X8_PF_BLOCKS (moe_up1s / moe_down1s and
+// the one-row pairs): each warp asks L2 for the rows of the warp X8_PF1_BLOCKS blocks later in
+// launch order (up: the same pair, a later output; down: a later output of the same pair), so
+// that block's loads find them in L2. 0: off (the built-in; `dsv4 bench --synthetic kernels
+// --tables experts` times it against DRAM and L2).
+#ifndef X8_PF1_BLOCKS
+#define X8_PF1_BLOCKS 0
+#endif
+
 // Gate/up rows o..o+X8_OPW_UP−1 of expert e (address table ptrs of nexp experts) on one row of
 // int8 activations, SwiGLU'd into hrow[o..]: the one-row pair of moe_up_x8 and moe_up1s. Every
 // thread of the block calls it (`live` false: no loads, no store). U: chunks a lane loads ahead
@@ -1233,6 +1248,16 @@ __device__ __forceinline__ void up1_pair(float* __restrict__ hrow, const signed 
         sr[2 * j] = scale_row(F, (const u8*)ptrs[3 * nexp + e], oj, d);
         wr[2 * j + 1] = (const u8*)ptrs[nexp + e] + oj * rb;
         sr[2 * j + 1] = scale_row(F, (const u8*)ptrs[4 * nexp + e], oj, d);
+    }
+    if constexpr (X8_PF1_BLOCKS > 0) {
+        int of = o + (int)((X8_PF1_BLOCKS + gridDim.x - 1) / gridDim.x) * Q_WARPS * P;
+        if (live && of < inter) {
+            long long hb = head_bytes(F, d);
+            pf_span((const u8*)ptrs[e] + of * rb, P * rb, lane);
+            pf_span((const u8*)ptrs[nexp + e] + of * rb, P * rb, lane);
+            pf_span(scale_row(F, (const u8*)ptrs[3 * nexp + e], of, d), P * hb, lane);
+            pf_span(scale_row(F, (const u8*)ptrs[4 * nexp + e], of, d), P * hb, lane);
+        }
     }
     float v[2 * P];
     xrows_dot<F, 2 * P, U>(v, wr, sr, xq, xd, d, lane, live);
@@ -1297,6 +1322,15 @@ __device__ __forceinline__ void down1_pair(float* v, const signed char* __restri
     const u8* wr[P];
     const u8* sr[P];
     down_rows<F, P>(wr, sr, ptrs, nexp, e, c, d, inter);
+    if constexpr (X8_PF1_BLOCKS > 0) {
+        int cf = c + X8_PF1_BLOCKS * P;  // blocks along x, P outputs each (moe_down1s)
+        if (live && cf < d) {
+            int n = min(P, d - cf);
+            long long rb = row_bytes(F, inter);
+            pf_span((const u8*)ptrs[2 * nexp + e] + cf * rb, n * rb, threadIdx.x & 31);
+            pf_span(scale_row(F, (const u8*)ptrs[5 * nexp + e], cf, inter), n * head_bytes(F, inter), threadIdx.x & 31);
+        }
+    }
     xrows_dot<F, P, 2, false, TABS>(v, wr, sr, hq, hd, inter, threadIdx.x & 31, live);
 }
 
@@ -1504,11 +1538,6 @@ __device__ __forceinline__ void xrows_all(const u8* const* wr, const u8* const* 
 #ifndef X8_PF_SELF
 #define X8_PF_SELF 0
 #endif
-// Bytes [p, p + n) into L2, a 128-byte line a lane.
-__device__ __forceinline__ void pf_span(const u8* p, long long n, int lane) {
-    unsigned long long a = ((unsigned long long)p & ~127ull) + 128ull * lane, end = (unsigned long long)p + n;
-    for (; a < end; a += 32 * 128) asm volatile("prefetch.L2 [%0];" ::"l"(a));
-}
 // Outputs between a block's and the block X8_PF_BLOCKS later's (per_block outputs a block).
 __device__ __forceinline__ int pf_ahead(int per_block) {
     return (int)((X8_PF_BLOCKS + gridDim.x - 1) / gridDim.x) * per_block;
