@@ -843,12 +843,7 @@ pub fn load_weights_with<W>(
         let (bias, tid2eid) = if spec.hash_moe {
             let official = format!("{f}.gate.tid2eid");
             let ids = ld.tid2eid(&official, cfg.vocab_size, k)?;
-            if let Some((i, bad)) = ids.iter().enumerate().find(|(_, &x)| x < 0 || x as usize >= ne) {
-                return Err(LoadError::Value {
-                    name: official,
-                    msg: format!("entry {i} is expert {bad}, outside 0..{ne}"),
-                });
-            }
+            check_tid2eid(&official, &ids, k, ne)?;
             (None, Some(ids.into_iter().map(|x| x as u32).collect()))
         } else {
             (Some(ld.tensor(&format!("{f}.gate.bias"), &[ne])?), None)
@@ -879,9 +874,34 @@ pub fn load_weights_with<W>(
     Ok((Weights { embed, head, norm, hc_head, layers }, ld.stats))
 }
 
+/// A hash layer's routing table as the spec has it (§12.2): each token's row holds `k` distinct
+/// expert ids in `0..ne`. An id outside would index past the experts; with a repeated one the
+/// CUDA backend's two expert paths disagree (the one-row kernels sum slot by slot, the kernels
+/// that group a step's pairs by expert do not form that sum: PERF.md v44). Both are refused at
+/// load, naming the token and slot.
+pub(crate) fn check_tid2eid(name: &str, ids: &[i64], k: usize, ne: usize) -> Result<(), LoadError> {
+    for (t, row) in ids.chunks(k.max(1)).enumerate() {
+        for (j, &x) in row.iter().enumerate() {
+            if x < 0 || x as usize >= ne {
+                return Err(LoadError::Value {
+                    name: name.into(),
+                    msg: format!("token {t}, slot {j} (entry {}) is expert {x}, outside 0..{ne}", t * k + j),
+                });
+            }
+            if row[..j].contains(&x) {
+                return Err(LoadError::Value {
+                    name: name.into(),
+                    msg: format!("token {t} routes to expert {x} twice (slot {j}); a row's {k} experts must differ"),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
-    use super::hf_name;
+    use super::{check_tid2eid, hf_name};
 
     #[test]
     fn official_to_hf_names() {
@@ -905,5 +925,16 @@ mod tests {
         for (o, h) in cases {
             assert_eq!(hf_name(o), h, "{o}");
         }
+    }
+
+    #[test]
+    fn tid2eid_rows_must_hold_distinct_experts_in_range() {
+        assert!(check_tid2eid("t", &[0, 1, 2, 3, 2, 1], 3, 4).is_ok());
+        let e = check_tid2eid("t", &[0, 1, 2, 3, 1, 3], 3, 4).unwrap_err().to_string();
+        assert!(e.contains("token 1 routes to expert 3 twice (slot 2)"), "{e}");
+        let e = check_tid2eid("t", &[0, 1, 4], 3, 4).unwrap_err().to_string();
+        assert!(e.contains("token 0, slot 2 (entry 2) is expert 4, outside 0..4"), "{e}");
+        let e = check_tid2eid("t", &[0, -1, 2], 3, 4).unwrap_err().to_string();
+        assert!(e.contains("is expert -1"), "{e}");
     }
 }
