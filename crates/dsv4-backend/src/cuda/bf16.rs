@@ -46,6 +46,15 @@ pub(crate) fn gemvt_pipe() -> bool {
     *ON.get_or_init(|| std::env::var("DSV4_GEMVT_PIPE").is_ok_and(|v| v.trim() == "1"))
 }
 
+/// Whether `moe_down1s` runs blocks of one warp a pair (k + 1 = 7 warps for V4: none idle) or of
+/// Q_WARPS warps (the built-in, one idle at k = 6): `DSV4_DOWN1_PAIRS=1`. The same values (the
+/// kernel's warps past the pairs form nothing); with 60 registers a thread both hold 4 blocks an
+/// SM, so it moves something only where the kernel holds fewer registers (PERF.md v44).
+fn down1_pair_warps() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DSV4_DOWN1_PAIRS").is_ok_and(|v| v.trim() == "1"))
+}
+
 /// Whether fast-mode bf16 products of up to [`gemv_rows`] rows take `gemvt_bf16` (default) or,
 /// with `DSV4_BF16_TILES=0`, the f32-activation GEMV kernels (both batch invariant).
 fn gemv_tiles() -> bool {
@@ -621,9 +630,10 @@ pub(crate) fn ffn_few_rows(
         block_dim: (32 * Q_WARPS as u32, 1, 1),
         shared_mem_bytes: 0,
     };
+    let down_warps = if down1_pair_warps() { pairs } else { Q_WARPS };
     let down_cfg = LaunchConfig {
         grid_dim: (d.div_ceil(o.down) as u32, n as u32, 1),
-        block_dim: (32 * Q_WARPS as u32, 1, 1),
+        block_dim: (32 * down_warps as u32, 1, 1),
         shared_mem_bytes: 0,
     };
     // SAFETY (both launches): argument types and buffer sizes match the kernels: x's codes
