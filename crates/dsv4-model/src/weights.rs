@@ -876,9 +876,9 @@ pub fn load_weights_with<W>(
 
 /// A hash layer's routing table as the spec has it (§12.2): each token's row holds `k` distinct
 /// expert ids in `0..ne`. An id outside would index past the experts; with a repeated one the
-/// CUDA backend's two expert paths disagree (the one-row kernels sum slot by slot, the kernels
-/// that group a step's pairs by expert do not form that sum: PERF.md v44). Both are refused at
-/// load, naming the token and slot.
+/// CUDA backend's one-row expert paths disagree (the two-launch kernels sum slot by slot; the
+/// separate one-row kernels, `moe_up1x` / `moe_down1x`, take one pair an active expert: PERF.md
+/// v44). Both are refused at load, naming the token and slot.
 pub(crate) fn check_tid2eid(name: &str, ids: &[i64], k: usize, ne: usize) -> Result<(), LoadError> {
     for (t, row) in ids.chunks(k.max(1)).enumerate() {
         for (j, &x) in row.iter().enumerate() {
