@@ -740,7 +740,7 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_HG, ATT_MINB) attention(fl
                                      const unsigned* sel, int has_sel, int topk, const float* sinks,
                                      const unsigned* rows, int n, int t0, int heads, int d, float scale,
                                      const double* freqs, int npairs, int epi, signed char* oq, float* od,
-                                     int ringw, L2Ranges pf) {
+                                     int ringw, const __grid_constant__ L2Ranges pf) {
     if (l2_prefetch_block(pf, 0)) return;  // past the rows: L2 prefetch (common.cuh)
     pdl_enter();
     if (ringw && blockIdx.y == 0 && blockIdx.z == 0) {
@@ -927,7 +927,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     attention_tc(float* out, const float* q, const float* kv, const float* ring, int win, int rcap,
                  const float* entries, int cap, int m, const unsigned* sel, int has_sel, int topk,
                  const float* sinks, const unsigned* rows, int n, int heads, float* part, int t0,
-                 L2Ranges pf) {
+                 const __grid_constant__ L2Ranges pf) {
     if (l2_prefetch_block(pf, 0)) return;  // past the rows: L2 prefetch (common.cuh)
     pdl_enter();
     const int d = 512;

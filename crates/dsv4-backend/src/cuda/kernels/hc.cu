@@ -704,7 +704,7 @@ __device__ __noinline__ bool hc_pre_prefetch(const L2Ranges& pf) { return l2_pre
 extern "C" __global__ void __launch_bounds__(1024) hc_pre_apply_norm(float* y, float* a, signed char* xq, float* xd, float* post, float* comb,
                                              const float* __restrict__ x, const float* __restrict__ part,
                                              const float* base, const float* scale, const float* nw, int n, int d,
-                                             int iters, float rms_eps, float hc_eps, int twin, L2Ranges pf) {
+                                             int iters, float rms_eps, float hc_eps, int twin, const __grid_constant__ L2Ranges pf) {
     if (pf.layers > 0 && hc_pre_prefetch(pf)) return;
     if (blockIdx.x == 0 && threadIdx.x == 0) WEIGHT_HINT(nw, 4LL * d);  // the norm's weight
     pdl_enter();
