@@ -1413,16 +1413,20 @@ __device__ void moe_down1s(float* __restrict__ routed, float* __restrict__ share
         shared += (long long)t * d;
         out += (long long)t * d;
     }
+    // A routed warp's slot weight, loaded beside its weights and applied by the warp itself
+    // (ys holds w_j·y_j): the block's closing combine then waits on no global load (it took
+    // one L2 trip after the barrier in every block). The same products, the same sum order.
+    float wv = wp < k && lane == 0 ? wts[wp] : 0.f;
     if (wp < k) down1_pair<R, false>(v, hq + row, hd + row / 32, ptrs, nexp, ids[wp], c, d, inter, c < d);
     else if (wp == k) down1_pair<S, false>(v, hq + row, hd + row / 32, sptrs, 1, 0, c, d, inter, c < d);
     if (wp <= k && lane == 0 && c < d)
 #pragma unroll
-        for (int p = 0; p < P; p++) ys[wp][p] = v[p];
+        for (int p = 0; p < P; p++) ys[wp][p] = wp < k ? __fmul_rn(wv, v[p]) : v[p];
     __syncthreads();
     int p = threadIdx.x;
     if (p >= P || c + p >= d) return;
     float acc = 0.f;
-    for (int i = 0; i < k; i++) acc = __fadd_rn(acc, __fmul_rn(wts[i], ys[i][p]));
+    for (int i = 0; i < k; i++) acc = __fadd_rn(acc, ys[i][p]);
     float s = ys[k][p];
     routed[c + p] = acc;
     shared[c + p] = s;
