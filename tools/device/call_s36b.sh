@@ -8,19 +8,8 @@ cd "$(dirname "$0")/../.."
 . tools/device/run_test.sh
 G=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "$G" >> "$S"
 FL=43; case "$G" in *H100*) FL=32 ;; esac
-for v in builtin s34; do
-  env=(); [ $v = s34 ] && env=(DSV4_CUDA_KERNELS=.devbin/kvar/s34)
-  env "${env[@]}" timeout 80 .devbin/dsv4 bench --backend cuda --synthetic flash --layers $FL --weights q2 --contexts '' \
-      --reserve 1x4096 --decode-fill clone --decode-batches 1 --decode-context 4096 --decode-tokens 16 \
-      --verify-drafts 1,2,3 --dspark-round > "$OUT/ab-$v.txt" 2>&1
-  echo "== $FL layers, $v: exit $?" >> "$S"
-  grep -E '^(decode batch +1 at|verify|dspark batch +1(: draft|, measured))' "$OUT/ab-$v.txt" \
-    | sed -E 's/ = [0-9.]+x a decode.*//; s/ +[0-9.]+ ms\/layer.*//' | cut -c1-170 >> "$S"
-done
+batch1_rounds $FL builtin
+batch1_rounds $FL s34 DSV4_CUDA_KERNELS=.devbin/kvar/s34
 run_test cuda_invariance
-timeout 100 .devbin/dsv4 bench --backend cuda --synthetic flash --layers $FL --weights q2 --contexts '' \
-    --reserve 64x4096 --decode-fill clone --decode-batches 16,64 --decode-context 4096 --decode-tokens 16 \
-    > "$OUT/b1664.txt" 2>&1
-echo "== $FL layers, batches 16 and 64: exit $?" >> "$S"
-grep -E '^decode batch' "$OUT/b1664.txt" | cut -c1-150 >> "$S"
+batches_16_64 $FL
 cat "$S"

@@ -20,3 +20,33 @@ draw_twin_check() {
   run_test cuda_backend cuda_draws_match_the_cpu_twin --nocapture
   grep -E 'draw_rows|rows drawn' "$OUT/test-cuda_backend.txt" >> "$S"
 }
+# `experts_table NAME [VAR=VALUE...]`: the kernel bench's experts table (PERF.md v44) under that
+# environment into $OUT/experts-NAME.txt, its lines into the summary.
+experts_table() {
+  local v=$1 t0; shift
+  t0=$(date +%s)
+  env "$@" timeout 100 .devbin/dsv4 bench --backend cuda --synthetic kernels --tables experts > "$OUT/experts-$v.txt" 2>&1
+  echo "== $v ($*): exit $? in $(( $(date +%s) - t0 )) s" >> "$S"
+  grep -E '^experts|rror' "$OUT/experts-$v.txt" | cut -c1-200 >> "$S"
+}
+# `batch1_rounds LAYERS NAME [VAR=VALUE...]`: a batch-1 decode step, verify 1+1..1+3 and the
+# DSpark rounds on LAYERS q2 layers at context 4096 under that environment (into
+# $OUT/ab-NAME.txt), their lines into the summary.
+batch1_rounds() {
+  local l=$1 v=$2; shift 2
+  env "$@" timeout 80 .devbin/dsv4 bench --backend cuda --synthetic flash --layers "$l" --weights q2 --contexts '' \
+      --reserve 1x4096 --decode-fill clone --decode-batches 1 --decode-context 4096 --decode-tokens 16 \
+      --verify-drafts 1,2,3 --dspark-round > "$OUT/ab-$v.txt" 2>&1
+  echo "== $l layers, $v ($*): exit $?" >> "$S"
+  grep -E '^(decode batch +1 at|verify|dspark batch +1(: draft|, measured))' "$OUT/ab-$v.txt" \
+    | sed -E 's/ = [0-9.]+x a decode.*//; s/ +[0-9.]+ ms\/layer.*//' | cut -c1-170 >> "$S"
+}
+# `batches_16_64 LAYERS`: decode steps of 16 and 64 rows (cloned contexts of 4096) on LAYERS q2
+# layers into $OUT/b1664.txt, their lines into the summary.
+batches_16_64() {
+  timeout 100 .devbin/dsv4 bench --backend cuda --synthetic flash --layers "$1" --weights q2 --contexts '' \
+      --reserve 64x4096 --decode-fill clone --decode-batches 16,64 --decode-context 4096 --decode-tokens 16 \
+      > "$OUT/b1664.txt" 2>&1
+  echo "== $1 layers, batches 16 and 64: exit $?" >> "$S"
+  grep -E '^decode batch' "$OUT/b1664.txt" | cut -c1-150 >> "$S"
+}
