@@ -392,11 +392,13 @@ pub fn compile_kernels() -> Result<(), CudaInitError> {
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(CudaInitError::NoLibrary("NVRTC"));
     }
+    // Always NVRTC's own compile, never a kept PTX (`DSV4_KERNEL_CACHE`): this is the check
+    // that the sources compile.
     for (file, src) in SOURCES {
-        ptx(file, src)?;
+        ptx_from(file, src, false)?;
     }
-    ptx("quant.cu", &quant::source())?;
-    ptx(dspark::SOURCE.0, dspark::SOURCE.1)?;
+    ptx_from("quant.cu", &quant::source(), false)?;
+    ptx_from(dspark::SOURCE.0, dspark::SOURCE.1, false)?;
     Ok(())
 }
 
@@ -430,22 +432,108 @@ pub(crate) fn kernel_source(file: &str, builtin: &'static str) -> std::borrow::C
 }
 
 fn ptx(file: &'static str, src: &str) -> Result<cudarc::nvrtc::Ptx, CudaInitError> {
+    ptx_from(file, src, true)
+}
+
+/// [`ptx`], reading and keeping the PTX in the kernel cache's folder when `disk`.
+fn ptx_from(file: &'static str, src: &str, disk: bool) -> Result<cudarc::nvrtc::Ptx, CudaInitError> {
     let mut cache = PTX.lock().unwrap();
-    if let Some((_, p)) = cache.iter().find(|(f, _)| *f == file) {
+    if let Some((_, p)) = cache.iter().find(|(f, _)| *f == file).filter(|_| disk) {
         return Ok(p.clone());
     }
+    const ARCH: &str = "compute_90a";
+    // bf16.cu and quant.cu are not f32 oracle twins: contraction on for their dot products.
+    let fmad = file == "bf16.cu" || file == "quant.cu";
+    let full = format!("{COMMON}\n{src}");
+    let disk = if disk { ptx_cache_path(file, &full, ARCH, fmad) } else { None };
+    if let Some(text) = disk.as_ref().and_then(|d| std::fs::read_to_string(d).ok()) {
+        let p = cudarc::nvrtc::Ptx::from_src(text);
+        cache.push((file, p.clone()));
+        return Ok(p);
+    }
     let opts = CompileOptions {
-        arch: Some("compute_90a"),
-        // bf16.cu and quant.cu are not f32 oracle twins: contraction on for their dot products.
-        fmad: Some(file == "bf16.cu" || file == "quant.cu"),
+        arch: Some(ARCH),
+        fmad: Some(fmad),
         name: Some(file.into()),
         options: vec!["--std=c++17".into()],
         ..Default::default()
     };
-    let p = compile_ptx_with_opts(format!("{COMMON}\n{src}"), opts)
-        .map_err(|e| CudaInitError::Compile { file, msg: e.to_string() })?;
+    let p = compile_ptx_with_opts(full, opts).map_err(|e| CudaInitError::Compile { file, msg: e.to_string() })?;
+    if let Some(d) = disk {
+        store_ptx(&d, &p.to_src());
+    }
     cache.push((file, p.clone()));
     Ok(p)
+}
+
+/// Where a kernel file's PTX is kept between processes: NVRTC takes ~35 s for the kernel files
+/// (quant.cu's templates most of it), every process start, where reading a kept PTX takes
+/// milliseconds (a device call that runs several processes, a server's restart). The folder is
+/// `DSV4_KERNEL_CACHE` (`0` or empty: none), else `$XDG_CACHE_HOME/dsv4/ptx` or
+/// `$HOME/.cache/dsv4/ptx`. The name hashes everything the PTX depends on: the file's name and
+/// the source NVRTC compiles (so an edited kernel or a `DSV4_CUDA_KERNELS` variant compiles
+/// afresh), the options, and NVRTC's version (a newer NVRTC's PTX may not load on an older
+/// driver).
+fn ptx_cache_path(file: &str, src: &str, arch: &str, fmad: bool) -> Option<std::path::PathBuf> {
+    let dir = match std::env::var_os("DSV4_KERNEL_CACHE") {
+        Some(d) if d.is_empty() || d == "0" => return None,
+        Some(d) => std::path::PathBuf::from(d),
+        None => std::env::var_os("XDG_CACHE_HOME")
+            .filter(|d| !d.is_empty())
+            .map(std::path::PathBuf::from)
+            .or_else(|| {
+                std::env::var_os("HOME").filter(|d| !d.is_empty()).map(|h| std::path::Path::new(&h).join(".cache"))
+            })?
+            .join("dsv4")
+            .join("ptx"),
+    };
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: nvrtcVersion writes two ints through valid pointers; the library is loaded (the
+    // callers compile with it next).
+    let ok = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }
+        == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS;
+    if !ok {
+        return None;
+    }
+    let key = ptx_key(&[
+        file.as_bytes(),
+        src.as_bytes(),
+        arch.as_bytes(),
+        &[fmad as u8],
+        &major.to_le_bytes(),
+        &minor.to_le_bytes(),
+    ]);
+    Some(dir.join(format!("{file}-{key:032x}.ptx")))
+}
+
+/// FNV-1a (128-bit) over the parts, each followed by its length: stable across builds and
+/// Rust versions, unlike `DefaultHasher`.
+fn ptx_key(parts: &[&[u8]]) -> u128 {
+    const PRIME: u128 = 0x0000000001000000000000000000013B;
+    let mut h: u128 = 0x6c62272e07bb014262b821756295c58d;
+    for p in parts {
+        for &b in p.iter().chain((p.len() as u64).to_le_bytes().iter()) {
+            h ^= b as u128;
+            h = h.wrapping_mul(PRIME);
+        }
+    }
+    h
+}
+
+/// Writes `text` to `path` whole or not at all (a temporary file renamed into place, so a
+/// concurrent process never reads a part); a folder that cannot be written only costs the
+/// next process its compile.
+fn store_ptx(path: &std::path::Path, text: &str) {
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let r = path
+        .parent()
+        .map_or(Ok(()), std::fs::create_dir_all)
+        .and_then(|_| std::fs::write(&tmp, text))
+        .and_then(|_| std::fs::rename(&tmp, path));
+    if let Err(e) = r {
+        let _ = std::fs::remove_file(&tmp);
+        tracing::warn!("kernel cache: could not keep {}: {e}", path.display());
+    }
 }
 
 /// PTX of a kernel file outside [`SOURCES`] (modules loaded on demand, e.g. [`dspark`]).
@@ -2889,7 +2977,29 @@ impl CudaBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::{decode_fusion_in, HostVecs, HOST_VECS_KEEP, HOST_VECS_MIN};
+    use super::{decode_fusion_in, ptx_key, store_ptx, HostVecs, HOST_VECS_KEEP, HOST_VECS_MIN};
+
+    #[test]
+    fn kept_ptx_names_hash_every_part_and_its_length() {
+        let k = ptx_key(&[b"quant.cu", b"src", b"compute_90a", &[1]]);
+        assert_eq!(k, ptx_key(&[b"quant.cu", b"src", b"compute_90a", &[1]]), "stable");
+        assert_ne!(k, ptx_key(&[b"quant.cu", b"src", b"compute_90a", &[0]]), "the options count");
+        assert_ne!(k, ptx_key(&[b"quant.cu", b"srd", b"compute_90a", &[1]]), "the source counts");
+        assert_ne!(ptx_key(&[b"ab", b"c"]), ptx_key(&[b"a", b"bc"]), "parts do not run together");
+        // FNV-1a 128 of the empty input with no parts: its offset basis.
+        assert_eq!(ptx_key(&[]), 0x6c62272e07bb014262b821756295c58d);
+    }
+
+    #[test]
+    fn kept_ptx_is_written_whole_into_a_new_folder() {
+        let dir = std::env::temp_dir().join(format!("dsv4-ptx-test-{}", std::process::id()));
+        let path = dir.join("sub").join("x.cu-00.ptx");
+        store_ptx(&path, "// ptx");
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "// ptx");
+        let left: Vec<_> = std::fs::read_dir(path.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(left, vec![std::ffi::OsString::from("x.cu-00.ptx")], "no temporary file left");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn a_host_vector_given_back_serves_the_next_download_of_its_size_or_less() {
