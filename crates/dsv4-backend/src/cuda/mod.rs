@@ -461,6 +461,7 @@ fn ptx_from(file: &'static str, src: &str, disk: bool) -> Result<cudarc::nvrtc::
     let p = compile_ptx_with_opts(full, opts).map_err(|e| CudaInitError::Compile { file, msg: e.to_string() })?;
     if let Some(d) = disk {
         store_ptx(&d, &p.to_src());
+        prune_ptx(&d, file, PTX_KEEP);
     }
     cache.push((file, p.clone()));
     Ok(p)
@@ -518,6 +519,26 @@ fn ptx_key(parts: &[&[u8]]) -> u128 {
         }
     }
     h
+}
+
+/// PTX files kept for each kernel file (the newest; an edited kernel or a variant adds one,
+/// quant.cu's is ~13 MB).
+const PTX_KEEP: usize = 8;
+
+/// Removes all but the `keep` newest kept PTX files of kernel file `file` beside `path`.
+fn prune_ptx(path: &std::path::Path, file: &str, keep: usize) {
+    let Some(dir) = path.parent() else { return };
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let prefix = format!("{file}-");
+    let mut kept: Vec<(std::time::SystemTime, std::path::PathBuf)> = entries
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_str().is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".ptx")))
+        .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+        .collect();
+    kept.sort_by_key(|k| std::cmp::Reverse(k.0));
+    for (_, old) in kept.into_iter().skip(keep) {
+        let _ = std::fs::remove_file(old);
+    }
 }
 
 /// Writes `text` to `path` whole or not at all (a temporary file renamed into place, so a
@@ -2977,7 +2998,7 @@ impl CudaBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::{decode_fusion_in, ptx_key, store_ptx, HostVecs, HOST_VECS_KEEP, HOST_VECS_MIN};
+    use super::{decode_fusion_in, prune_ptx, ptx_key, store_ptx, HostVecs, HOST_VECS_KEEP, HOST_VECS_MIN};
 
     #[test]
     fn kept_ptx_names_hash_every_part_and_its_length() {
@@ -2998,6 +3019,17 @@ mod tests {
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "// ptx");
         let left: Vec<_> = std::fs::read_dir(path.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(left, vec![std::ffi::OsString::from("x.cu-00.ptx")], "no temporary file left");
+        // The newest `keep` of a kernel file's PTX stay; another file's are not touched.
+        for i in 1..=3 {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            store_ptx(&path.with_file_name(format!("x.cu-0{i}.ptx")), "// ptx");
+        }
+        store_ptx(&path.with_file_name("y.cu-00.ptx"), "// ptx");
+        prune_ptx(&path, "x.cu", 2);
+        let mut left: Vec<_> =
+            std::fs::read_dir(path.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        left.sort();
+        assert_eq!(left, ["x.cu-02.ptx", "x.cu-03.ptx", "y.cu-00.ptx"].map(std::ffi::OsString::from));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
