@@ -901,9 +901,33 @@ extern "C" __global__ void quant_x8(signed char* __restrict__ xq, float* __restr
 
 // acc[j] plus weight row j's chunks c0 + 1024·u (raw[j][u], u < U, those below k) times one row
 // of int8 activations, chunk by chunk in that order (a batch of xrows_dot and xrows_pipe).
+// X8_XAHEAD (0: off, the built-in): the activations of chunk u + 1 are loaded before chunk u is
+// decoded, where they were loaded right before their own chunk's decode (ncu source counters,
+// PERF.md v44: in moe_up1s each chunk's activation loads wait out their L1/L2 trip between two
+// decodes). The same values; 9 more registers live.
+#ifndef X8_XAHEAD
+#define X8_XAHEAD 0
+#endif
 template <int F, int NR, int U>
 __device__ __forceinline__ void xapply_batch(float* acc, const XRaw (&raw)[NR][U], int c0,
                                              const signed char* __restrict__ xq, const float* __restrict__ xd, int k) {
+    if constexpr (X8_XAHEAD) {
+        int4 a = make_int4(0, 0, 0, 0), b = a;
+        float dx = 0.f;
+        if (c0 < k) a = *(const int4*)(xq + c0), b = *(const int4*)(xq + c0 + 16), dx = xd[c0 >> 5];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int c = c0 + 1024 * u;
+            if (c >= k) break;
+            int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            float dxu = dx;
+            if (u + 1 < U && c + 1024 < k)
+                a = *(const int4*)(xq + c + 1024), b = *(const int4*)(xq + c + 1040), dx = xd[(c + 1024) >> 5];
+#pragma unroll
+            for (int j = 0; j < NR; j++) acc[j] = xapply32_one<F>(raw[j][u], c, x, dxu, acc[j]);
+        }
+        return;
+    }
 #pragma unroll
     for (int u = 0; u < U; u++) {
         int c = c0 + 1024 * u;
