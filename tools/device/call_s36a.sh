@@ -12,7 +12,7 @@ T0=$(date +%s)
 run_test cuda_packed cuda_one_row_experts_in_two_launches_are_bitwise
 run_test cuda_packed cuda_int8_products_match_the_twin
 run_test cuda_backend
-for v in base up4b dn5bp pf512 sel16; do
+for v in base up4b xa dn5bp pf512 sel16; do
   [ $(( $(date +%s) - T0 )) -lt ${BUDGET:-480} ] || break
   case $v in
     base) experts_table base ;;
