@@ -48,7 +48,7 @@ pub(crate) fn gemvt_pipe() -> bool {
 
 /// Whether `moe_down1s` runs blocks of one warp a pair (k + 1 = 7 warps for V4: none idle) or of
 /// Q_WARPS warps (the built-in, one idle at k = 6): `DSV4_DOWN1_PAIRS=1`. The same values (the
-/// kernel's warps past the pairs form nothing); with 60 registers a thread both hold 4 blocks an
+/// kernel's warps past the pairs form nothing); with 64 registers a thread both hold 4 blocks an
 /// SM, so it moves something only where the kernel holds fewer registers (PERF.md v44).
 fn down1_pair_warps() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
