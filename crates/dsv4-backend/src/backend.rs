@@ -196,6 +196,17 @@ pub trait Backend: Send + Sync {
     /// while that step runs (the CUDA backend: L2 prefetch blocks in its HC_PRE and attention
     /// launches, `CudaBackend::set_l2_prefetch`). Never changes a value; the default does nothing.
     fn prefetch(&self, _ws: &[&Self::W]) {}
+    /// Opens a side branch: the ops issued until [`Backend::side_end`] read only what was
+    /// issued before this call, and the ops issued after `side_end` read nothing they write
+    /// until [`Backend::side_join`], so a backend may run the two chains at once (the CUDA
+    /// backend: a second stream, a fork and a join in a recorded step). The forward opens one
+    /// for a layer's compressors, beside the query path. `rows`: the step's row count (a
+    /// backend may keep larger steps in order). Never changes a value; the default runs in order.
+    fn side_begin(&self, _rows: usize) {}
+    /// Ends the side branch opened by [`Backend::side_begin`]: later ops are the main chain's.
+    fn side_end(&self) {}
+    /// Later ops wait for the side branch's work: called before anything reads its outputs.
+    fn side_join(&self) {}
     /// HC_PRE and the sub-block's RMSNorm of `y` (one launch where a backend fuses them; the
     /// same values): `(y, norm(y), post, comb)`.
     fn hc_pre_norm(

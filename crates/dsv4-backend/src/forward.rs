@@ -259,20 +259,42 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
     let li = Some(l);
     let (d, eps) = (cfg.head_dim, cfg.rms_eps);
 
-    // Every product of the attention input at once (a backend may run them as one launch):
-    // wq_a, wkv, then the compressor's and the indexer's projections where the layer has them.
-    let mut ws = vec![&aw.wq_a, &aw.wkv];
+    // wq_a and wkv at once (a backend may run them as one launch).
+    let mut pa = b.matmul_many(a, &[&aw.wq_a, &aw.wkv]).into_iter();
+    let (q_a, kv_a) = (pa.next().expect("wq_a's product"), pa.next().expect("wkv's product"));
+
+    // Then the compressors' products and state updates on a side branch: they read only the
+    // attention input and write only their own states, so a backend may run them beside the
+    // query path below (spec §9.4 #6 needs them before the indexer and the attention, which
+    // come after the join). After wq_a's product, so that anything a backend keeps on the
+    // input for its products (a cast, int8 codes) is made on the main chain. Their products at
+    // once (a backend may run them as one launch).
+    let mut cws = Vec::new();
     if let Some(c) = &aw.compressor {
-        ws.extend([&c.wkv, &c.wgate]);
+        cws.extend([&c.wkv, &c.wgate]);
     }
     if let Some(ix) = &aw.indexer {
-        ws.extend([&ix.compressor.wkv, &ix.compressor.wgate, &ix.weights_proj]);
+        cws.extend([&ix.compressor.wkv, &ix.compressor.wgate, &ix.weights_proj]);
     }
-    let mut pa = b.matmul_many(a, &ws).into_iter();
-    let mut next = || pa.next().expect("one product a weight");
-    let (q_a, kv_a) = (next(), next());
-    let comp_uz = aw.compressor.as_ref().map(|_| (next(), next()));
-    let index_uzw = aw.indexer.as_ref().map(|_| (next(), next(), next()));
+    let side = !cws.is_empty();
+    if side {
+        b.side_begin(b.shape(a).0);
+    }
+    let mut pc = if side { b.matmul_many(a, &cws) } else { Vec::new() }.into_iter();
+    let mut next_c = || pc.next().expect("one product a weight");
+    let comp_uz = aw.compressor.as_ref().map(|c| {
+        let (u, z) = (next_c(), next_c());
+        b.compress(cx.cache, l, CompSlot::Kv, &u, &z, c, cx.rows, freqs, cfg);
+        (u, z)
+    });
+    let index_uzw = aw.indexer.as_ref().map(|ix| {
+        let (u, z, wts) = (next_c(), next_c(), next_c());
+        b.compress(cx.cache, l, CompSlot::Index, &u, &z, &ix.compressor, cx.rows, freqs, cfg);
+        (u, z, wts)
+    });
+    if side {
+        b.side_end();
+    }
 
     // q_a's norm and kv's norm + RoPE, which a backend may run as one launch (so a stage timer,
     // `DSV4_PROFILE`, counts kv's norm in attn.q_a and the indexer query's RoPE in attn.q).
@@ -306,18 +328,18 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
     cx.cap(li, "attn.q", &q);
     cx.cap(li, "attn.kv", &kv);
 
-    // Compressors are fed before attention so an entry closing at t is visible to t (§9.4 #6).
-    if let (Some(c), Some((u, z))) = (&aw.compressor, comp_uz) {
-        cx.cap(li, "attn.compressor.kv", &u);
-        cx.cap(li, "attn.compressor.gate", &z);
-        b.compress(cx.cache, l, CompSlot::Kv, &u, &z, c, cx.rows, freqs, cfg);
+    // The compressors' outputs are read from here on.
+    if side {
+        b.side_join();
     }
-    let sel = match (&aw.indexer, index_uzw) {
-        (Some(ix), Some((u, z, wts))) => {
-            let c = &ix.compressor;
+    if let Some((u, z)) = &comp_uz {
+        cx.cap(li, "attn.compressor.kv", u);
+        cx.cap(li, "attn.compressor.gate", z);
+    }
+    let sel = match index_uzw {
+        Some((u, z, wts)) => {
             cx.cap(li, "attn.indexer.compressor.kv", &u);
             cx.cap(li, "attn.indexer.compressor.gate", &z);
-            b.compress(cx.cache, l, CompSlot::Index, &u, &z, c, cx.rows, freqs, cfg);
             let qi = qi.expect("the indexer's rotated query");
             cx.cap(li, "attn.indexer.q", &qi);
             let sel = b.index_select(cx.cache, l, &qi, &wts, cx.rows, cfg);
@@ -326,7 +348,7 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
             cx.cap(li, "attn.indexer.weights", &wts);
             Some(sel)
         }
-        _ => None,
+        None => None,
     };
     // Rotated back by position already (the inverse RoPE is part of the attention's output);
     // wo_a may be prefetched under it.

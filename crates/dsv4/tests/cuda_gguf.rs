@@ -235,3 +235,58 @@ fn cuda_gguf_decode_fusions_are_bitwise() {
     }
     assert!(failures.is_empty(), "decode fusions: {failures:?}");
 }
+
+/// A layer's compressors on the side stream (`set_side`: forked from the main stream after
+/// wq_a's product, joined before the indexer) give the same logits bit for bit as in order: a
+/// prompt chunk (eager), 12 recorded one-row steps, then a 3-row chunk beside a second
+/// sequence's row, in fast mode (int8) and in exact mode. The branch count shows the side ran.
+#[test]
+fn cuda_gguf_side_branch_is_bitwise() {
+    let Some(b) = gpu() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let (cfg, q2) = quantised(tmp.path(), "q2");
+    let compressed = (0..cfg.n_layers()).filter(|&l| cfg.layers[l].attn != dsv4_model::AttnKind::Swa).count();
+    assert!(compressed > 0, "the tiny model has no compressed layer");
+    let toks: Vec<u32> = (0..13).map(|i| (i * 37 + 5) % 512).collect();
+    let run = |b: CudaBackend, side: bool, exact: bool| -> (CudaBackend, Vec<Vec<f32>>, usize) {
+        b.set_exact(exact);
+        b.set_int8(!exact);
+        b.set_side(side);
+        let n0 = b.side_branches();
+        let mut g = Model::load(b, &q2, 2, false).unwrap();
+        let (s, s2) = (g.alloc_seq().unwrap(), g.alloc_seq().unwrap());
+        let mut out = vec![g.forward(&Batch::chunk(s, 0, &toks).unwrap(), &[12]).unwrap()];
+        out.push(g.forward(&Batch::chunk(s2, 0, &toks[..5]).unwrap(), &[4]).unwrap());
+        for i in 0..12 {
+            let t = argmax(out.last().unwrap());
+            out.push(g.forward(&Batch::chunk(s, 13 + i, &[t]).unwrap(), &[0]).unwrap());
+        }
+        assert!(g.recorded_kernels(1, 1).is_some(), "the one-row step was recorded");
+        let t = argmax(out.last().unwrap());
+        let mut rows: Vec<dsv4_backend::batch::Row> =
+            (0..3).map(|i| dsv4_backend::batch::Row { seq: s, pos: 25 + i, token: (t + i as u32) % 512 }).collect();
+        rows.push(dsv4_backend::batch::Row { seq: s2, pos: 5, token: 9 });
+        out.push(g.forward(&Batch::new(rows).unwrap(), &[0, 1, 2, 3]).unwrap());
+        let n = g.backend.side_branches() - n0;
+        g.backend.set_side(false);
+        (g.backend, out, n)
+    };
+    let mut b = b;
+    let mut failures = Vec::new();
+    for exact in [false, true] {
+        let (back, base, n_off) = run(b, false, exact);
+        let (back, got, n_on) = run(back, true, exact);
+        b = back;
+        assert!(base.iter().flatten().all(|v| v.is_finite()), "nonfinite logits (exact {exact})");
+        let first = base.iter().zip(&got).position(|(a, g)| a.iter().zip(g).any(|(x, y)| x.to_bits() != y.to_bits()));
+        // One branch a compressed layer a forward (16 forwards), eager or recording.
+        println!("exact {exact}: {n_on} side branches ({compressed} compressed layers), first difference {first:?}");
+        if let Some(i) = first {
+            failures.push(format!("exact {exact}: forward {i} differs with the side branch"));
+        }
+        if n_off != 0 || n_on < compressed * 3 {
+            failures.push(format!("exact {exact}: {n_off} branches off, {n_on} on: the side did not run"));
+        }
+    }
+    assert!(failures.is_empty(), "side branch: {failures:?}");
+}

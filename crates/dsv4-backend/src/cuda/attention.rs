@@ -61,7 +61,7 @@ pub fn compress(
         // segments' own slots), which the check above keeps apart.
         ck(
             unsafe {
-                b.stream
+                b.stream()
                     .kernel(&b.k.comp_pool_store)
                     .arg(&mut st.entries)
                     .arg(&cap)
@@ -90,7 +90,7 @@ pub fn compress(
     // SAFETY (both launches): argument types and buffer sizes match the kernels.
     ck(
         unsafe {
-            b.stream
+            b.stream()
                 .kernel(&b.k.comp_pool)
                 .arg(&mut st.entries)
                 .arg(&cap)
@@ -115,7 +115,7 @@ pub fn compress(
     );
     ck(
         unsafe {
-            b.stream
+            b.stream()
                 .kernel(&b.k.comp_store)
                 .arg(&mut st.raw_u)
                 .arg(&mut st.raw_z)
@@ -219,7 +219,7 @@ pub fn index_select(
         // the state's entries [slots, cap, 128], scores [n, maxvis] written at j < vis(t) <= maxvis).
         ck(
             unsafe {
-                b.stream
+                b.stream()
                     .kernel(&b.k.index_score_tc)
                     .arg(&mut scores)
                     .arg(&mv)
@@ -254,11 +254,11 @@ pub fn index_select(
         // stream do not overlap), then index_score's.
         let fused = b.index_fused() && rows.batch.short_segments() && n <= super::bf16::FFN1_COUNTERS;
         let (mut l, lc, name) = if fused {
-            let mut l = b.stream.kernel(&b.k.index_score_topk);
+            let mut l = b.stream().kernel(&b.k.index_score_topk);
             l.arg(&mut sel).arg(&(topk as i32)).arg(&b.ffn1_cnt);
             (l, LaunchConfig { shared_mem_bytes: smem.max(TOPK_SMEM) as u32, ..lc }, "index_score_topk")
         } else {
-            (b.stream.kernel(&b.k.index_score), lc, "index_score")
+            (b.stream().kernel(&b.k.index_score), lc, "index_score")
         };
         l.arg(&mut scores)
             .arg(&mv)
@@ -285,7 +285,7 @@ pub fn index_select(
     // SAFETY: argument types and buffer sizes match the kernel.
     ck(
         unsafe {
-            b.stream
+            b.stream()
                 .kernel(&b.k.index_topk)
                 .arg(&mut sel)
                 .arg(&(topk as i32))
@@ -362,7 +362,7 @@ fn attention_tc(
     // of 514 floats where `slices` > 1).
     ck(
         unsafe {
-            b.stream
+            b.stream()
                 .kernel(&b.k.attention_tc)
                 .arg(&mut out.data)
                 .arg(&k.q.data)
@@ -457,7 +457,7 @@ pub fn attend(
         } else if fused && tile * groups <= super::bf16::FFN1_COUNTERS {
             &b.ffn1_cnt
         } else {
-            fresh.insert(ck(b.stream.alloc_zeros::<u32>(tile * groups), "alloc attention counters"))
+            fresh.insert(ck(b.stream().alloc_zeros::<u32>(tile * groups), "alloc attention counters"))
         };
         let f = b.freqs(freqs);
         let (mut oq, mut od) = if twin {
@@ -483,7 +483,7 @@ pub fn attend(
                 };
                 ck(
                     unsafe {
-                        b.stream
+                        b.stream()
                             .kernel(&b.k.attention_merge)
                             .arg(&mut out.data)
                             .arg(&part)
@@ -520,7 +520,7 @@ pub fn attend(
             };
             ck(
                 unsafe {
-                    b.stream
+                    b.stream()
                         .kernel(&b.k.attention)
                         .arg(&mut out.data)
                         .arg(&mut part)
@@ -568,7 +568,7 @@ pub fn attend(
     // SAFETY: argument types and buffer sizes match the kernel.
     ck(
         unsafe {
-            b.stream
+            b.stream()
                 .kernel(&b.k.ring_write)
                 .arg(&mut ls.ring)
                 .arg(&rci)

@@ -169,7 +169,7 @@ impl CudaBackend {
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: column-major outᵀ[m', n] = w_gᵀ · xb_gᵀ per group; the shapes, leading
         // dimensions and strides match the buffers' lengths.
-        unsafe {
+        self.on_main(|| unsafe {
             let (wp, xp, op) = (self.dev_ptr(w), self.dev_ptr(&*xb), self.dev_ptr(&out.data));
             let r = cudarc::cublas::result::gemm_strided_batched_ex(
                 *self.blas.handle(),
@@ -197,7 +197,7 @@ impl CudaBackend {
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             );
             ck(r, "gemmEx bf16");
-        }
+        });
         out
     }
 
@@ -265,7 +265,7 @@ impl CudaBackend {
         // weight holds m_i·k values and its output n·m_i, and x holds n rows of ldx.
         ck(
             unsafe {
-                self.stream
+                self.stream()
                     .kernel(f)
                     .arg_struct(&g)
                     .arg(x)
@@ -293,7 +293,7 @@ impl CudaBackend {
         // SAFETY: argument types and buffer sizes match the kernel.
         ck(
             unsafe {
-                self.stream
+                self.stream()
                     .kernel(&self.k.cast_bf16)
                     .arg(&mut out)
                     .arg(x)
@@ -310,7 +310,7 @@ impl CudaBackend {
     fn gemm_bf16_raw(&self, c: u64, a: u64, w: u64, n: usize, k: usize, m: usize) {
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: the callers pass addresses of buffers holding these shapes.
-        unsafe {
+        self.on_main(|| unsafe {
             let r = cudarc::cublas::result::gemm_ex(
                 *self.blas.handle(),
                 cublasOperation_t::CUBLAS_OP_T,
@@ -333,7 +333,7 @@ impl CudaBackend {
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             );
             ck(r, "gemmEx bf16");
-        }
+        })
     }
 
     /// A new weight of `shape` filled on the device with Normal(mean, std) (seeded by `seed`),
@@ -351,7 +351,7 @@ impl CudaBackend {
             // SAFETY: `ptr` holds `len` elements of the kind `bf` says.
             ck(
                 unsafe {
-                    self.stream
+                    self.stream()
                         .kernel(&self.k.rand_normal)
                         .arg(&ptr)
                         .arg(&(bf as i32))
@@ -387,7 +387,7 @@ impl CudaBackend {
     /// A timing event recorded on the stream now (profiling: `elapsed_ms` between two).
     pub fn timing_event(&self) -> cudarc::driver::CudaEvent {
         let e = ck(self.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)), "event");
-        ck(e.record(&self.stream), "record");
+        ck(e.record(self.stream()), "record");
         e
     }
 
@@ -411,11 +411,11 @@ impl CudaBackend {
     /// A bf16 or f32 weight's values on the host (bf16 widened exactly).
     pub fn download_weight_f32(&self, w: &CudaWeight) -> Vec<f32> {
         let v = match &w.bf {
-            Some(bf) => ck(self.stream.clone_dtoh(bf), "download")
+            Some(bf) => ck(self.stream().clone_dtoh(bf), "download")
                 .into_iter()
                 .map(|h| f32::from_bits((h as u32) << 16))
                 .collect(),
-            None => ck(self.stream.clone_dtoh(&w.data), "download"),
+            None => ck(self.stream().clone_dtoh(&w.data), "download"),
         };
         self.synchronize();
         v
@@ -451,7 +451,7 @@ pub(crate) fn probe_into(
     // SAFETY: argument types and buffer sizes match the kernel.
     ck(
         unsafe {
-            b.stream
+            b.stream()
                 .kernel(&b.k.probe_finite)
                 .arg(flags)
                 .arg(&(slot as i32))
@@ -513,7 +513,7 @@ fn x8_pairs(
     // of `inter` per pair, y a row of `d`.
     ck(
         unsafe {
-            b.stream
+            b.stream()
                 .kernel(up1x)
                 .arg(&mut *h)
                 .arg(xq)
@@ -534,7 +534,7 @@ fn x8_pairs(
     let (hq, hd) = b.quant_x8(h, h.len());
     ck(
         unsafe {
-            b.stream
+            b.stream()
                 .kernel(down1x)
                 .arg(y)
                 .arg(&hq)
@@ -643,7 +643,7 @@ pub(crate) fn ffn_few_rows(
     // every routed expert (nexp) and the shared one.
     ck(
         unsafe {
-            b.stream
+            b.stream()
                 .kernel(up)
                 .arg(&mut h)
                 .arg(&mut hq)
@@ -665,7 +665,7 @@ pub(crate) fn ffn_few_rows(
     );
     ck(
         unsafe {
-            b.stream
+            b.stream()
                 .kernel(down)
                 .arg(&mut routed.data)
                 .arg(&mut sh.data)
@@ -770,7 +770,7 @@ pub(crate) fn moe(
     // SAFETY (every launch below): argument types and buffer sizes match the kernels.
     ck(
         unsafe {
-            b.stream
+            b.stream()
                 .kernel(&b.k.moe_sort)
                 .arg(&mut order)
                 .arg(&mut off)
@@ -804,7 +804,7 @@ pub(crate) fn moe(
         let mut y = b.alloc::<f32>(nk * d);
         if share {
             // The combine reads every slot's row: those of other ranks' experts must be zero.
-            ck(b.stream.memset_zeros(&mut y), "zero expert outputs");
+            ck(b.stream().memset_zeros(&mut y), "zero expert outputs");
         }
         let blocks = nk.min(ne) as u32;
         let up = LaunchConfig {
@@ -822,7 +822,7 @@ pub(crate) fn moe(
         } else {
             ck(
                 unsafe {
-                    b.stream
+                    b.stream()
                         .kernel(ek.up)
                         .arg(&mut h)
                         .arg(&x.data)
@@ -841,7 +841,7 @@ pub(crate) fn moe(
             );
             ck(
                 unsafe {
-                    b.stream
+                    b.stream()
                         .kernel(ek.down)
                         .arg(&mut y)
                         .arg(&h)
@@ -866,7 +866,7 @@ pub(crate) fn moe(
         let mut y = b.alloc::<f32>(nk * d);
         if share {
             // The combine reads every slot's row: those of other ranks' experts must be zero.
-            ck(b.stream.memset_zeros(&mut y), "zero expert outputs");
+            ck(b.stream().memset_zeros(&mut y), "zero expert outputs");
         }
         let pairs = super::gemm::SortedPairs { order: order.as_view(), off: off.as_view(), nexp: ne, k, d, inter };
         b.pgemm_experts(&ek, x, &pairs, &mut y, limit);
@@ -874,25 +874,25 @@ pub(crate) fn moe(
         return out;
     }
     // Otherwise: per-expert cuBLAS over the gathered rows (offsets read back once).
-    let offs = ck(b.stream.clone_dtoh(&off), "read expert offsets");
-    ck(b.stream.synchronize(), "synchronize");
+    let offs = ck(b.stream().clone_dtoh(&off), "read expert offsets");
+    ck(b.stream().synchronize(), "synchronize");
     // Slots held here (all of them unless this is a share of the experts).
     let held = offs[ne] as usize;
     if held == 0 {
-        ck(b.stream.memset_zeros(&mut out.data), "zero routed output");
+        ck(b.stream().memset_zeros(&mut out.data), "zero routed output");
         return out;
     }
     let mut xs = b.alloc::<u16>(nk * d);
     let mut inv = b.alloc::<u32>(nk);
     if share {
-        let (p, _w) = inv.device_ptr_mut(&b.stream);
+        let (p, _w) = inv.device_ptr_mut(b.stream());
         // SAFETY: `inv` holds `nk` u32 values; the set is ordered on the backend's stream.
-        let r = unsafe { cudarc::driver::sys::cuMemsetD32Async(p, u32::MAX, nk, b.stream.cu_stream()) };
+        let r = unsafe { cudarc::driver::sys::cuMemsetD32Async(p, u32::MAX, nk, b.stream().cu_stream()) };
         assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS, "cuMemsetD32Async");
     }
     ck(
         unsafe {
-            b.stream
+            b.stream()
                 .kernel(&b.k.moe_gather_bf16)
                 .arg(&mut xs)
                 .arg(&mut inv)
@@ -934,7 +934,7 @@ pub(crate) fn moe(
     let len = nk * inter;
     ck(
         unsafe {
-            b.stream
+            b.stream()
                 .kernel(&b.k.swiglu_bf16)
                 .arg(&mut hb)
                 .arg(&g)
@@ -954,7 +954,7 @@ pub(crate) fn moe(
     }
     ck(
         unsafe {
-            b.stream
+            b.stream()
                 .kernel(&b.k.moe_combine_sorted)
                 .arg(&mut out.data)
                 .arg(&y)

@@ -36,7 +36,7 @@ pub(crate) fn draw_into(
     }
     let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
     let null = 0u64;
-    let mut l = b.stream.kernel(&b.k.draw_rows);
+    let mut l = b.stream().kernel(&b.k.draw_rows);
     l.arg(out).arg(x);
     match table {
         Some(t) => l.arg(t),
@@ -57,8 +57,8 @@ pub(crate) fn draw_rows(b: &CudaBackend, x: &CudaTensor, draws: &[Draw]) -> Vec<
     draw_table(draws, &mut words);
     let table = b.upload_u32(&words);
     draw_into(b, &mut out, &x.data, Some(&table.slice(..)), x.rows, x.cols);
-    let mut v = ck(b.stream.clone_dtoh(&out), "download draws");
-    ck(b.stream.synchronize(), "synchronize");
+    let mut v = ck(b.stream().clone_dtoh(&out), "download draws");
+    ck(b.stream().synchronize(), "synchronize");
     v.truncate(x.rows);
     v
 }

@@ -39,7 +39,7 @@ pub(crate) fn to_device(b: &CudaBackend, rows: usize, cols: usize, data: &[f32])
     assert_eq!(data.len(), rows * cols, "to_device shape");
     let mut t = b.tensor(rows, cols);
     if !data.is_empty() {
-        ck(b.stream.memcpy_htod(data, &mut t.data), "upload rows");
+        ck(b.stream().memcpy_htod(data, &mut t.data), "upload rows");
     }
     t
 }
@@ -56,7 +56,7 @@ pub(crate) fn scatter_rows(b: &CudaBackend, dst: &mut CudaTensor, src: &CudaTens
     // SAFETY: argument types and sizes match the kernel's signature; rows checked above.
     ck(
         unsafe {
-            b.stream
+            b.stream()
                 .kernel(&k.scatter_rows)
                 .arg(dst.data_mut())
                 .arg(&src.data)
@@ -74,8 +74,8 @@ pub(crate) fn argmax_rows(b: &CudaBackend, x: &CudaTensor) -> Vec<u32> {
         return Vec::new();
     }
     let out = argmax_ids(b, x);
-    let mut v = ck(b.stream.clone_dtoh(&out), "download argmax");
-    ck(b.stream.synchronize(), "synchronize");
+    let mut v = ck(b.stream().clone_dtoh(&out), "download argmax");
+    ck(b.stream().synchronize(), "synchronize");
     v.truncate(x.rows);
     v
 }
@@ -115,7 +115,7 @@ pub(crate) fn block_attention(
     let max_keys = slots.iter().map(Vec::len).max().unwrap_or(0) + qpg;
     assert!(max_keys * 12 <= 48 << 10, "block attention over {max_keys} keys: past the kernel's shared memory");
     let ptrs: Vec<u64> = rings.iter().map(|r| b.dev_ptr(&r.data)).collect();
-    let ptrs = ck(b.stream.clone_htod(&ptrs), "upload ring table");
+    let ptrs = ck(b.stream().clone_htod(&ptrs), "upload ring table");
     let slots_d = b.upload_u32(&flat);
     let off_d = b.upload_u32(&off);
     let mut out = b.tensor(q.rows, q.cols);
@@ -131,7 +131,7 @@ pub(crate) fn block_attention(
     // freed in stream order).
     ck(
         unsafe {
-            b.stream
+            b.stream()
                 .kernel(&k.block_attention)
                 .arg(&mut out.data)
                 .arg(&q.data)

@@ -122,7 +122,7 @@ impl CudaBackend {
         // splits > 1 (the kernel writes `out` directly otherwise and never reads `part`).
         ck(
             unsafe {
-                let mut l = self.stream.kernel(self.qk.of(kern, q.format));
+                let mut l = self.stream().kernel(self.qk.of(kern, q.format));
                 l.arg(&mut out.data);
                 match part.as_mut() {
                     Some(p) => l.arg(p),
@@ -137,7 +137,7 @@ impl CudaBackend {
             // SAFETY: `p` holds splits × count values, `out` count.
             ck(
                 unsafe {
-                    self.stream
+                    self.stream()
                         .kernel(self.qk.get("pg_sum_splits"))
                         .arg(&mut out.data)
                         .arg(p)
@@ -190,7 +190,7 @@ impl CudaBackend {
         // of `d` per pair.
         ck(
             unsafe {
-                self.stream
+                self.stream()
                     .kernel(self.qk.get("moe_tiles"))
                     .arg(&mut tiles)
                     .arg(&p.off)
@@ -202,7 +202,7 @@ impl CudaBackend {
         );
         ck(
             unsafe {
-                self.stream
+                self.stream()
                     .kernel(up)
                     .arg(&mut h)
                     .arg(&*xb)
@@ -221,7 +221,7 @@ impl CudaBackend {
         );
         ck(
             unsafe {
-                self.stream
+                self.stream()
                     .kernel(down)
                     .arg(y)
                     .arg(&h)

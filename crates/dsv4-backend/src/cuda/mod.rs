@@ -752,10 +752,31 @@ impl HostVecs {
     }
 }
 
+/// A side branch's stream and state ([`Backend::side_begin`]).
+struct Side {
+    stream: Arc<CudaStream>,
+    /// Recorded on the main stream where a branch opens; the side stream waits for it.
+    fork: CudaEvent,
+    /// Recorded on the side stream where a branch ends; the main stream waits for it at the join.
+    done: CudaEvent,
+    /// Side branches run on their stream ([`CudaBackend::set_side`]).
+    on: std::sync::atomic::AtomicBool,
+    /// Ops are queued on the side stream (between `side_begin` and `side_end`).
+    active: std::sync::atomic::AtomicBool,
+    /// A branch has ended and its join is not queued yet.
+    pending: std::sync::atomic::AtomicBool,
+    /// Branches run on the side stream so far ([`CudaBackend::side_branches`]).
+    count: std::sync::atomic::AtomicUsize,
+}
+
 /// The CUDA backend on one device.
 pub struct CudaBackend {
     pub(crate) ctx: Arc<CudaContext>,
-    pub(crate) stream: Arc<CudaStream>,
+    /// The stream every op is queued on, but a side branch's ([`CudaBackend::stream`]).
+    main: Arc<CudaStream>,
+    /// A side branch's ops ([`Backend::side_begin`]): a second stream, forked from and joined
+    /// to `main` by the two events (`side_fork`, `side_done`).
+    side: Side,
     blas: CudaBlas,
     pub(crate) k: Kernels,
     pub(crate) qk: quant::QuantKernels,
@@ -1242,8 +1263,8 @@ impl CudaBackend {
         CudaRoute {
             k,
             experts,
-            ids: ck(self.stream.clone_htod(ids), "route ids"),
-            weights: ck(self.stream.clone_htod(weights), "route weights"),
+            ids: ck(self.stream().clone_htod(ids), "route ids"),
+            weights: ck(self.stream().clone_htod(weights), "route weights"),
         }
     }
 
@@ -1486,9 +1507,19 @@ impl CudaBackend {
         let dummy_i8 = stream.alloc_zeros::<i8>(1)?;
         let shared_pairs = stream.clone_htod(&bf16::shared_pairs_words())?;
         let ffn1_cnt = stream.alloc_zeros::<u32>(bf16::FFN1_COUNTERS)?;
+        let side = Side {
+            stream: ctx.new_stream()?,
+            fork: ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?,
+            done: ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?,
+            on: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_SIDE").is_ok_and(|v| v.trim() == "1")),
+            active: std::sync::atomic::AtomicBool::new(false),
+            pending: std::sync::atomic::AtomicBool::new(false),
+            count: std::sync::atomic::AtomicUsize::new(0),
+        };
         Ok(CudaBackend {
             ctx,
-            stream,
+            main: stream,
+            side,
             blas,
             k,
             qk,
@@ -1588,7 +1619,7 @@ impl CudaBackend {
     /// A device buffer's values on the host (tests, benchmarks' CPU twins; synchronises the
     /// stream).
     pub fn download<T: cudarc::driver::DeviceRepr>(&self, s: &CudaSlice<T>) -> Vec<T> {
-        let v = ck(self.stream.clone_dtoh(s), "download");
+        let v = ck(self.stream().clone_dtoh(s), "download");
         self.synchronize();
         v
     }
@@ -1599,13 +1630,81 @@ impl CudaBackend {
 
     /// Waits for all queued work.
     pub fn synchronize(&self) {
-        ck(self.stream.synchronize(), "synchronize");
+        ck(self.main.synchronize(), "synchronize");
+        ck(self.side.stream.synchronize(), "synchronize the side stream");
     }
 
-    /// An uninitialised device buffer of `n` elements (at least one).
+    /// The stream ops are queued on: the side stream inside a side branch, else the main one.
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        if self.side.active.load(std::sync::atomic::Ordering::Relaxed) {
+            &self.side.stream
+        } else {
+            &self.main
+        }
+    }
+
+    /// Side branches ([`Backend::side_begin`]: a layer's compressors beside its query path) on a
+    /// second stream, forked from the main one and joined to it (a fork and a join in a recorded
+    /// step); off, every op runs on the main stream in order. The same kernels on the same
+    /// inputs, so the same values. Start value `DSV4_SIDE` (`1` on); off by default.
+    pub fn set_side(&self, on: bool) {
+        self.side_join();
+        self.side.on.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
+    }
+
+    pub fn side(&self) -> bool {
+        self.side.on.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Side branches run on the side stream so far (eager and recorded forwards): a test's
+    /// evidence that the branch it compares ran.
+    pub fn side_branches(&self) -> usize {
+        self.side.count.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Runs `f` (a cuBLAS call: its handle is bound to the main stream and its workspace is
+    /// one) on the main stream, in the side branch's order where one is open: the main stream
+    /// waits for the side's work so far, and the side for `f`'s.
+    pub(crate) fn on_main<R>(&self, f: impl FnOnce() -> R) -> R {
+        if !self.side.active.load(std::sync::atomic::Ordering::Relaxed) {
+            return f();
+        }
+        ck(self.side.done.record(&self.side.stream), "side record");
+        ck(self.main.wait(&self.side.done), "main waits for the side");
+        let r = f();
+        ck(self.side.fork.record(&self.main), "main record");
+        ck(self.side.stream.wait(&self.side.fork), "side waits for the main stream");
+        r
+    }
+
+    /// Makes the main stream wait for the side branch's work so far (before a buffer it reads
+    /// is freed on the main stream); nothing outside a branch.
+    pub(crate) fn side_fence(&self) {
+        if self.side.active.load(std::sync::atomic::Ordering::Relaxed) {
+            ck(self.side.done.record(&self.side.stream), "side record");
+            ck(self.main.wait(&self.side.done), "main waits for the side");
+        }
+    }
+
+    /// An uninitialised device buffer of `n` elements (at least one), in the order of the stream
+    /// ops are queued on. It is freed on the main stream: inside a side branch it is taken on
+    /// the side stream and handed to the main one, whose ops read it after the join, so its
+    /// free is queued after them (and a recorded step's side branch holds no free to join).
     pub(crate) fn alloc<T: cudarc::driver::DeviceRepr>(&self, n: usize) -> CudaSlice<T> {
-        // SAFETY: every caller writes the elements it later reads.
-        ck(unsafe { self.stream.alloc::<T>(n.max(1)) }, "alloc")
+        if !self.side.active.load(std::sync::atomic::Ordering::Relaxed) {
+            // SAFETY: every caller writes the elements it later reads.
+            return ck(unsafe { self.main.alloc::<T>(n.max(1)) }, "alloc");
+        }
+        let bytes = n.max(1) * std::mem::size_of::<T>();
+        // SAFETY: a stream-ordered allocation on the side stream (the context has async
+        // allocation, as `CudaStream::alloc` on the device requires); the slice owns it and
+        // frees it on the main stream, after every op that reads it (the main stream's own, and
+        // the side's, joined before anything reads a side output). Callers write before reading.
+        unsafe {
+            let p = ck(cudarc::driver::result::malloc_async(self.side.stream.cu_stream(), bytes), "alloc");
+            self.main.upgrade_device_ptr::<T>(p, n.max(1))
+        }
     }
 
     /// RMSNorm of every `group`-wide slice, with RoPE on each (`rope`: the row table and the
@@ -1649,7 +1748,7 @@ impl CudaBackend {
             // groups · 512 floats; the row table and freqs as for rms_norm).
             ck(
                 unsafe {
-                    self.stream
+                    self.stream()
                         .kernel(&self.k.rms_norm_warp)
                         .arg(&mut out.data)
                         .arg(&x.data)
@@ -1672,7 +1771,7 @@ impl CudaBackend {
         // output's codes and scales when `twin`).
         ck(
             unsafe {
-                self.stream
+                self.stream()
                     .kernel(&self.k.rms_norm)
                     .arg(&mut out.data)
                     .arg(xq)
@@ -1802,7 +1901,7 @@ impl CudaBackend {
         // head) in place; the row table holds n rows' positions.
         ck(
             unsafe {
-                self.stream
+                self.stream()
                     .kernel(&self.k.norm_many)
                     .arg_struct(&g)
                     .arg(rows.dev.as_ref())
@@ -1878,7 +1977,7 @@ impl CudaBackend {
             // rows · HC_SPLIT · (mix + 1) floats).
             ck(
                 unsafe {
-                    self.stream
+                    self.stream()
                         .kernel(kernel)
                         .arg(&mut part)
                         .arg(&x.data)
@@ -1896,7 +1995,7 @@ impl CudaBackend {
         // rows · HC_SPLIT · (mix + 1) floats).
         ck(
             unsafe {
-                self.stream
+                self.stream()
                     .kernel(&self.k.hc_pre_dot)
                     .arg(&mut part)
                     .arg(&x.data)
@@ -1920,7 +2019,7 @@ impl CudaBackend {
     pub(crate) fn download_reusing(&self, src: &CudaSlice<f32>, n: usize) -> Vec<f32> {
         let mut v = self.host_vecs.take(n);
         if n > 0 {
-            ck(self.stream.memcpy_dtoh(&src.slice(..n), &mut v[..]), "download");
+            ck(self.stream().memcpy_dtoh(&src.slice(..n), &mut v[..]), "download");
         }
         v
     }
@@ -1951,8 +2050,8 @@ impl CudaBackend {
         // `as_mut_slice` also waits for the buffer's last copy (already complete here).
         ck(st.buf.as_mut_slice(), "staging")[..data.len()].copy_from_slice(data);
         let mut dst = self.alloc::<u32>(st.buf.len());
-        ck(self.stream.memcpy_htod(&st.buf, &mut dst), "upload");
-        ck(st.done.record(&self.stream), "record");
+        ck(self.stream().memcpy_htod(&st.buf, &mut dst), "upload");
+        ck(st.done.record(self.stream()), "record");
         pool.push(st);
         dst
     }
@@ -1970,7 +2069,7 @@ impl CudaBackend {
                 return dev.clone();
             }
         }
-        let dev = Arc::new(ck(self.stream.clone_htod(t), "upload tid2eid"));
+        let dev = Arc::new(ck(self.stream().clone_htod(t), "upload tid2eid"));
         m.insert(key, (t.to_vec(), dev.clone()));
         dev
     }
@@ -2001,7 +2100,8 @@ impl CudaBackend {
         }
         let mut v = freqs.to_vec();
         v.push(0.0); // never empty
-        let f = Arc::new(ck(self.stream.clone_htod(&v), "upload freqs"));
+                     // On the main stream, in a side branch's order (both chains read the table).
+        let f = Arc::new(self.on_main(|| ck(self.main.clone_htod(&v), "upload freqs")));
         m.insert(key, f.clone());
         f
     }
@@ -2012,13 +2112,13 @@ impl CudaBackend {
         if let Some(t) = m.get(&ptrs) {
             return t.clone();
         }
-        let t = Arc::new(ck(self.stream.clone_htod(&ptrs), "upload address table"));
+        let t = Arc::new(self.on_main(|| ck(self.main.clone_htod(&ptrs), "upload address table")));
         m.insert(ptrs, t.clone());
         t
     }
 
     pub(crate) fn dev_ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
-        let (p, _sync) = s.device_ptr(&self.stream);
+        let (p, _sync) = s.device_ptr(self.stream());
         p
     }
 
@@ -2049,7 +2149,7 @@ impl CudaBackend {
             // SAFETY: argument types and buffer sizes match the kernel.
             ck(
                 unsafe {
-                    self.stream
+                    self.stream()
                         .kernel(&self.k.gemv_f32)
                         .arg(&mut out)
                         .arg(x)
@@ -2076,7 +2176,7 @@ impl CudaBackend {
             ldc: m as i32,
         };
         // SAFETY: the shapes above match the buffers' lengths.
-        ck(unsafe { self.blas.gemm(cfg, w, x, &mut out) }, "sgemm");
+        self.on_main(|| ck(unsafe { self.blas.gemm(cfg, w, x, &mut out) }, "sgemm"));
         out
     }
 }
@@ -2095,6 +2195,32 @@ impl Backend for CudaBackend {
         "cuda"
     }
 
+    fn side_begin(&self, rows: usize) {
+        // Decode and verify steps (the recorded sizes); a prefill chunk's products fill the
+        // device alone.
+        if !self.side() || rows > graph::GRAPH_MAX_ROWS || self.side.active.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        self.side_join();
+        ck(self.side.fork.record(&self.main), "side fork");
+        ck(self.side.stream.wait(&self.side.fork), "side fork wait");
+        self.side.active.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.side.count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn side_end(&self) {
+        if self.side.active.swap(false, std::sync::atomic::Ordering::Relaxed) {
+            ck(self.side.done.record(&self.side.stream), "side end");
+            self.side.pending.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    fn side_join(&self) {
+        if self.side.pending.swap(false, std::sync::atomic::Ordering::Relaxed) {
+            ck(self.main.wait(&self.side.done), "side join");
+        }
+    }
+
     fn prefetch(&self, ws: &[&CudaWeight]) {
         if self.l2_prefetch() == 0 {
             return;
@@ -2106,9 +2232,9 @@ impl Backend for CudaBackend {
         p.clear();
         for w in ws {
             match (&w.q, &w.bf) {
-                (Some(q), _) => p.extend([range(&q.blocks, &self.stream), range(&q.scales, &self.stream)]),
-                (None, Some(bf)) => p.push(range(bf, &self.stream)),
-                (None, None) => p.push(range(&w.data, &self.stream)),
+                (Some(q), _) => p.extend([range(&q.blocks, self.stream()), range(&q.scales, self.stream())]),
+                (None, Some(bf)) => p.push(range(bf, self.stream())),
+                (None, None) => p.push(range(&w.data, self.stream())),
             }
         }
     }
@@ -2135,10 +2261,10 @@ impl Backend for CudaBackend {
         };
         if self.bf16 && crate::bf16::is_bf16_weight(&t.name, &t.shape) {
             let h: Vec<u16> = t.data.iter().map(|&v| crate::bf16::to_bf16_bits(v)).collect();
-            let bf = self.stream.clone_htod(&h).map_err(err)?;
+            let bf = self.stream().clone_htod(&h).map_err(err)?;
             return Ok(CudaWeight { rows, cols, data: self.alloc(1), bf: Some(bf), q: None });
         }
-        let data = self.stream.clone_htod(&t.data).map_err(err)?;
+        let data = self.stream().clone_htod(&t.data).map_err(err)?;
         Ok(CudaWeight { rows, cols, data, bf: None, q: None })
     }
 
@@ -2213,7 +2339,7 @@ impl Backend for CudaBackend {
 
     fn to_host_rows(&self, t: &CudaTensor, rows: usize) -> Vec<f32> {
         let v = self.download_reusing(&t.data, rows.min(t.rows) * t.cols);
-        ck(self.stream.synchronize(), "synchronize");
+        ck(self.stream().synchronize(), "synchronize");
         v
     }
 
@@ -2319,7 +2445,9 @@ impl Backend for CudaBackend {
             stride_c: r as i64,
         };
         // SAFETY: group g reads w rows g·r.., x columns g·inw.. and writes out columns g·r...
-        ck(unsafe { self.blas.gemm_strided_batched(cfg, &w.data, &x.data, &mut out.data) }, "sgemm batched");
+        self.on_main(|| {
+            ck(unsafe { self.blas.gemm_strided_batched(cfg, &w.data, &x.data, &mut out.data) }, "sgemm batched")
+        });
         out
     }
 
@@ -2366,7 +2494,7 @@ impl Backend for CudaBackend {
             // rows × cols, both fresh allocations (16-byte aligned), cols a multiple of 8.
             ck(
                 unsafe {
-                    self.stream
+                    self.stream()
                         .kernel(&self.k.rope_cast)
                         .arg(x.data_mut())
                         .arg(&mut xb)
@@ -2388,7 +2516,7 @@ impl Backend for CudaBackend {
         // SAFETY: argument types and sizes match the kernel's signature.
         ck(
             unsafe {
-                self.stream
+                self.stream()
                     .kernel(&self.k.rope)
                     .arg(x.data_mut())
                     .arg(rows.dev.as_ref())
@@ -2412,7 +2540,7 @@ impl Backend for CudaBackend {
             // SAFETY: argument types and sizes match the kernel's signature.
             ck(
                 unsafe {
-                    self.stream
+                    self.stream()
                         .kernel(&self.k.add)
                         .arg(&mut out.data)
                         .arg(&a.data)
@@ -2431,7 +2559,7 @@ impl Backend for CudaBackend {
         if let Some((idx, at)) = self.recorded_out_rows(rows.len()) {
             self.gather(&out, &x.data, &idx.as_ref().slice(at..at + rows.len()), rows.len(), x.cols);
         } else if rows.iter().copied().eq(0..x.rows) {
-            ck(self.stream.memcpy_dtod(&x.data.slice(..x.rows * x.cols), &mut out.data), "copy rows");
+            ck(self.stream().memcpy_dtod(&x.data.slice(..x.rows * x.cols), &mut out.data), "copy rows");
         } else if !rows.is_empty() {
             let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
             let dev = self.upload_u32(&idx);
@@ -2445,7 +2573,7 @@ impl Backend for CudaBackend {
         // SAFETY: argument types and sizes match the kernel's signature.
         ck(
             unsafe {
-                self.stream
+                self.stream()
                     .kernel(&self.k.hc_expand)
                     .arg(&mut out.data)
                     .arg(&x.data)
@@ -2473,7 +2601,7 @@ impl Backend for CudaBackend {
         // SAFETY: argument types and sizes match the kernel's signature; shapes checked above.
         ck(
             unsafe {
-                self.stream
+                self.stream()
                     .kernel(&self.k.stream_mean)
                     .arg(out.data_mut())
                     .arg(&x.data)
@@ -2508,7 +2636,7 @@ impl Backend for CudaBackend {
         // SAFETY: argument types and sizes match the kernel's signature.
         ck(
             unsafe {
-                self.stream
+                self.stream()
                     .kernel(&self.k.hc_pre_apply)
                     .arg(&mut y.data)
                     .arg(&mut post.data)
@@ -2569,7 +2697,7 @@ impl Backend for CudaBackend {
             // value, its ranges inside weights that live as long as the model).
             ck(
                 unsafe {
-                    self.stream
+                    self.stream()
                         .kernel(&self.k.hc_pre_apply_norm)
                         .arg(&mut y.data)
                         .arg(&mut a.data)
@@ -2601,7 +2729,7 @@ impl Backend for CudaBackend {
             // comb: rows · 16 floats; part: hc_pre_dot's [rows, HC_SPLIT, 25]).
             ck(
                 unsafe {
-                    self.stream
+                    self.stream()
                         .kernel(&self.k.hc_pre_sink_rows)
                         .arg(&mut post.data)
                         .arg(&mut comb.data)
@@ -2634,7 +2762,7 @@ impl Backend for CudaBackend {
         // SAFETY: argument types and sizes match the kernel's signature.
         ck(
             unsafe {
-                self.stream
+                self.stream()
                     .kernel(kernel)
                     .arg(&mut out.data)
                     .arg(&f.data)
@@ -2684,7 +2812,7 @@ impl Backend for CudaBackend {
         // n · n, fn [mix, n · d] (checked above).
         ck(
             unsafe {
-                self.stream
+                self.stream()
                     .kernel(&self.k.hc_post_dot)
                     .arg(&mut out.data)
                     .arg(&mut part)
@@ -2718,7 +2846,7 @@ impl Backend for CudaBackend {
         // SAFETY: argument types and sizes match the kernel's signature.
         ck(
             unsafe {
-                self.stream
+                self.stream()
                     .kernel(&self.k.hc_head)
                     .arg(&mut y.data)
                     .arg(&x.data)
@@ -2826,7 +2954,7 @@ impl Backend for CudaBackend {
         // SAFETY: argument types and sizes match the kernel's signature.
         ck(
             unsafe {
-                self.stream
+                self.stream()
                     .kernel(&self.k.swiglu_act)
                     .arg(&mut h.data)
                     .arg(&g.data)
@@ -2858,7 +2986,7 @@ impl Backend for CudaBackend {
     }
 
     fn reset_probes(&self, cache: &mut CudaCache) {
-        ck(self.stream.memset_zeros(&mut cache.probes), "reset probes");
+        ck(self.stream().memset_zeros(&mut cache.probes), "reset probes");
     }
 
     fn probe_finite(&self, cache: &mut CudaCache, t: &CudaTensor, slot: usize) {
@@ -2866,8 +2994,8 @@ impl Backend for CudaBackend {
     }
 
     fn read_probes(&self, cache: &CudaCache, n: usize) -> Vec<Option<usize>> {
-        let v = ck(self.stream.clone_dtoh(&cache.probes), "read probes");
-        ck(self.stream.synchronize(), "synchronize");
+        let v = ck(self.stream().clone_dtoh(&cache.probes), "read probes");
+        ck(self.stream().synchronize(), "synchronize");
         (0..n).map(|i| v.get(i).and_then(|&f| (f != 0).then(|| (u32::MAX - f) as usize))).collect()
     }
 
@@ -2947,8 +3075,8 @@ impl Backend for CudaBackend {
         if ids.n == 0 {
             return Vec::new();
         }
-        let v = ck(self.stream.clone_dtoh(&ids.dev.slice(..ids.n)), "download ids");
-        ck(self.stream.synchronize(), "synchronize");
+        let v = ck(self.stream().clone_dtoh(&ids.dev.slice(..ids.n)), "download ids");
+        ck(self.stream().synchronize(), "synchronize");
         v
     }
 
@@ -2958,7 +3086,7 @@ impl Backend for CudaBackend {
         let mut at = 0;
         for p in parts.iter().filter(|p| p.n > 0) {
             let mut dst = dev.slice_mut(at..at + p.n);
-            ck(self.stream.memcpy_dtod(&p.dev.slice(..p.n), &mut dst), "concatenate ids");
+            ck(self.stream().memcpy_dtod(&p.dev.slice(..p.n), &mut dst), "concatenate ids");
             at += p.n;
         }
         CudaIds { dev, n }
@@ -2982,7 +3110,7 @@ impl CudaBackend {
         // SAFETY: argument types and sizes match the kernel's signature.
         ck(
             unsafe {
-                self.stream
+                self.stream()
                     .kernel(&self.k.gather_rows)
                     .arg(&out.data)
                     .arg(src)

@@ -20,7 +20,7 @@ pub fn route(
     // SAFETY: argument types and buffer sizes match the kernel.
     ck(
         unsafe {
-            b.stream
+            b.stream()
                 .kernel(&b.k.route)
                 .arg(&mut r.ids)
                 .arg(&mut r.weights)
@@ -88,7 +88,7 @@ pub(crate) fn router_fused(
     // ..., so only the warps below n).
     ck(
         unsafe {
-            b.stream
+            b.stream()
                 .kernel(&b.k.gemv_route)
                 .arg(&mut logits.data)
                 .arg(&x.data)
@@ -228,7 +228,7 @@ pub fn moe(
     // SAFETY (both launches): argument types and buffer sizes match the kernels.
     ck(
         unsafe {
-            b.stream
+            b.stream()
                 .kernel(&b.k.moe_up)
                 .arg(&mut h)
                 .arg(&x.data)
@@ -245,7 +245,7 @@ pub fn moe(
     );
     ck(
         unsafe {
-            b.stream
+            b.stream()
                 .kernel(&b.k.moe_down)
                 .arg(&mut y)
                 .arg(&h)
@@ -269,7 +269,7 @@ pub(crate) fn combine(b: &CudaBackend, out: &mut CudaTensor, y: &CudaSlice<f32>,
     // SAFETY: argument types and buffer sizes match the kernel (y holds n·k rows of d, weights n·k).
     ck(
         unsafe {
-            b.stream
+            b.stream()
                 .kernel(&b.k.moe_combine)
                 .arg(&mut out.data)
                 .arg(y)

@@ -48,7 +48,7 @@ impl NcclComm {
         if !unsafe { cudarc::nccl::sys::is_culib_present() } {
             return Err(NcclInitError::NoLibrary);
         }
-        let streams: Vec<Arc<cudarc::driver::CudaStream>> = backends.iter().map(|b| b.stream.clone()).collect();
+        let streams: Vec<Arc<cudarc::driver::CudaStream>> = backends.iter().map(|b| b.stream().clone()).collect();
         let world = streams.len();
         let comms = Nccl::from_devices(streams).map_err(|e| NcclInitError::Init(format!("{e:?}")))?;
         Ok(comms
@@ -85,13 +85,13 @@ impl Comm<CudaBackend> for NcclComm {
         let mut send = b.alloc::<f32>(chunk);
         if rows * cols > 0 {
             let mut head = send.slice_mut(0..rows * cols);
-            ck(b.stream.memcpy_dtod(&x.data, &mut head), "gather staging copy");
+            ck(b.stream().memcpy_dtod(&x.data, &mut head), "gather staging copy");
         }
         let mut recv = b.alloc::<f32>(chunk * self.world);
         ck(self.nccl(|c| c.all_gather(&send, &mut recv)), "ncclAllGather");
         let mut out = b.tensor(rows, total);
-        let (src, _read) = recv.device_ptr(&b.stream);
-        let (dst, _write) = out.data.device_ptr_mut(&b.stream);
+        let (src, _read) = recv.device_ptr(b.stream());
+        let (dst, _write) = out.data.device_ptr_mut(b.stream());
         for r in 0..self.world {
             let part = split(total, self.world, r);
             if rows == 0 || part.is_empty() {
@@ -121,7 +121,7 @@ impl Comm<CudaBackend> for NcclComm {
             // SAFETY: source rows `r·chunk + i·width .. + width` lie inside `recv` (rank r sent
             // `rows · width ≤ chunk` values) and destination columns `part` of each of `rows`
             // rows lie inside `out`; both buffers outlive the copy (stream-ordered frees).
-            let res = unsafe { cuMemcpy2DAsync_v2(&d, b.stream.cu_stream()) };
+            let res = unsafe { cuMemcpy2DAsync_v2(&d, b.stream().cu_stream()) };
             assert_eq!(res, CUresult::CUDA_SUCCESS, "cuMemcpy2DAsync (gather columns of rank {r})");
         }
         drop((_read, _write));

@@ -462,8 +462,8 @@ impl CudaBackend {
                 (Some(c), h)
             }
         };
-        let blocks = self.stream.clone_htod(codes.as_deref().unwrap_or(&p.blocks)).map_err(err)?;
-        let scales = self.stream.clone_htod(&scales).map_err(err)?;
+        let blocks = self.stream().clone_htod(codes.as_deref().unwrap_or(&p.blocks)).map_err(err)?;
+        let scales = self.stream().clone_htod(&scales).map_err(err)?;
         let q = QuantDev { format: p.format, blocks, scales };
         self.note_x8_format(p.format);
         Ok(Some(CudaWeight { rows, cols, data: self.alloc(1), bf: None, q: Some(q) }))
@@ -488,7 +488,7 @@ impl CudaBackend {
             // SAFETY (every launch here): argument types and buffer sizes match the kernels.
             ck(
                 unsafe {
-                    self.stream
+                    self.stream()
                         .kernel(self.qk.get("rand_bytes"))
                         .arg(&mut b)
                         .arg(&(n as i64))
@@ -507,7 +507,7 @@ impl CudaBackend {
             let ns = n / 8;
             ck(
                 unsafe {
-                    self.stream
+                    self.stream()
                         .kernel(self.qk.get("iq2_even_signs_k"))
                         .arg(&mut blocks)
                         .arg(&(ns as i64))
@@ -532,7 +532,7 @@ impl CudaBackend {
             PackedFormat::Fp8 => {
                 let v: Vec<u8> =
                     vec![std / 2.5; format.n_scales(rows, cols)].iter().flat_map(|s: &f32| s.to_le_bytes()).collect();
-                ck(self.stream.clone_htod(&v), "upload scales")
+                ck(self.stream().clone_htod(&v), "upload scales")
             }
             PackedFormat::Fp4 => {
                 let ns = format.n_scales(rows, cols);
@@ -540,7 +540,7 @@ impl CudaBackend {
                 let e = (127.0 + (std / 2.93).log2().round()).clamp(1.0, 254.0) as u32;
                 ck(
                     unsafe {
-                        self.stream
+                        self.stream()
                             .kernel(self.qk.get("fill_u8"))
                             .arg(&mut s)
                             .arg(&(ns as i64))
@@ -557,7 +557,7 @@ impl CudaBackend {
             let (nb, bb) = (nblocks, p.head_len() as i32);
             ck(
                 unsafe {
-                    self.stream
+                    self.stream()
                         .kernel(self.qk.get("patch_blocks"))
                         .arg(&mut scales)
                         .arg(&(nb as i64))
@@ -681,7 +681,7 @@ impl CudaBackend {
                 // cover the m / 32 groups; xq as below.
                 ck(
                     unsafe {
-                        self.stream
+                        self.stream()
                             .kernel(self.qk.of("gemv1xq", q.format))
                             .arg(&mut out.data)
                             .arg(&mut oq)
@@ -717,7 +717,7 @@ impl CudaBackend {
             // of 4), and the launch carries the ring `xtc_smem` sizes, its function attribute set
             // at load. With codes: oq / od hold the n · m codes and n · m / 32 scales of out's
             // n · m values, the counters (zero between launches) cover the m / 32 groups.
-            let mut l = self.stream.kernel(kernel);
+            let mut l = self.stream().kernel(kernel);
             l.arg(&mut out.data);
             if let Some((oq, od)) = codes.as_mut() {
                 l.arg(oq).arg(od).arg(&self.ffn1_cnt);
@@ -739,7 +739,7 @@ impl CudaBackend {
         // SAFETY: argument types and buffer sizes match the kernel.
         ck(
             unsafe {
-                self.stream
+                self.stream()
                     .kernel(self.qk.of(name, q.format))
                     .arg(&mut out.data)
                     .arg(&x.data)
@@ -770,7 +770,7 @@ impl CudaBackend {
             // SAFETY: argument types and buffer sizes match the kernel (one warp per block of 32).
             ck(
                 unsafe {
-                    self.stream
+                    self.stream()
                         .kernel(self.qk.get("quant_x8"))
                         .arg(&mut xq)
                         .arg(&mut xd)
@@ -868,10 +868,10 @@ impl CudaBackend {
         ck(
             unsafe {
                 if n > 1 {
-                    let mut l = self.stream.kernel(self.qk.of("gemvxg4p", format));
+                    let mut l = self.stream().kernel(self.qk.of("gemvxg4p", format));
                     l.arg_struct(&g).arg(xq).arg(xd).arg(&(n as i32)).arg(&(x.cols as i32)).launch(cfg)
                 } else {
-                    let mut l = self.stream.kernel(self.qk.of(if four { "gemv1xg4" } else { "gemv1xg" }, format));
+                    let mut l = self.stream().kernel(self.qk.of(if four { "gemv1xg4" } else { "gemv1xg" }, format));
                     l.arg_struct(&g).arg(xq).arg(xd).arg(&(x.cols as i32)).launch(cfg)
                 }
             },
@@ -893,7 +893,7 @@ impl CudaBackend {
         // SAFETY: `dst` holds rows·cols bf16 values (callers' buffers); the rest match the kernel.
         ck(
             unsafe {
-                self.stream
+                self.stream()
                     .kernel(self.qk.of("deq_bf16", q.format))
                     .arg(&dst)
                     .arg(&q.blocks)
@@ -983,7 +983,7 @@ impl CudaBackend {
         // SAFETY: argument types and buffer sizes match the kernel.
         ck(
             unsafe {
-                self.stream
+                self.stream()
                     .kernel(self.qk.get("gather_bf16"))
                     .arg(out.data_mut())
                     .arg(table)

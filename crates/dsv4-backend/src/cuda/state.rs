@@ -83,7 +83,7 @@ impl CompDev {
         // SAFETY: slot s copies its first `cap·head` floats into the larger block.
         ck(
             unsafe {
-                b.stream
+                b.stream()
                     .kernel(&b.k.copy_blocks)
                     .arg(&mut e)
                     .arg(&self.entries)
@@ -95,6 +95,8 @@ impl CompDev {
             },
             "copy_blocks",
         );
+        // The old block is freed on the main stream: after the copy, if a side branch ran it.
+        b.side_fence();
         self.entries = e;
         self.cap = cap;
         true
@@ -155,7 +157,7 @@ impl CudaCache {
             })
             .collect();
         // 22 named stages per layer at most (CSA), plus embed and the head's three.
-        let probes = ck(b.stream.alloc_zeros::<u32>(16 + 24 * cfg.layers.len()), "alloc probes");
+        let probes = ck(b.stream().alloc_zeros::<u32>(16 + 24 * cfg.layers.len()), "alloc probes");
         CudaCache {
             slots,
             window: cfg.window,
@@ -221,7 +223,7 @@ impl CudaCache {
         let n = pinned_size(self.snapshot_floats(self.window));
         let count = self.slots.min(PINNED_KEEP / 2 / n);
         let t0 = std::time::Instant::now();
-        let ctx = b.stream.context();
+        let ctx = b.stream().context();
         // The copy stream first: a half that sees a buffer to wait for finds it.
         let _ = pool.copy.set(ck(ctx.new_stream(), "snapshot copy stream"));
         // SAFETY (both): page-locked host memory (plain, not write-combined: the host reads
@@ -312,7 +314,7 @@ fn htod(b: &CudaBackend, src: &[f32], buf: &mut CudaSlice<f32>, off: usize) {
         return;
     }
     let mut view = buf.slice_mut(off..off + src.len());
-    ck(b.stream.memcpy_htod(src, &mut view), "snapshot upload");
+    ck(b.stream().memcpy_htod(src, &mut view), "snapshot upload");
 }
 
 /// Row `i` (width `w`) of a row-major buffer.
@@ -650,23 +652,23 @@ impl CudaCache {
                 // memory this snapshot owns, written above and not again until the snapshot's
                 // event has passed (the buffer or slab returns to the pool only after it).
                 {
-                    let (p, _written) = dev.device_ptr_mut(&b.stream);
+                    let (p, _written) = dev.device_ptr_mut(b.stream());
                     ck(
                         // SAFETY: as above.
-                        unsafe { cudarc::driver::result::memcpy_htod_async(p, words, b.stream.cu_stream()) },
+                        unsafe { cudarc::driver::result::memcpy_htod_async(p, words, b.stream().cu_stream()) },
                         "snapshot table",
                     );
                 }
                 dev
             }
-            None => ck(b.stream.clone_htod(&table), "snapshot table"),
+            None => ck(b.stream().clone_htod(&table), "snapshot table"),
         };
         let mut flat = b.alloc::<f32>(total);
         // SAFETY: each table row addresses `n` floats inside a live buffer (the regions are
         // rows of this cache's slots) and a distinct range of `flat`, which holds `total`.
         ck(
             unsafe {
-                b.stream.kernel(&b.k.gather_regions).arg(&mut flat).arg(&table).launch(LaunchConfig {
+                b.stream().kernel(&b.k.gather_regions).arg(&mut flat).arg(&table).launch(LaunchConfig {
                     grid_dim: (regions.len() as u32, 1, 1),
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: 0,
@@ -679,9 +681,9 @@ impl CudaCache {
             // No staging buffer free (all in flight, none page-locked, or a state larger than
             // any): the background half copies `flat` once the gather is done, into a buffer
             // another snapshot gives back, or through pageable memory.
-            let tab = Download { done: blocking_event(&b.stream), pinned: slab, pool: pool.clone(), table: true };
+            let tab = Download { done: blocking_event(b.stream()), pinned: slab, pool: pool.clone(), table: true };
             drop(table);
-            let (src, ctx) = (b.dev_ptr(&flat), b.stream.context().clone());
+            let (src, ctx) = (b.dev_ptr(&flat), b.stream().context().clone());
             tracing::debug!("snapshot queued (no staging buffer) in {:.2} ms", t_begin.elapsed().as_secs_f64() * 1e3);
             return Box::new(move || {
                 let t0 = std::time::Instant::now();
@@ -734,11 +736,11 @@ impl CudaCache {
         // least `total`, owned by the returned half, which reads it only after the event below.
         ck(
             unsafe {
-                cudarc::driver::result::memcpy_dtoh_async(&mut host[..total], b.dev_ptr(&flat), b.stream.cu_stream())
+                cudarc::driver::result::memcpy_dtoh_async(&mut host[..total], b.dev_ptr(&flat), b.stream().cu_stream())
             },
             "snapshot download",
         );
-        let done = blocking_event(&b.stream);
+        let done = blocking_event(b.stream());
         // `table` and `flat` are freed in stream order, after the gather and the copy.
         drop((table, flat));
         let dl = Download { done, pinned: Some(pinned), pool, table: false };
