@@ -12,12 +12,5 @@ T0=$(date +%s)
 run_test cuda_packed cuda_one_row_experts_in_two_launches_are_bitwise
 run_test cuda_packed cuda_int8_products_match_the_twin
 run_test cuda_backend
-for v in base up4b xa dn5bp pf512 sel16; do
-  [ $(( $(date +%s) - T0 )) -lt ${BUDGET:-480} ] || break
-  case $v in
-    base) experts_table base ;;
-    dn5bp) experts_table dn5bp DSV4_DOWN1_PAIRS=1 DSV4_CUDA_KERNELS=.devbin/kvar/dn5b ;;
-    *) experts_table $v DSV4_CUDA_KERNELS=.devbin/kvar/$v ;;
-  esac
-done
+experts_variants $T0 base up4b xa dn5bp pf512 sel16
 cat "$S"

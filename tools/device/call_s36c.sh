@@ -18,13 +18,6 @@ batch1_rounds $FL side1 DSV4_SIDE=1
 batches_16_64 $FL; mv "$OUT/b1664.txt" "$OUT/b1664-side0.txt"
 export DSV4_SIDE=1; batches_16_64 $FL; unset DSV4_SIDE
 run_test cuda_backend
-for v in base up4b xa pf512 dn5bp sel16; do
-  [ $(( $(date +%s) - T0 )) -lt ${BUDGET:-500} ] || break
-  case $v in
-    base) experts_table base ;;
-    dn5bp) experts_table dn5bp DSV4_DOWN1_PAIRS=1 DSV4_CUDA_KERNELS=.devbin/kvar/dn5b ;;
-    *) experts_table $v DSV4_CUDA_KERNELS=.devbin/kvar/$v ;;
-  esac
-done
+experts_variants $T0 base up4b xa pf512 dn5bp sel16
 echo "total $(( $(date +%s) - T0 )) s" >> "$S"
 cat "$S"

@@ -50,3 +50,17 @@ batches_16_64() {
   echo "== $1 layers, batches 16 and 64: exit $?" >> "$S"
   grep -E '^decode batch' "$OUT/b1664.txt" | cut -c1-150 >> "$S"
 }
+# `experts_variants T0 NAME...`: the experts table for each named variant (base: the built-in
+# kernels; dn5bp: kvar/dn5b with DSV4_DOWN1_PAIRS=1; any other: kvar/NAME) while fewer than
+# ${BUDGET:-500} seconds have passed since T0.
+experts_variants() {
+  local t0=$1 v; shift
+  for v in "$@"; do
+    [ $(( $(date +%s) - t0 )) -lt ${BUDGET:-500} ] || break
+    case $v in
+      base) experts_table base ;;
+      dn5bp) experts_table dn5bp DSV4_DOWN1_PAIRS=1 DSV4_CUDA_KERNELS=.devbin/kvar/dn5b ;;
+      *) experts_table $v DSV4_CUDA_KERNELS=.devbin/kvar/$v ;;
+    esac
+  done
+}
