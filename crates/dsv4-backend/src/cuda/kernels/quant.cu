@@ -1380,6 +1380,44 @@ __device__ void moe_down_x8(float* __restrict__ y, const signed char* __restrict
         if (lane == 0 && c + j < d) y[r * d + c + j] = v[j];
 }
 
+// X8_PTAB (0: off, the built-in): the two-launch expert kernels (moe_up1s, moe_down1s) copy the
+// columns of the experts' address table they use into shared memory while the slot's expert id
+// loads, so a block's first weight loads wait for one L2 trip (the id and the table at once)
+// instead of two in turn (the id, then the expert's table entries: the chain PERF.md v44 read in
+// the SASS). The same pointers, so the same values. Tables of more than PTAB_MAX experts (none
+// in V4: 256) keep the two trips.
+#ifndef X8_PTAB
+#define X8_PTAB 0
+#endif
+#define PTAB_MAX 256
+
+// An expert's six table entries (the columns of `ptrs`, nexp experts) as a one-expert table `loc`
+// (loc[c] = ptrs[c·nexp + e]) for the columns in `cols`, through the block's shared copy `tab`
+// where X8_PTAB is on and the table fits. The pairs then take (loc, 1, 0) for (ptrs, nexp, e).
+// Every thread of the block calls it with the same `cols` and nexp (it holds a barrier).
+__device__ __forceinline__ void expert_ptrs(unsigned long long (&loc)[6], unsigned long long* tab,
+                                            const unsigned long long* ptrs, int nexp, unsigned e, bool use,
+                                            unsigned cols) {
+#pragma unroll
+    for (int c = 0; c < 6; c++) loc[c] = 0;
+    if (X8_PTAB && nexp <= PTAB_MAX) {
+        for (int i = threadIdx.x; i < nexp; i += blockDim.x)
+#pragma unroll
+            for (int c = 0; c < 6; c++)
+                if (cols >> c & 1) tab[c * PTAB_MAX + i] = ptrs[c * nexp + i];
+        __syncthreads();
+        if (use)
+#pragma unroll
+            for (int c = 0; c < 6; c++)
+                if (cols >> c & 1) loc[c] = tab[c * PTAB_MAX + e];
+        return;
+    }
+    if (use)
+#pragma unroll
+        for (int c = 0; c < 6; c++)
+            if (cols >> c & 1) loc[c] = ptrs[c * nexp + e];
+}
+
 // ---- A few token rows' routed experts and shared expert in two launches (moe_up1s,
 // moe_down1s): the one-row kernels' pairs above, with neither moe_sort, quant_x8 of h,
 // moe_combine nor the add of the two outputs. Token row t has k + 1 pairs: pair j < k is slot j
@@ -1405,7 +1443,12 @@ __device__ void moe_up1s(float* __restrict__ h, signed char* __restrict__ hq, fl
         xq += (long long)t * d;
         xd += (long long)t * d / 32;
     }
-    if (j < k) up1_pair<R>(h + row, xq, xd, ptrs, nexp, ids[t * k + j], o, d, inter, limit, live);
+    if (j < k) {
+        __shared__ unsigned long long tab[X8_PTAB ? 6 * PTAB_MAX : 1];
+        unsigned long long loc[6];
+        expert_ptrs(loc, tab, ptrs, nexp, ids[t * k + j], true, 0x1bu);  // w1, w3, s1, s3
+        up1_pair<R>(h + row, xq, xd, loc, 1, 0, o, d, inter, limit, live);
+    }
     // Q8_0's 9 words a chunk: 2 chunks ahead, so its registers do not set the routed blocks'
     // occupancy (the separate kernels: 79 registers for IQ2_XXS, 111 for Q8_0 with 4 ahead).
     else up1_pair<S, S == F_Q8_0 && R != F_Q8_0 ? 2 : 4>(h + row, xq, xd, sptrs, 1, 0, o, d, inter, limit, live);
@@ -1441,8 +1484,13 @@ __device__ void moe_down1s(float* __restrict__ routed, float* __restrict__ share
     // (ys holds w_j·y_j): the block's closing combine then waits on no global load (it took
     // one L2 trip after the barrier in every block). The same products, the same sum order.
     float wv = wp < k && lane == 0 ? wts[wp] : 0.f;
-    if (wp < k) down1_pair<R, false>(v, hq + row, hd + row / 32, ptrs, nexp, ids[wp], c, d, inter, c < d);
-    else if (wp == k) down1_pair<S, false>(v, hq + row, hd + row / 32, sptrs, 1, 0, c, d, inter, c < d);
+    // The shared expert's two entries are loaded before the routed warps' table (and its barrier).
+    unsigned long long sloc[6] = {0, 0, wp == k ? sptrs[2] : 0, 0, 0, wp == k ? sptrs[5] : 0};
+    __shared__ unsigned long long tab[X8_PTAB ? 6 * PTAB_MAX : 1];
+    unsigned long long loc[6];
+    expert_ptrs(loc, tab, ptrs, nexp, wp < k ? ids[wp] : 0u, wp < k, 0x24u);  // w2, s2
+    if (wp < k) down1_pair<R, false>(v, hq + row, hd + row / 32, loc, 1, 0, c, d, inter, c < d);
+    else if (wp == k) down1_pair<S, false>(v, hq + row, hd + row / 32, sloc, 1, 0, c, d, inter, c < d);
     if (wp <= k && lane == 0 && c < d)
 #pragma unroll
         for (int p = 0; p < P; p++) ys[wp][p] = wp < k ? __fmul_rn(wv, v[p]) : v[p];
