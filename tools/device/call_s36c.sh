@@ -13,17 +13,18 @@ T0=$(date +%s)
 export DSV4_BIN=.devbin/dsv4
 run_test cuda_gguf cuda_gguf_side_branch_is_bitwise --nocapture
 grep -E '^exact' "$OUT/test-cuda_gguf.txt" >> "$S"
-run_test cuda_packed cuda_one_row_experts_in_two_launches_are_bitwise
 export DSV4_CUDA_KERNELS=.devbin/kvar/ptab; run_test cuda_packed cuda_one_row_experts_in_two_launches_are_bitwise
 unset DSV4_CUDA_KERNELS
-batch1_rounds $FL side0 DSV4_CUDA_KERNELS=.devbin/kvar/ptab0
-batch1_rounds $FL side1 DSV4_SIDE=1 DSV4_CUDA_KERNELS=.devbin/kvar/ptab0
-batch1_rounds $FL side1ptab DSV4_SIDE=1 DSV4_CUDA_KERNELS=.devbin/kvar/ptab
-experts_variants $T0 ptab0 ptab
-batches_16_64 $FL; mv "$OUT/b1664.txt" "$OUT/b1664-side0.txt"
-export DSV4_SIDE=1; batches_16_64 $FL; unset DSV4_SIDE
-echo "at $(( $(date +%s) - T0 )) s" >> "$S"
-experts_variants $T0 base up4b xa pf512
-run_test cuda_backend
+# Each later part only while the call has time (LIMIT: seconds from the start, default 420).
+t() { echo "at $(( $(date +%s) - T0 )) s" >> "$S"; [ $(( $(date +%s) - T0 )) -lt ${1:-${LIMIT:-420}} ]; }
+t && batch1_rounds $FL side0 DSV4_CUDA_KERNELS=.devbin/kvar/ptab0
+t && batch1_rounds $FL side1 DSV4_SIDE=1 DSV4_CUDA_KERNELS=.devbin/kvar/ptab0
+t && batch1_rounds $FL side1ptab DSV4_SIDE=1 DSV4_CUDA_KERNELS=.devbin/kvar/ptab
+t && BUDGET=${LIMIT:-420} experts_variants $T0 ptab0 ptab
+t && { batches_16_64 $FL; mv "$OUT/b1664.txt" "$OUT/b1664-side0.txt"; }
+t && { export DSV4_SIDE=1; batches_16_64 $FL; unset DSV4_SIDE; }
+t && run_test cuda_packed cuda_one_row_experts_in_two_launches_are_bitwise
+t && BUDGET=${LIMIT:-420} experts_variants $T0 base up4b xa pf512
+t && run_test cuda_backend
 echo "total $(( $(date +%s) - T0 )) s" >> "$S"
 cat "$S"
