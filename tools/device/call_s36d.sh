@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# call_s36c cut to what ~4 minutes hold (PERF.md v45): batch-1 decode steps with the side
+# branch off and on (both on kvar/ptab0, the current quant.cu), then its bitwise test, then
+# X8_PTAB at batch 1 while the call has time (LIMIT, default 200 s).
+#   run(command: "bash tools/device/call_s36d.sh", carry: ["devbin.tar.xz"])
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+. tools/device/run_test.sh
+G=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "$G" >> "$S"
+FL=43; case "$G" in *H100*) FL=32 ;; esac
+T0=$(date +%s)
+t() { echo "at $(( $(date +%s) - T0 )) s" >> "$S"; [ $(( $(date +%s) - T0 )) -lt ${LIMIT:-200} ]; }
+step1() {  # `step1 NAME [VAR=VALUE...]`: a batch-1 decode step on FL q2 layers, context 4096
+  local v=$1; shift
+  env "$@" timeout 90 .devbin/dsv4 bench --backend cuda --synthetic flash --layers $FL --weights q2 --contexts '' \
+      --reserve 1x4096 --decode-fill clone --decode-batches 1 --decode-context 4096 --decode-tokens 32 \
+      > "$OUT/step1-$v.txt" 2>&1
+  echo "== $v ($*): exit $?" >> "$S"
+  grep -E '^decode batch' "$OUT/step1-$v.txt" | cut -c1-150 >> "$S"
+}
+step1 side0 DSV4_CUDA_KERNELS=.devbin/kvar/ptab0
+step1 side1 DSV4_SIDE=1 DSV4_CUDA_KERNELS=.devbin/kvar/ptab0
+t && step1 side0b DSV4_CUDA_KERNELS=.devbin/kvar/ptab0
+t && step1 side1b DSV4_SIDE=1 DSV4_CUDA_KERNELS=.devbin/kvar/ptab0
+t && { export DSV4_BIN=.devbin/dsv4; run_test cuda_gguf cuda_gguf_side_branch_is_bitwise --nocapture; grep -E '^exact' "$OUT/test-cuda_gguf.txt" >> "$S"; }
+t && step1 side1ptab DSV4_SIDE=1 DSV4_CUDA_KERNELS=.devbin/kvar/ptab
+echo "total $(( $(date +%s) - T0 )) s" >> "$S"
+cat "$S"
