@@ -24,7 +24,7 @@ t && BUDGET=${LIMIT:-420} experts_variants $T0 ptab0 ptab
 t && { batches_16_64 $FL; mv "$OUT/b1664.txt" "$OUT/b1664-side0.txt"; }
 t && { export DSV4_SIDE=1; batches_16_64 $FL; unset DSV4_SIDE; }
 t && run_test cuda_packed cuda_one_row_experts_in_two_launches_are_bitwise
-t && BUDGET=${LIMIT:-420} experts_variants $T0 base up4b xa pf512
+t && BUDGET=${LIMIT:-420} experts_variants $T0 base up4b xa pf512 dn5bp sel16
 t && run_test cuda_backend
 echo "total $(( $(date +%s) - T0 )) s" >> "$S"
 cat "$S"
