@@ -145,22 +145,28 @@ const INDEX_SCORE_EW: usize = 4;
 const INDEX_SCORE_ENTRIES: usize = 8 * INDEX_SCORE_EW;
 
 /// Blocks a row of `index_score`: one for each `INDEX_SCORE_ENTRIES` entries up to
-/// `INDEX_SCORE_BLOCKS`; a small batch (fewer than `INDEX_SCORE_SPREAD` rows) spreads each row
-/// over up to `INDEX_SCORE_SPREAD / n` blocks (warp w of block y takes entry group w·Y + y, so
+/// `INDEX_SCORE_BLOCKS`; a small batch (fewer than [`index_score_spread`] rows) spreads each row
+/// over up to `index_score_spread() / n` blocks (warp w of block y takes entry group w·Y + y, so
 /// each block then has fewer busy warps on its own SM). Every entry's score is computed the same
 /// way whatever the grid.
 fn index_score_blocks(maxvis: usize, n: usize) -> usize {
     let base = maxvis.div_ceil(INDEX_SCORE_ENTRIES).min(INDEX_SCORE_BLOCKS);
     let groups = maxvis.div_ceil(INDEX_SCORE_EW);
-    base.max(groups.min(INDEX_SCORE_SPREAD / n.max(1)))
+    base.max(groups.min(index_score_spread() / n.max(1)))
 }
 
 /// `TOPK_SMEM` of attention.cu: bytes of index_topk's buffers (`buf`, `hist`, `wt`) that
 /// `index_score_topk` carves from its dynamic shared memory.
 const TOPK_SMEM: usize = 2 * 2048 * 8 + 4 * 256 * 4 + 2 * (256 / 32) * 4;
 
-/// Blocks of `index_score` a small batch is spread over (about one an SM).
-const INDEX_SCORE_SPREAD: usize = 128;
+/// Blocks of `index_score` a small batch is spread over (about one an SM): `DSV4_INDEX_SPREAD`,
+/// default 128. At batch 1 and 1,024 entries that is 128 blocks of 2 busy warps, each staging the
+/// row's 32 KB of queries (v44's ncu: most of the scoring blocks' samples); 0 keeps the blocks
+/// full (32 of 8 warps there). The same scores and selection whatever the grid.
+fn index_score_spread() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| std::env::var("DSV4_INDEX_SPREAD").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(128))
+}
 
 /// Rows from which a fast-mode indexer call takes the tensor-core kernel (`index_score_tc`:
 /// prefill chunks); decode batches keep the f32 kernel, which spreads a few rows over many
