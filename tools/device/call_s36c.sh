@@ -2,7 +2,7 @@
 # Prepared in the thirty-sixth session (PERF.md v45), any GPU, ~10 minutes: the side branch
 # (a layer's compressors on a second stream) checked bitwise and measured, X8_PTAB (kvar/ptab:
 # the expert kernels' table in shared memory) checked and measured against the same source with
-# it off (kvar/ptab0), then the thirty-fifth session's variants while the call has time.
+# it off (kvar/ptab0), DSV4_INDEX_SPREAD=0 at batch 1, then the thirty-fifth session's variants while the call has time.
 #   run(command: "bash tools/device/call_s36c.sh", carry: ["devbin.tar.xz"])
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,6 +21,8 @@ t && batch1_rounds $FL side0 DSV4_CUDA_KERNELS=.devbin/kvar/ptab0
 t && batch1_rounds $FL side1 DSV4_SIDE=1 DSV4_CUDA_KERNELS=.devbin/kvar/ptab0
 t && batch1_rounds $FL side1ptab DSV4_SIDE=1 DSV4_CUDA_KERNELS=.devbin/kvar/ptab
 t && BUDGET=${LIMIT:-420} experts_variants $T0 ptab0 ptab
+t && step1 spread128 DSV4_SIDE=1 DSV4_CUDA_KERNELS=.devbin/kvar/ptab0
+t && step1 spread0 DSV4_SIDE=1 DSV4_INDEX_SPREAD=0 DSV4_CUDA_KERNELS=.devbin/kvar/ptab0
 t && { batches_16_64 $FL; mv "$OUT/b1664.txt" "$OUT/b1664-side0.txt"; }
 t && { export DSV4_SIDE=1; batches_16_64 $FL; unset DSV4_SIDE; }
 t && run_test cuda_packed cuda_one_row_experts_in_two_launches_are_bitwise

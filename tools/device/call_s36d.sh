@@ -10,14 +10,6 @@ G=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "$G" >> "$S"
 FL=43; case "$G" in *H100*) FL=32 ;; esac
 T0=$(date +%s)
 t() { echo "at $(( $(date +%s) - T0 )) s" >> "$S"; [ $(( $(date +%s) - T0 )) -lt ${LIMIT:-200} ]; }
-step1() {  # `step1 NAME [VAR=VALUE...]`: a batch-1 decode step on FL q2 layers, context 4096
-  local v=$1; shift
-  env "$@" timeout 90 .devbin/dsv4 bench --backend cuda --synthetic flash --layers $FL --weights q2 --contexts '' \
-      --reserve 1x4096 --decode-fill clone --decode-batches 1 --decode-context 4096 --decode-tokens 32 \
-      > "$OUT/step1-$v.txt" 2>&1
-  echo "== $v ($*): exit $?" >> "$S"
-  grep -E '^decode batch' "$OUT/step1-$v.txt" | cut -c1-150 >> "$S"
-}
 step1 side0 DSV4_CUDA_KERNELS=.devbin/kvar/ptab0
 step1 side1 DSV4_SIDE=1 DSV4_CUDA_KERNELS=.devbin/kvar/ptab0
 t && step1 side0b DSV4_CUDA_KERNELS=.devbin/kvar/ptab0

@@ -64,3 +64,13 @@ experts_variants() {
     esac
   done
 }
+# `step1 NAME [VAR=VALUE...]`: batch-1 decode steps alone on $FL q2 layers at context 4096 under
+# that environment (into $OUT/step1-NAME.txt), their lines into the summary.
+step1() {
+  local v=$1; shift
+  env "$@" timeout 90 .devbin/dsv4 bench --backend cuda --synthetic flash --layers "$FL" --weights q2 --contexts '' \
+      --reserve 1x4096 --decode-fill clone --decode-batches 1 --decode-context 4096 --decode-tokens 32 \
+      > "$OUT/step1-$v.txt" 2>&1
+  echo "== $v ($*): exit $?" >> "$S"
+  grep -E '^decode batch' "$OUT/step1-$v.txt" | cut -c1-150 >> "$S"
+}
