@@ -2,7 +2,8 @@
 # Prepared in the thirty-sixth session (PERF.md v45), any GPU, ~10 minutes: the side branch
 # (a layer's compressors on a second stream) checked bitwise and measured, X8_PTAB (kvar/ptab:
 # the expert kernels' table in shared memory) checked and measured against the same source with
-# it off (kvar/ptab0), DSV4_INDEX_SPREAD=0 at batch 1, then the thirty-fifth session's variants while the call has time.
+# it off (kvar/ptab0), DSV4_INDEX_SPREAD=0 at batch 1, then the thirty-fifth session's variants
+# while the call has time.
 #   run(command: "bash tools/device/call_s36c.sh", carry: ["devbin.tar.xz"])
 set -uo pipefail
 cd "$(dirname "$0")/../.."
