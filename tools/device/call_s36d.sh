@@ -6,10 +6,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . tools/device/run_test.sh
-G=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "$G" >> "$S"
-FL=43; case "$G" in *H100*) FL=32 ;; esac
-T0=$(date +%s)
-t() { echo "at $(( $(date +%s) - T0 )) s" >> "$S"; [ $(( $(date +%s) - T0 )) -lt ${LIMIT:-200} ]; }
+call_start 200
 step1 side0 DSV4_CUDA_KERNELS=.devbin/kvar/ptab0
 step1 side1 DSV4_SIDE=1 DSV4_CUDA_KERNELS=.devbin/kvar/ptab0
 t && step1 side0b DSV4_CUDA_KERNELS=.devbin/kvar/ptab0

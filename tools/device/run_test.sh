@@ -74,3 +74,13 @@ step1() {
   echo "== $v ($*): exit $?" >> "$S"
   grep -E '^decode batch' "$OUT/step1-$v.txt" | cut -c1-150 >> "$S"
 }
+# `call_start DEFAULT`: the device's name into the summary; FL, the layers a 43-layer figure
+# fits in (32 on an H100); T0, the call's start; and `t`, which notes the elapsed time in the
+# summary and is true while fewer than LIMIT (else DEFAULT) seconds have passed since T0.
+call_start() {
+  G=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "$G" >> "$S"
+  FL=43; case "$G" in *H100*) FL=32 ;; esac
+  T0=$(date +%s)
+  LIMIT=${LIMIT:-$1}
+}
+t() { echo "at $(( $(date +%s) - T0 )) s" >> "$S"; [ $(( $(date +%s) - T0 )) -lt "$LIMIT" ]; }
