@@ -111,7 +111,7 @@ impl CudaBackend {
         // same either way), and the split of k from the shape alone (see `dense_splits`).
         let (bm, kern) = if n <= 64 { (64, "pgemm64") } else { (PG_BM, "pgemm") };
         let (splits, ks) = dense_splits(m, k, self.sm_count());
-        let mut part = if splits > 1 { Some(self.alloc::<f32>(splits * n * m)) } else { None };
+        let mut part = if splits > 1 { Some(self.scratch::<f32>(splits * n * m)) } else { None };
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(bm) as u32, m.div_ceil(PG_BN) as u32, splits as u32),
             block_dim: (256, 1, 1),

@@ -164,7 +164,7 @@ impl CudaBackend {
             logits: self.alloc::<f32>(no * cols),
             ids: self.alloc::<u32>(no),
             hidden: self.alloc::<f32>(n * hidden_cols),
-            flag: ck(self.stream().alloc_zeros::<u32>(1), "alloc step flag"),
+            flag: ck(self.main_stream().alloc_zeros::<u32>(1), "alloc step flag"),
         });
         // Waits for the previous copy out of the staging buffer (long done: its step's output
         // was read back).
@@ -175,7 +175,7 @@ impl CudaBackend {
         }
         draw_table(draws, &mut v[6 * n + no..len]);
         let dev = Arc::get_mut(&mut io.dev).expect("a step's inputs are staged while no forward holds them");
-        ck(self.stream().memcpy_htod(&io.host, dev), "stage step inputs");
+        ck(self.main_stream().memcpy_htod(&io.host, dev), "stage step inputs");
     }
 
     pub(crate) fn begin_record(&self, rows: usize, out: usize, hidden_cols: usize) -> bool {
@@ -183,7 +183,7 @@ impl CudaBackend {
         if st.recording.is_some() || !st.io.contains_key(&(rows, out, hidden_cols)) {
             return false;
         }
-        if let Err(e) = self.stream().begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) {
+        if let Err(e) = self.main_stream().begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) {
             tracing::warn!("CUDA graph capture could not start: {e:?}");
             return false;
         }
@@ -206,21 +206,21 @@ impl CudaBackend {
             // not fit them (an error below, not a step that silently returns stale logits).
             shape_ok = len == io.logits.len();
             if shape_ok {
-                ck(self.stream().memcpy_dtod(&logits.data.slice(..len), &mut io.logits), "copy step logits");
-                ck(self.stream().memset_zeros(&mut io.flag), "clear step flag");
+                ck(self.main_stream().memcpy_dtod(&logits.data.slice(..len), &mut io.logits), "copy step logits");
+                ck(self.main_stream().memset_zeros(&mut io.flag), "clear step flag");
                 super::bf16::probe_into(self, &mut io.flag, 0, &io.logits, len, logits.cols);
                 let table = io.dev.slice(6 * key.0 + key.1..);
                 draw_into(self, &mut io.ids, &io.logits, Some(&table), logits.rows, logits.cols);
             }
             if let Some(h) = &hidden {
                 if hidden_len > 0 {
-                    ck(self.stream().memcpy_dtod(&h.data.slice(..hidden_len), &mut io.hidden), "copy step hidden");
+                    ck(self.main_stream().memcpy_dtod(&h.data.slice(..hidden_len), &mut io.hidden), "copy step hidden");
                 }
             }
         }
         drop(logits);
         drop(hidden);
-        let res = self.stream().end_capture(CUgraphInstantiate_flags(0));
+        let res = self.main_stream().end_capture(CUgraphInstantiate_flags(0));
         self.steps.lock().unwrap().recording = None;
         let graph = match res {
             Ok(Some(g)) => g,
@@ -252,14 +252,14 @@ impl CudaBackend {
             let cols = io.logits.len() / out;
             r.logits = self.download_reusing(&io.logits, logits.min(out) * cols);
         }
-        r.ids = ck(self.stream().clone_dtoh(&io.ids), "download step ids");
+        r.ids = ck(self.main_stream().clone_dtoh(&io.ids), "download step ids");
         r.ids.truncate(out);
         if hidden_cols > 0 {
-            r.hidden = ck(self.stream().clone_dtoh(&io.hidden), "download step hidden");
+            r.hidden = ck(self.main_stream().clone_dtoh(&io.hidden), "download step hidden");
             r.hidden.truncate(rows * hidden_cols);
         }
-        let f = ck(self.stream().clone_dtoh(&io.flag), "download step flag");
-        ck(self.stream().synchronize(), "synchronize");
+        let f = ck(self.main_stream().clone_dtoh(&io.flag), "download step flag");
+        ck(self.main_stream().synchronize(), "synchronize");
         r.nonfinite = (f[0] != 0).then(|| (u32::MAX - f[0]) as usize);
         r
     }

@@ -185,6 +185,7 @@ pub(crate) struct Kernels {
     pub gather_rows: CudaFunction,
     pub add: CudaFunction,
     pub copy_blocks: CudaFunction,
+    pub side_delay: CudaFunction,
     pub gather_regions: CudaFunction,
     pub hc_expand: CudaFunction,
     pub stream_mean: CudaFunction,
@@ -588,6 +589,7 @@ impl Kernels {
                 "gemv_f32",
                 "norm_many",
                 "gemv_route",
+                "side_delay",
             ],
         )?;
         let h = compile(
@@ -665,6 +667,7 @@ impl Kernels {
             gemv_f32: n(&mut d),
             norm_many: n(&mut d),
             gemv_route: n(&mut d),
+            side_delay: n(&mut d),
             hc_pre_dot: n(&mut h),
             hc_pre_dot_rows: n(&mut h),
             hc_pre_dot_tc: n(&mut h),
@@ -767,6 +770,9 @@ struct Side {
     pending: std::sync::atomic::AtomicBool,
     /// Branches run on the side stream so far ([`CudaBackend::side_branches`]).
     count: std::sync::atomic::AtomicUsize,
+    /// Nanoseconds the side stream waits at the start of each branch (`DSV4_SIDE_DELAY`, 0:
+    /// none; [`CudaBackend::set_side_delay`]): a test's way to make a missing join show.
+    delay: std::sync::atomic::AtomicI64,
 }
 
 /// The CUDA backend on one device.
@@ -1515,6 +1521,9 @@ impl CudaBackend {
             active: std::sync::atomic::AtomicBool::new(false),
             pending: std::sync::atomic::AtomicBool::new(false),
             count: std::sync::atomic::AtomicUsize::new(0),
+            delay: std::sync::atomic::AtomicI64::new(
+                std::env::var("DSV4_SIDE_DELAY").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(0),
+            ),
         };
         Ok(CudaBackend {
             ctx,
@@ -1619,7 +1628,7 @@ impl CudaBackend {
     /// A device buffer's values on the host (tests, benchmarks' CPU twins; synchronises the
     /// stream).
     pub fn download<T: cudarc::driver::DeviceRepr>(&self, s: &CudaSlice<T>) -> Vec<T> {
-        let v = ck(self.stream().clone_dtoh(s), "download");
+        let v = ck(self.main_stream().clone_dtoh(s), "download");
         self.synchronize();
         v
     }
@@ -1632,6 +1641,14 @@ impl CudaBackend {
     pub fn synchronize(&self) {
         ck(self.main.synchronize(), "synchronize");
         ck(self.side.stream.synchronize(), "synchronize the side stream");
+    }
+
+    /// The main stream: where steps are recorded and where host reads, snapshots and
+    /// collectives are ordered (never inside a side branch, so the same as [`Self::stream`]
+    /// wherever the forward calls them; named so that no branch can ever take them).
+    pub(crate) fn main_stream(&self) -> &Arc<CudaStream> {
+        debug_assert!(!self.side.active.load(std::sync::atomic::Ordering::Relaxed), "a host read inside a side branch");
+        &self.main
     }
 
     /// The stream ops are queued on: the side stream inside a side branch, else the main one.
@@ -1655,6 +1672,15 @@ impl CudaBackend {
 
     pub fn side(&self) -> bool {
         self.side.on.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Makes each side branch start `ns` nanoseconds late (one thread waits on the side stream
+    /// first; 0: not at all), so that an op reading a branch's output before its join, or a
+    /// buffer freed before the branch is done with it, meets values not yet written. A test
+    /// setting: it changes no value of a correct step.
+    pub fn set_side_delay(&self, ns: i64) {
+        self.side.delay.store(ns.max(0), std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
     }
 
     /// Side branches run on the side stream so far (eager and recorded forwards): a test's
@@ -1687,10 +1713,23 @@ impl CudaBackend {
         }
     }
 
+    /// A buffer an op uses and drops before it returns (a split-k partial sum): inside a side
+    /// branch it is owned by the side stream, so its free is queued there after the branch's
+    /// kernels that use it (a buffer `alloc` hands out there is freed on the main stream, which
+    /// is right only for one that outlives the branch); elsewhere as `alloc`.
+    pub(crate) fn scratch<T: cudarc::driver::DeviceRepr>(&self, n: usize) -> CudaSlice<T> {
+        if self.side.active.load(std::sync::atomic::Ordering::Relaxed) {
+            // SAFETY: as `alloc`; every caller writes the elements it later reads.
+            return ck(unsafe { self.side.stream.alloc::<T>(n.max(1)) }, "alloc");
+        }
+        self.alloc(n)
+    }
+
     /// An uninitialised device buffer of `n` elements (at least one), in the order of the stream
     /// ops are queued on. It is freed on the main stream: inside a side branch it is taken on
     /// the side stream and handed to the main one, whose ops read it after the join, so its
     /// free is queued after them (and a recorded step's side branch holds no free to join).
+    /// A buffer dropped inside the branch must come from [`CudaBackend::scratch`] instead.
     pub(crate) fn alloc<T: cudarc::driver::DeviceRepr>(&self, n: usize) -> CudaSlice<T> {
         if !self.side.active.load(std::sync::atomic::Ordering::Relaxed) {
             // SAFETY: every caller writes the elements it later reads.
@@ -2019,7 +2058,7 @@ impl CudaBackend {
     pub(crate) fn download_reusing(&self, src: &CudaSlice<f32>, n: usize) -> Vec<f32> {
         let mut v = self.host_vecs.take(n);
         if n > 0 {
-            ck(self.stream().memcpy_dtoh(&src.slice(..n), &mut v[..]), "download");
+            ck(self.main_stream().memcpy_dtoh(&src.slice(..n), &mut v[..]), "download");
         }
         v
     }
@@ -2206,6 +2245,11 @@ impl Backend for CudaBackend {
         ck(self.side.stream.wait(&self.side.fork), "side fork wait");
         self.side.active.store(true, std::sync::atomic::Ordering::Relaxed);
         self.side.count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let ns = self.side.delay.load(std::sync::atomic::Ordering::Relaxed);
+        if ns > 0 {
+            // SAFETY: the kernel takes one i64 and touches no memory.
+            ck(unsafe { self.stream().kernel(&self.k.side_delay).arg(&ns).launch(cfg1d(1, 32)) }, "side_delay");
+        }
     }
 
     fn side_end(&self) {
@@ -2994,7 +3038,7 @@ impl Backend for CudaBackend {
     }
 
     fn read_probes(&self, cache: &CudaCache, n: usize) -> Vec<Option<usize>> {
-        let v = ck(self.stream().clone_dtoh(&cache.probes), "read probes");
+        let v = ck(self.main_stream().clone_dtoh(&cache.probes), "read probes");
         ck(self.stream().synchronize(), "synchronize");
         (0..n).map(|i| v.get(i).and_then(|&f| (f != 0).then(|| (u32::MAX - f) as usize))).collect()
     }

@@ -48,7 +48,7 @@ impl NcclComm {
         if !unsafe { cudarc::nccl::sys::is_culib_present() } {
             return Err(NcclInitError::NoLibrary);
         }
-        let streams: Vec<Arc<cudarc::driver::CudaStream>> = backends.iter().map(|b| b.stream().clone()).collect();
+        let streams: Vec<Arc<cudarc::driver::CudaStream>> = backends.iter().map(|b| b.main_stream().clone()).collect();
         let world = streams.len();
         let comms = Nccl::from_devices(streams).map_err(|e| NcclInitError::Init(format!("{e:?}")))?;
         Ok(comms

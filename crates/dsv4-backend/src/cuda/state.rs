@@ -223,7 +223,7 @@ impl CudaCache {
         let n = pinned_size(self.snapshot_floats(self.window));
         let count = self.slots.min(PINNED_KEEP / 2 / n);
         let t0 = std::time::Instant::now();
-        let ctx = b.stream().context();
+        let ctx = b.main_stream().context();
         // The copy stream first: a half that sees a buffer to wait for finds it.
         let _ = pool.copy.set(ck(ctx.new_stream(), "snapshot copy stream"));
         // SAFETY (both): page-locked host memory (plain, not write-combined: the host reads
@@ -314,7 +314,7 @@ fn htod(b: &CudaBackend, src: &[f32], buf: &mut CudaSlice<f32>, off: usize) {
         return;
     }
     let mut view = buf.slice_mut(off..off + src.len());
-    ck(b.stream().memcpy_htod(src, &mut view), "snapshot upload");
+    ck(b.main_stream().memcpy_htod(src, &mut view), "snapshot upload");
 }
 
 /// Row `i` (width `w`) of a row-major buffer.
@@ -652,23 +652,23 @@ impl CudaCache {
                 // memory this snapshot owns, written above and not again until the snapshot's
                 // event has passed (the buffer or slab returns to the pool only after it).
                 {
-                    let (p, _written) = dev.device_ptr_mut(b.stream());
+                    let (p, _written) = dev.device_ptr_mut(b.main_stream());
                     ck(
                         // SAFETY: as above.
-                        unsafe { cudarc::driver::result::memcpy_htod_async(p, words, b.stream().cu_stream()) },
+                        unsafe { cudarc::driver::result::memcpy_htod_async(p, words, b.main_stream().cu_stream()) },
                         "snapshot table",
                     );
                 }
                 dev
             }
-            None => ck(b.stream().clone_htod(&table), "snapshot table"),
+            None => ck(b.main_stream().clone_htod(&table), "snapshot table"),
         };
         let mut flat = b.alloc::<f32>(total);
         // SAFETY: each table row addresses `n` floats inside a live buffer (the regions are
         // rows of this cache's slots) and a distinct range of `flat`, which holds `total`.
         ck(
             unsafe {
-                b.stream().kernel(&b.k.gather_regions).arg(&mut flat).arg(&table).launch(LaunchConfig {
+                b.main_stream().kernel(&b.k.gather_regions).arg(&mut flat).arg(&table).launch(LaunchConfig {
                     grid_dim: (regions.len() as u32, 1, 1),
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: 0,
@@ -681,9 +681,9 @@ impl CudaCache {
             // No staging buffer free (all in flight, none page-locked, or a state larger than
             // any): the background half copies `flat` once the gather is done, into a buffer
             // another snapshot gives back, or through pageable memory.
-            let tab = Download { done: blocking_event(b.stream()), pinned: slab, pool: pool.clone(), table: true };
+            let tab = Download { done: blocking_event(b.main_stream()), pinned: slab, pool: pool.clone(), table: true };
             drop(table);
-            let (src, ctx) = (b.dev_ptr(&flat), b.stream().context().clone());
+            let (src, ctx) = (b.dev_ptr(&flat), b.main_stream().context().clone());
             tracing::debug!("snapshot queued (no staging buffer) in {:.2} ms", t_begin.elapsed().as_secs_f64() * 1e3);
             return Box::new(move || {
                 let t0 = std::time::Instant::now();
@@ -736,11 +736,15 @@ impl CudaCache {
         // least `total`, owned by the returned half, which reads it only after the event below.
         ck(
             unsafe {
-                cudarc::driver::result::memcpy_dtoh_async(&mut host[..total], b.dev_ptr(&flat), b.stream().cu_stream())
+                cudarc::driver::result::memcpy_dtoh_async(
+                    &mut host[..total],
+                    b.dev_ptr(&flat),
+                    b.main_stream().cu_stream(),
+                )
             },
             "snapshot download",
         );
-        let done = blocking_event(b.stream());
+        let done = blocking_event(b.main_stream());
         // `table` and `flat` are freed in stream order, after the gather and the copy.
         drop((table, flat));
         let dl = Download { done, pinned: Some(pinned), pool, table: false };

@@ -14,6 +14,20 @@ extern "C" __global__ void add(float* out, const float* a, const float* b, long 
     GRID_STRIDE(e, len) out[e] = a[e] + b[e];
 }
 
+// One thread waits `ns` nanoseconds (the global timer): queued at the start of each side branch
+// under DSV4_SIDE_DELAY, so that a read of a branch's output without its join, or a buffer freed
+// before the branch is done with it, meets the branch's work late and shows in the values.
+extern "C" __global__ void side_delay(long long ns) {
+    pdl_enter();
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while ((long long)(t - t0) < ns);
+}
+
 // dst[s, 0..len] = src[s, 0..len] for `count` blocks of strides sstride / dstride.
 extern "C" __global__ void copy_blocks(float* dst, const float* src, int count, long long len, long long dstride,
                                        long long sstride) {

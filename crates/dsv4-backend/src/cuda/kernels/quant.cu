@@ -1391,31 +1391,38 @@ __device__ void moe_down_x8(float* __restrict__ y, const signed char* __restrict
 #endif
 #define PTAB_MAX 256
 
+// Set bits of v below bit c: the shared table's slot of column c when only the columns in v are
+// kept.
+__host__ __device__ constexpr int bits_below(unsigned v, int c) {
+    return c == 0 ? 0 : (int)((v >> (c - 1)) & 1u) + bits_below(v, c - 1);
+}
+
 // An expert's six table entries (the columns of `ptrs`, nexp experts) as a one-expert table `loc`
-// (loc[c] = ptrs[c·nexp + e]) for the columns in `cols`, through the block's shared copy `tab`
-// where X8_PTAB is on and the table fits. The pairs then take (loc, 1, 0) for (ptrs, nexp, e).
-// Every thread of the block calls it with the same `cols` and nexp (it holds a barrier).
+// (loc[c] = ptrs[c·nexp + e]) for the columns in COLS, through the block's shared copy `tab`
+// (popcount(COLS)·PTAB_MAX entries, column c at slot bits_below(COLS, c)) where X8_PTAB is on and
+// the table fits. The pairs then take (loc, 1, 0) for (ptrs, nexp, e). Every thread of the block
+// calls it with the same nexp (it holds a barrier).
+template <unsigned COLS>
 __device__ __forceinline__ void expert_ptrs(unsigned long long (&loc)[6], unsigned long long* tab,
-                                            const unsigned long long* ptrs, int nexp, unsigned e, bool use,
-                                            unsigned cols) {
+                                            const unsigned long long* ptrs, int nexp, unsigned e, bool use) {
 #pragma unroll
     for (int c = 0; c < 6; c++) loc[c] = 0;
     if (X8_PTAB && nexp <= PTAB_MAX) {
         for (int i = threadIdx.x; i < nexp; i += blockDim.x)
 #pragma unroll
             for (int c = 0; c < 6; c++)
-                if (cols >> c & 1) tab[c * PTAB_MAX + i] = ptrs[c * nexp + i];
+                if (COLS >> c & 1) tab[bits_below(COLS, c) * PTAB_MAX + i] = ptrs[c * nexp + i];
         __syncthreads();
         if (use)
 #pragma unroll
             for (int c = 0; c < 6; c++)
-                if (cols >> c & 1) loc[c] = tab[c * PTAB_MAX + e];
+                if (COLS >> c & 1) loc[c] = tab[bits_below(COLS, c) * PTAB_MAX + e];
         return;
     }
     if (use)
 #pragma unroll
         for (int c = 0; c < 6; c++)
-            if (cols >> c & 1) loc[c] = ptrs[c * nexp + e];
+            if (COLS >> c & 1) loc[c] = ptrs[c * nexp + e];
 }
 
 // ---- A few token rows' routed experts and shared expert in two launches (moe_up1s,
@@ -1444,9 +1451,9 @@ __device__ void moe_up1s(float* __restrict__ h, signed char* __restrict__ hq, fl
         xd += (long long)t * d / 32;
     }
     if (j < k) {
-        __shared__ unsigned long long tab[X8_PTAB ? 6 * PTAB_MAX : 1];
+        __shared__ unsigned long long tab[X8_PTAB ? 4 * PTAB_MAX : 1];
         unsigned long long loc[6];
-        expert_ptrs(loc, tab, ptrs, nexp, ids[t * k + j], true, 0x1bu);  // w1, w3, s1, s3
+        expert_ptrs<0x1bu>(loc, tab, ptrs, nexp, ids[t * k + j], true);  // w1, w3, s1, s3
         up1_pair<R>(h + row, xq, xd, loc, 1, 0, o, d, inter, limit, live);
     }
     // Q8_0's 9 words a chunk: 2 chunks ahead, so its registers do not set the routed blocks'
@@ -1486,9 +1493,9 @@ __device__ void moe_down1s(float* __restrict__ routed, float* __restrict__ share
     float wv = wp < k && lane == 0 ? wts[wp] : 0.f;
     // The shared expert's two entries are loaded before the routed warps' table (and its barrier).
     unsigned long long sloc[6] = {0, 0, wp == k ? sptrs[2] : 0, 0, 0, wp == k ? sptrs[5] : 0};
-    __shared__ unsigned long long tab[X8_PTAB ? 6 * PTAB_MAX : 1];
+    __shared__ unsigned long long tab[X8_PTAB ? 2 * PTAB_MAX : 1];
     unsigned long long loc[6];
-    expert_ptrs(loc, tab, ptrs, nexp, wp < k ? ids[wp] : 0u, wp < k, 0x24u);  // w2, s2
+    expert_ptrs<0x24u>(loc, tab, ptrs, nexp, wp < k ? ids[wp] : 0u, wp < k);  // w2, s2
     if (wp < k) down1_pair<R, false>(v, hq + row, hd + row / 32, loc, 1, 0, c, d, inter, c < d);
     else if (wp == k) down1_pair<S, false>(v, hq + row, hd + row / 32, sloc, 1, 0, c, d, inter, c < d);
     if (wp <= k && lane == 0 && c < d)
