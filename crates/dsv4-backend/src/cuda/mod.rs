@@ -781,7 +781,7 @@ pub struct CudaBackend {
     /// The stream every op is queued on, but a side branch's ([`CudaBackend::stream`]).
     main: Arc<CudaStream>,
     /// A side branch's ops ([`Backend::side_begin`]): a second stream, forked from and joined
-    /// to `main` by the two events (`side_fork`, `side_done`).
+    /// to `main` by its two events.
     side: Side,
     blas: CudaBlas,
     pub(crate) k: Kernels,
@@ -1647,13 +1647,18 @@ impl CudaBackend {
     /// collectives are ordered (never inside a side branch, so the same as [`Self::stream`]
     /// wherever the forward calls them; named so that no branch can ever take them).
     pub(crate) fn main_stream(&self) -> &Arc<CudaStream> {
-        debug_assert!(!self.side.active.load(std::sync::atomic::Ordering::Relaxed), "a host read inside a side branch");
+        debug_assert!(!self.in_branch(), "a host read inside a side branch");
         &self.main
+    }
+
+    /// Whether ops are being queued on the side stream (between `side_begin` and `side_end`).
+    fn in_branch(&self) -> bool {
+        self.side.active.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The stream ops are queued on: the side stream inside a side branch, else the main one.
     pub(crate) fn stream(&self) -> &Arc<CudaStream> {
-        if self.side.active.load(std::sync::atomic::Ordering::Relaxed) {
+        if self.in_branch() {
             &self.side.stream
         } else {
             &self.main
@@ -1693,11 +1698,10 @@ impl CudaBackend {
     /// one) on the main stream, in the side branch's order where one is open: the main stream
     /// waits for the side's work so far, and the side for `f`'s.
     pub(crate) fn on_main<R>(&self, f: impl FnOnce() -> R) -> R {
-        if !self.side.active.load(std::sync::atomic::Ordering::Relaxed) {
+        if !self.in_branch() {
             return f();
         }
-        ck(self.side.done.record(&self.side.stream), "side record");
-        ck(self.main.wait(&self.side.done), "main waits for the side");
+        self.side_fence();
         let r = f();
         ck(self.side.fork.record(&self.main), "main record");
         ck(self.side.stream.wait(&self.side.fork), "side waits for the main stream");
@@ -1707,7 +1711,7 @@ impl CudaBackend {
     /// Makes the main stream wait for the side branch's work so far (before a buffer it reads
     /// is freed on the main stream); nothing outside a branch.
     pub(crate) fn side_fence(&self) {
-        if self.side.active.load(std::sync::atomic::Ordering::Relaxed) {
+        if self.in_branch() {
             ck(self.side.done.record(&self.side.stream), "side record");
             ck(self.main.wait(&self.side.done), "main waits for the side");
         }
@@ -1718,7 +1722,7 @@ impl CudaBackend {
     /// kernels that use it (a buffer `alloc` hands out there is freed on the main stream, which
     /// is right only for one that outlives the branch); elsewhere as `alloc`.
     pub(crate) fn scratch<T: cudarc::driver::DeviceRepr>(&self, n: usize) -> CudaSlice<T> {
-        if self.side.active.load(std::sync::atomic::Ordering::Relaxed) {
+        if self.in_branch() {
             // SAFETY: as `alloc`; every caller writes the elements it later reads.
             return ck(unsafe { self.side.stream.alloc::<T>(n.max(1)) }, "alloc");
         }
@@ -1731,7 +1735,7 @@ impl CudaBackend {
     /// free is queued after them (and a recorded step's side branch holds no free to join).
     /// A buffer dropped inside the branch must come from [`CudaBackend::scratch`] instead.
     pub(crate) fn alloc<T: cudarc::driver::DeviceRepr>(&self, n: usize) -> CudaSlice<T> {
-        if !self.side.active.load(std::sync::atomic::Ordering::Relaxed) {
+        if !self.in_branch() {
             // SAFETY: every caller writes the elements it later reads.
             return ck(unsafe { self.main.alloc::<T>(n.max(1)) }, "alloc");
         }
@@ -2237,7 +2241,7 @@ impl Backend for CudaBackend {
     fn side_begin(&self, rows: usize) {
         // Decode and verify steps (the recorded sizes); a prefill chunk's products fill the
         // device alone.
-        if !self.side() || rows > graph::GRAPH_MAX_ROWS || self.side.active.load(std::sync::atomic::Ordering::Relaxed) {
+        if !self.side() || rows > graph::GRAPH_MAX_ROWS || self.in_branch() {
             return;
         }
         self.side_join();
