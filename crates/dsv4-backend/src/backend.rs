@@ -199,14 +199,22 @@ pub trait Backend: Send + Sync {
     /// Opens a side branch: the ops issued until [`Backend::side_end`] read only what was
     /// issued before this call, and the ops issued after `side_end` read nothing they write
     /// until [`Backend::side_join`], so a backend may run the two chains at once (the CUDA
-    /// backend: a second stream, a fork and a join in a recorded step). The forward opens one
-    /// for a layer's compressors, beside the query path. `rows`: the step's row count (a
-    /// backend may keep larger steps in order). Never changes a value; the default runs in order.
+    /// backend: a second stream, a fork and a join in a recorded step). The forward opens two
+    /// a CSA layer: its compressors beside the query path, then the indexer's query product
+    /// beside the heads'. A branch opened before the last one's join follows it on the side
+    /// chain. `rows`: the step's row count (a backend may keep larger steps in order). Never
+    /// changes a value; the default runs in order.
     fn side_begin(&self, _rows: usize) {}
     /// Ends the side branch opened by [`Backend::side_begin`]: later ops are the main chain's.
     fn side_end(&self) {}
-    /// Later ops wait for the side branch's work: called before anything reads its outputs.
+    /// Later ops wait for the side branches' work: called before anything reads their outputs.
     fn side_join(&self) {}
+    /// Whether a step of `rows` runs its side branches beside the main chain. Where it does
+    /// not, the forward issues the products it would split between the chains as one group (one
+    /// launch where a backend groups them); the same values either way. The default: never.
+    fn side_runs(&self, _rows: usize) -> bool {
+        false
+    }
     /// HC_PRE and the sub-block's RMSNorm of `y` (one launch where a backend fuses them; the
     /// same values): `(y, norm(y), post, comb)`.
     fn hc_pre_norm(

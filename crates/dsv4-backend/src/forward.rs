@@ -259,16 +259,15 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
     let li = Some(l);
     let (d, eps) = (cfg.head_dim, cfg.rms_eps);
 
-    // wq_a and wkv at once (a backend may run them as one launch).
-    let mut pa = b.matmul_many(a, &[&aw.wq_a, &aw.wkv]).into_iter();
-    let (q_a, kv_a) = (pa.next().expect("wq_a's product"), pa.next().expect("wkv's product"));
+    // Whether the side branches below run beside the main chain; where they do not, their
+    // products join the main chain's in one group (one launch a format where a backend groups).
+    let beside = b.side_runs(b.shape(a).0);
 
-    // Then the compressors' products and state updates on a side branch: they read only the
+    // The compressors' products and state updates go on a side branch: they read only the
     // attention input and write only their own states, so a backend may run them beside the
     // query path below (spec §9.4 #6 needs them before the indexer and the attention, which
-    // come after the join). After wq_a's product, so that anything a backend keeps on the
-    // input for its products (a cast, int8 codes) is made on the main chain. Their products at
-    // once (a backend may run them as one launch).
+    // come after the join). wq_a's and wkv's product comes first, so that anything a backend
+    // keeps on the input for its products (a cast, int8 codes) is made on the main chain.
     let mut cws = Vec::new();
     if let Some(c) = &aw.compressor {
         cws.extend([&c.wkv, &c.wgate]);
@@ -276,11 +275,17 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
     if let Some(ix) = &aw.indexer {
         cws.extend([&ix.compressor.wkv, &ix.compressor.wgate, &ix.weights_proj]);
     }
-    let side = !cws.is_empty();
+    let side = beside && !cws.is_empty();
+    let mut ws = vec![&aw.wq_a, &aw.wkv];
+    if !side {
+        ws.extend(&cws);
+    }
+    let mut pa = b.matmul_many(a, &ws).into_iter();
+    let (q_a, kv_a) = (pa.next().expect("wq_a's product"), pa.next().expect("wkv's product"));
     if side {
         b.side_begin(b.shape(a).0);
     }
-    let mut pc = if side { b.matmul_many(a, &cws) } else { Vec::new() }.into_iter();
+    let mut pc = if side { b.matmul_many(a, &cws) } else { pa.collect() }.into_iter();
     let mut next_c = || pc.next().expect("one product a weight");
     let comp_uz = aw.compressor.as_ref().map(|c| {
         let (u, z) = (next_c(), next_c());
@@ -310,17 +315,30 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
         .into_iter();
     let (qr, kv) = (n1.next().expect("q_a's norm"), n1.next().expect("kv's norm"));
     cx.cap(li, "attn.q_a", &qr);
-    // The query projections of qr at once: the heads' and, where the layer has one, the indexer's.
-    let mut pq = match &aw.indexer {
-        Some(ix) => b.matmul_many(&qr, &[&aw.wq_b, &ix.wq_b]),
-        None => vec![b.matmul(&qr, &aw.wq_b)],
+    // The query projections of qr: the heads' and, where the layer has one, the indexer's, the
+    // latter on a second side branch beside the former (after the compressors on the side
+    // chain), else both at once.
+    let (qh, qi) = match &aw.indexer {
+        Some(ix) if beside => {
+            b.side_begin(b.shape(&qr).0);
+            let qi = b.matmul(&qr, &ix.wq_b);
+            b.side_end();
+            (b.matmul(&qr, &aw.wq_b), Some(qi))
+        }
+        Some(ix) => {
+            let mut pq = b.matmul_many(&qr, &[&aw.wq_b, &ix.wq_b]).into_iter();
+            (pq.next().expect("the heads' query projection"), pq.next())
+        }
+        None => (b.matmul(&qr, &aw.wq_b), None),
+    };
+    // The branches' outputs (the compressors' states, the indexer's query) are read from here on.
+    if beside {
+        b.side_join();
     }
-    .into_iter();
     // The heads' norm + RoPE and the indexer query's RoPE, again one launch where a backend can.
-    let qh = pq.next().expect("the heads' query projection");
     let mut jobs = vec![NormJob::Norm { x: &qh, w: None, group: d, eps, rope: true }];
-    if aw.indexer.is_some() {
-        jobs.push(NormJob::Rope { x: pq.next().expect("the indexer's query projection"), head: cfg.index_head_dim });
+    if let Some(qi) = qi {
+        jobs.push(NormJob::Rope { x: qi, head: cfg.index_head_dim });
     }
     let mut n2 = b.norms(jobs, cx.rows, freqs).into_iter();
     let q = n2.next().expect("the heads' norm");
@@ -328,10 +346,6 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
     cx.cap(li, "attn.q", &q);
     cx.cap(li, "attn.kv", &kv);
 
-    // The compressors' outputs are read from here on.
-    if side {
-        b.side_join();
-    }
     if let Some((u, z)) = &comp_uz {
         cx.cap(li, "attn.compressor.kv", u);
         cx.cap(li, "attn.compressor.gate", z);

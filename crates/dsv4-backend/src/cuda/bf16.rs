@@ -282,7 +282,13 @@ impl CudaBackend {
     /// cast for this product alone with `DSV4_BF16_CACHE=0` (the A/B switch).
     pub(crate) fn bf16_of<'a>(&self, x: &'a CudaTensor) -> BfInput<'a> {
         if keep_bf16() {
-            BfInput::Kept(x.bf.get_or_init(|| self.cast_bf16(&x.data, x.rows * x.cols)))
+            let made_here = x.bf.get().is_none();
+            let xb = x.bf.get_or_init(|| self.cast_bf16(&x.data, x.rows * x.cols));
+            if made_here {
+                // Kept with `x`, which the main chain may read before a side branch's join.
+                self.side_fence();
+            }
+            BfInput::Kept(xb)
         } else {
             BfInput::Fresh(self.cast_bf16(&x.data, x.rows * x.cols))
         }

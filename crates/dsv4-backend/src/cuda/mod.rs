@@ -2238,13 +2238,18 @@ impl Backend for CudaBackend {
         "cuda"
     }
 
-    fn side_begin(&self, rows: usize) {
+    fn side_runs(&self, rows: usize) -> bool {
         // Decode and verify steps (the recorded sizes); a prefill chunk's products fill the
         // device alone.
-        if !self.side() || rows > graph::GRAPH_MAX_ROWS || self.in_branch() {
+        self.side() && rows <= graph::GRAPH_MAX_ROWS
+    }
+
+    fn side_begin(&self, rows: usize) {
+        if !self.side_runs(rows) || self.in_branch() {
             return;
         }
-        self.side_join();
+        // A branch ended but not joined stays pending: this one follows it on the side stream,
+        // and the join waits for both (`done` is recorded again at this one's end).
         ck(self.side.fork.record(&self.main), "side fork");
         ck(self.side.stream.wait(&self.side.fork), "side fork wait");
         self.side.active.store(true, std::sync::atomic::Ordering::Relaxed);

@@ -756,10 +756,16 @@ impl CudaBackend {
     /// `x`'s int8 twin: the one its producer wrote, or `quant_x8` of it now (kept with `x`, so
     /// the next product on `x` reuses it).
     pub(crate) fn x8_of<'t>(&self, x: &'t CudaTensor) -> &'t X8Twin {
-        x.x8.get_or_init(|| {
+        let made_here = x.x8.get().is_none();
+        let t = x.x8.get_or_init(|| {
             let (q, d) = self.quant_x8(&x.data, x.rows * x.cols);
             X8Twin { q, d }
-        })
+        });
+        if made_here {
+            // Kept with `x`, which the main chain may read before a side branch's join.
+            self.side_fence();
+        }
+        t
     }
 
     pub(crate) fn quant_x8(&self, x: &CudaSlice<f32>, len: usize) -> (CudaSlice<i8>, CudaSlice<f32>) {
