@@ -30,7 +30,7 @@ use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
-use dsv4_model::weights::{Compressor, Expert, Hc};
+use dsv4_model::weights::{Compressor, Expert, Hc, Moe};
 use dsv4_model::{Config, HostTensor, LoadError};
 use launch::Kernel;
 use std::collections::HashMap;
@@ -3036,6 +3036,20 @@ impl Backend for CudaBackend {
             return r;
         }
         crate::backend::moe_shared_apart(self, x, route, experts, first, shared, limit)
+    }
+
+    fn router_moe(
+        &self,
+        x: &CudaTensor,
+        m: &Moe<CudaWeight>,
+        rows: &CudaRows,
+        limit: f32,
+        cfg: &Config,
+    ) -> (CudaTensor, CudaTensor, CudaTensor, CudaTensor) {
+        if let Some(r) = self.ffn1().then(|| bf16::router_moe_beside(self, x, m, rows, limit, cfg)).flatten() {
+            return r;
+        }
+        crate::backend::router_moe_apart(self, x, m, rows, limit, cfg)
     }
 
     fn reset_probes(&self, cache: &mut CudaCache) {
