@@ -204,15 +204,15 @@ pub trait Backend: Send + Sync {
     /// beside the heads'. A branch opened before the last one's join follows it on the side
     /// chain. `rows`: the step's row count (a backend may keep larger steps in order). Never
     /// changes a value; the default runs in order.
-    fn side_begin(&self, _rows: usize) {}
+    fn side_begin(&self, _rows: usize, _branch: SideBranch) {}
     /// Ends the side branch opened by [`Backend::side_begin`]: later ops are the main chain's.
     fn side_end(&self) {}
     /// Later ops wait for the side branches' work: called before anything reads their outputs.
     fn side_join(&self) {}
-    /// Whether a step of `rows` runs its side branches beside the main chain. Where it does
-    /// not, the forward issues the products it would split between the chains as one group (one
-    /// launch where a backend groups them); the same values either way. The default: never.
-    fn side_runs(&self, _rows: usize) -> bool {
+    /// Whether a step of `rows` runs the side branch `branch` beside the main chain. Where it
+    /// does not, the forward issues the products it would split between the chains as one group
+    /// (one launch where a backend groups them); the same values either way. The default: never.
+    fn side_runs(&self, _rows: usize, _branch: SideBranch) -> bool {
         false
     }
     /// HC_PRE and the sub-block's RMSNorm of `y` (one launch where a backend fuses them; the
@@ -476,6 +476,18 @@ pub fn norms_apart<B: Backend + ?Sized>(
 
 /// [`Backend::moe_shared`] as three calls: the routed experts, the shared expert, their sum (the
 /// default, and a backend's fallback where its fused path does not apply).
+/// The side branches the forward opens ([`Backend::side_begin`]); each is a bit of a backend's
+/// mask (the CUDA backend's `DSV4_SIDE`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SideBranch {
+    /// A layer's compressors (their products and state updates) beside its query path.
+    Compressors = 1,
+    /// The indexer's query product beside the heads'.
+    IndexQuery = 2,
+    /// The shared expert's gate/up beside the router ([`Backend::router_moe`]).
+    SharedExpert = 4,
+}
+
 /// [`Backend::router_moe`] as the router, then the experts (the default, and a backend's
 /// fallback).
 pub fn router_moe_apart<B: Backend + ?Sized>(

@@ -4,7 +4,7 @@
 //! is always a [`Batch`] of rows. Every intermediate is handed to the optional [`Capture`] under
 //! a [`Stage`] name; capturing only reads.
 
-use crate::backend::{Backend, CompSlot, NormJob};
+use crate::backend::{Backend, CompSlot, NormJob, SideBranch};
 use crate::batch::Batch;
 use crate::comm::Comm;
 use dsv4_model::weights::{Hc, Layer, Weights};
@@ -261,7 +261,8 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
 
     // Whether the side branches below run beside the main chain; where they do not, their
     // products join the main chain's in one group (one launch a format where a backend groups).
-    let beside = b.side_runs(b.shape(a).0);
+    let rows = b.shape(a).0;
+    let (beside, beside_q) = (b.side_runs(rows, SideBranch::Compressors), b.side_runs(rows, SideBranch::IndexQuery));
 
     // The compressors' products and state updates go on a side branch: they read only the
     // attention input and write only their own states, so a backend may run them beside the
@@ -283,7 +284,7 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
     let mut pa = b.matmul_many(a, &ws).into_iter();
     let (q_a, kv_a) = (pa.next().expect("wq_a's product"), pa.next().expect("wkv's product"));
     if side {
-        b.side_begin(b.shape(a).0);
+        b.side_begin(rows, SideBranch::Compressors);
     }
     let mut pc = if side { b.matmul_many(a, &cws) } else { pa.collect() }.into_iter();
     let mut next_c = || pc.next().expect("one product a weight");
@@ -319,8 +320,8 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
     // latter on a second side branch beside the former (after the compressors on the side
     // chain), else both at once.
     let (qh, qi) = match &aw.indexer {
-        Some(ix) if beside => {
-            b.side_begin(b.shape(&qr).0);
+        Some(ix) if beside_q => {
+            b.side_begin(rows, SideBranch::IndexQuery);
             let qi = b.matmul(&qr, &ix.wq_b);
             b.side_end();
             (b.matmul(&qr, &aw.wq_b), Some(qi))
@@ -332,7 +333,7 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
         None => (b.matmul(&qr, &aw.wq_b), None),
     };
     // The branches' outputs (the compressors' states, the indexer's query) are read from here on.
-    if beside {
+    if beside || beside_q {
         b.side_join();
     }
     // The heads' norm + RoPE and the indexer query's RoPE, again one launch where a backend can.
@@ -384,7 +385,7 @@ fn moe<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, f: &B::T
     let li = Some(l);
     // On a rank of a group, `routed` sums only its own experts and `shared` only its share of
     // the shared expert's rows: one all-reduce of their sum completes both.
-    let (routed, shared, mut out) = if b.side_runs(b.shape(f).0) {
+    let (routed, shared, mut out) = if b.side_runs(b.shape(f).0, SideBranch::SharedExpert) {
         // One op, so that a backend may start the shared expert beside the router (a stage
         // timer, `DSV4_PROFILE`, then counts the experts in ffn.router).
         let (logits, routed, shared, out) = b.router_moe(f, m, cx.rows, cfg.swiglu_limit, cfg);

@@ -198,7 +198,8 @@ fn cuda_gguf_decode_fusions_are_bitwise() {
         let s = g.alloc_seq().unwrap();
         let mut out = vec![g.forward(&Batch::chunk(s, 0, &toks).unwrap(), &[12]).unwrap()];
         for i in 0..12 {
-            let t = argmax(out.last().unwrap());
+            // The last output row's logits (the 40-row chunk gave two rows).
+            let t = argmax(&out.last().unwrap()[out.last().unwrap().len() - cfg.vocab_size..]);
             out.push(g.forward(&Batch::chunk(s, 13 + i, &[t]).unwrap(), &[0]).unwrap());
         }
         let kernels = g.recorded_kernels(1, 1).expect("the one-row step was recorded");
@@ -264,7 +265,8 @@ fn cuda_gguf_side_branch_is_bitwise() {
         let long: Vec<u32> = (0..40).map(|i| (i * 29 + 11) % 512).collect();
         out.push(g.forward(&Batch::chunk(s2, 5, &long).unwrap(), &[0, 39]).unwrap());
         for i in 0..12 {
-            let t = argmax(out.last().unwrap());
+            // The last output row's logits (the 40-row chunk gave two rows).
+            let t = argmax(&out.last().unwrap()[out.last().unwrap().len() - cfg.vocab_size..]);
             out.push(g.forward(&Batch::chunk(s, 13 + i, &[t]).unwrap(), &[0]).unwrap());
         }
         assert!(g.recorded_kernels(1, 1).is_some(), "the one-row step was recorded");

@@ -789,13 +789,13 @@ pub(crate) fn router_moe_beside(
     limit: f32,
     cfg: &dsv4_model::Config,
 ) -> Option<(CudaTensor, CudaTensor, CudaTensor, CudaTensor)> {
-    use crate::Backend;
-    if !b.side_runs(x.rows) {
+    use crate::backend::{Backend, SideBranch};
+    if !b.side_runs(x.rows, SideBranch::SharedExpert) {
         return None;
     }
     let k = cfg.n_experts_per_tok;
     let mut f = Ffn1::plan(b, x, k, m.gate.rows, &m.experts, m.expert0, &m.shared, limit)?;
-    b.side_begin(x.rows);
+    b.side_begin(x.rows, SideBranch::SharedExpert);
     f.up(b, None, k, 1);
     b.side_end();
     let hash = m.tid2eid.as_deref().map(|t| (t, rows));

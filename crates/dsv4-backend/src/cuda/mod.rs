@@ -762,8 +762,9 @@ struct Side {
     fork: CudaEvent,
     /// Recorded on the side stream where a branch ends; the main stream waits for it at the join.
     done: CudaEvent,
-    /// Side branches run on their stream ([`CudaBackend::set_side`]).
-    on: std::sync::atomic::AtomicBool,
+    /// The side branches that run on their stream, a mask of [`crate::backend::SideBranch`]
+    /// bits ([`CudaBackend::set_side_mask`]).
+    on: std::sync::atomic::AtomicU32,
     /// Ops are queued on the side stream (between `side_begin` and `side_end`).
     active: std::sync::atomic::AtomicBool,
     /// A branch has ended and its join is not queued yet.
@@ -773,6 +774,25 @@ struct Side {
     /// Nanoseconds the side stream waits at the start of each branch (`DSV4_SIDE_DELAY`, 0:
     /// none; [`CudaBackend::set_side_delay`]): a test's way to make a missing join show.
     delay: std::sync::atomic::AtomicI64,
+}
+
+/// Every side branch ([`crate::backend::SideBranch`]'s bits).
+const SIDE_ALL: u32 = 7;
+
+/// Start value of [`CudaBackend::set_side_mask`]: `DSV4_SIDE`, a mask of
+/// [`crate::backend::SideBranch`] bits (1 the compressors, 2 the indexer's query product, 4 the
+/// shared expert's gate/up), else 0.
+fn side_env() -> u32 {
+    match std::env::var("DSV4_SIDE") {
+        Err(_) => 0,
+        Ok(v) => match v.trim().parse::<u32>() {
+            Ok(m) if m <= SIDE_ALL => m,
+            _ => {
+                tracing::warn!("DSV4_SIDE={v:?} is not a mask of 0 to {SIDE_ALL}; side branches off");
+                0
+            }
+        },
+    }
 }
 
 /// The CUDA backend on one device.
@@ -1517,7 +1537,7 @@ impl CudaBackend {
             stream: ctx.new_stream()?,
             fork: ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?,
             done: ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?,
-            on: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_SIDE").is_ok_and(|v| v.trim() == "1")),
+            on: std::sync::atomic::AtomicU32::new(side_env()),
             active: std::sync::atomic::AtomicBool::new(false),
             pending: std::sync::atomic::AtomicBool::new(false),
             count: std::sync::atomic::AtomicUsize::new(0),
@@ -1668,14 +1688,24 @@ impl CudaBackend {
     /// Side branches ([`Backend::side_begin`]: a layer's compressors beside its query path) on a
     /// second stream, forked from the main one and joined to it (a fork and a join in a recorded
     /// step); off, every op runs on the main stream in order. The same kernels on the same
-    /// inputs, so the same values. Start value `DSV4_SIDE` (`1` on); off by default.
+    /// inputs, so the same values. Start value `DSV4_SIDE` (a mask: [`CudaBackend::set_side_mask`]); off by default.
     pub fn set_side(&self, on: bool) {
+        self.set_side_mask(if on { SIDE_ALL } else { 0 });
+    }
+
+    /// The side branches that run ([`crate::backend::SideBranch`]'s bits; [`CudaBackend::set_side`]
+    /// sets all or none).
+    pub fn set_side_mask(&self, mask: u32) {
         self.side_join();
-        self.side.on.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.side.on.store(mask & SIDE_ALL, std::sync::atomic::Ordering::Relaxed);
         self.bump_settings();
     }
 
     pub fn side(&self) -> bool {
+        self.side_mask() != 0
+    }
+
+    pub fn side_mask(&self) -> u32 {
         self.side.on.load(std::sync::atomic::Ordering::Relaxed)
     }
 
@@ -2238,14 +2268,14 @@ impl Backend for CudaBackend {
         "cuda"
     }
 
-    fn side_runs(&self, rows: usize) -> bool {
+    fn side_runs(&self, rows: usize, branch: crate::backend::SideBranch) -> bool {
         // Decode and verify steps (the recorded sizes); a prefill chunk's products fill the
         // device alone.
-        self.side() && rows <= graph::GRAPH_MAX_ROWS
+        self.side_mask() & branch as u32 != 0 && rows <= graph::GRAPH_MAX_ROWS
     }
 
-    fn side_begin(&self, rows: usize) {
-        if !self.side_runs(rows) || self.in_branch() {
+    fn side_begin(&self, rows: usize, branch: crate::backend::SideBranch) {
+        if !self.side_runs(rows, branch) || self.in_branch() {
             return;
         }
         // A branch ended but not joined stays pending: this one follows it on the side stream,
