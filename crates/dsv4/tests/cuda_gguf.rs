@@ -256,6 +256,8 @@ fn cuda_gguf_side_branch_is_bitwise() {
         b.set_exact(exact);
         b.set_int8(!exact);
         b.set_side(side);
+        // The 40-row chunk's branches too (its bf16 products on cuBLAS, through `on_main`).
+        b.set_side_rows(128);
         b.set_side_delay(if side { 200_000 } else { 0 });
         let n0 = b.side_branches();
         let mut g = Model::load(b, &q2, 2, false).unwrap();

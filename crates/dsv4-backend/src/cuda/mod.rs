@@ -765,6 +765,9 @@ struct Side {
     /// The side branches that run on their stream, a mask of [`crate::backend::SideBranch`]
     /// bits ([`CudaBackend::set_side_mask`]).
     on: std::sync::atomic::AtomicU32,
+    /// Most rows a step runs its side branches for (at most the recorded sizes,
+    /// [`CudaBackend::set_side_rows`]).
+    rows: std::sync::atomic::AtomicUsize,
     /// Ops are queued on the side stream (between `side_begin` and `side_end`).
     active: std::sync::atomic::AtomicBool,
     /// A branch has ended and its join is not queued yet.
@@ -781,10 +784,13 @@ const SIDE_ALL: u32 = 7;
 
 /// Start value of [`CudaBackend::set_side_mask`]: `DSV4_SIDE`, a mask of
 /// [`crate::backend::SideBranch`] bits (1 the compressors, 2 the indexer's query product, 4 the
-/// shared expert's gate/up), else 0.
+/// shared expert's gate/up), else 1. H100, 32 q2 layers, context 4096 (PERF.md v46): the
+/// compressors' branch takes a one-row step 6.41–6.46 → 6.15–6.20 ms and a verify of 1 + 3 rows
+/// 10.27–10.42 → 9.81–9.93; the indexer's query branch adds nothing to it (6.20 with both), and
+/// the shared expert's costs a one-row step 0.4 ms (6.81 alone).
 fn side_env() -> u32 {
     match std::env::var("DSV4_SIDE") {
-        Err(_) => 0,
+        Err(_) => 1,
         Ok(v) => match v.trim().parse::<u32>() {
             Ok(m) if m <= SIDE_ALL => m,
             _ => {
@@ -793,6 +799,13 @@ fn side_env() -> u32 {
             }
         },
     }
+}
+
+/// Start value of [`CudaBackend::set_side_rows`]: `DSV4_SIDE_ROWS`, else 16. Batches of 16 rows
+/// tie with the branches on (22.03–22.10 ms against 22.09–22.19, H100, 32 layers) and batches of
+/// 64 lose 0.1–0.3 ms (53.20–53.26 against 52.95–53.14).
+fn side_rows_env() -> usize {
+    std::env::var("DSV4_SIDE_ROWS").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(16)
 }
 
 /// The CUDA backend on one device.
@@ -1538,6 +1551,7 @@ impl CudaBackend {
             fork: ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?,
             done: ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?,
             on: std::sync::atomic::AtomicU32::new(side_env()),
+            rows: std::sync::atomic::AtomicUsize::new(side_rows_env()),
             active: std::sync::atomic::AtomicBool::new(false),
             pending: std::sync::atomic::AtomicBool::new(false),
             count: std::sync::atomic::AtomicUsize::new(0),
@@ -1703,6 +1717,14 @@ impl CudaBackend {
 
     pub fn side(&self) -> bool {
         self.side_mask() != 0
+    }
+
+    /// Most rows of a step whose side branches run (past them, and past the recorded sizes, the
+    /// branches run in order). Start value `DSV4_SIDE_ROWS`, else 16.
+    pub fn set_side_rows(&self, rows: usize) {
+        self.side_join();
+        self.side.rows.store(rows, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
     }
 
     pub fn side_mask(&self) -> u32 {
@@ -2271,7 +2293,8 @@ impl Backend for CudaBackend {
     fn side_runs(&self, rows: usize, branch: crate::backend::SideBranch) -> bool {
         // Decode and verify steps (the recorded sizes); a prefill chunk's products fill the
         // device alone.
-        self.side_mask() & branch as u32 != 0 && rows <= graph::GRAPH_MAX_ROWS
+        self.side_mask() & branch as u32 != 0
+            && rows <= self.side.rows.load(std::sync::atomic::Ordering::Relaxed).min(graph::GRAPH_MAX_ROWS)
     }
 
     fn side_begin(&self, rows: usize, branch: crate::backend::SideBranch) {
