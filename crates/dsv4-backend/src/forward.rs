@@ -332,8 +332,9 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
         }
         None => (b.matmul(&qr, &aw.wq_b), None),
     };
-    // The branches' outputs (the compressors' states, the indexer's query) are read from here on.
-    if beside || beside_q {
+    // The indexer's query (the second branch's output, after the first's on the side chain) is
+    // read from here on.
+    if beside_q {
         b.side_join();
     }
     // The heads' norm + RoPE and the indexer query's RoPE, again one launch where a backend can.
@@ -347,6 +348,11 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
     cx.cap(li, "attn.q", &q);
     cx.cap(li, "attn.kv", &kv);
 
+    // The compressors' outputs are read from here on (joined already where the second branch
+    // ran).
+    if beside {
+        b.side_join();
+    }
     if let Some((u, z)) = &comp_uz {
         cx.cap(li, "attn.compressor.kv", u);
         cx.cap(li, "attn.compressor.gate", z);
