@@ -474,8 +474,6 @@ pub fn norms_apart<B: Backend + ?Sized>(
         .collect()
 }
 
-/// [`Backend::moe_shared`] as three calls: the routed experts, the shared expert, their sum (the
-/// default, and a backend's fallback where its fused path does not apply).
 /// The side branches the forward opens ([`Backend::side_begin`]); each is a bit of a backend's
 /// mask (the CUDA backend's `DSV4_SIDE`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -504,6 +502,8 @@ pub fn router_moe_apart<B: Backend + ?Sized>(
     (logits, routed, shared, out)
 }
 
+/// [`Backend::moe_shared`] as three calls: the routed experts, the shared expert, their sum (the
+/// default, and a backend's fallback where its fused path does not apply).
 pub fn moe_shared_apart<B: Backend + ?Sized>(
     b: &B,
     x: &B::T,

@@ -318,7 +318,8 @@ fn attention<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, a:
     cx.cap(li, "attn.q_a", &qr);
     // The query projections of qr: the heads' and, where the layer has one, the indexer's, the
     // latter on a second side branch beside the former (after the compressors on the side
-    // chain), else both at once.
+    // chain), else both at once. (Where qr's norm left no twin the indexer's product needs, a
+    // backend makes it inside the branch and the main chain waits for the side there.)
     let (qh, qi) = match &aw.indexer {
         Some(ix) if beside_q => {
             b.side_begin(rows, SideBranch::IndexQuery);

@@ -529,13 +529,14 @@ fn cuda_one_row_experts_in_two_launches_are_bitwise() {
         };
         let rows = b.rows(&dsv4_backend::batch::Batch::chunk(0, 0, &[1]).unwrap());
         b.set_ffn1(true);
+        let mask0 = b.side_mask();
         let block = |side: bool| {
             b.set_side(side);
             b.set_side_delay(if side { 200_000 } else { 0 });
             let n0 = b.side_branches();
             let r = b.router_moe(&x, &m, &rows, LIMIT, &c);
             let n = b.side_branches() - n0;
-            b.set_side(false);
+            b.set_side_mask(mask0);
             b.set_side_delay(0);
             ([&r.0, &r.1, &r.2, &r.3].map(|t| b.to_host(t)), n)
         };

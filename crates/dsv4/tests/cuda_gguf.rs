@@ -252,6 +252,7 @@ fn cuda_gguf_side_branch_is_bitwise() {
     let compressed = (0..cfg.n_layers()).filter(|&l| cfg.layers[l].attn != dsv4_model::AttnKind::Swa).count();
     assert!(compressed > 0, "the tiny model has no compressed layer");
     let toks: Vec<u32> = (0..13).map(|i| (i * 37 + 5) % 512).collect();
+    let (mask0, rows0) = (b.side_mask(), b.side_rows());
     let run = |b: CudaBackend, side: bool, exact: bool| -> (CudaBackend, Vec<Vec<f32>>, usize) {
         b.set_exact(exact);
         b.set_int8(!exact);
@@ -278,7 +279,8 @@ fn cuda_gguf_side_branch_is_bitwise() {
         rows.push(dsv4_backend::batch::Row { seq: s2, pos: 45, token: 9 });
         out.push(g.forward(&Batch::new(rows).unwrap(), &[0, 1, 2, 3]).unwrap());
         let n = g.backend.side_branches() - n0;
-        g.backend.set_side(false);
+        g.backend.set_side_mask(mask0);
+        g.backend.set_side_rows(rows0);
         g.backend.set_side_delay(0);
         (g.backend, out, n)
     };

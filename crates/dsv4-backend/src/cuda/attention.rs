@@ -261,7 +261,7 @@ pub fn index_select(
         let fused = b.index_fused() && rows.batch.short_segments() && n <= super::bf16::FFN1_COUNTERS;
         let (mut l, lc, name) = if fused {
             let mut l = b.stream().kernel(&b.k.index_score_topk);
-            l.arg(&mut sel).arg(&(topk as i32)).arg(&b.ffn1_cnt);
+            l.arg(&mut sel).arg(&(topk as i32)).arg(b.counters());
             (l, LaunchConfig { shared_mem_bytes: smem.max(TOPK_SMEM) as u32, ..lc }, "index_score_topk")
         } else {
             (b.stream().kernel(&b.k.index_score), lc, "index_score")
@@ -461,7 +461,7 @@ pub fn attend(
         let done = if slices {
             &b.dummy_u32
         } else if fused && tile * groups <= super::bf16::FFN1_COUNTERS {
-            &b.ffn1_cnt
+            b.counters()
         } else {
             fresh.insert(ck(b.stream().alloc_zeros::<u32>(tile * groups), "alloc attention counters"))
         };

@@ -701,7 +701,7 @@ impl<'a> Ffn1<'a> {
         let (nei, ki, di, ii) = (self.nexp as i32, self.k as i32, self.d as i32, self.inter as i32);
         let (j0, np) = (j0 as i32, np as i32);
         // The shared pair alone reads no id: any buffer stands in for the route's.
-        let ids = route.map_or(&b.ffn1_cnt, |r| &r.ids);
+        let ids = route.map_or(&b.dummy_u32, |r| &r.ids);
         // SAFETY: argument types and buffer sizes match the kernel: x's codes hold n rows of d,
         // h and hq n·(k + 1) rows of `inter`, hd their scales, the counters (zero between
         // launches) cover n·(k + 1)·inter / 32 groups (checked by `plan`), the ids k slots of
@@ -714,7 +714,7 @@ impl<'a> Ffn1<'a> {
                     .arg(&mut self.h)
                     .arg(&mut self.hq)
                     .arg(&mut self.hd)
-                    .arg(&b.ffn1_cnt)
+                    .arg(b.counters())
                     .arg(&self.x.q)
                     .arg(&self.x.d)
                     .arg(ids)

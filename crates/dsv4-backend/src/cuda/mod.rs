@@ -863,9 +863,12 @@ pub struct CudaBackend {
     /// The pair tables of 1 to [`bf16::SHARED_X8_ROWS`] rows through one expert
     /// ([`bf16::shared_pairs_words`]): the shared expert run by the routed-expert kernels.
     pub(crate) shared_pairs: CudaSlice<u32>,
-    /// Zeroed counters of 32-value groups (`moe_up1s`, `gemv1xq`: each launch leaves them zero,
-    /// and launches on the stream never overlap): [`bf16::FFN1_COUNTERS`] of them.
-    pub(crate) ffn1_cnt: CudaSlice<u32>,
+    /// Zeroed counters of 32-value groups and tickets (`moe_up1s`, `gemv1xq`, `gemv_route`,
+    /// the indexer: each launch leaves them zero, and launches on one stream never overlap):
+    /// [`bf16::FFN1_COUNTERS`] of them, the main stream's ([`CudaBackend::counters`]).
+    ffn1_cnt: CudaSlice<u32>,
+    /// The same for the side stream's launches, which may overlap the main stream's.
+    side_cnt: CudaSlice<u32>,
     /// Bumped by every setter that changes which kernels a step launches: part of the recorded
     /// steps' generation ([`CudaBackend::prepare_step`]), so a step recorded under other settings
     /// is recorded again rather than replayed.
@@ -1546,6 +1549,7 @@ impl CudaBackend {
         let dummy_i8 = stream.alloc_zeros::<i8>(1)?;
         let shared_pairs = stream.clone_htod(&bf16::shared_pairs_words())?;
         let ffn1_cnt = stream.alloc_zeros::<u32>(bf16::FFN1_COUNTERS)?;
+        let side_cnt = stream.alloc_zeros::<u32>(bf16::FFN1_COUNTERS)?;
         let side = Side {
             stream: ctx.new_stream()?,
             fork: ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?,
@@ -1608,6 +1612,7 @@ impl CudaBackend {
             x8_weights: std::sync::atomic::AtomicBool::new(false),
             shared_pairs,
             ffn1_cnt,
+            side_cnt,
             settings: std::sync::atomic::AtomicU64::new(0),
             host_vecs: HostVecs::default(),
             ffn1: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_FFN1")),
@@ -1685,6 +1690,16 @@ impl CudaBackend {
         &self.main
     }
 
+    /// The zeroed counters of the stream ops are queued on (see `ffn1_cnt`): a side branch's
+    /// launches may run beside the main stream's, so each stream has its own.
+    pub(crate) fn counters(&self) -> &CudaSlice<u32> {
+        if self.in_branch() {
+            &self.side_cnt
+        } else {
+            &self.ffn1_cnt
+        }
+    }
+
     /// Whether ops are being queued on the side stream (between `side_begin` and `side_end`).
     fn in_branch(&self) -> bool {
         self.side.active.load(std::sync::atomic::Ordering::Relaxed)
@@ -1699,10 +1714,13 @@ impl CudaBackend {
         }
     }
 
-    /// Side branches ([`Backend::side_begin`]: a layer's compressors beside its query path) on a
-    /// second stream, forked from the main one and joined to it (a fork and a join in a recorded
-    /// step); off, every op runs on the main stream in order. The same kernels on the same
-    /// inputs, so the same values. Start value `DSV4_SIDE` (a mask: [`CudaBackend::set_side_mask`]); off by default.
+    /// All side branches or none ([`Backend::side_begin`]: a layer's compressors beside its
+    /// query path, the indexer's query product, the shared expert beside the router) on a second
+    /// stream, forked from the main one and joined to it (a fork and a join in a recorded step);
+    /// off, every op runs on the main stream in order. The same kernels on the same inputs, so
+    /// the same values. Start value `DSV4_SIDE` (a mask, [`CudaBackend::set_side_mask`]; 1, the
+    /// compressors' branch, by default). Like every setter, called between steps, from the
+    /// thread that runs them.
     pub fn set_side(&self, on: bool) {
         self.set_side_mask(if on { SIDE_ALL } else { 0 });
     }
@@ -1725,6 +1743,10 @@ impl CudaBackend {
         self.side_join();
         self.side.rows.store(rows, std::sync::atomic::Ordering::Relaxed);
         self.bump_settings();
+    }
+
+    pub fn side_rows(&self) -> usize {
+        self.side.rows.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn side_mask(&self) -> u32 {
@@ -2298,6 +2320,7 @@ impl Backend for CudaBackend {
     }
 
     fn side_begin(&self, rows: usize, branch: crate::backend::SideBranch) {
+        debug_assert!(!self.in_branch(), "a side branch opened inside another");
         if !self.side_runs(rows, branch) || self.in_branch() {
             return;
         }

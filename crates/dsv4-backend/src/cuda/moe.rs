@@ -96,7 +96,7 @@ pub(crate) fn router_fused(
                 .arg(&(n as i32))
                 .arg(&(k as i32))
                 .arg(&(e as i32))
-                .arg(&b.ffn1_cnt)
+                .arg(b.counters())
                 .arg(&mut r.ids)
                 .arg(&mut r.weights)
                 .arg(r.bias)

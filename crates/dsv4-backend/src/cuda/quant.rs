@@ -628,7 +628,10 @@ impl CudaBackend {
                 return out;
             }
             let bf = self.dequant_bf16(q, m, k);
-            return self.matmul_bf16(x, &bf, m, k, groups);
+            let out = self.matmul_bf16(x, &bf, m, k, groups);
+            // Freed on the main stream: inside a side branch, after the side's kernels that read it.
+            self.side_fence();
+            return out;
         }
         let mut out = self.tensor(n, m);
         if n == 0 || m == 0 {
@@ -686,7 +689,7 @@ impl CudaBackend {
                             .arg(&mut out.data)
                             .arg(&mut oq)
                             .arg(&mut od)
-                            .arg(&self.ffn1_cnt)
+                            .arg(self.counters())
                             .arg(xq)
                             .arg(xd)
                             .arg(&q.blocks)
@@ -720,7 +723,7 @@ impl CudaBackend {
             let mut l = self.stream().kernel(kernel);
             l.arg(&mut out.data);
             if let Some((oq, od)) = codes.as_mut() {
-                l.arg(oq).arg(od).arg(&self.ffn1_cnt);
+                l.arg(oq).arg(od).arg(self.counters());
             }
             l.arg(xq).arg(xd).product_args(&q.blocks, &q.scales, [n, k, m, x.cols, m / groups]);
             ck(unsafe { l.launch(cfg) }, "gemv packed int8");
