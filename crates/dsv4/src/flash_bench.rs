@@ -123,6 +123,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let b = CudaBackend::new(0).context("starting the CUDA backend")?;
     b.set_exact(a.cuda_exact);
     let dev = b.device_name();
+    // The side branches the steps run (DSV4_SIDE, DSV4_SIDE_ROWS), kept with the figures.
+    let side = serde_json::json!({"mask": b.side_mask(), "rows": b.side_rows()});
     let total_mem = b.mem_total();
     let free0 = b.mem_free();
     let t0 = Instant::now();
@@ -130,7 +132,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     b.synchronize();
     let free1 = b.mem_free();
     eprintln!(
-        "flash bench on {dev}: {} layers {kinds:?}, weights {scheme}, drawn on the device in {:.1} s: {:.2} GB          ({:.2} GB routed experts, {:.2} GB other, {:.2} GB embedding), {:.1} GB free",
+        "flash bench on {dev}: {} layers {kinds:?}, weights {scheme}, drawn on the device in {:.1} s: {:.2} GB          ({:.2} GB routed experts, {:.2} GB other, {:.2} GB embedding), {:.1} GB free; side branches {side}",
         cfg.n_layers(),
         t0.elapsed().as_secs_f64(),
         (free0 - free1) as f64 / 1e9,
@@ -495,7 +497,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     println!(
         "{}",
         serde_json::json!({"device": dev, "layers": kinds, "weights": scheme, "memory": memory,
-            "prefill_chunk": chunk, "results": results})
+            "prefill_chunk": chunk, "side": side, "results": results})
     );
     Ok(())
 }
