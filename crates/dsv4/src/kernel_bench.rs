@@ -95,7 +95,7 @@ fn time(b: &CudaBackend, ws: &[CudaWeight], n: usize, reps: usize) -> f64 {
 
 pub fn run(tables: &str) -> Result<()> {
     let b = CudaBackend::new(0).context("starting the CUDA backend")?;
-    let all = ["products", "int8", "tiles", "draws", "experts"];
+    let all = ["products", "int8", "tiles", "draws", "experts", "chain"];
     let on: Vec<&str> = if tables == "all" { all.to_vec() } else { tables.split(',').map(str::trim).collect() };
     if let Some(t) = on.iter().find(|t| !all.contains(t)) {
         bail!("--tables: no table `{t}` (the tables: {}, or all)", all.join(", "));
@@ -220,10 +220,11 @@ pub fn run(tables: &str) -> Result<()> {
     b.set_tiles_dense_rows(dsv4_backend::cuda::gemm::TILES_DENSE_ROWS);
     let draw_table = if want("draws") { draws(&b)? } else { Vec::new() };
     let expert_table = if want("experts") { experts(&b)? } else { Vec::new() };
+    let chain_table = if want("chain") { chain(&b)? } else { Vec::new() };
     println!(
         "{}",
         serde_json::json!({"device": b.device_name(), "kernels": table, "int8": x8_table, "tiles": pg_table,
-            "draws": draw_table, "experts": expert_table})
+            "draws": draw_table, "experts": expert_table, "chain": chain_table})
     );
     Ok(())
 }
@@ -407,6 +408,25 @@ fn experts(b: &CudaBackend) -> Result<Vec<serde_json::Value>> {
             out.push(serde_json::json!({"rows": n, "case": case, "distinct": distinct.len(), "bytes": bytes,
                 "rel_err_apart": err, "us": t * 1e6}));
         }
+    }
+    Ok(out)
+}
+
+/// The chain table (`CudaBackend::chain_bench`): µs a kernel boundary of empty links, launched
+/// one by one, recorded (PDL edges), recorded with half the edges a side branch's fork or join,
+/// and as grid barriers inside one launch, at a decode kernel's small grids and at one block an SM.
+fn chain(b: &CudaBackend) -> Result<Vec<serde_json::Value>> {
+    const LINKS: usize = 200;
+    let mut out = Vec::new();
+    for blocks in [2, 16, b.sm_count()] {
+        let t = b.chain_bench(blocks, LINKS).map_err(anyhow::Error::msg)?;
+        println!(
+            "chain of {LINKS} empty links, {:3} blocks: eager {:5.2} µs a link, recorded {:5.2}, recorded with joins {:5.2}, \
+             grid barrier {:5.2}",
+            t.blocks, t.eager_us, t.graph_us, t.graph_join_us, t.barrier_us
+        );
+        out.push(serde_json::json!({"blocks": t.blocks, "links": t.links, "eager_us": t.eager_us,
+            "graph_us": t.graph_us, "graph_join_us": t.graph_join_us, "barrier_us": t.barrier_us}));
     }
     Ok(out)
 }

@@ -13,6 +13,7 @@
 
 pub mod attention;
 pub mod bf16;
+pub mod chain;
 pub mod draw;
 pub mod dspark;
 pub mod gemm;
@@ -186,6 +187,8 @@ pub(crate) struct Kernels {
     pub add: CudaFunction,
     pub copy_blocks: CudaFunction,
     pub side_delay: CudaFunction,
+    pub chain_link: CudaFunction,
+    pub chain_barrier: CudaFunction,
     pub gather_regions: CudaFunction,
     pub hc_expand: CudaFunction,
     pub stream_mean: CudaFunction,
@@ -590,6 +593,8 @@ impl Kernels {
                 "norm_many",
                 "gemv_route",
                 "side_delay",
+                "chain_link",
+                "chain_barrier",
             ],
         )?;
         let h = compile(
@@ -668,6 +673,8 @@ impl Kernels {
             norm_many: n(&mut d),
             gemv_route: n(&mut d),
             side_delay: n(&mut d),
+            chain_link: n(&mut d),
+            chain_barrier: n(&mut d),
             hc_pre_dot: n(&mut h),
             hc_pre_dot_rows: n(&mut h),
             hc_pre_dot_tc: n(&mut h),

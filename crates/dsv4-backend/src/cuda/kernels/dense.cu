@@ -14,6 +14,39 @@ extern "C" __global__ void add(float* out, const float* a, const float* b, long 
     GRID_STRIDE(e, len) out[e] = a[e] + b[e];
 }
 
+// The chain bench (cuda/chain.rs): what a kernel boundary costs against a device-side barrier,
+// the price a persistent decode kernel would save a stage. One link of a chain of dependent
+// launches, as small as a kernel gets: each block's thread 0 adds one to its word.
+extern "C" __global__ void chain_link(unsigned* words) {
+    pdl_enter();
+    if (threadIdx.x == 0) words[blockIdx.x] += 1;
+}
+
+// The same links in one launch, each ending in a grid-wide barrier: an arrival count bar[0] and
+// a generation bar[1] (the last block to arrive resets the count, then bumps the generation the
+// others spin on). Every block must be resident at once: gridDim.x at most the SMs (the caller's).
+extern "C" __global__ void chain_barrier(unsigned* words, unsigned* bar, int links) {
+    pdl_enter();
+    volatile unsigned* gen = bar + 1;
+    for (int i = 0; i < links; i++) {
+        if (threadIdx.x == 0) words[blockIdx.x] += 1;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned g = *gen;
+            __threadfence();
+            if (atomicAdd(bar, 1u) == gridDim.x - 1) {
+                bar[0] = 0;
+                __threadfence();
+                atomicAdd(bar + 1, 1u);
+            } else {
+                while (*gen == g) __nanosleep(32);
+            }
+            __threadfence();
+        }
+        __syncthreads();
+    }
+}
+
 // One thread waits `ns` nanoseconds (the global timer): queued at the start of each side branch
 // under DSV4_SIDE_DELAY, so that a read of a branch's output without its join, or a buffer freed
 // before the branch is done with it, meets the branch's work late and shows in the values.
