@@ -16,7 +16,8 @@ Needs NVRTC, ptxas, cuobjdump and nvdisasm; pinned wheels from PyPI hold them:
   (cd /tmp/cuda-tools && for f in *.whl; do unzip -qo "$f"; done)
   python3 tools/kernel_sass.py --cuda /tmp/cuda-tools/nvidia/cu13 quant.cu gemv1_iq2_xxs gemv1_q8_0
 
-`--against REV` also compiles the file as of git revision REV and prints both; SASS_TOP sets how
+`--against REV` also compiles the file as of git revision REV and prints both; `--fmad true|false`
+forces FMA contraction on or off (the file's setting by default); SASS_TOP sets how
 many opcodes the summary names, SASS_DUMP=1 prints the loop itself to stderr, SASS_FULL=1 the
 whole kernel. FILE may also be
 a path with a '/' (relative to the repository), e.g. tools/sass/iq2_sign_variants.cu.
@@ -37,6 +38,9 @@ FMAD = {"bf16.cu", "quant.cu"}
 INT_OPS = {"IADD3", "LOP3", "SHF", "IMAD", "PRMT", "ISETP", "SEL", "LEA", "IABS", "BMSK", "SGXT", "IMNMX", "POPC",
            "FLO", "BREV", "VIADD"}
 SLOW = {"I2F", "F2I", "F2F", "MUFU"}
+# `--fmad true|false`: compile with that contraction setting instead of the file's (whether a
+# device function would compute the same values in a file compiled the other way).
+FMAD_OVERRIDE = None
 
 
 def source(name, rev):
@@ -63,8 +67,8 @@ def ptx(nvrtc, src, name):
     prog = ctypes.c_void_p()
     if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), name.encode(), 0, None, None) != 0:
         sys.exit("nvrtcCreateProgram failed")
-    opts = [b"--gpu-architecture=compute_90a", b"--std=c++17",
-            b"--fmad=true" if name in FMAD else b"--fmad=false"]
+    fmad = name in FMAD if FMAD_OVERRIDE is None else FMAD_OVERRIDE
+    opts = [b"--gpu-architecture=compute_90a", b"--std=c++17", b"--fmad=true" if fmad else b"--fmad=false"]
     r = nvrtc.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     n = ctypes.c_size_t()
     if r != 0:
@@ -154,7 +158,11 @@ def main():
     ap.add_argument("--usage", action="store_true", help="also print ptxas's registers, spills and shared memory")
     ap.add_argument("-D", dest="defines", action="append", default=[],
                     help="NAME=VALUE prepended as a #define (the launcher's macros, e.g. X8_PIPE=4)")
+    ap.add_argument("--fmad", choices=["file", "true", "false"], default="file",
+                    help="FMA contraction: the file's setting (the backend's), or forced on or off")
     a = ap.parse_args()
+    global FMAD_OVERRIDE
+    FMAD_OVERRIDE = None if a.fmad == "file" else a.fmad == "true"
     lib = os.path.join(a.cuda, "lib")
     so = next(f for f in sorted(os.listdir(lib)) if f.startswith("libnvrtc.so"))
     nvrtc = ctypes.CDLL(os.path.join(lib, so))
