@@ -225,6 +225,105 @@ __device__ __forceinline__ void route_row(unsigned* ids, float* wts, const float
     }
 }
 
+// out[r, o] = x[r, :] · w[o, :] for r < n (groups of 8 rows), f32 weights (mHC, router): one block of 256
+// threads per output column, each thread a strided slice of k, then a fixed-order block sum —
+// a decode row's product of a short, very wide matrix (mHC: 24 × 16384) gets the whole block.
+//
+// Each thread takes 4 consecutive values at a time (16-byte loads, 4 in flight: the whole
+// 4096-wide router row in one round trip), in the same order for one row and for several.
+// (gemv_f32's body: block blockIdx.x forms output column blockIdx.x; `sh` holds 32 floats.) The
+// products and adds are explicit roundings, so that a file compiled with FMA contraction
+// (quant.cu's route_up1s) forms the same values as dense.cu (tools/kernel_sass.py --fmad: the
+// same SASS either way).
+__device__ __forceinline__ void gemv_f32_block(float* out, const float* x, const float* w, int n, int k, int m,
+                                               float* sh) {
+    int o = blockIdx.x;
+    if (o >= m) return;
+    const float* wr = w + (long long)o * k;
+    // float4 steps where the rows allow (k a multiple of 4 and 16-byte aligned bases), the
+    // tail (or everything) one value at a time.
+    int k4 = ((k & 3) == 0 && (((unsigned long long)w | (unsigned long long)x) & 15) == 0) ? k / 4 : 0;
+    if (n == 1) {  // decode: one accumulator in a register
+        float acc = 0.f;
+#pragma unroll 4
+        for (int c = threadIdx.x; c < k4; c += blockDim.x) {
+            float4 a = ((const float4*)wr)[c], b = ((const float4*)x)[c];
+            acc = __fadd_rn(acc, __fmul_rn(a.x, b.x));
+            acc = __fadd_rn(acc, __fmul_rn(a.y, b.y));
+            acc = __fadd_rn(acc, __fmul_rn(a.z, b.z));
+            acc = __fadd_rn(acc, __fmul_rn(a.w, b.w));
+        }
+        for (int c = 4 * k4 + threadIdx.x; c < k; c += blockDim.x) acc = __fadd_rn(acc, __fmul_rn(wr[c], x[c]));
+        float v = block_sum(acc, sh);
+        if (threadIdx.x == 0) out[o] = v;
+        return;
+    }
+    // Several rows: groups of 8, each row's sum in the same order whatever the group or n; the
+    // grid's y takes every gridDim.y-th group (gemv_route's grid has one).
+    for (int r0 = 8 * blockIdx.y; r0 < n; r0 += 8 * gridDim.y) {
+        int nr = min(8, n - r0);
+        const float* xr = x + (long long)r0 * k;
+        float acc[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[j] = 0.f;
+        for (int c = threadIdx.x; c < k4; c += blockDim.x) {
+            float4 a = ((const float4*)wr)[c];
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                if (j < nr) {
+                    float4 b = ((const float4*)(xr + (long long)j * k))[c];
+                    acc[j] = __fadd_rn(acc[j], __fmul_rn(a.x, b.x));
+                    acc[j] = __fadd_rn(acc[j], __fmul_rn(a.y, b.y));
+                    acc[j] = __fadd_rn(acc[j], __fmul_rn(a.z, b.z));
+                    acc[j] = __fadd_rn(acc[j], __fmul_rn(a.w, b.w));
+                }
+        }
+        for (int c = 4 * k4 + threadIdx.x; c < k; c += blockDim.x) {
+            float wv = wr[c];
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                if (j < nr) acc[j] = __fadd_rn(acc[j], __fmul_rn(wv, xr[(long long)j * k + c]));
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            if (j >= nr) break;
+            float v = block_sum(acc[j], sh);
+            if (threadIdx.x == 0) out[(long long)(r0 + j) * m + o] = v;
+        }
+    }
+}
+
+// The router's logits (gemv_f32_block, one block an expert: blocks 0..m) and its choice
+// (route_row, a warp a row) by the last of those blocks to finish its column (cnt: a zeroed
+// counter, left zero; the pattern of quant.cu's quant_groups), its warps taking rows in turn.
+// `sv`: the dynamic shared memory, min(n, blockDim / 32)·m floats, a routing warp's scores.
+// dense.cu's gemv_route and quant.cu's route_up1s (route_row's and block_sum's code is the same
+// with contraction on or off: tools/kernel_sass.py --fmad).
+__device__ __forceinline__ void gemv_route_block(float* out, const float* x, const float* w, int n, int k, int m,
+                                                 unsigned* cnt, unsigned* ids, float* wts, const float* bias,
+                                                 const unsigned* hash, const unsigned* rows, int use_hash, int topk,
+                                                 int norm_topk, float scale, float* sv) {
+    __shared__ float sh[32];
+    __shared__ unsigned ch[32][MAX_K];
+    __shared__ unsigned last;
+    gemv_f32_block(out, x, w, n, k, m, sh);
+    __syncthreads();  // thread 0's stores of this block's column made
+    if (threadIdx.x == 0) {
+        __threadfence();
+        unsigned prev = atomicAdd(cnt, 1u);
+        last = prev == (unsigned)m - 1;
+        if (last) {
+            *cnt = 0;  // every block has counted: ready for the next launch
+            __threadfence();
+        }
+    }
+    __syncthreads();
+    if (!last) return;
+    int wp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int i = wp; i < n; i += nw)
+        route_row(ids, wts, out, bias, hash, rows, use_hash, n, m, topk, norm_topk, scale, i, sv + wp * m, ch[wp]);
+}
+
 // RMSNorm of the `group`-wide slice at `base` of x into out (the block's first nt threads, nt a
 // multiple of 32; see dense.cu's rms_norm for twin and the RoPE of npairs pairs at position pos);
 // `sh` holds 32 floats. Every thread of the block calls it. With nt below the block's size the
