@@ -821,7 +821,9 @@ pub(crate) fn router_moe_fused(
     limit: f32,
     cfg: &dsv4_model::Config,
 ) -> Option<(CudaTensor, CudaTensor, CudaTensor, CudaTensor)> {
-    if x.rows != 1 {
+    // The router's own conditions first (router_fused_shared checks them again): no plan's
+    // buffers for a layer that falls back.
+    if x.rows != 1 || x.cols >= 8192 || !super::moe::router_fits(b, x, &m.gate) {
         return None;
     }
     let k = cfg.n_experts_per_tok;

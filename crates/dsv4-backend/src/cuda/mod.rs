@@ -913,6 +913,8 @@ pub struct CudaBackend {
     route_fused: std::sync::atomic::AtomicBool,
     /// The shared pair's gate/up in the router's launch (see [`CudaBackend::set_route_shared`]).
     route_shared: std::sync::atomic::AtomicBool,
+    /// `route_up1s` launches queued so far ([`CudaBackend::route_up1s_launches`]).
+    pub(crate) route_up1s_count: std::sync::atomic::AtomicUsize,
     /// The indexer's scores and top-k in one launch (see [`CudaBackend::set_index_fused`]).
     index_fused: std::sync::atomic::AtomicBool,
     /// Prefetch blocks an HC_PRE or attention launch adds (see [`CudaBackend::set_l2_prefetch`]).
@@ -1248,6 +1250,12 @@ impl CudaBackend {
 
     pub fn route_shared(&self) -> bool {
         self.route_shared.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// `route_up1s` launches queued so far (recorded ones counted once): a test's way to see
+    /// that [`CudaBackend::set_route_shared`]'s path ran.
+    pub fn route_up1s_launches(&self) -> usize {
+        self.route_up1s_count.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The router's product with f32 weights (`gemv_f32`, one block an expert) and its choice
@@ -1681,6 +1689,7 @@ impl CudaBackend {
             route_shared: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_ROUTE_SHARED").is_ok_and(|v| v.trim() == "1"),
             ),
+            route_up1s_count: std::sync::atomic::AtomicUsize::new(0),
             index_fused: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_INDEX_FUSED")),
             fusion: Fusion::from_env(),
         })

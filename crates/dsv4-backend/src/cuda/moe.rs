@@ -182,6 +182,7 @@ pub(crate) fn router_fused_shared(
         },
         "route_up1s",
     );
+    b.route_up1s_count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     Some((logits, r.finish(e)))
 }
 
