@@ -71,7 +71,6 @@ pub(crate) fn router_fused(
     let (n, k, e) = (x.rows, x.cols, gate.rows);
     let mut logits = b.tensor(n, e);
     let mut r = RouteArgs::new(b, n, e, bias, hash, cfg);
-    let (hd, rd) = hash_tables(&r.hash, b);
     // gemv_f32's block size (gemm_xwt), and e scores in dynamic shared memory for each warp
     // that routes a row (warp w < n; at most 8 · 1024 floats, under the 48 KiB default).
     let threads: u32 = if k >= 8192 { 1024 } else { 256 };
@@ -87,27 +86,7 @@ pub(crate) fn router_fused(
     // shared memory holds e scores for each warp that routes (warp w takes rows w, w + warps,
     // ..., so only the warps below n).
     ck(
-        unsafe {
-            b.stream()
-                .kernel(&b.k.gemv_route)
-                .arg(&mut logits.data)
-                .arg(&x.data)
-                .arg(&gate.data)
-                .arg(&(n as i32))
-                .arg(&(k as i32))
-                .arg(&(e as i32))
-                .arg(b.counters())
-                .arg(&mut r.ids)
-                .arg(&mut r.weights)
-                .arg(r.bias)
-                .arg(hd)
-                .arg(rd)
-                .arg(&r.use_hash)
-                .arg(&(r.k as i32))
-                .arg(&r.norm_topk)
-                .arg(&r.scale)
-                .launch(lc)
-        },
+        unsafe { r.router_args(&mut b.stream().kernel(&b.k.gemv_route), b, &mut logits, x, gate).launch(lc) },
         "gemv_route",
     );
     (logits, r.finish(e))
@@ -137,7 +116,6 @@ pub(crate) fn router_fused_shared(
     }
     let mut logits = b.tensor(n, e);
     let mut r = RouteArgs::new(b, n, e, bias, hash, cfg);
-    let (hd, rd) = hash_tables(&r.hash, b);
     let threads = 32 * super::quant::Q_WARPS as u32;
     let pair_blocks = f.inter.div_ceil(super::quant::Q_WARPS * o.up);
     let lc = LaunchConfig {
@@ -152,24 +130,7 @@ pub(crate) fn router_fused_shared(
     // and the pair's from k·inter / 32 on.
     ck(
         unsafe {
-            b.stream()
-                .kernel(func)
-                .arg(&mut logits.data)
-                .arg(&x.data)
-                .arg(&gate.data)
-                .arg(&(n as i32))
-                .arg(&(k as i32))
-                .arg(&(e as i32))
-                .arg(b.counters())
-                .arg(&mut r.ids)
-                .arg(&mut r.weights)
-                .arg(r.bias)
-                .arg(hd)
-                .arg(rd)
-                .arg(&r.use_hash)
-                .arg(&(r.k as i32))
-                .arg(&r.norm_topk)
-                .arg(&r.scale)
+            r.router_args(&mut b.stream().kernel(func), b, &mut logits, x, gate)
                 .arg(&mut f.h)
                 .arg(&mut f.hq)
                 .arg(&mut f.hd)
@@ -242,6 +203,36 @@ impl<'a> RouteArgs<'a> {
             norm_topk: cfg.norm_topk_prob as i32,
             scale: cfg.routed_scale,
         }
+    }
+
+    /// `gemv_route`'s 16 arguments (route_up1s's first 16): the logits of x's rows by `gate`,
+    /// the backend's counters, then these outputs, bias, hash tables and settings.
+    fn router_args<'l, 'm>(
+        &mut self,
+        l: &'m mut super::launch::Launch<'l>,
+        b: &CudaBackend,
+        logits: &mut CudaTensor,
+        x: &CudaTensor,
+        gate: &CudaWeight,
+    ) -> &'m mut super::launch::Launch<'l> {
+        let (n, k, e) = (x.rows as i32, x.cols as i32, gate.rows as i32);
+        let (hd, rd) = hash_tables(&self.hash, b);
+        l.arg(&mut logits.data)
+            .arg(&x.data)
+            .arg(&gate.data)
+            .arg(&n)
+            .arg(&k)
+            .arg(&e)
+            .arg(b.counters())
+            .arg(&mut self.ids)
+            .arg(&mut self.weights)
+            .arg(self.bias)
+            .arg(hd)
+            .arg(rd)
+            .arg(&self.use_hash)
+            .arg(&(self.k as i32))
+            .arg(&self.norm_topk)
+            .arg(&self.scale)
     }
 
     fn finish(self, e: usize) -> CudaRoute {
