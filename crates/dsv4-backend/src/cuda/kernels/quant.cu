@@ -1248,6 +1248,13 @@ __device__ __forceinline__ void pf_span(const u8* p, long long n, int lane) {
 #ifndef X8_PF_FRONT
 #define X8_PF_FRONT 0
 #endif
+// X8_PF_FRONT_PRE (with X8_PF_FRONT): moe_down1s queues its planes before its PDL wait, while
+// moe_up1s's last wave runs. The route is final by then (moe_down1s starts only after every
+// moe_up1s block has passed its own wait on the router) and is read through L2 (`__ldcg`: an
+// SM's L1 may hold the previous layer's ids); a stale id would only misdirect a hint.
+#ifndef X8_PF_FRONT_PRE
+#define X8_PF_FRONT_PRE 0
+#endif
 
 // X8_PF_FRONT's share of block b < X8_PF_FRONT (linear id): for each of the k slots (expert
 // ids[j], address table ptrs of nexp experts), the planes in the table's columns c0 (and c1 if
@@ -1280,7 +1287,7 @@ __device__ __forceinline__ void pf_front(const unsigned* ids, const unsigned lon
                 col += 3;
                 bytes = hb;
             }
-            const u8* base = (const u8*)ptrs[(long long)col * nexp + ids[j]];
+            const u8* base = (const u8*)ptrs[(long long)col * nexp + __ldcg(ids + j)];
             long long off = r * CH;
             l2_hint(base + off, min(CH, bytes - off));
         }
@@ -1557,7 +1564,7 @@ __device__ void moe_down1s(float* __restrict__ routed, float* __restrict__ share
     // A routed warp's slot weight, loaded beside its weights and applied by the warp itself
     // (ys holds w_j·y_j): the block's closing combine then waits on no global load (it took
     // one L2 trip after the barrier in every block). The same products, the same sum order.
-    if (!ROWS) pf_front<R>(ids, ptrs, nexp, k, 2, -1, d, inter);
+    if (!ROWS && !X8_PF_FRONT_PRE) pf_front<R>(ids, ptrs, nexp, k, 2, -1, d, inter);
     float wv = wp < k && lane == 0 ? wts[wp] : 0.f;
     // The shared expert's two entries are loaded before the routed warps' table (and its barrier).
     unsigned long long sloc[6] = {0, 0, wp == k ? sptrs[2] : 0, 0, 0, wp == k ? sptrs[5] : 0};
@@ -1969,6 +1976,7 @@ X8_KERNELS(F_IQ2_XXS, iq2_xxs, 4, 3, 4)
                                                              const unsigned long long* ptrs,                        \
                                                              const unsigned long long* sptrs, int nexp, int k,      \
                                                              int d, int inter) {                                    \
+        if (!ROWS && X8_PF_FRONT_PRE) pf_front<R>(ids, ptrs, nexp, k, 2, -1, d, inter);                              \
         pdl_enter();                                                                                                 \
         moe_down1s<R, S, ROWS>(routed, shared, out, hq, hd, ids, wts, ptrs, sptrs, nexp, k, d, inter);               \
     }
