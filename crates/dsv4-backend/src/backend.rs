@@ -341,18 +341,11 @@ pub trait Backend: Send + Sync {
     ) -> (Self::T, Self::T, Self::T) {
         moe_shared_apart(self, x, route, experts, first, shared, limit)
     }
-    /// Whether the forward forms a step of `rows`' MoE block in one op ([`Backend::router_moe`]),
-    /// where a backend joins work across the router (the default: where the shared expert's
-    /// side branch runs).
-    fn moe_as_one(&self, rows: usize) -> bool {
-        self.side_runs(rows, SideBranch::SharedExpert)
-    }
-    /// The MoE block in one op where [`Backend::moe_as_one`] says so: the
+    /// The MoE block in one op where the side branches run ([`Backend::side_runs`]): the
     /// router ([`Backend::router`], hash routes by `rows`' tokens on a hash layer) and the
     /// experts ([`Backend::moe_shared`]) of `m`, `(logits, routed, shared, out)`. A backend may
-    /// start the part that reads no route (the shared expert's gate/up) beside the router (on a
-    /// side branch, or in the router's launch); the same values. The default: the two ops in
-    /// turn.
+    /// start the part that reads no route (the shared expert's gate/up) on a side branch
+    /// beside the router; the same values. The default: the two ops in turn.
     fn router_moe(
         &self,
         x: &Self::T,

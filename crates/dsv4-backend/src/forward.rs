@@ -392,7 +392,7 @@ fn moe<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, f: &B::T
     let li = Some(l);
     // On a rank of a group, `routed` sums only its own experts and `shared` only its share of
     // the shared expert's rows: one all-reduce of their sum completes both.
-    let (routed, shared, mut out) = if b.moe_as_one(b.shape(f).0) {
+    let (routed, shared, mut out) = if b.side_runs(b.shape(f).0, SideBranch::SharedExpert) {
         // One op, so that a backend may start the shared expert beside the router (a stage
         // timer, `DSV4_PROFILE`, then counts the experts in ffn.router).
         let (logits, routed, shared, out) = b.router_moe(f, m, cx.rows, cfg.swiglu_limit, cfg);

@@ -529,8 +529,6 @@ fn cuda_one_row_experts_in_two_launches_are_bitwise() {
         };
         let rows = b.rows(&dsv4_backend::batch::Batch::chunk(0, 0, &[1]).unwrap());
         b.set_ffn1(true);
-        let route_shared0 = b.route_shared();
-        b.set_route_shared(false);
         let mask0 = b.side_mask();
         let block = |side: bool| {
             b.set_side(side);
@@ -544,19 +542,11 @@ fn cuda_one_row_experts_in_two_launches_are_bitwise() {
         };
         let ((inorder, n_off), (beside, n_on)) = (block(false), block(true));
         assert_eq!((n_off, n_on), (0, 1), "{name}: side branches of router_moe off / on");
-        // And the shared pair's gate/up as extra blocks of the router's launch (`route_up1s`:
-        // the router's code compiled with contraction on, its products explicit roundings).
-        let fused = b.router_moe_in_router_launch(&x, &m, &rows, LIMIT, &c);
-        let fused = fused.unwrap_or_else(|| panic!("{name}: route_up1s does not take one row"));
-        let fused = [&fused.0, &fused.1, &fused.2, &fused.3].map(|t| b.to_host(t));
-        for (form, got) in [("beside the router", &beside), ("in the router's launch", &fused)] {
-            for (what, (a, g)) in ["logits", "routed", "shared", "sum"].iter().zip(inorder.iter().zip(got)) {
-                for (i, (a, g)) in a.iter().zip(g).enumerate() {
-                    assert_eq!(a.to_bits(), g.to_bits(), "{name}: {what}[{i}] {form} {g} vs in order {a}");
-                }
+        for (what, (a, g)) in ["logits", "routed", "shared", "sum"].iter().zip(inorder.iter().zip(&beside)) {
+            for (i, (a, g)) in a.iter().zip(g).enumerate() {
+                assert_eq!(a.to_bits(), g.to_bits(), "{name}: {what}[{i}] beside the router {g} vs in order {a}");
             }
         }
-        b.set_route_shared(route_shared0);
         b.set_ffn1(false);
     }
     b.set_int8(false);

@@ -609,20 +609,18 @@ pub(crate) fn ffn_few_rows(
 pub(crate) struct Ffn1<'a> {
     up: &'a CudaFunction,
     down: &'a CudaFunction,
-    /// The router with the shared pair's gate/up (`route_up1s`, one row), where instantiated.
-    pub(crate) route_up: Option<&'a CudaFunction>,
     table: Arc<CudaSlice<u64>>,
-    pub(crate) stable: Arc<CudaSlice<u64>>,
-    pub(crate) x: &'a super::X8Twin,
-    pub(crate) h: CudaSlice<f32>,
-    pub(crate) hq: CudaSlice<i8>,
-    pub(crate) hd: CudaSlice<f32>,
-    pub(crate) n: usize,
-    pub(crate) k: usize,
+    stable: Arc<CudaSlice<u64>>,
+    x: &'a super::X8Twin,
+    h: CudaSlice<f32>,
+    hq: CudaSlice<i8>,
+    hd: CudaSlice<f32>,
+    n: usize,
+    k: usize,
     d: usize,
-    pub(crate) inter: usize,
+    inter: usize,
     nexp: usize,
-    pub(crate) limit: f32,
+    limit: f32,
 }
 
 impl<'a> Ffn1<'a> {
@@ -670,7 +668,6 @@ impl<'a> Ffn1<'a> {
         Some(Ffn1 {
             up,
             down,
-            route_up: if n == 1 { b.qk.route_up1s(r13, s13) } else { None },
             table,
             stable,
             x: b.x8_of(x),
@@ -805,32 +802,6 @@ pub(crate) fn router_moe_beside(
     let (logits, route) = b.router(x, &m.gate, m.bias.as_ref(), hash, cfg);
     f.up(b, Some(&route), 0, k);
     b.side_join();
-    let (routed, shared, out) = f.down(b, &route);
-    Some((logits, routed, shared, out))
-}
-
-/// The MoE block of one row with the shared pair's gate/up in the router's launch
-/// ([`super::moe::router_fused_shared`]; [`CudaBackend::set_route_shared`]), then the routed
-/// pairs' `moe_up1s` and `moe_down1s`: the same values as [`ffn_few_rows`] after the router.
-/// `None` where it does not apply.
-pub(crate) fn router_moe_fused(
-    b: &CudaBackend,
-    x: &CudaTensor,
-    m: &dsv4_model::weights::Moe<CudaWeight>,
-    rows: &super::CudaRows,
-    limit: f32,
-    cfg: &dsv4_model::Config,
-) -> Option<(CudaTensor, CudaTensor, CudaTensor, CudaTensor)> {
-    // The router's own conditions first (router_fused_shared checks them again): no plan's
-    // buffers for a layer that falls back.
-    if x.rows != 1 || x.cols >= 8192 || !super::moe::router_fits(b, x, &m.gate) {
-        return None;
-    }
-    let k = cfg.n_experts_per_tok;
-    let mut f = Ffn1::plan(b, x, k, m.gate.rows, &m.experts, m.expert0, &m.shared, limit)?;
-    let hash = m.tid2eid.as_deref().map(|t| (t, rows));
-    let (logits, route) = super::moe::router_fused_shared(b, x, &m.gate, m.bias.as_ref(), hash, cfg, &mut f)?;
-    f.up(b, Some(&route), 0, k);
     let (routed, shared, out) = f.down(b, &route);
     Some((logits, routed, shared, out))
 }

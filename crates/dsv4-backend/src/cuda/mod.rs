@@ -911,10 +911,6 @@ pub struct CudaBackend {
     norm_group: std::sync::atomic::AtomicBool,
     /// The router's product with its choice in one launch (see [`CudaBackend::set_route_fused`]).
     route_fused: std::sync::atomic::AtomicBool,
-    /// The shared pair's gate/up in the router's launch (see [`CudaBackend::set_route_shared`]).
-    route_shared: std::sync::atomic::AtomicBool,
-    /// `route_up1s` launches queued so far ([`CudaBackend::route_up1s_launches`]).
-    pub(crate) route_up1s_count: std::sync::atomic::AtomicUsize,
     /// The indexer's scores and top-k in one launch (see [`CudaBackend::set_index_fused`]).
     index_fused: std::sync::atomic::AtomicBool,
     /// Prefetch blocks an HC_PRE or attention launch adds (see [`CudaBackend::set_l2_prefetch`]).
@@ -1237,27 +1233,6 @@ impl CudaBackend {
         self.norm_group.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// One row's shared expert gate/up (the two-launch experts' pair k) as extra blocks of the
-    /// fused router's launch (`route_up1s`; [`crate::Backend::router_moe`]): it reads no route,
-    /// so it runs beside the router with no join, and `moe_up1s` then takes the routed pairs
-    /// alone. The same values (the router's products are explicit roundings, so quant.cu forms
-    /// dense.cu's). Needs the fused router and the two-launch experts (`set_route_fused`,
-    /// `set_ffn1`). Start value `DSV4_ROUTE_SHARED` (`1` on); off until measured.
-    pub fn set_route_shared(&self, on: bool) {
-        self.route_shared.store(on, std::sync::atomic::Ordering::Relaxed);
-        self.bump_settings();
-    }
-
-    pub fn route_shared(&self) -> bool {
-        self.route_shared.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// `route_up1s` launches queued so far (recorded ones counted once): a test's way to see
-    /// that [`CudaBackend::set_route_shared`]'s path ran.
-    pub fn route_up1s_launches(&self) -> usize {
-        self.route_up1s_count.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
     /// The router's product with f32 weights (`gemv_f32`, one block an expert) and its choice
     /// of experts (`route`) in one launch ([`crate::Backend::router`]: `gemv_route`, whose last
     /// block routes every row): one launch fewer a layer, the same values (the two kernels'
@@ -1320,20 +1295,6 @@ impl CudaBackend {
         limit: f32,
     ) -> Option<(CudaTensor, CudaTensor, CudaTensor)> {
         bf16::ffn_few_rows(self, x, route, experts, 0, shared, limit)
-    }
-
-    /// The MoE block of one row with the shared pair's gate/up in the router's launch alone
-    /// (`route_up1s`, [`CudaBackend::set_route_shared`]), whatever the settings: `(logits, routed,
-    /// shared, out)`, `None` where it does not apply (tests compare it with the ops in turn).
-    pub fn router_moe_in_router_launch(
-        &self,
-        x: &CudaTensor,
-        m: &Moe<CudaWeight>,
-        rows: &CudaRows,
-        limit: f32,
-        cfg: &Config,
-    ) -> Option<(CudaTensor, CudaTensor, CudaTensor, CudaTensor)> {
-        bf16::router_moe_fused(self, x, m, rows, limit, cfg)
     }
 
     /// A route of the given expert ids and weights (`k` slots a row, row-major), as the router
@@ -1686,10 +1647,6 @@ impl CudaBackend {
             ),
             norm_group: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_NORM_GROUP")),
             route_fused: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_ROUTE_FUSED")),
-            route_shared: std::sync::atomic::AtomicBool::new(
-                std::env::var("DSV4_ROUTE_SHARED").is_ok_and(|v| v.trim() == "1"),
-            ),
-            route_up1s_count: std::sync::atomic::AtomicUsize::new(0),
             index_fused: std::sync::atomic::AtomicBool::new(decode_fusion("DSV4_INDEX_FUSED")),
             fusion: Fusion::from_env(),
         })
@@ -3172,22 +3129,10 @@ impl Backend for CudaBackend {
         limit: f32,
         cfg: &Config,
     ) -> (CudaTensor, CudaTensor, CudaTensor, CudaTensor) {
-        if self.ffn1() {
-            if let Some(r) = bf16::router_moe_beside(self, x, m, rows, limit, cfg) {
-                return r;
-            }
-            if let Some(r) = (self.route_shared() && self.route_fused())
-                .then(|| bf16::router_moe_fused(self, x, m, rows, limit, cfg))
-                .flatten()
-            {
-                return r;
-            }
+        if let Some(r) = self.ffn1().then(|| bf16::router_moe_beside(self, x, m, rows, limit, cfg)).flatten() {
+            return r;
         }
         crate::backend::router_moe_apart(self, x, m, rows, limit, cfg)
-    }
-
-    fn moe_as_one(&self, rows: usize) -> bool {
-        self.side_runs(rows, crate::backend::SideBranch::SharedExpert) || (self.route_shared() && rows == 1)
     }
 
     fn reset_probes(&self, cache: &mut CudaCache) {

@@ -71,6 +71,7 @@ pub(crate) fn router_fused(
     let (n, k, e) = (x.rows, x.cols, gate.rows);
     let mut logits = b.tensor(n, e);
     let mut r = RouteArgs::new(b, n, e, bias, hash, cfg);
+    let (hd, rd) = hash_tables(&r.hash, b);
     // gemv_f32's block size (gemm_xwt), and e scores in dynamic shared memory for each warp
     // that routes a row (warp w < n; at most 8 · 1024 floats, under the 48 KiB default).
     let threads: u32 = if k >= 8192 { 1024 } else { 256 };
@@ -86,65 +87,30 @@ pub(crate) fn router_fused(
     // shared memory holds e scores for each warp that routes (warp w takes rows w, w + warps,
     // ..., so only the warps below n).
     ck(
-        unsafe { r.router_args(&mut b.stream().kernel(&b.k.gemv_route), b, &mut logits, x, gate).launch(lc) },
+        unsafe {
+            b.stream()
+                .kernel(&b.k.gemv_route)
+                .arg(&mut logits.data)
+                .arg(&x.data)
+                .arg(&gate.data)
+                .arg(&(n as i32))
+                .arg(&(k as i32))
+                .arg(&(e as i32))
+                .arg(b.counters())
+                .arg(&mut r.ids)
+                .arg(&mut r.weights)
+                .arg(r.bias)
+                .arg(hd)
+                .arg(rd)
+                .arg(&r.use_hash)
+                .arg(&(r.k as i32))
+                .arg(&r.norm_topk)
+                .arg(&r.scale)
+                .launch(lc)
+        },
         "gemv_route",
     );
     (logits, r.finish(e))
-}
-
-/// [`router_fused`] with one row's shared pair gate/up in the same launch (`route_up1s`,
-/// quant.cu: the router's blocks first, then the pair's output blocks), so the pair runs beside
-/// the router with no join: `f`'s pair k is then formed, and its routed pairs follow the route
-/// ([`super::bf16::Ffn1::up`] with j0 = 0, np = k). The router's values are `gemv_route`'s (the
-/// same device code, its products explicit roundings), the pair's `moe_up1s`'s. `None` where it
-/// does not apply (the fused router's conditions, one row, 256-thread blocks, an instantiated
-/// pair of formats).
-pub(crate) fn router_fused_shared(
-    b: &CudaBackend,
-    x: &CudaTensor,
-    gate: &CudaWeight,
-    bias: Option<&CudaWeight>,
-    hash: Option<(&[u32], &CudaRows)>,
-    cfg: &Config,
-    f: &mut super::bf16::Ffn1,
-) -> Option<(CudaTensor, CudaRoute)> {
-    let (n, k, e) = (x.rows, x.cols, gate.rows);
-    let func = f.route_up?;
-    let o = super::quant::x8_opw();
-    if !router_fits(b, x, gate) || n != 1 || f.n != 1 || k >= 8192 || f.k != cfg.n_experts_per_tok {
-        return None;
-    }
-    let mut logits = b.tensor(n, e);
-    let mut r = RouteArgs::new(b, n, e, bias, hash, cfg);
-    let threads = 32 * super::quant::Q_WARPS as u32;
-    let pair_blocks = f.inter.div_ceil(super::quant::Q_WARPS * o.up);
-    let lc = LaunchConfig {
-        grid_dim: ((e + pair_blocks) as u32, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: (e * std::mem::size_of::<f32>()) as u32,
-    };
-    // SAFETY: argument types and buffer sizes match the kernel: the router's as in
-    // `router_fused` (one row, one routing warp, e scores of dynamic shared memory); the pair's
-    // as in `Ffn1::up` (h, hq, hd hold k + 1 rows of `inter`, x's codes one row of k, the shared
-    // table its six entries); the counters are the stream's zeroed ones, the router's ticket at 0
-    // and the pair's from k·inter / 32 on.
-    ck(
-        unsafe {
-            r.router_args(&mut b.stream().kernel(func), b, &mut logits, x, gate)
-                .arg(&mut f.h)
-                .arg(&mut f.hq)
-                .arg(&mut f.hd)
-                .arg(&f.x.q)
-                .arg(&f.x.d)
-                .arg(f.stable.as_ref())
-                .arg(&(f.inter as i32))
-                .arg(&f.limit)
-                .launch(lc)
-        },
-        "route_up1s",
-    );
-    b.route_up1s_count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    Some((logits, r.finish(e)))
 }
 
 /// A hash layer's device `tid2eid` table and the step's row table.
@@ -203,36 +169,6 @@ impl<'a> RouteArgs<'a> {
             norm_topk: cfg.norm_topk_prob as i32,
             scale: cfg.routed_scale,
         }
-    }
-
-    /// `gemv_route`'s 16 arguments (route_up1s's first 16): the logits of x's rows by `gate`,
-    /// the backend's counters, then these outputs, bias, hash tables and settings.
-    fn router_args<'l, 'm>(
-        &mut self,
-        l: &'m mut super::launch::Launch<'l>,
-        b: &CudaBackend,
-        logits: &mut CudaTensor,
-        x: &CudaTensor,
-        gate: &CudaWeight,
-    ) -> &'m mut super::launch::Launch<'l> {
-        let (n, k, e) = (x.rows as i32, x.cols as i32, gate.rows as i32);
-        let (hd, rd) = hash_tables(&self.hash, b);
-        l.arg(&mut logits.data)
-            .arg(&x.data)
-            .arg(&gate.data)
-            .arg(&n)
-            .arg(&k)
-            .arg(&e)
-            .arg(b.counters())
-            .arg(&mut self.ids)
-            .arg(&mut self.weights)
-            .arg(self.bias)
-            .arg(hd)
-            .arg(rd)
-            .arg(&self.use_hash)
-            .arg(&(self.k as i32))
-            .arg(&self.norm_topk)
-            .arg(&self.scale)
     }
 
     fn finish(self, e: usize) -> CudaRoute {

@@ -343,7 +343,7 @@ impl QuantKernels {
             names.push(format!("gemvtc{nt}{w}_q8_0"));
         }
         for (r, s) in FFN1_PAIRS {
-            for k in ["moe_up1s", "moe_up1sn", "moe_down1s", "moe_down1sn", "route_up1s"] {
+            for k in ["moe_up1s", "moe_up1sn", "moe_down1s", "moe_down1sn"] {
                 names.push(format!("{k}_{}_{}", suffix(r), suffix(s)));
             }
         }
@@ -385,12 +385,6 @@ impl QuantKernels {
         let name = |k: &str, r, s| format!("{k}_{}_{}", suffix(r), suffix(s));
         let (up, down) = if rows > 1 { ("moe_up1sn", "moe_down1sn") } else { ("moe_up1s", "moe_down1s") };
         Some((self.0.get(&name(up, r13, s13))?, self.0.get(&name(down, r2, s2))?))
-    }
-
-    /// The router with one row's shared pair gate/up in one launch (`route_up1s`, quant.cu) for
-    /// routed experts in `r13` and a shared expert in `s13`, where quant.cu instantiates it.
-    pub(crate) fn route_up1s(&self, r13: PackedFormat, s13: PackedFormat) -> Option<&CudaFunction> {
-        self.0.get(&format!("route_up1s_{}_{}", suffix(r13), suffix(s13)))
     }
 
     pub(crate) fn of(&self, kind: &str, f: PackedFormat) -> &CudaFunction {

@@ -232,9 +232,9 @@ __device__ __forceinline__ void route_row(unsigned* ids, float* wts, const float
 // Each thread takes 4 consecutive values at a time (16-byte loads, 4 in flight: the whole
 // 4096-wide router row in one round trip), in the same order for one row and for several.
 // (gemv_f32's body: block blockIdx.x forms output column blockIdx.x; `sh` holds 32 floats.) The
-// products and adds are explicit roundings, so that a file compiled with FMA contraction
-// (quant.cu's route_up1s) forms the same values as dense.cu (tools/kernel_sass.py --fmad: the
-// same SASS either way).
+// products and adds are explicit roundings, so that its values do not hang on whether the file
+// that includes it is compiled with FMA contraction (tools/kernel_sass.py --fmad: the same SASS
+// either way).
 __device__ __forceinline__ void gemv_f32_block(float* out, const float* x, const float* w, int n, int k, int m,
                                                float* sh) {
     int o = blockIdx.x;
@@ -297,8 +297,8 @@ __device__ __forceinline__ void gemv_f32_block(float* out, const float* x, const
 // (route_row, a warp a row) by the last of those blocks to finish its column (cnt: a zeroed
 // counter, left zero; the pattern of quant.cu's quant_groups), its warps taking rows in turn.
 // `sv`: the dynamic shared memory, min(n, blockDim / 32)·m floats, a routing warp's scores.
-// dense.cu's gemv_route and quant.cu's route_up1s (route_row's and block_sum's code is the same
-// with contraction on or off: tools/kernel_sass.py --fmad).
+// dense.cu's gemv_route (route_row's and block_sum's code is the same with contraction on or off:
+// tools/kernel_sass.py --fmad).
 __device__ __forceinline__ void gemv_route_block(float* out, const float* x, const float* w, int n, int k, int m,
                                                  unsigned* cnt, unsigned* ids, float* wts, const float* bias,
                                                  const unsigned* hash, const unsigned* rows, int use_hash, int topk,

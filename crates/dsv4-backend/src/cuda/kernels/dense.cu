@@ -295,7 +295,7 @@ extern "C" __global__ void __launch_bounds__(256) rope_cast(float* x, unsigned s
     }
 }
 
-// gemv_f32_block and gemv_route_block: common.cuh (quant.cu's route_up1s runs the router too).
+// gemv_f32_block and gemv_route_block: common.cuh.
 extern "C" __global__ void gemv_f32(float* out, const float* x, const float* w, int n, int k, int m) {
     if (threadIdx.x == 0 && (int)blockIdx.x < m) WEIGHT_HINT(w + (long long)blockIdx.x * k, 4LL * k);  // the block's row
     pdl_enter();

@@ -1521,21 +1521,6 @@ __device__ void moe_up1s(float* __restrict__ h, signed char* __restrict__ hq, fl
     quant_groups<Q_WARPS * X8_OPW_UP>(h + row, hq + row, hd + row / 32, cnt + row / 32, o0, inter);
 }
 
-// One row's shared pair (pair k) of moe_up1s, output block `by` (moe_up1s's blockIdx.y): the
-// same calls as moe_up1s's block (k, by), so the same values. route_up1s's blocks past the
-// router's run it.
-template <int R, int S>
-__device__ __forceinline__ void moe_up1s_shared(float* __restrict__ h, signed char* __restrict__ hq,
-                                                float* __restrict__ hd, unsigned* cnt, const signed char* __restrict__ xq,
-                                                const float* __restrict__ xd, const unsigned long long* sptrs, int k,
-                                                int d, int inter, float limit, int by) {
-    int wp = threadIdx.x >> 5;
-    int o0 = by * Q_WARPS * X8_OPW_UP, o = o0 + wp * X8_OPW_UP;
-    long long row = (long long)k * inter;
-    up1_pair<S, S == F_Q8_0 && R != F_Q8_0 ? 2 : 4>(h + row, xq, xd, sptrs, 1, 0, o, d, inter, limit, o < inter);
-    quant_groups<Q_WARPS * X8_OPW_UP>(h + row, hq + row, hd + row / 32, cnt + row / 32, o0, inter);
-}
-
 // Grid (⌈d / X8_OPW_DOWN⌉, n), k + 1 ≤ Q_WARPS: warp j of block (x, t) forms row t's pair j's
 // down outputs c = x·X8_OPW_DOWN..; then routed[t, c] = Σ_j wts[t·k + j]·y_j (moe_combine's
 // order and roundings), shared[t, c] = the shared expert's y, out[t, c] = routed + shared (the
@@ -1980,30 +1965,7 @@ X8_KERNELS(F_IQ2_XXS, iq2_xxs, 4, 3, 4)
         pdl_enter();                                                                                                 \
         moe_down1s<R, S, ROWS>(routed, shared, out, hq, hd, ids, wts, ptrs, sptrs, nexp, k, d, inter);               \
     }
-// The router (gemv_route's blocks 0..m: gemv_route_block, common.cuh) and one row's shared pair
-// gate/up (blocks m..: moe_up1s_shared, output block blockIdx.x − m) in one launch of 256-thread
-// blocks: the pair reads no route, so it runs beside the router with no join, and moe_up1s then
-// takes the routed pairs alone (j0 = 0, np = k). The router's ticket is cnt[0], the pair's
-// counters cnt[k·inter / 32..] (disjoint). Dynamic shared memory: the router's scores.
-#define X8_ROUTE_UP1S(R, NR, S, NS)                                                                                  \
-    extern "C" __global__ void route_up1s_##NR##_##NS(                                                               \
-        float* out, const float* x, const float* w, int n, int k, int m, unsigned* cnt, unsigned* ids, float* wts,    \
-        const float* bias, const unsigned* hash, const unsigned* rows, int use_hash, int topk, int norm_topk,        \
-        float scale, float* h, signed char* hq, float* hd, const signed char* xq, const float* xd,                  \
-        const unsigned long long* sptrs, int inter, float limit) {                                                  \
-        if ((int)blockIdx.x < m) {                                                                                   \
-            if (threadIdx.x == 0) WEIGHT_HINT(w + (long long)blockIdx.x * k, 4LL * k); /* the block's row */        \
-            pdl_enter();                                                                                             \
-            extern __shared__ float sv[];                                                                            \
-            gemv_route_block(out, x, w, n, k, m, cnt, ids, wts, bias, hash, rows, use_hash, topk, norm_topk, scale,  \
-                             sv);                                                                                    \
-            return;                                                                                                  \
-        }                                                                                                            \
-        pdl_enter();                                                                                                 \
-        moe_up1s_shared<R, S>(h, hq, hd, cnt, xq, xd, sptrs, topk, k, inter, limit, (int)blockIdx.x - m);           \
-    }
-#define X8_FFN1_KERNELS(R, NR, S, NS) \
-    X8_FFN1_FORM(R, NR, S, NS, , false) X8_FFN1_FORM(R, NR, S, NS, n, true) X8_ROUTE_UP1S(R, NR, S, NS)
+#define X8_FFN1_KERNELS(R, NR, S, NS) X8_FFN1_FORM(R, NR, S, NS, , false) X8_FFN1_FORM(R, NR, S, NS, n, true)
 X8_FFN1_KERNELS(F_Q8_0, q8_0, F_Q8_0, q8_0)
 X8_FFN1_KERNELS(F_Q2_K, q2_k, F_Q8_0, q8_0)
 X8_FFN1_KERNELS(F_IQ2_XXS, iq2_xxs, F_Q8_0, q8_0)
