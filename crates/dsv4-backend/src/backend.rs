@@ -8,7 +8,7 @@
 use crate::batch::Batch;
 use crate::cpu::state::SeqState;
 use crate::draw::{draw_row, Draw};
-use dsv4_model::weights::{Compressor, Expert, Hc, Moe};
+use dsv4_model::weights::{Compressor, Expert, Hc};
 use dsv4_model::{Config, HostTensor, LoadError};
 
 /// Which of a CSA layer's two compressors an op addresses.
@@ -341,21 +341,6 @@ pub trait Backend: Send + Sync {
     ) -> (Self::T, Self::T, Self::T) {
         moe_shared_apart(self, x, route, experts, first, shared, limit)
     }
-    /// The MoE block in one op where the side branches run ([`Backend::side_runs`]): the
-    /// router ([`Backend::router`], hash routes by `rows`' tokens on a hash layer) and the
-    /// experts ([`Backend::moe_shared`]) of `m`, `(logits, routed, shared, out)`. A backend may
-    /// start the part that reads no route (the shared expert's gate/up) on a side branch
-    /// beside the router; the same values. The default: the two ops in turn.
-    fn router_moe(
-        &self,
-        x: &Self::T,
-        m: &Moe<Self::W>,
-        rows: &Self::Rows,
-        limit: f32,
-        cfg: &Config,
-    ) -> (Self::T, Self::T, Self::T, Self::T) {
-        router_moe_apart(self, x, m, rows, limit, cfg)
-    }
 
     /// Clears the cache's nonfinite probes (start of a checked forward).
     fn reset_probes(&self, cache: &mut Self::Cache);
@@ -482,24 +467,6 @@ pub enum SideBranch {
     Compressors = 1,
     /// The indexer's query product beside the heads'.
     IndexQuery = 2,
-    /// The shared expert's gate/up beside the router ([`Backend::router_moe`]).
-    SharedExpert = 4,
-}
-
-/// [`Backend::router_moe`] as the router, then the experts (the default, and a backend's
-/// fallback).
-pub fn router_moe_apart<B: Backend + ?Sized>(
-    b: &B,
-    x: &B::T,
-    m: &Moe<B::W>,
-    rows: &B::Rows,
-    limit: f32,
-    cfg: &Config,
-) -> (B::T, B::T, B::T, B::T) {
-    let hash = m.tid2eid.as_deref().map(|t| (t, rows));
-    let (logits, route) = b.router(x, &m.gate, m.bias.as_ref(), hash, cfg);
-    let (routed, shared, out) = b.moe_shared(x, &route, &m.experts, m.expert0, &m.shared, limit);
-    (logits, routed, shared, out)
 }
 
 /// [`Backend::moe_shared`] as three calls: the routed experts, the shared expert, their sum (the

@@ -390,20 +390,12 @@ fn moe<B: Backend>(cx: &mut Ctx<'_, '_, B>, l: usize, lw: &Layer<B::W>, f: &B::T
     let (b, cfg) = (cx.b, cx.cfg);
     let m = &lw.ffn;
     let li = Some(l);
+    let hash = m.tid2eid.as_deref().map(|t| (t, cx.rows));
+    let (logits, route) = b.router(f, &m.gate, m.bias.as_ref(), hash, cfg);
+    cx.cap(li, "ffn.router", &logits);
     // On a rank of a group, `routed` sums only its own experts and `shared` only its share of
     // the shared expert's rows: one all-reduce of their sum completes both.
-    let (routed, shared, mut out) = if b.side_runs(b.shape(f).0, SideBranch::SharedExpert) {
-        // One op, so that a backend may start the shared expert beside the router (a stage
-        // timer, `DSV4_PROFILE`, then counts the experts in ffn.router).
-        let (logits, routed, shared, out) = b.router_moe(f, m, cx.rows, cfg.swiglu_limit, cfg);
-        cx.cap(li, "ffn.router", &logits);
-        (routed, shared, out)
-    } else {
-        let hash = m.tid2eid.as_deref().map(|t| (t, cx.rows));
-        let (logits, route) = b.router(f, &m.gate, m.bias.as_ref(), hash, cfg);
-        cx.cap(li, "ffn.router", &logits);
-        b.moe_shared(f, &route, &m.experts, m.expert0, &m.shared, cfg.swiglu_limit)
-    };
+    let (routed, shared, mut out) = b.moe_shared(f, &route, &m.experts, m.expert0, &m.shared, cfg.swiglu_limit);
     cx.cap(li, "ffn.routed", &routed);
     cx.cap(li, "ffn.shared", &shared);
     cx.comm.all_reduce(b, &mut out);

@@ -237,29 +237,33 @@ fn cuda_gguf_decode_fusions_are_bitwise() {
     assert!(failures.is_empty(), "decode fusions: {failures:?}");
 }
 
-/// A layer's compressors on the side stream (`set_side`: forked from the main stream after
-/// wq_a's product, joined before the indexer) give the same logits bit for bit as in order: a
-/// prompt chunk (eager), a 40-row chunk (past the GEMV rows: the bf16 products on cuBLAS, in the
-/// branch's order), 12 recorded one-row steps, then a 3-row chunk beside a second sequence's row,
-/// in fast mode (int8) and in exact mode. Each branch starts 0.2 ms late (`set_side_delay`), so a
-/// read before the join or a buffer freed too early meets unwritten values. The branch count
-/// shows the side ran.
+/// The side branches (`set_side_mask`: 1, a layer's compressors, forked from the main stream
+/// after wq_a's product and joined before the indexer; 2, the indexer's query product beside the
+/// heads'; 3, both) give the same logits bit for bit as in order: a prompt chunk (eager), a
+/// 40-row chunk (past the GEMV rows: the bf16 products on cuBLAS, in the branch's order), 12
+/// recorded one-row steps, then a 3-row chunk beside a second sequence's row, in fast mode (int8)
+/// and in exact mode. Each branch starts 0.2 ms late (`set_side_delay`), so a read before the
+/// join or a buffer freed too early meets unwritten values. The branch count shows each mask's
+/// branches ran.
 #[test]
 fn cuda_gguf_side_branch_is_bitwise() {
     let Some(b) = gpu() else { return };
     let tmp = tempfile::tempdir().unwrap();
     let (cfg, q2) = quantised(tmp.path(), "q2");
-    let compressed = (0..cfg.n_layers()).filter(|&l| cfg.layers[l].attn != dsv4_model::AttnKind::Swa).count();
-    assert!(compressed > 0, "the tiny model has no compressed layer");
+    let kind = |l: usize| cfg.layers[l].attn;
+    let compressed = (0..cfg.n_layers()).filter(|&l| kind(l) != dsv4_model::AttnKind::Swa).count();
+    let csa = (0..cfg.n_layers()).filter(|&l| kind(l) == dsv4_model::AttnKind::Csa).count();
+    assert!(csa > 0, "the tiny model has no CSA layer (the indexer's query branch)");
     let toks: Vec<u32> = (0..13).map(|i| (i * 37 + 5) % 512).collect();
     let (mask0, rows0) = (b.side_mask(), b.side_rows());
-    let run = |b: CudaBackend, side: bool, exact: bool| -> (CudaBackend, Vec<Vec<f32>>, usize) {
+    let run = |b: CudaBackend, mask: u32, exact: bool| -> (CudaBackend, Vec<Vec<f32>>, usize) {
         b.set_exact(exact);
         b.set_int8(!exact);
-        b.set_side(side);
+        b.set_side_mask(mask);
+        assert_eq!(b.side_mask(), mask, "a side mask the backend does not keep");
         // The 40-row chunk's branches too (its bf16 products on cuBLAS, through `on_main`).
         b.set_side_rows(128);
-        b.set_side_delay(if side { 200_000 } else { 0 });
+        b.set_side_delay(if mask != 0 { 200_000 } else { 0 });
         let n0 = b.side_branches();
         let mut g = Model::load(b, &q2, 2, false).unwrap();
         let (s, s2) = (g.alloc_seq().unwrap(), g.alloc_seq().unwrap());
@@ -287,19 +291,34 @@ fn cuda_gguf_side_branch_is_bitwise() {
     let mut b = b;
     let mut failures = Vec::new();
     for exact in [false, true] {
-        let (back, base, n_off) = run(b, false, exact);
-        let (back, got, n_on) = run(back, true, exact);
+        let (back, base, n_off) = run(b, 0, exact);
         b = back;
         assert!(base.iter().flatten().all(|v| v.is_finite()), "nonfinite logits (exact {exact})");
-        let first = base.iter().zip(&got).position(|(a, g)| a.iter().zip(g).any(|(x, y)| x.to_bits() != y.to_bits()));
-        // One branch a compressed layer a forward run on the host (at least 5 of the 17).
-        println!("exact {exact}: {n_on} side branches ({compressed} compressed layers), first difference {first:?}");
-        if let Some(i) = first {
-            failures.push(format!("exact {exact}: forward {i} differs with the side branch"));
+        if n_off != 0 {
+            failures.push(format!("exact {exact}: {n_off} side branches with the mask 0"));
         }
-        if n_off != 0 || n_on < compressed * 5 {
-            failures.push(format!("exact {exact}: {n_off} branches off, {n_on} on: the side did not run"));
+        // Each mask's branches a forward run on the host (at least 5 of the 17): the compressors'
+        // one a compressed layer, the indexer query's one a CSA layer; both, the two together.
+        let mut n = [0; 4];
+        for (mask, layers) in [(1, compressed), (2, csa), (3, compressed + csa)] {
+            let (back, got, n_on) = run(b, mask, exact);
+            b = back;
+            let first =
+                base.iter().zip(&got).position(|(a, g)| a.iter().zip(g).any(|(x, y)| x.to_bits() != y.to_bits()));
+            println!(
+                "exact {exact}, mask {mask}: {n_on} side branches ({layers} a forward), first difference {first:?}"
+            );
+            if let Some(i) = first {
+                failures.push(format!("exact {exact}, mask {mask}: forward {i} differs with the side branches"));
+            }
+            if n_on < layers * 5 {
+                failures.push(format!("exact {exact}, mask {mask}: {n_on} branches: the side did not run"));
+            }
+            n[mask as usize] = n_on;
+        }
+        if n[3] != n[1] + n[2] {
+            failures.push(format!("exact {exact}: {} branches with both, {} + {} apart", n[3], n[1], n[2]));
         }
     }
-    assert!(failures.is_empty(), "side branch: {failures:?}");
+    assert!(failures.is_empty(), "side branches: {failures:?}");
 }

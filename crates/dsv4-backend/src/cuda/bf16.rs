@@ -20,7 +20,6 @@ use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation
 use cudarc::driver::{CudaFunction, CudaSlice, CudaView, DevicePtrMut, LaunchConfig};
 use dsv4_model::weights::Expert;
 use std::ffi::c_void;
-use std::sync::Arc;
 
 /// Largest row count of a dense product on bf16 or f32 weights that uses the batch-invariant
 /// kernels (`gemvt_bf16`, `gemv_bf16`, `gemv_f32`), whose every row's sum has one order whatever
@@ -597,213 +596,103 @@ pub(crate) fn ffn_few_rows(
     shared: &Expert<CudaWeight>,
     limit: f32,
 ) -> Option<(CudaTensor, CudaTensor, CudaTensor)> {
-    let mut f = Ffn1::plan(b, x, route.k, route.experts, experts, first, shared, limit)?;
-    f.up(b, Some(route), 0, route.k + 1);
-    Some(f.down(b, route))
-}
-
-/// The two launches of [`ffn_few_rows`] for x's rows, planned before the route exists: the
-/// shared expert's gate/up reads no route, so it may be launched on its own (beside the router,
-/// [`router_moe_beside`]) and the routed pairs' after the router; their outputs are the same
-/// rows of h as one launch's.
-pub(crate) struct Ffn1<'a> {
-    up: &'a CudaFunction,
-    down: &'a CudaFunction,
-    table: Arc<CudaSlice<u64>>,
-    stable: Arc<CudaSlice<u64>>,
-    x: &'a super::X8Twin,
-    h: CudaSlice<f32>,
-    hq: CudaSlice<i8>,
-    hd: CudaSlice<f32>,
-    n: usize,
-    k: usize,
-    d: usize,
-    inter: usize,
-    nexp: usize,
-    limit: f32,
-}
-
-impl<'a> Ffn1<'a> {
-    /// `k` slots a row over `nexp` routed experts; `None` where the two launches do not apply
-    /// ([`ffn_few_rows`]).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn plan(
-        b: &'a CudaBackend,
-        x: &'a CudaTensor,
-        k: usize,
-        nexp: usize,
-        experts: &[Expert<CudaWeight>],
-        first: usize,
-        shared: &Expert<CudaWeight>,
-        limit: f32,
-    ) -> Option<Self> {
-        let (d, e0, n) = (x.cols, &experts[0], x.rows);
-        let inter = e0.w1.rows;
-        let pairs = k + 1;
-        let blk = crate::x8::BLOCK;
-        let fmt = |w: &CudaWeight| w.q.as_ref().map(|q| q.format).filter(|&f| crate::x8::supports(f));
-        let (r13, r2, s13, s2) = (fmt(&e0.w1)?, fmt(&e0.w2)?, fmt(&shared.w1)?, fmt(&shared.w2)?);
-        let o = super::quant::x8_opw();
-        // The separate launches this replaces are the one-row expert kernels for the shared expert
-        // too (DSV4_SHARED_X8), and quant_groups needs 8·opw to divide 32 or be a multiple of it.
-        let fits = (1..=b.ffn1_rows()).contains(&n)
-            && b.int8()
-            && b.fusion.shared_x8
-            && matches!(o.up, 1 | 2 | 4 | 8)
-            && first == 0
-            && experts.len() == nexp
-            && pairs <= Q_WARPS
-            && fmt(&e0.w3) == Some(r13)
-            && fmt(&shared.w3) == Some(s13)
-            && (shared.w1.rows, shared.w2.cols, e0.w2.cols) == (inter, inter, inter)
-            && d.is_multiple_of(blk)
-            && inter.is_multiple_of(blk)
-            && n * pairs * inter / blk <= FFN1_COUNTERS;
-        if !fits {
-            return None;
-        }
-        let (up, down) = b.qk.ffn1((r13, r2), (s13, s2), n)?;
-        let table = b.packed_expert_kernels(experts, 1, false).table;
-        let stable = b.packed_expert_kernels(std::slice::from_ref(shared), 1, false).table;
-        Some(Ffn1 {
-            up,
-            down,
-            table,
-            stable,
-            x: b.x8_of(x),
-            h: b.alloc::<f32>(n * pairs * inter),
-            hq: b.alloc::<i8>(n * pairs * inter),
-            hd: b.alloc::<f32>(n * pairs * inter / blk),
-            n,
-            k,
-            d,
-            inter,
-            nexp,
-            limit,
-        })
-    }
-
-    /// Gate/up and SwiGLU of each row's pairs j0..j0 + np (pair k: the shared expert, which
-    /// reads no route: `route` may then be `None`).
-    pub(crate) fn up(&mut self, b: &CudaBackend, route: Option<&CudaRoute>, j0: usize, np: usize) {
-        assert!(j0 + np <= self.k + 1 && np > 0, "pairs {j0}..{} of {}", j0 + np, self.k + 1);
-        assert!(route.is_some() || j0 == self.k, "the routed pairs read the route");
-        if let Some(r) = route {
-            assert!(r.k == self.k && r.experts == self.nexp, "route of {} slots over {} experts", r.k, r.experts);
-            assert!(r.ids.len() >= self.n * self.k, "route of {} rows × {} slots", self.n, self.k);
-        }
-        let o = super::quant::x8_opw();
-        let cfg = LaunchConfig {
-            grid_dim: ((self.n * np) as u32, self.inter.div_ceil(Q_WARPS * o.up) as u32, 1),
-            block_dim: (32 * Q_WARPS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (nei, ki, di, ii) = (self.nexp as i32, self.k as i32, self.d as i32, self.inter as i32);
-        let (j0, np) = (j0 as i32, np as i32);
-        // The shared pair alone reads no id: any buffer stands in for the route's.
-        let ids = route.map_or(&b.dummy_u32, |r| &r.ids);
-        // SAFETY: argument types and buffer sizes match the kernel: x's codes hold n rows of d,
-        // h and hq n·(k + 1) rows of `inter`, hd their scales, the counters (zero between
-        // launches) cover n·(k + 1)·inter / 32 groups (checked by `plan`), the ids k slots of
-        // each of the n rows where a routed pair is launched, the tables address every routed
-        // expert (nexp) and the shared one.
-        ck(
-            unsafe {
-                b.stream()
-                    .kernel(self.up)
-                    .arg(&mut self.h)
-                    .arg(&mut self.hq)
-                    .arg(&mut self.hd)
-                    .arg(b.counters())
-                    .arg(&self.x.q)
-                    .arg(&self.x.d)
-                    .arg(ids)
-                    .arg(self.table.as_ref())
-                    .arg(self.stable.as_ref())
-                    .arg(&nei)
-                    .arg(&ki)
-                    .arg(&di)
-                    .arg(&ii)
-                    .arg(&self.limit)
-                    .arg(&j0)
-                    .arg(&np)
-                    .launch(cfg)
-            },
-            "moe_up1s",
-        );
-    }
-
-    /// Down of every pair with the weighted combine, after every pair's [`Ffn1::up`]:
-    /// `(routed, shared, routed + shared)`.
-    pub(crate) fn down(self, b: &CudaBackend, route: &CudaRoute) -> (CudaTensor, CudaTensor, CudaTensor) {
-        let (n, d) = (self.n, self.d);
-        assert!(route.weights.len() >= n * self.k, "route of {n} rows × {} slots", self.k);
-        let o = super::quant::x8_opw();
-        let down_warps = if down1_pair_warps() { self.k + 1 } else { Q_WARPS };
-        let cfg = LaunchConfig {
-            grid_dim: (d.div_ceil(o.down) as u32, n as u32, 1),
-            block_dim: (32 * down_warps as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (mut routed, mut sh, mut out) = (b.tensor(n, d), b.tensor(n, d), b.tensor(n, d));
-        let (nei, ki, di, ii) = (self.nexp as i32, self.k as i32, d as i32, self.inter as i32);
-        // SAFETY: argument types and buffer sizes match the kernel: hq / hd hold the n·(k + 1)
-        // rows `up` wrote, route.ids / weights k slots of each of the n rows, routed / shared /
-        // out n rows of d, the tables every routed expert and the shared one.
-        ck(
-            unsafe {
-                b.stream()
-                    .kernel(self.down)
-                    .arg(&mut routed.data)
-                    .arg(&mut sh.data)
-                    .arg(&mut out.data)
-                    .arg(&self.hq)
-                    .arg(&self.hd)
-                    .arg(&route.ids)
-                    .arg(&route.weights)
-                    .arg(self.table.as_ref())
-                    .arg(self.stable.as_ref())
-                    .arg(&nei)
-                    .arg(&ki)
-                    .arg(&di)
-                    .arg(&ii)
-                    .launch(cfg)
-            },
-            "moe_down1s",
-        );
-        (routed, sh, out)
-    }
-}
-
-/// The MoE block with the shared expert's gate/up on a side branch beside the router
-/// ([`Backend::router_moe`](crate::Backend::router_moe)): the shared pair's `moe_up1s` launch
-/// reads only x's codes, the routed pairs' launch follows the router on the main chain, and
-/// `moe_down1s` after the join; the same kernels' arithmetic on the same rows of h as
-/// [`ffn_few_rows`], so the same values. `None` where the side branches do not run or the two
-/// launches do not apply.
-pub(crate) fn router_moe_beside(
-    b: &CudaBackend,
-    x: &CudaTensor,
-    m: &dsv4_model::weights::Moe<CudaWeight>,
-    rows: &super::CudaRows,
-    limit: f32,
-    cfg: &dsv4_model::Config,
-) -> Option<(CudaTensor, CudaTensor, CudaTensor, CudaTensor)> {
-    use crate::backend::{Backend, SideBranch};
-    if !b.side_runs(x.rows, SideBranch::SharedExpert) {
+    let (d, k, e0, n) = (x.cols, route.k, &experts[0], x.rows);
+    let inter = e0.w1.rows;
+    let pairs = k + 1;
+    let blk = crate::x8::BLOCK;
+    let fmt = |w: &CudaWeight| w.q.as_ref().map(|q| q.format).filter(|&f| crate::x8::supports(f));
+    let (r13, r2, s13, s2) = (fmt(&e0.w1)?, fmt(&e0.w2)?, fmt(&shared.w1)?, fmt(&shared.w2)?);
+    let o = super::quant::x8_opw();
+    // The separate launches this replaces are the one-row expert kernels for the shared expert
+    // too (DSV4_SHARED_X8), and quant_groups needs 8·opw to divide 32 or be a multiple of it.
+    let fits = (1..=b.ffn1_rows()).contains(&n)
+        && b.int8()
+        && b.fusion.shared_x8
+        && matches!(o.up, 1 | 2 | 4 | 8)
+        && first == 0
+        && experts.len() == route.experts
+        && pairs <= Q_WARPS
+        && fmt(&e0.w3) == Some(r13)
+        && fmt(&shared.w3) == Some(s13)
+        && (shared.w1.rows, shared.w2.cols, e0.w2.cols) == (inter, inter, inter)
+        && d.is_multiple_of(blk)
+        && inter.is_multiple_of(blk)
+        && n * pairs * inter / blk <= FFN1_COUNTERS;
+    if !fits {
         return None;
     }
-    let k = cfg.n_experts_per_tok;
-    let mut f = Ffn1::plan(b, x, k, m.gate.rows, &m.experts, m.expert0, &m.shared, limit)?;
-    b.side_begin(x.rows, SideBranch::SharedExpert);
-    f.up(b, None, k, 1);
-    b.side_end();
-    let hash = m.tid2eid.as_deref().map(|t| (t, rows));
-    let (logits, route) = b.router(x, &m.gate, m.bias.as_ref(), hash, cfg);
-    f.up(b, Some(&route), 0, k);
-    b.side_join();
-    let (routed, shared, out) = f.down(b, &route);
-    Some((logits, routed, shared, out))
+    assert!(route.ids.len() >= n * k && route.weights.len() >= n * k, "route of {n} rows × {k} slots");
+    let (up, down) = b.qk.ffn1((r13, r2), (s13, s2), n)?;
+    let table = b.packed_expert_kernels(experts, 1, false).table;
+    let stable = b.packed_expert_kernels(std::slice::from_ref(shared), 1, false).table;
+    let super::X8Twin { q: xq, d: xd } = b.x8_of(x);
+    let mut h = b.alloc::<f32>(n * pairs * inter);
+    let mut hq = b.alloc::<i8>(n * pairs * inter);
+    let mut hd = b.alloc::<f32>(n * pairs * inter / blk);
+    let (nei, ki, di, ii) = (experts.len() as i32, k as i32, d as i32, inter as i32);
+    let up_cfg = LaunchConfig {
+        grid_dim: ((n * pairs) as u32, inter.div_ceil(Q_WARPS * o.up) as u32, 1),
+        block_dim: (32 * Q_WARPS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: argument types and buffer sizes match the kernel: x's codes hold n rows of d, h
+    // and hq n·(k + 1) rows of `inter`, hd their scales, the counters (zero between launches)
+    // cover n·(k + 1)·inter / 32 groups (checked above), route.ids k slots of each of the n rows,
+    // the tables address every routed expert (nexp) and the shared one.
+    ck(
+        unsafe {
+            b.stream()
+                .kernel(up)
+                .arg(&mut h)
+                .arg(&mut hq)
+                .arg(&mut hd)
+                .arg(b.counters())
+                .arg(xq)
+                .arg(xd)
+                .arg(&route.ids)
+                .arg(table.as_ref())
+                .arg(stable.as_ref())
+                .arg(&nei)
+                .arg(&ki)
+                .arg(&di)
+                .arg(&ii)
+                .arg(&limit)
+                .launch(up_cfg)
+        },
+        "moe_up1s",
+    );
+    let (mut routed, mut sh, mut out) = (b.tensor(n, d), b.tensor(n, d), b.tensor(n, d));
+    let down_warps = if down1_pair_warps() { pairs } else { Q_WARPS };
+    let down_cfg = LaunchConfig {
+        grid_dim: (d.div_ceil(o.down) as u32, n as u32, 1),
+        block_dim: (32 * down_warps as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: argument types and buffer sizes match the kernel: hq / hd hold the n·(k + 1) rows
+    // moe_up1s wrote, route.ids / weights k slots of each of the n rows, routed / shared / out n
+    // rows of d, the tables every routed expert and the shared one.
+    ck(
+        unsafe {
+            b.stream()
+                .kernel(down)
+                .arg(&mut routed.data)
+                .arg(&mut sh.data)
+                .arg(&mut out.data)
+                .arg(&hq)
+                .arg(&hd)
+                .arg(&route.ids)
+                .arg(&route.weights)
+                .arg(table.as_ref())
+                .arg(stable.as_ref())
+                .arg(&nei)
+                .arg(&ki)
+                .arg(&di)
+                .arg(&ii)
+                .launch(down_cfg)
+        },
+        "moe_down1s",
+    );
+    Some((routed, sh, out))
 }
 
 /// Most rows the shared expert takes on the routed-expert kernels ([`shared_expert_x8`]): a

@@ -31,7 +31,7 @@ use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
-use dsv4_model::weights::{Compressor, Expert, Hc, Moe};
+use dsv4_model::weights::{Compressor, Expert, Hc};
 use dsv4_model::{Config, HostTensor, LoadError};
 use launch::Kernel;
 use std::collections::HashMap;
@@ -787,24 +787,35 @@ struct Side {
 }
 
 /// Every side branch ([`crate::backend::SideBranch`]'s bits).
-const SIDE_ALL: u32 = 7;
+const SIDE_ALL: u32 = 3;
 
 /// Start value of [`CudaBackend::set_side_mask`]: `DSV4_SIDE`, a mask of
-/// [`crate::backend::SideBranch`] bits (1 the compressors, 2 the indexer's query product, 4 the
-/// shared expert's gate/up), else 1. H100, 32 q2 layers, context 4096 (PERF.md v46): the
-/// compressors' branch takes a one-row step 6.41–6.46 → 6.15–6.20 ms and a verify of 1 + 3 rows
-/// 10.27–10.42 → 9.81–9.93; the indexer's query branch adds nothing to it (6.20 with both), and
-/// the shared expert's costs a one-row step 0.4 ms (6.81 alone).
+/// [`crate::backend::SideBranch`] bits (1 the compressors, 2 the indexer's query product),
+/// else 1. H100, 32 q2 layers, context 4096 (PERF.md v46): the compressors' branch takes a
+/// one-row step 6.41–6.46 → 6.15–6.20 ms and a verify of 1 + 3 rows 10.27–10.42 → 9.81–9.93;
+/// the indexer's query branch adds nothing to it (6.20 with both).
 fn side_env() -> u32 {
-    match std::env::var("DSV4_SIDE") {
-        Err(_) => 1,
-        Ok(v) => match v.trim().parse::<u32>() {
-            Ok(m) if m <= SIDE_ALL => m,
-            _ => {
-                tracing::warn!("DSV4_SIDE={v:?} is not a mask of 0 to {SIDE_ALL}; side branches off");
-                0
-            }
-        },
+    side_mask_in(std::env::var("DSV4_SIDE").ok().as_deref())
+}
+
+/// [`side_env`] of the variable's value, if set. Anything but a mask of 0 to [`SIDE_ALL`] turns
+/// the branches off, with a warning. Bit 4 was the shared expert's gate/up beside the router: it
+/// cost a one-row step 0.4 ms (PERF.md v46) and is gone, so a mask that still asks for it says so.
+fn side_mask_in(v: Option<&str>) -> u32 {
+    let Some(v) = v else { return 1 };
+    match v.trim().parse::<u32>() {
+        Ok(m) if m <= SIDE_ALL => m,
+        Ok(m) if m <= 7 => {
+            tracing::warn!(
+                "DSV4_SIDE={v:?}: bit 4 (the shared expert beside the router) was removed (PERF.md v46); \
+                 side branches off"
+            );
+            0
+        }
+        _ => {
+            tracing::warn!("DSV4_SIDE={v:?} is not a mask of 0 to {SIDE_ALL}; side branches off");
+            0
+        }
     }
 }
 
@@ -1722,10 +1733,10 @@ impl CudaBackend {
     }
 
     /// All side branches or none ([`Backend::side_begin`]: a layer's compressors beside its
-    /// query path, the indexer's query product, the shared expert beside the router) on a second
-    /// stream, forked from the main one and joined to it (a fork and a join in a recorded step);
-    /// off, every op runs on the main stream in order. The same kernels on the same inputs, so
-    /// the same values. Start value `DSV4_SIDE` (a mask, [`CudaBackend::set_side_mask`]; 1, the
+    /// query path, the indexer's query product beside the heads') on a second stream, forked
+    /// from the main one and joined to it (a fork and a join in a recorded step); off, every op
+    /// runs on the main stream in order. The same kernels on the same inputs, so the same
+    /// values. Start value `DSV4_SIDE` (a mask, [`CudaBackend::set_side_mask`]; 1, the
     /// compressors' branch, by default). Like every setter, called between steps, from the
     /// thread that runs them.
     pub fn set_side(&self, on: bool) {
@@ -3121,20 +3132,6 @@ impl Backend for CudaBackend {
         crate::backend::moe_shared_apart(self, x, route, experts, first, shared, limit)
     }
 
-    fn router_moe(
-        &self,
-        x: &CudaTensor,
-        m: &Moe<CudaWeight>,
-        rows: &CudaRows,
-        limit: f32,
-        cfg: &Config,
-    ) -> (CudaTensor, CudaTensor, CudaTensor, CudaTensor) {
-        if let Some(r) = self.ffn1().then(|| bf16::router_moe_beside(self, x, m, rows, limit, cfg)).flatten() {
-            return r;
-        }
-        crate::backend::router_moe_apart(self, x, m, rows, limit, cfg)
-    }
-
     fn reset_probes(&self, cache: &mut CudaCache) {
         ck(self.stream().memset_zeros(&mut cache.probes), "reset probes");
     }
@@ -3276,7 +3273,9 @@ impl CudaBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::{decode_fusion_in, prune_ptx, ptx_key, store_ptx, HostVecs, HOST_VECS_KEEP, HOST_VECS_MIN};
+    use super::{
+        decode_fusion_in, prune_ptx, ptx_key, side_mask_in, store_ptx, HostVecs, HOST_VECS_KEEP, HOST_VECS_MIN,
+    };
 
     #[test]
     fn kept_ptx_names_hash_every_part_and_its_length() {
@@ -3355,5 +3354,18 @@ mod tests {
         assert!(on(&[("DSV4_DECODE_FUSIONS", "1"), ("DSV4_FFN1", "")], "DSV4_FFN1"));
         assert!(on(&[("DSV4_FFN1", "true")], "DSV4_FFN1"), "not a 1/0: the default");
         assert!(!on(&[("DSV4_HC_POST_DOT", "yes")], "DSV4_HC_POST_DOT"));
+    }
+
+    /// `DSV4_SIDE`: the compressors' branch by default, masks of the two branches as given, and
+    /// anything else (bit 4's removed branch among them) all off rather than a partial mask.
+    #[test]
+    fn side_mask_takes_the_two_branches_and_refuses_the_rest() {
+        assert_eq!(side_mask_in(None), 1, "the compressors' branch by default");
+        for (v, m) in [("0", 0), ("1", 1), ("2", 2), (" 3 ", 3)] {
+            assert_eq!(side_mask_in(Some(v)), m, "DSV4_SIDE={v:?}");
+        }
+        for v in ["4", "5", "7", "8", "-1", "", "on"] {
+            assert_eq!(side_mask_in(Some(v)), 0, "DSV4_SIDE={v:?}: off");
+        }
     }
 }

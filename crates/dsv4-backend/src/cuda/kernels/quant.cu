@@ -1488,23 +1488,21 @@ __device__ __forceinline__ void expert_ptrs(unsigned long long (&loc)[6], unsign
 // Each pair is a one-row product of its own (an expert two rows chose is read twice), so every
 // row's results are bitwise those of the separate launches, and of the row alone.
 
-// Grid (n·np, ⌈inter / (8·X8_OPW_UP)⌉): block (t·np + i, y) forms row t's pair j = j0 + i's
+// Grid (n·(k + 1), ⌈inter / (8·X8_OPW_UP)⌉): block (t·(k + 1) + j, y) forms row t's pair j's
 // outputs y·8·X8_OPW_UP..; xq / xd hold n rows of d; h, hq, hd n·(k + 1) rows of `inter` (hd:
-// inter / 32 scales a row), cnt n·(k + 1)·inter / 32 counters. All pairs: j0 = 0, np = k + 1;
-// a launch of the shared pair alone (j0 = k, np = 1: it reads no route, so it may run beside
-// the router) and one of the routed pairs (j0 = 0, np = k) together do the same. ROWS false:
-// one row (n = 1), the form a decode step runs (the row arithmetic took it from 80 to 94
-// registers, sm_90a, past the 3 blocks an SM it holds at 80).
+// inter / 32 scales a row), cnt n·(k + 1)·inter / 32 counters. ROWS false: one row (n = 1), the
+// form a decode step runs (the row arithmetic took it from 80 to 94 registers, sm_90a, past
+// the 3 blocks an SM it holds at 80).
 template <int R, int S, bool ROWS>
 __device__ void moe_up1s(float* __restrict__ h, signed char* __restrict__ hq, float* __restrict__ hd, unsigned* cnt,
                          const signed char* __restrict__ xq, const float* __restrict__ xd, const unsigned* ids,
                          const unsigned long long* ptrs, const unsigned long long* sptrs, int nexp, int k, int d,
-                         int inter, float limit, int j0, int np) {
-    int t = ROWS ? blockIdx.x / np : 0, j = j0 + (ROWS ? blockIdx.x % np : blockIdx.x), wp = threadIdx.x >> 5;
+                         int inter, float limit) {
+    int t = ROWS ? blockIdx.x / (k + 1) : 0, j = ROWS ? blockIdx.x % (k + 1) : blockIdx.x, wp = threadIdx.x >> 5;
     int o0 = blockIdx.y * Q_WARPS * X8_OPW_UP, o = o0 + wp * X8_OPW_UP;
     bool live = o < inter;
     long long row = (long long)(t * (k + 1) + j) * inter;
-    if (!ROWS && j0 == 0 && np >= k) pf_front<R>(ids, ptrs, nexp, k, 0, 1, inter, d);  // this call's routed pairs
+    if (!ROWS) pf_front<R>(ids, ptrs, nexp, k, 0, 1, inter, d);  // this call's routed pairs
     if (ROWS) {
         xq += (long long)t * d;
         xd += (long long)t * d / 32;
@@ -1951,9 +1949,9 @@ X8_KERNELS(F_IQ2_XXS, iq2_xxs, 4, 3, 4)
                                                            const signed char* xq, const float* xd,                  \
                                                            const unsigned* ids, const unsigned long long* ptrs,     \
                                                            const unsigned long long* sptrs, int nexp, int k, int d, \
-                                                           int inter, float limit, int j0, int np) {                \
+                                                           int inter, float limit) {                                \
         pdl_enter();                                                                                                 \
-        moe_up1s<R, S, ROWS>(h, hq, hd, cnt, xq, xd, ids, ptrs, sptrs, nexp, k, d, inter, limit, j0, np);            \
+        moe_up1s<R, S, ROWS>(h, hq, hd, cnt, xq, xd, ids, ptrs, sptrs, nexp, k, d, inter, limit);                    \
     }                                                                                                                \
     extern "C" __global__ void moe_down1s##SUF##_##NR##_##NS(float* routed, float* shared, float* out,              \
                                                              const signed char* hq, const float* hd,                \
