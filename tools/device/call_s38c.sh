@@ -11,10 +11,10 @@ cd "$(dirname "$0")/../.."
 . tools/device/run_test.sh
 call_start 420
 export DSV4_BIN=.devbin/dsv4
-DSV4_CUDA_KERNELS=.devbin/kvar/pff132p run_test cuda_packed cuda_one_row_experts_in_two_launches_are_bitwise
+DSV4_CUDA_KERNELS=.devbin/kvar/pffs run_test cuda_packed cuda_one_row_experts_in_two_launches_are_bitwise
 cp "$OUT/test-cuda_packed.txt" "$OUT/test-cuda_packed-pff.txt"
-BUDGET=$LIMIT experts_variants $T0 pff0 pff132 pff132p
-best=$(for v in pff132 pff132p; do
+BUDGET=$LIMIT experts_variants $T0 pff0 pff132 pff132p pffs
+best=$(for v in pff132 pff132p pffs; do
   f=$(grep -E '^experts 1 rows, dram' "$OUT/experts-$v.txt" 2>/dev/null | grep -m1 -oE '[0-9.]+ µs a call' | cut -d' ' -f1)
   [ -n "$f" ] && echo "$f $v"; done | sort -n | head -1 | cut -d' ' -f2)
 best=${best:-pff132}; echo "best: $best" >> "$S"

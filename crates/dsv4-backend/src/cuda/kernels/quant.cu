@@ -1255,9 +1255,17 @@ __device__ __forceinline__ void pf_span(const u8* p, long long n, int lane) {
 #ifndef X8_PF_FRONT_PRE
 #define X8_PF_FRONT_PRE 0
 #endif
+// X8_PF_SHARED (with X8_PF_FRONT): the same blocks queue the shared expert's planes (gate/up in
+// moe_up1s, down in moe_down1s; every row count) before their PDL wait. Its table is the
+// host's, so nothing to wait for: the gate/up's ~18 MB (Q8_0) are asked for while the router
+// runs. In both kernels the shared pair reads 3–4× a routed pair's bytes (Q8_0 rows against
+// IQ2_XXS / Q2_K), so its blocks and warps are the kernels' longest.
+#ifndef X8_PF_SHARED
+#define X8_PF_SHARED 0
+#endif
 
 // X8_PF_FRONT's share of block b < X8_PF_FRONT (linear id): for each of the k slots (expert
-// ids[j], address table ptrs of nexp experts), the planes in the table's columns c0 (and c1 if
+// ids[j], or expert 0 where ids is null: address table ptrs of nexp experts), the planes in the table's columns c0 (and c1 if
 // ≥ 0): codes (columns < 3) of `rows` rows of row_bytes(F, kin) and, for a GGUF format, heads
 // (column + 3) of head_bytes(F, kin).
 template <int F>
@@ -1287,7 +1295,7 @@ __device__ __forceinline__ void pf_front(const unsigned* ids, const unsigned lon
                 col += 3;
                 bytes = hb;
             }
-            const u8* base = (const u8*)ptrs[(long long)col * nexp + __ldcg(ids + j)];
+            const u8* base = (const u8*)ptrs[(long long)col * nexp + (ids ? __ldcg(ids + j) : 0u)];
             long long off = r * CH;
             l2_hint(base + off, min(CH, bytes - off));
         }
@@ -1950,6 +1958,7 @@ X8_KERNELS(F_IQ2_XXS, iq2_xxs, 4, 3, 4)
                                                            const unsigned* ids, const unsigned long long* ptrs,     \
                                                            const unsigned long long* sptrs, int nexp, int k, int d, \
                                                            int inter, float limit) {                                \
+        if (X8_PF_SHARED) pf_front<S>(nullptr, sptrs, 1, 1, 0, 1, inter, d);                                         \
         pdl_enter();                                                                                                 \
         moe_up1s<R, S, ROWS>(h, hq, hd, cnt, xq, xd, ids, ptrs, sptrs, nexp, k, d, inter, limit);                    \
     }                                                                                                                \
@@ -1960,6 +1969,7 @@ X8_KERNELS(F_IQ2_XXS, iq2_xxs, 4, 3, 4)
                                                              const unsigned long long* sptrs, int nexp, int k,      \
                                                              int d, int inter) {                                    \
         if (!ROWS && X8_PF_FRONT_PRE) pf_front<R>(ids, ptrs, nexp, k, 2, -1, d, inter);                              \
+        if (X8_PF_SHARED) pf_front<S>(nullptr, sptrs, 1, 1, 2, -1, d, inter);                                        \
         pdl_enter();                                                                                                 \
         moe_down1s<R, S, ROWS>(routed, shared, out, hq, hd, ids, wts, ptrs, sptrs, nexp, k, d, inter);               \
     }
