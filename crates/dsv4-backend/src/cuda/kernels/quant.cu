@@ -1265,9 +1265,9 @@ __device__ __forceinline__ void pf_span(const u8* p, long long n, int lane) {
 #endif
 
 // X8_PF_FRONT's share of block b < X8_PF_FRONT (linear id): for each of the k slots (expert
-// ids[j], or expert 0 where ids is null: address table ptrs of nexp experts), the planes in the table's columns c0 (and c1 if
-// ≥ 0): codes (columns < 3) of `rows` rows of row_bytes(F, kin) and, for a GGUF format, heads
-// (column + 3) of head_bytes(F, kin).
+// ids[j], or expert 0 where ids is null; address table ptrs of nexp experts), the planes in the
+// table's columns c0 (and c1 if ≥ 0): codes (columns < 3) of `rows` rows of row_bytes(F, kin)
+// and, for a GGUF format, heads (column + 3) of head_bytes(F, kin).
 template <int F>
 __device__ __forceinline__ void pf_front(const unsigned* ids, const unsigned long long* ptrs, int nexp, int k, int c0,
                                          int c1, long long rows, int kin) {
