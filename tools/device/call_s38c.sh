@@ -18,7 +18,7 @@ BUDGET=$LIMIT experts_variants $T0 pff0 pff132p pffs
 best=$(for v in pff132p pffs; do
   f=$(grep -E '^experts 1 rows, dram' "$OUT/experts-$v.txt" 2>/dev/null | grep -m1 -oE '[0-9.]+ µs a call' | cut -d' ' -f1)
   [ -n "$f" ] && echo "$f $v"; done | sort -n | head -1 | cut -d' ' -f2)
-best=${best:-pff132}; echo "best: $best" >> "$S"
+best=${best:-pffs}; echo "best: $best" >> "$S"
 for v in base $best base $best; do
   if [ $v = base ]; then t && batch1_rounds $FL base-$(date +%s)
   else t && batch1_rounds $FL $v-$(date +%s) DSV4_CUDA_KERNELS=.devbin/kvar/$v; fi
