@@ -297,7 +297,7 @@ fn cuda_gguf_side_branch_is_bitwise() {
         if n_off != 0 {
             failures.push(format!("exact {exact}: {n_off} side branches with the mask 0"));
         }
-        // Each mask's branches a forward run on the host (at least 5 of the 17): the compressors'
+        // Each mask's branches a forward run on the host (at least 5 of the 16): the compressors'
         // one a compressed layer, the indexer query's one a CSA layer; both, the two together.
         let mut n = [0; 4];
         for (mask, layers) in [(1, compressed), (2, csa), (3, compressed + csa)] {

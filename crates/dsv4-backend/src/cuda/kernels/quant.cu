@@ -1249,9 +1249,11 @@ __device__ __forceinline__ void pf_span(const u8* p, long long n, int lane) {
 #define X8_PF_FRONT 0
 #endif
 // X8_PF_FRONT_PRE (with X8_PF_FRONT): moe_down1s queues its planes before its PDL wait, while
-// moe_up1s's last wave runs. The route is final by then (moe_down1s starts only after every
-// moe_up1s block has passed its own wait on the router) and is read through L2 (`__ldcg`: an
-// SM's L1 may hold the previous layer's ids); a stale id would only misdirect a hint.
+// moe_up1s's last wave runs. The route is final by then: moe_down1s starts only after every
+// moe_up1s block has run launch_dependents, which each runs after its own wait on the router
+// (eager, recorded, or without PDL: plain stream order). It is read through L2 (`__ldcg`: the
+// buffer is the pool's, and an SM's L1 may hold an older line of it), and pf_front clamps each
+// id into the table, so no hint can read outside it.
 #ifndef X8_PF_FRONT_PRE
 #define X8_PF_FRONT_PRE 0
 #endif
@@ -1295,7 +1297,8 @@ __device__ __forceinline__ void pf_front(const unsigned* ids, const unsigned lon
                 col += 3;
                 bytes = hb;
             }
-            const u8* base = (const u8*)ptrs[(long long)col * nexp + (ids ? __ldcg(ids + j) : 0u)];
+            unsigned e = ids ? min(__ldcg(ids + j), (unsigned)nexp - 1) : 0u;
+            const u8* base = (const u8*)ptrs[(long long)col * nexp + e];
             long long off = r * CH;
             l2_hint(base + off, min(CH, bytes - off));
         }
