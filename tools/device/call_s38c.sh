@@ -13,7 +13,6 @@ call_start 420
 export DSV4_BIN=.devbin/dsv4
 DSV4_CUDA_KERNELS=.devbin/kvar/pffs run_test cuda_packed cuda_one_row_experts_in_two_launches_are_bitwise
 cp "$OUT/test-cuda_packed.txt" "$OUT/test-cuda_packed-pff.txt"
-run_test cuda_gguf
 BUDGET=$LIMIT experts_variants $T0 pff0 pffs
 best=$(for v in pffs pff132p; do
   f=$(grep -E '^experts 1 rows, dram' "$OUT/experts-$v.txt" 2>/dev/null | grep -m1 -oE '[0-9.]+ µs a call' | cut -d' ' -f1)
@@ -23,6 +22,7 @@ for v in base $best base $best; do
   if [ $v = base ]; then t && batch1_rounds $FL base-$(date +%s)
   else t && batch1_rounds $FL $v-$(date +%s) DSV4_CUDA_KERNELS=.devbin/kvar/$v; fi
 done
+t && run_test cuda_gguf
 t && BUDGET=$LIMIT experts_variants $T0 pff132p
 for x in cuda_packed cuda_graph cuda_dspark cuda_invariance cuda_backend; do
   t && run_test $x
