@@ -95,12 +95,16 @@ fn time(b: &CudaBackend, ws: &[CudaWeight], n: usize, reps: usize) -> f64 {
 
 pub fn run(tables: &str) -> Result<()> {
     let b = CudaBackend::new(0).context("starting the CUDA backend")?;
-    let all = ["products", "int8", "tiles", "draws", "experts", "chain"];
+    let all = ["products", "int8", "tiles", "draws", "experts", "chain", "onerow"];
     let on: Vec<&str> = if tables == "all" { all.to_vec() } else { tables.split(',').map(str::trim).collect() };
     if let Some(t) = on.iter().find(|t| !all.contains(t)) {
         bail!("--tables: no table `{t}` (the tables: {}, or all)", all.join(", "));
     }
     let want = |t: &str| on.contains(&t);
+    // The backend's own setting (int8 activations on unless `DSV4_INT8=0`), which the tables
+    // after the tiles' run under: the experts ran on the f32-activation kernels while the int8
+    // table's end left it off (to 1245b79), not on the step's moe_up1s / moe_down1s.
+    let int8 = b.int8();
     b.set_int8(false); // the first table: the f32-activation products
     println!(
         "kernel bench on {}: products x[n, k] · w[m, k]ᵀ (bytes = weight bytes read once; the GB/s tables cycle \
@@ -218,13 +222,16 @@ pub fn run(tables: &str) -> Result<()> {
         }
     }
     b.set_tiles_dense_rows(dsv4_backend::cuda::gemm::TILES_DENSE_ROWS);
+    b.set_int8(int8);
     let draw_table = if want("draws") { draws(&b)? } else { Vec::new() };
     let expert_table = if want("experts") { experts(&b)? } else { Vec::new() };
     let chain_table = if want("chain") { chain(&b)? } else { Vec::new() };
+    let onerow_table = if want("onerow") { onerow(&b)? } else { Vec::new() };
     println!(
         "{}",
         serde_json::json!({"device": b.device_name(), "kernels": table, "int8": x8_table, "tiles": pg_table,
-            "draws": draw_table, "experts": expert_table, "chain": chain_table})
+            "draws": draw_table, "experts": expert_table, "chain": chain_table,
+            "onerow": onerow_table})
     );
     Ok(())
 }
@@ -319,9 +326,11 @@ fn experts(b: &CudaBackend) -> Result<Vec<serde_json::Value>> {
     let busy = Busy::new(b);
     let mut out = Vec::new();
     println!(
-        "experts: routed IQ2_XXS/IQ2_XXS/Q2_K [{INTER}, {D}] ({:.1} MB an expert), shared Q8_0 ({:.1} MB), {K} slots a row",
+        "experts: routed IQ2_XXS/IQ2_XXS/Q2_K [{INTER}, {D}] ({:.1} MB an expert), shared Q8_0 ({:.1} MB), {K} slots a row, \
+         {} activations",
         ebytes as f64 / 1e6,
-        sbytes as f64 / 1e6
+        sbytes as f64 / 1e6,
+        if b.int8() { "int8 (the step's kernels)" } else { "f32 (DSV4_INT8=0)" }
     );
     for n in [1usize, 3] {
         let x: Vec<f32> = (0..n * D).map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * 2.0).collect();
@@ -373,30 +382,11 @@ fn experts(b: &CudaBackend) -> Result<Vec<serde_json::Value>> {
             for (_, r) in routes.iter().take(3) {
                 drop(b.moe_shared(&x, r, &ex, 0, &shared, LIMIT));
             }
-            // A call's host work (its tables and launches, ~100 µs) outlasts its kernels, so
-            // each pass first queues `busy` (GPU work of a known length, enqueued in a few µs)
-            // long enough for the host to queue every call behind it: the events then time the
-            // calls' kernels back to back, as a replayed step runs them.
-            let reps = 32;
-            let mut pre = 0usize;
-            let mut ts: Vec<f64> = (0..7)
-                .map(|_| {
-                    busy.queue(b, pre);
-                    let e0 = b.timing_event();
-                    let h = std::time::Instant::now();
-                    for i in 0..reps {
-                        drop(b.moe_shared(&x, &routes[i % routes.len()].1, &ex, 0, &shared, LIMIT));
-                    }
-                    let host = h.elapsed().as_secs_f64();
-                    let e1 = b.timing_event();
-                    b.synchronize();
-                    pre = (1.5 * host / busy.each).ceil() as usize + 1;
-                    e0.elapsed_ms(&e1).unwrap_or(f32::NAN) as f64 / 1e3 / reps as f64
-                })
-                .skip(2)
-                .collect();
-            ts.sort_by(f64::total_cmp);
-            let t = ts[2];
+            // A call's host work (its tables and launches, ~100 µs) outlasts its kernels
+            // (`Busy::time`).
+            let t = busy.time(b, 32, |i| {
+                drop(b.moe_shared(&x, &routes[i % routes.len()].1, &ex, 0, &shared, LIMIT));
+            });
             println!(
                 "experts {n} rows, {case:>4}: {:2} distinct experts + shared, {:6.1} MB  vs apart {err:.1e}: {:7.1} µs a call, {:6.0} GB/s ({:3.0}%)",
                 distinct.len(),
@@ -409,6 +399,75 @@ fn experts(b: &CudaBackend) -> Result<Vec<serde_json::Value>> {
                 "rel_err_apart": err, "us": t * 1e6}));
         }
     }
+    Ok(out)
+}
+
+/// The attention's one-row int8 products at V4-Flash's shapes in Q8_0 (as ds4's q2 files keep
+/// them), each alone: wq_b (`[32768, 1024]`: gemv1x4), wo_a grouped with its output's codes (8
+/// groups of `[1024, 4096]`: gemv1xq, the step's form), the same without the codes (gemv1x),
+/// wo_a's weight as one ungrouped product, and wo_b (`[4096, 8192]`: gemv1x). µs a call from
+/// DRAM (copies cycled) and from L2 (one copy again). v46's ncu put wo_a at ~20 µs where wq_b
+/// moves the same 35.7 MB in ~12: the rows say whether the codes' tickets, the groups' separate
+/// activations or the longer rows cost it. Each form is checked against the CPU twin's sums
+/// (`dsv4_backend::x8::dot`, the same sums: expected bitwise).
+fn onerow(b: &CudaBackend) -> Result<Vec<serde_json::Value>> {
+    // (name, outputs, k, groups, the output's codes)
+    let forms = [
+        ("wq_b", 32768usize, 1024usize, 1usize, false),
+        ("wo_a, codes", 8192, 4096, 8, true),
+        ("wo_a", 8192, 4096, 8, false),
+        ("wo_a ungrouped", 8192, 4096, 1, false),
+        ("wo_b", 4096, 8192, 1, false),
+    ];
+    let (twin0, int80) = (b.gemv_twin(), b.int8());
+    let busy = Busy::new(b);
+    let mut out = Vec::new();
+    b.set_int8(true);
+    for (i, &(name, m, k, groups, codes)) in forms.iter().enumerate() {
+        b.set_gemv_twin(codes);
+        let ws = copies(b, Some(PackedFormat::Q8_0), m, k, 31 + i as u64);
+        let w = &ws[0];
+        let cols = groups * k;
+        let xh: Vec<f32> = (0..cols).map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * 2.0).collect();
+        let x = b.to_device(1, cols, &xh);
+        let call = |w: &CudaWeight| if groups > 1 { b.grouped_matmul(&x, w, groups) } else { b.matmul(&x, w) };
+        let got = b.to_host(&call(w));
+        let raw = b.download_packed(w).expect("packed").blocks;
+        let (xq, xd) = dsv4_backend::x8::quantize(&xh);
+        let (rb, rpg, blk) = (PackedFormat::Q8_0.row_bytes(k), m / groups, dsv4_backend::x8::BLOCK);
+        let (mut err, mut scale) = (0f64, 0f64);
+        for (o, g) in got.iter().enumerate() {
+            let x0 = (o / rpg) * k;
+            let t = dsv4_backend::x8::dot(
+                PackedFormat::Q8_0,
+                &raw[o * rb..(o + 1) * rb],
+                k,
+                &xq[x0..x0 + k],
+                &xd[x0 / blk..(x0 + k) / blk],
+            );
+            err = err.max((*g as f64 - t as f64).abs());
+            scale = scale.max((t as f64).abs());
+        }
+        let err = err / scale.max(f64::MIN_POSITIVE);
+        if err.is_nan() || err > 1e-6 {
+            bail!("one-row {name}: differs from the CPU twin by {err:.2e}");
+        }
+        let bytes = w.bytes() as f64;
+        let dram = busy.time(b, 32, |i| drop(call(&ws[i % ws.len()])));
+        let l2 = busy.time(b, 32, |_| drop(call(w)));
+        println!(
+            "one row {name:>15} [{m:>5}, {k:>4}] x{groups} {:5.1} MB  vs twin {err:.1e}: dram {:6.1} µs ({:5.0} GB/s), l2 {:6.1} µs ({:5.0} GB/s)",
+            bytes / 1e6,
+            dram * 1e6,
+            bytes / dram / 1e9,
+            l2 * 1e6,
+            bytes / l2 / 1e9
+        );
+        out.push(serde_json::json!({"name": name, "m": m, "k": k, "groups": groups, "codes": codes, "bytes": bytes,
+            "rel_err_twin": err, "dram_us": dram * 1e6, "l2_us": l2 * 1e6}));
+    }
+    b.set_gemv_twin(twin0);
+    b.set_int8(int80);
     Ok(out)
 }
 
@@ -459,5 +518,31 @@ impl Busy {
         for _ in 0..units {
             drop(b.matmul(&self.x, &self.w));
         }
+    }
+
+    /// Seconds a call of `call(i)` (`i`: the call's index in its pass) takes on the GPU: the
+    /// median of 5 passes (after 2 warm ones) of `reps` calls. Each pass first queues this work
+    /// for 1.5× the previous pass's host time, so that the host queues every call behind it and
+    /// the events time the calls' kernels back to back, as a replayed step runs them.
+    fn time(&self, b: &CudaBackend, reps: usize, mut call: impl FnMut(usize)) -> f64 {
+        let mut pre = 0usize;
+        let mut ts: Vec<f64> = (0..7)
+            .map(|_| {
+                self.queue(b, pre);
+                let e0 = b.timing_event();
+                let h = std::time::Instant::now();
+                for i in 0..reps {
+                    call(i);
+                }
+                let host = h.elapsed().as_secs_f64();
+                let e1 = b.timing_event();
+                b.synchronize();
+                pre = (1.5 * host / self.each).ceil() as usize + 1;
+                e0.elapsed_ms(&e1).unwrap_or(f32::NAN) as f64 / 1e3 / reps as f64
+            })
+            .skip(2)
+            .collect();
+        ts.sort_by(f64::total_cmp);
+        ts[2]
     }
 }
