@@ -3,6 +3,8 @@
 # and defines run_test.
 tar -xJf devbin.tar.xz
 OUT=${OUT:-/tmp/dsv4-out}; mkdir -p "$OUT"
+# PTX compiled here by keep_ptx.sh (NVRTC 13.0): loaded instead of compiled where it matches.
+[ -d .devbin/ptx ] && export DSV4_KERNEL_CACHE=$PWD/.devbin/ptx
 S=$OUT/summary.txt
 # `run_test BINARY [FILTER...]` runs .devbin/tests/BINARY
 # (one thread, 150 s at most) into $OUT/test-BINARY.txt and appends its result and any failure

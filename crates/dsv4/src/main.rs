@@ -70,6 +70,10 @@ enum Cmd {
     Quantize(quantize::QuantizeArgs),
     /// Show a checkpoint's format, tensor types and memory per component.
     Inspect(quantize::InspectArgs),
+    /// Compile the CUDA kernels into the kernel cache (`DSV4_KERNEL_CACHE`, default
+    /// `~/.cache/dsv4/ptx`) without a GPU, so that a machine with the same NVRTC version starts
+    /// without compiling them.
+    CompileKernels,
     /// Debugging tools (`debug diff`: CPU vs CUDA stage by stage).
     #[command(subcommand)]
     Debug(debug::DebugCmd),
@@ -679,6 +683,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Quantize(a) => quantize::run(a)?,
         Cmd::Inspect(a) => quantize::inspect(a)?,
+        Cmd::CompileKernels => compile_kernels()?,
         Cmd::Bench(a) if a.synthetic == "flash" => flash(a)?,
         Cmd::Bench(a) if a.synthetic == "kernels" => kernels(a)?,
         Cmd::Bench(a) if a.synthetic == "sampler" => bench::sampler()?,
@@ -700,6 +705,18 @@ fn run(cli: Cli) -> Result<()> {
         },
     }
     Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn compile_kernels() -> Result<()> {
+    let files = dsv4_backend::cuda::keep_kernels().context("compiling the CUDA kernels")?;
+    eprintln!("kept the PTX of {} in the kernel cache", files.join(", "));
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn compile_kernels() -> Result<()> {
+    bail!("this dsv4 was built without CUDA; rebuild with `--features cuda`")
 }
 
 #[cfg(feature = "cuda")]

@@ -406,6 +406,26 @@ pub fn compile_kernels() -> Result<(), CudaInitError> {
     Ok(())
 }
 
+/// Compiles every kernel file as a backend here would load it (the `DSV4_CUDA_KERNELS` variant
+/// and the launcher's macros from the environment) into the kernel cache (`DSV4_KERNEL_CACHE`),
+/// with no device: a machine whose NVRTC has the same version then loads the PTX instead of
+/// compiling it (~35 s a process; ~70 s for each quant.cu variant). Returns the files compiled.
+pub fn keep_kernels() -> Result<Vec<&'static str>, CudaInitError> {
+    // SAFETY: only tries to dlopen the library.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(CudaInitError::NoLibrary("NVRTC"));
+    }
+    let mut done = Vec::new();
+    for (file, src) in SOURCES {
+        ptx(file, &kernel_source(file, src))?;
+        done.push(file);
+    }
+    ptx("quant.cu", &quant::source())?;
+    ptx(dspark::SOURCE.0, dspark::SOURCE.1)?;
+    done.extend(["quant.cu", dspark::SOURCE.0]);
+    Ok(done)
+}
+
 const SOURCES: [(&str, &str); 6] = [
     ("dense.cu", include_str!("kernels/dense.cu")),
     ("hc.cu", include_str!("kernels/hc.cu")),
@@ -527,7 +547,7 @@ fn ptx_key(parts: &[&[u8]]) -> u128 {
 
 /// PTX files kept for each kernel file (the newest; an edited kernel or a variant adds one,
 /// quant.cu's is ~13 MB).
-const PTX_KEEP: usize = 8;
+const PTX_KEEP: usize = 16;
 
 /// Removes all but the `keep` newest kept PTX files of kernel file `file` beside `path`.
 fn prune_ptx(path: &std::path::Path, file: &str, keep: usize) {
