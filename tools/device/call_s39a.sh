@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Prepared in the thirty-ninth session (PERF.md v48), any GPU, ~7 minutes. The experts table
+# Ran in the thirty-ninth session (PERF.md v48), any GPU, ~7 minutes. Its pff* kernel
+# directories were b43e83f's quant.cu; X8_PF_FRONT is gone since
+# (tools/device/patches/v48-pf-front.diff). The experts table
 # now runs the step's int8 kernels (moe_up1s / moe_down1s; to 1245b79 it ran the f32 ones, so
 # v44–v47's experts figures and variant rows timed kernels the step does not run). In order: the
 # pffs form checked bitwise, the experts table of the built-in kernels with the new one-row

@@ -1238,73 +1238,6 @@ __device__ __forceinline__ void pf_span(const u8* p, long long n, int lane) {
 #define X8_PF1_BLOCKS 0
 #endif
 
-// X8_PF_FRONT: the first X8_PF_FRONT blocks (in launch order) of the one-row expert kernels
-// (moe_up1s with its routed pairs, moe_down1s; one row) queue the call's whole routed weight
-// planes (up: every slot's w1, w3 codes and heads; down: w2) into L2 as 16 KB bulk prefetches,
-// spread over those blocks' threads, right after the route is known. The kernels' ~4–8 waves of
-// short blocks each wait out one or two dependent DRAM trips (the experts table: 109 µs a call
-// from DRAM, 47 from L2, PERF.md v46); with every byte requested at the start, the waves after
-// the first ~10 µs find their rows in L2. A hint: no value changes. 0: off.
-#ifndef X8_PF_FRONT
-#define X8_PF_FRONT 0
-#endif
-// X8_PF_FRONT_PRE (with X8_PF_FRONT): moe_down1s queues its planes before its PDL wait, while
-// moe_up1s's last wave runs. The route is final by then: moe_down1s starts only after every
-// moe_up1s block has run launch_dependents, which each runs after its own wait on the router
-// (eager, recorded, or without PDL: plain stream order). It is read through L2 (`__ldcg`: the
-// buffer is the pool's, and an SM's L1 may hold an older line of it), and pf_front clamps each
-// id into the table, so no hint can read outside it.
-#ifndef X8_PF_FRONT_PRE
-#define X8_PF_FRONT_PRE 0
-#endif
-// X8_PF_SHARED (with X8_PF_FRONT): the same blocks queue the shared expert's planes (gate/up in
-// moe_up1s, down in moe_down1s; every row count) before their PDL wait. Its table is the
-// host's, so nothing to wait for: the gate/up's ~18 MB (Q8_0) are asked for while the router
-// runs. In both kernels the shared pair reads 3–4× a routed pair's bytes (Q8_0 rows against
-// IQ2_XXS / Q2_K), so its blocks and warps are the kernels' longest.
-#ifndef X8_PF_SHARED
-#define X8_PF_SHARED 0
-#endif
-
-// X8_PF_FRONT's share of block b < X8_PF_FRONT (linear id): for each of the k slots (expert
-// ids[j], or expert 0 where ids is null; address table ptrs of nexp experts), the planes in the
-// table's columns c0 (and c1 if ≥ 0): codes (columns < 3) of `rows` rows of row_bytes(F, kin)
-// and, for a GGUF format, heads (column + 3) of head_bytes(F, kin).
-template <int F>
-__device__ __forceinline__ void pf_front(const unsigned* ids, const unsigned long long* ptrs, int nexp, int k, int c0,
-                                         int c1, long long rows, int kin) {
-    if constexpr (X8_PF_FRONT > 0) {
-        int b = blockIdx.x + blockIdx.y * gridDim.x;
-        if (b >= X8_PF_FRONT) return;
-        const long long CH = 16384;
-        // Plane q of a slot: codes (q even) or heads (q odd) of column c0 (q < 2) or c1; scalars
-        // only (an indexed array went to the stack).
-        long long wb = rows * row_bytes(F, kin), hb = rows * head_bytes(F, kin);
-        long long nw = (wb + CH - 1) / CH, nh = (hb + CH - 1) / CH;
-        long long per = (c1 >= 0 ? 2 : 1) * (nw + nh);  // chunks a slot
-        for (long long c = (long long)threadIdx.x * X8_PF_FRONT + b; c < per * k;
-             c += (long long)X8_PF_FRONT * blockDim.x) {
-            int j = (int)(c / per);
-            long long r = c - (long long)j * per;
-            int col = c0;
-            if (r >= nw + nh) {
-                r -= nw + nh;
-                col = c1;
-            }
-            long long bytes = wb;
-            if (r >= nw) {
-                r -= nw;
-                col += 3;
-                bytes = hb;
-            }
-            unsigned e = ids ? min(__ldcg(ids + j), (unsigned)nexp - 1) : 0u;
-            const u8* base = (const u8*)ptrs[(long long)col * nexp + e];
-            long long off = r * CH;
-            l2_hint(base + off, min(CH, bytes - off));
-        }
-    }
-}
-
 // Gate/up rows o..o+X8_OPW_UP−1 of expert e (address table ptrs of nexp experts) on one row of
 // int8 activations, SwiGLU'd into hrow[o..]: the one-row pair of moe_up_x8 and moe_up1s. Every
 // thread of the block calls it (`live` false: no loads, no store). U: chunks a lane loads ahead
@@ -1513,7 +1446,6 @@ __device__ void moe_up1s(float* __restrict__ h, signed char* __restrict__ hq, fl
     int o0 = blockIdx.y * Q_WARPS * X8_OPW_UP, o = o0 + wp * X8_OPW_UP;
     bool live = o < inter;
     long long row = (long long)(t * (k + 1) + j) * inter;
-    if (!ROWS) pf_front<R>(ids, ptrs, nexp, k, 0, 1, inter, d);  // this call's routed pairs
     if (ROWS) {
         xq += (long long)t * d;
         xd += (long long)t * d / 32;
@@ -1558,7 +1490,6 @@ __device__ void moe_down1s(float* __restrict__ routed, float* __restrict__ share
     // A routed warp's slot weight, loaded beside its weights and applied by the warp itself
     // (ys holds w_j·y_j): the block's closing combine then waits on no global load (it took
     // one L2 trip after the barrier in every block). The same products, the same sum order.
-    if (!ROWS && !X8_PF_FRONT_PRE) pf_front<R>(ids, ptrs, nexp, k, 2, -1, d, inter);
     float wv = wp < k && lane == 0 ? wts[wp] : 0.f;
     // The shared expert's two entries are loaded before the routed warps' table (and its barrier).
     unsigned long long sloc[6] = {0, 0, wp == k ? sptrs[2] : 0, 0, 0, wp == k ? sptrs[5] : 0};
@@ -1961,7 +1892,6 @@ X8_KERNELS(F_IQ2_XXS, iq2_xxs, 4, 3, 4)
                                                            const unsigned* ids, const unsigned long long* ptrs,     \
                                                            const unsigned long long* sptrs, int nexp, int k, int d, \
                                                            int inter, float limit) {                                \
-        if (X8_PF_SHARED) pf_front<S>(nullptr, sptrs, 1, 1, 0, 1, inter, d);                                         \
         pdl_enter();                                                                                                 \
         moe_up1s<R, S, ROWS>(h, hq, hd, cnt, xq, xd, ids, ptrs, sptrs, nexp, k, d, inter, limit);                    \
     }                                                                                                                \
@@ -1971,8 +1901,6 @@ X8_KERNELS(F_IQ2_XXS, iq2_xxs, 4, 3, 4)
                                                              const unsigned long long* ptrs,                        \
                                                              const unsigned long long* sptrs, int nexp, int k,      \
                                                              int d, int inter) {                                    \
-        if (!ROWS && X8_PF_FRONT_PRE) pf_front<R>(ids, ptrs, nexp, k, 2, -1, d, inter);                              \
-        if (X8_PF_SHARED) pf_front<S>(nullptr, sptrs, 1, 1, 2, -1, d, inter);                                        \
         pdl_enter();                                                                                                 \
         moe_down1s<R, S, ROWS>(routed, shared, out, hq, hd, ids, wts, ptrs, sptrs, nexp, k, d, inter);               \
     }
