@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepared in the thirty-ninth session (PERF.md v48), any GPU, ~5 minutes, with .devbin/ptx
 # (keep_ptx.sh: every process loads PTX instead of compiling). v44's one-row expert variants
-# (xa, ptab, sel16, pf512, up4b, dn5b with DSV4_DOWN1_PAIRS=1) were only ever timed by the
+# (xa, ptab, sel16, pf512, up4b, dn5b with DSV4_DOWN1_PAIRS=1) and the outputs a warp
+# (DSV4_X8_OPW's UP / DOWN, with X8_PIPE) were only ever timed by the
 # experts table on the f32 kernels (v48): here on the step's int8 ones, then batch 1 alternating
 # the built-in kernels and the two variants with the lowest one-row DRAM figure that beat it,
 # the best one's bitwise check, then cuda_backend and batches 16 / 64.
@@ -12,13 +13,15 @@ cd "$(dirname "$0")/../.."
 call_start 400
 export DSV4_BIN=.devbin/dsv4
 experts_table base
-BUDGET=$LIMIT experts_variants $T0 xa ptab sel16 pf512 up4b dn5bp base
+BUDGET=$LIMIT experts_variants $T0 xa ptab up2 up4 up2p dn2 dnp up4b dn5bp sel16 pf512 base
 fig() { grep -E '^experts 1 rows, dram' "$OUT/experts-$1.txt" 2>/dev/null | grep -m1 -oE '[0-9.]+ µs a call' | cut -d' ' -f1; }
 b=$(fig base)
-best=$(for v in xa ptab sel16 pf512 up4b dn5bp; do f=$(fig $v); [ -n "$f" ] && [ -n "$b" ] \
+best=$(for v in xa ptab up2 up4 up2p dn2 dnp up4b dn5bp sel16 pf512; do f=$(fig $v); [ -n "$f" ] && [ -n "$b" ] \
   && awk -v f="$f" -v b="$b" 'BEGIN{exit !(f < b - 1)}' && echo "$f $v"; done | sort -n | head -2 | cut -d' ' -f2 | tr '\n' ' ')
 echo "beat base ($b µs) by > 1 µs: ${best:-none}" >> "$S"
-env_of() { case $1 in base) ;; dn5bp) echo DSV4_DOWN1_PAIRS=1 DSV4_CUDA_KERNELS=.devbin/kvar/dn5b ;; *) echo DSV4_CUDA_KERNELS=.devbin/kvar/$1 ;; esac; }
+env_of() { case $1 in base) ;; dn5bp) echo DSV4_DOWN1_PAIRS=1 DSV4_CUDA_KERNELS=.devbin/kvar/dn5b ;;
+  dnp) echo DSV4_DOWN1_PAIRS=1 ;; up2) echo DSV4_X8_OPW=1,2,1 ;; up4) echo DSV4_X8_OPW=1,4,1 ;;
+  up2p) echo DSV4_X8_OPW=1,2,1 DSV4_X8_PIPE=2 ;; dn2) echo DSV4_X8_OPW=1,1,2 ;; *) echo DSV4_CUDA_KERNELS=.devbin/kvar/$1 ;; esac; }
 if [ -n "$best" ]; then
   for v in base $best base $best; do t && batch1_rounds $FL $v-$(date +%s) $(env_of $v); done
   v1=${best%% *}

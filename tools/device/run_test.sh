@@ -55,7 +55,9 @@ batches_16_64() {
   grep -E '^decode batch' "$OUT/b1664.txt" | cut -c1-150 >> "$S"
 }
 # `experts_variants T0 NAME...`: the experts table for each named variant (base: the built-in
-# kernels; dn5bp: kvar/dn5b with DSV4_DOWN1_PAIRS=1; any other: kvar/NAME) while fewer than
+# kernels; dn5bp: kvar/dn5b with DSV4_DOWN1_PAIRS=1; dnp, up2, up4, up2p, dn2: the environment
+# forms below (keep_ptx.sh does not compile those: run compile-kernels under each); any other:
+# kvar/NAME) while fewer than
 # ${BUDGET:-500} seconds have passed since T0.
 experts_variants() {
   local t0=$1 v; shift
@@ -64,6 +66,11 @@ experts_variants() {
     case $v in
       base) experts_table base ;;
       dn5bp) experts_table dn5bp DSV4_DOWN1_PAIRS=1 DSV4_CUDA_KERNELS=.devbin/kvar/dn5b ;;
+      dnp) experts_table dnp DSV4_DOWN1_PAIRS=1 ;;
+      up2) experts_table up2 DSV4_X8_OPW=1,2,1 ;;
+      up4) experts_table up4 DSV4_X8_OPW=1,4,1 ;;
+      up2p) experts_table up2p DSV4_X8_OPW=1,2,1 DSV4_X8_PIPE=2 ;;
+      dn2) experts_table dn2 DSV4_X8_OPW=1,1,2 ;;
       *) experts_table $v DSV4_CUDA_KERNELS=.devbin/kvar/$v ;;
     esac
   done
