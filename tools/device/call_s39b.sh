@@ -13,7 +13,7 @@ cd "$(dirname "$0")/../.."
 call_start 400
 export DSV4_BIN=.devbin/dsv4
 experts_table base
-BUDGET=$LIMIT experts_variants $T0 xa ptab up2 up4 up2p dn2 dnp up4b dn5bp sel16 pf512 base
+BUDGET=$((LIMIT - 90)) experts_variants $T0 up2 up4 xa ptab up2p dn2 dnp up4b dn5bp sel16 pf512 base
 fig() { grep -E '^experts 1 rows, dram' "$OUT/experts-$1.txt" 2>/dev/null | grep -m1 -oE '[0-9.]+ µs a call' | cut -d' ' -f1; }
 b=$(fig base)
 best=$(for v in xa ptab up2 up4 up2p dn2 dnp up4b dn5bp sel16 pf512; do f=$(fig $v); [ -n "$f" ] && [ -n "$b" ] \
