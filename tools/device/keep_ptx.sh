@@ -13,12 +13,20 @@ if [ ! -e "$N/nvidia/cu13/lib/libnvrtc.so.13" ]; then
         && for f in *.whl; do python3 -m zipfile -e "$f" .; done)
 fi
 export LD_LIBRARY_PATH="$N/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" DSV4_KERNEL_CACHE=$PWD/.devbin/ptx
-.devbin/dsv4 compile-kernels
-vs=("$@"); [ ${#vs[@]} -gt 0 ] || vs=($(ls .devbin/kvar 2>/dev/null))
-for v in "${vs[@]}"; do
-    DSV4_CUDA_KERNELS=.devbin/kvar/$v .devbin/dsv4 compile-kernels 2>&1 | grep -v 'instead of the built-in' &
-    [ $(jobs -r | wc -l) -lt "$(nproc)" ] || wait -n
+# The built-in kernels: none of the launcher's variant settings from the caller's environment.
+env -u DSV4_CUDA_KERNELS -u DSV4_X8_OPW -u DSV4_X8_PIPE .devbin/dsv4 compile-kernels
+vs=("$@"); [ ${#vs[@]} -gt 0 ] || vs=($(ls .devbin/kvar 2>/dev/null || true))
+# The variants, nproc at a time (each waited for by its pid, so every failure counts).
+fail=0 n=$(nproc) i=0
+while [ $i -lt ${#vs[@]} ]; do
+    pids=()
+    for v in "${vs[@]:i:n}"; do
+        env -u DSV4_X8_OPW -u DSV4_X8_PIPE DSV4_CUDA_KERNELS=.devbin/kvar/$v .devbin/dsv4 compile-kernels &
+        pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p" || fail=1; done
+    i=$((i + n))
 done
-wait
 ls .devbin/ptx | sed 's/-.*//' | sort | uniq -c
 du -sh .devbin/ptx
+exit $fail

@@ -65,6 +65,7 @@ experts_variants() {
     [ $(( $(date +%s) - t0 )) -lt ${BUDGET:-500} ] || break
     case $v in
       base) experts_table base ;;
+      base2) experts_table base2 ;;
       dn5bp) experts_table dn5bp DSV4_DOWN1_PAIRS=1 DSV4_CUDA_KERNELS=.devbin/kvar/dn5b ;;
       dnp) experts_table dnp DSV4_DOWN1_PAIRS=1 ;;
       up2) experts_table up2 DSV4_X8_OPW=1,2,1 ;;

@@ -5,9 +5,10 @@
 //! the 4.3 TB/s the H200 copies at. Then the int8-activation path of Q8_0, Q2_K and IQ2_XXS,
 //! checked against its CPU twin and the exact product, timed the same way. Then products of
 //! 64 to 4096 rows on the tensor-core tiles (prefill), as TFLOP/s. Then the token choice
-//! (`draw.cu`, greedy and sampled) against its CPU twin, in µs a call. Last, a MoE block's
+//! (`draw.cu`, greedy and sampled) against its CPU twin, in µs a call. Then a MoE block's
 //! experts (routed and shared, V4-Flash's shapes in ds4's q2 formats) at 1 and 3 rows, with
-//! their weights from DRAM and from L2. `--tables` picks the tables, so that a kernel variant's
+//! their weights from DRAM and from L2; the chain of empty kernel boundaries; and the
+//! attention's one-row products at V4-Flash's shapes. `--tables` picks the tables, so that a kernel variant's
 //! run times only what it changes.
 
 use anyhow::{bail, Context, Result};

@@ -70,8 +70,8 @@ enum Cmd {
     Quantize(quantize::QuantizeArgs),
     /// Show a checkpoint's format, tensor types and memory per component.
     Inspect(quantize::InspectArgs),
-    /// Compile the CUDA kernels into the kernel cache (`DSV4_KERNEL_CACHE`, default
-    /// `~/.cache/dsv4/ptx`) without a GPU, so that a machine with the same NVRTC version starts
+    /// Compile the CUDA kernels into the kernel cache (`DSV4_KERNEL_CACHE`, else
+    /// `$XDG_CACHE_HOME/dsv4/ptx` or `~/.cache/dsv4/ptx`) without a GPU, so that a machine with the same NVRTC version starts
     /// without compiling them.
     CompileKernels,
     /// Debugging tools (`debug diff`: CPU vs CUDA stage by stage).

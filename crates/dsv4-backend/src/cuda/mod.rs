@@ -172,6 +172,8 @@ pub enum CudaInitError {
     Blas(#[from] cudarc::cublas::result::CublasError),
     #[error("NVRTC compiling {file}: {msg}")]
     Compile { file: &'static str, msg: String },
+    #[error("no kernel cache folder: DSV4_KERNEL_CACHE is 0 or empty, or neither XDG_CACHE_HOME nor HOME is set, or NVRTC gave no version")]
+    NoCache,
 }
 
 /// A pinned host buffer for stream-ordered uploads; `done` is recorded after the copy that
@@ -414,6 +416,9 @@ pub fn keep_kernels() -> Result<Vec<&'static str>, CudaInitError> {
     // SAFETY: only tries to dlopen the library.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(CudaInitError::NoLibrary("NVRTC"));
+    }
+    if ptx_cache_path("probe", "", "", false).is_none() {
+        return Err(CudaInitError::NoCache);
     }
     let mut done = Vec::new();
     for (file, src) in SOURCES {
