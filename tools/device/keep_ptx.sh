@@ -3,7 +3,9 @@
 # .devbin/kvar/* variant, compiled by NVRTC 13.0 (the device's CUDA 13.0; the kernel cache's key
 # holds NVRTC's major.minor) into .devbin/ptx, which run_test.sh hands the device's processes as
 # DSV4_KERNEL_CACHE. Each device process then loads PTX where it compiled for ~35 s (~70 s a
-# quant.cu variant). NVRTC 13.0 comes from pip's nvidia-cuda-nvrtc wheel (NVRTC130 to override).
+# quant.cu variant), and loads the cubin assembled beside each PTX (no driver compile either).
+# NVRTC and ptxas 13.0 come from pip's nvidia-cuda-nvrtc / nvidia-cuda-nvcc wheels (NVRTC130
+# names their folder).
 #   bash tools/device/keep_ptx.sh [VARIANT...]   (default: every .devbin/kvar/*)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -27,6 +29,22 @@ while [ $i -lt ${#vs[@]} ]; do
     for p in "${pids[@]}"; do wait "$p" || fail=1; done
     i=$((i + n))
 done
-ls .devbin/ptx | sed 's/-.*//' | sort | uniq -c
+# Each kept PTX assembled for sm_90a by the same CUDA version's ptxas (the backend loads the
+# cubin beside a PTX where the device takes it: no driver compile at each process start).
+P=$N/nvidia/cu13/bin/ptxas
+if [ ! -x "$P" ]; then
+    (cd "$N" && python3 -m pip download -q --no-deps -d . 'nvidia-cuda-nvcc>=13.0,<13.1' \
+        && for f in nvidia_cuda_nvcc*.whl; do python3 -m zipfile -e "$f" .; done) && chmod +x "$N"/nvidia/cu13/bin/*
+fi
+todo=()
+for f in .devbin/ptx/*.ptx; do [ -e "${f%.ptx}.sm_90a.cubin" ] || todo+=("$f"); done
+i=0
+while [ $i -lt ${#todo[@]} ]; do
+    pids=()
+    for f in "${todo[@]:i:n}"; do "$P" -arch=sm_90a -o "${f%.ptx}.sm_90a.cubin" "$f" & pids+=($!); done
+    for p in "${pids[@]}"; do wait "$p" || fail=1; done
+    i=$((i + n))
+done
+ls .devbin/ptx | sed 's/-.*\././' | sort | uniq -c
 du -sh .devbin/ptx
 exit $fail

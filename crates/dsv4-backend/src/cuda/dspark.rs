@@ -7,7 +7,7 @@
 //! [`super::Kernels`]).
 
 use super::launch::Kernel;
-use super::{cfg1d, ck, compile_ptx_kernel, CudaBackend, CudaTensor, CudaWeight};
+use super::{cfg1d, ck, CudaBackend, CudaTensor, CudaWeight};
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 use std::sync::{Arc, Mutex};
 
@@ -27,8 +27,7 @@ fn kernels(b: &CudaBackend) -> Arc<DsparkKernels> {
     if let Some((_, k)) = l.iter().find(|(o, _)| *o == ord) {
         return k.clone();
     }
-    let ptx = ck(compile_ptx_kernel(SOURCE.0, SOURCE.1), "compile dspark.cu");
-    let m = ck(b.ctx.load_module(ptx), "load dspark.cu");
+    let m = ck(super::load_kernel_module(&b.ctx, SOURCE.0, SOURCE.1), "load dspark.cu");
     let f = |n: &str| ck(m.load_function(n), n);
     let k = Arc::new(DsparkKernels { scatter_rows: f("scatter_rows"), block_attention: f("block_attention") });
     l.push((ord, k.clone()));

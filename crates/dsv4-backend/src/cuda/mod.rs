@@ -464,15 +464,48 @@ fn ptx(file: &'static str, src: &str) -> Result<cudarc::nvrtc::Ptx, CudaInitErro
     ptx_from(file, src, true)
 }
 
+/// The kernels' virtual architecture (NVRTC's `--gpu-architecture`).
+const ARCH: &str = "compute_90a";
+
+/// FMA contraction of a kernel file: bf16.cu and quant.cu are not f32 oracle twins, so their
+/// dot products contract.
+fn fmad_of(file: &str) -> bool {
+    file == "bf16.cu" || file == "quant.cu"
+}
+
+/// Where the machine code of a kept PTX is kept (`tools/device/keep_ptx.sh` assembles each kept
+/// PTX for sm_90a with the ptxas of the device's CUDA version): beside the PTX, the same name.
+fn cubin_path(ptx: &std::path::Path) -> std::path::PathBuf {
+    ptx.with_extension("sm_90a.cubin")
+}
+
+/// Loads kernel file `file` (source `src`) into `ctx`: its kept sm_90a cubin where there is one
+/// and the device takes it, else its PTX, which the driver compiles at load (~20–40 s a process
+/// for the kernel files on a device whose driver has not cached them: most of a device call's
+/// process start once the PTX is kept).
+pub(crate) fn load_kernel_module(
+    ctx: &Arc<CudaContext>,
+    file: &'static str,
+    src: &str,
+) -> Result<Arc<cudarc::driver::CudaModule>, CudaInitError> {
+    let full = format!("{COMMON}\n{src}");
+    let kept = ptx_cache_path(file, &full, ARCH, fmad_of(file)).and_then(|p| std::fs::read(cubin_path(&p)).ok());
+    if let Some(bin) = kept {
+        match ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin)) {
+            Ok(m) => return Ok(m),
+            Err(e) => tracing::warn!("{file}: its kept cubin did not load ({e}); loading its PTX"),
+        }
+    }
+    Ok(ctx.load_module(ptx(file, src)?)?)
+}
+
 /// [`ptx`], reading and keeping the PTX in the kernel cache's folder when `disk`.
 fn ptx_from(file: &'static str, src: &str, disk: bool) -> Result<cudarc::nvrtc::Ptx, CudaInitError> {
     let mut cache = PTX.lock().unwrap();
     if let Some((_, p)) = cache.iter().find(|(f, _)| *f == file).filter(|_| disk) {
         return Ok(p.clone());
     }
-    const ARCH: &str = "compute_90a";
-    // bf16.cu and quant.cu are not f32 oracle twins: contraction on for their dot products.
-    let fmad = file == "bf16.cu" || file == "quant.cu";
+    let fmad = fmad_of(file);
     let full = format!("{COMMON}\n{src}");
     let disk = if disk { ptx_cache_path(file, &full, ARCH, fmad) } else { None };
     if let Some(text) = disk.as_ref().and_then(|d| std::fs::read_to_string(d).ok()) {
@@ -566,6 +599,7 @@ fn prune_ptx(path: &std::path::Path, file: &str, keep: usize) {
         .collect();
     kept.sort_by_key(|k| std::cmp::Reverse(k.0));
     for (_, old) in kept.into_iter().skip(keep) {
+        let _ = std::fs::remove_file(cubin_path(&old));
         let _ = std::fs::remove_file(old);
     }
 }
@@ -586,14 +620,9 @@ fn store_ptx(path: &std::path::Path, text: &str) {
     }
 }
 
-/// PTX of a kernel file outside [`SOURCES`] (modules loaded on demand, e.g. [`dspark`]).
-pub(crate) fn compile_ptx_kernel(file: &'static str, src: &str) -> Result<cudarc::nvrtc::Ptx, CudaInitError> {
-    ptx(file, src)
-}
-
 fn compile(ctx: &Arc<CudaContext>, idx: usize, names: &[&str]) -> Result<Vec<CudaFunction>, CudaInitError> {
     let (file, src) = SOURCES[idx];
-    let module = ctx.load_module(ptx(file, &kernel_source(file, src))?)?;
+    let module = load_kernel_module(ctx, file, &kernel_source(file, src))?;
     names.iter().map(|n| Ok(module.load_function(n)?)).collect()
 }
 
@@ -3299,7 +3328,8 @@ impl CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::{
-        decode_fusion_in, prune_ptx, ptx_key, side_mask_in, store_ptx, HostVecs, HOST_VECS_KEEP, HOST_VECS_MIN,
+        cubin_path, decode_fusion_in, prune_ptx, ptx_key, side_mask_in, store_ptx, HostVecs, HOST_VECS_KEEP,
+        HOST_VECS_MIN,
     };
 
     #[test]
@@ -3327,11 +3357,18 @@ mod tests {
             store_ptx(&path.with_file_name(format!("x.cu-0{i}.ptx")), "// ptx");
         }
         store_ptx(&path.with_file_name("y.cu-00.ptx"), "// ptx");
+        // A pruned PTX takes its cubin with it; a kept one keeps it.
+        for n in ["x.cu-00.ptx", "x.cu-03.ptx"] {
+            std::fs::write(cubin_path(&path.with_file_name(n)), b"cubin").unwrap();
+        }
         prune_ptx(&path, "x.cu", 2);
         let mut left: Vec<_> =
             std::fs::read_dir(path.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
         left.sort();
-        assert_eq!(left, ["x.cu-02.ptx", "x.cu-03.ptx", "y.cu-00.ptx"].map(std::ffi::OsString::from));
+        assert_eq!(
+            left,
+            ["x.cu-02.ptx", "x.cu-03.ptx", "x.cu-03.sm_90a.cubin", "y.cu-00.ptx"].map(std::ffi::OsString::from)
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -276,7 +276,7 @@ pub(crate) struct QuantKernels(HashMap<String, CudaFunction>);
 
 impl QuantKernels {
     pub(crate) fn load(ctx: &Arc<cudarc::driver::CudaContext>) -> Result<Self, super::CudaInitError> {
-        let module = ctx.load_module(super::ptx("quant.cu", &source())?)?;
+        let module = super::load_kernel_module(ctx, "quant.cu", &source())?;
         let mut names = vec![
             "gather_bf16".to_string(),
             "rand_bytes".into(),
