@@ -19,14 +19,11 @@ b=$( (fig base; fig base2) | sort -n | head -1)
 best=$(for v in xa ptab up2 up4 up2p dn2 dnp up4b dn5bp sel16 pf512; do f=$(fig $v); [ -n "$f" ] && [ -n "$b" ] \
   && awk -v f="$f" -v b="$b" 'BEGIN{exit !(f < b - 1)}' && echo "$f $v"; done | sort -n | head -2 | cut -d' ' -f2 | tr '\n' ' ')
 echo "beat base ($b µs) by > 1 µs: ${best:-none}" >> "$S"
-env_of() { case $1 in base) ;; dn5bp) echo DSV4_DOWN1_PAIRS=1 DSV4_CUDA_KERNELS=.devbin/kvar/dn5b ;;
-  dnp) echo DSV4_DOWN1_PAIRS=1 ;; up2) echo DSV4_X8_OPW=1,2,1 ;; up4) echo DSV4_X8_OPW=1,4,1 ;;
-  up2p) echo DSV4_X8_OPW=1,2,1 DSV4_X8_PIPE=2 ;; dn2) echo DSV4_X8_OPW=1,1,2 ;; *) echo DSV4_CUDA_KERNELS=.devbin/kvar/$1 ;; esac; }
 if [ -n "$best" ]; then
-  for v in base $best base $best; do t && batch1_rounds $FL $v-$(date +%s) $(env_of $v); done
+  for v in base $best base $best; do t && batch1_rounds $FL $v-$(date +%s) $(variant_env $v); done
   v1=${best%% *}
   if t; then
-    env $(env_of $v1) timeout 150 .devbin/tests/cuda_packed --test-threads 1 \
+    env $(variant_env $v1) timeout 150 .devbin/tests/cuda_packed --test-threads 1 \
       cuda_one_row_experts_in_two_launches_are_bitwise > "$OUT/test-packed-$v1.txt" 2>&1
     echo "cuda_packed two-launch test with $v1: exit $?" >> "$S"
   fi

@@ -7,6 +7,8 @@
 # NVRTC and ptxas 13.0 come from pip's nvidia-cuda-nvrtc / nvidia-cuda-nvcc wheels (NVRTC130
 # names their folder).
 #   bash tools/device/keep_ptx.sh [VARIANT...]   (default: every .devbin/kvar/*)
+# A VARIANT is a .devbin/kvar directory's name, or environment settings of the launcher that
+# change the kernels' source (e.g. 'DSV4_X8_OPW=1,4,2' or 'DSV4_X8_OPW=1,2,1 DSV4_X8_PIPE=2').
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 N=${NVRTC130:-/tmp/nvrtc130}
@@ -23,7 +25,12 @@ fail=0 n=$(nproc) i=0
 while [ $i -lt ${#vs[@]} ]; do
     pids=()
     for v in "${vs[@]:i:n}"; do
-        env -u DSV4_X8_OPW -u DSV4_X8_PIPE DSV4_CUDA_KERNELS=.devbin/kvar/$v .devbin/dsv4 compile-kernels &
+        if [[ $v == *=* ]]; then
+            # shellcheck disable=SC2086  # the settings split into words on purpose
+            env -u DSV4_CUDA_KERNELS -u DSV4_X8_OPW -u DSV4_X8_PIPE $v .devbin/dsv4 compile-kernels &
+        else
+            env -u DSV4_X8_OPW -u DSV4_X8_PIPE DSV4_CUDA_KERNELS=.devbin/kvar/$v .devbin/dsv4 compile-kernels &
+        fi
         pids+=($!)
     done
     for p in "${pids[@]}"; do wait "$p" || fail=1; done

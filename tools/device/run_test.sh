@@ -54,26 +54,34 @@ batches_16_64() {
   echo "== $1 layers, batches 16 and 64: exit $?" >> "$S"
   grep -E '^decode batch' "$OUT/b1664.txt" | cut -c1-150 >> "$S"
 }
-# `experts_variants T0 NAME...`: the experts table for each named variant (base: the built-in
-# kernels; dn5bp: kvar/dn5b with DSV4_DOWN1_PAIRS=1; dnp, up2, up4, up2p, dn2: the environment
-# forms below (keep_ptx.sh does not compile those: run compile-kernels under each); any other:
-# kvar/NAME) while fewer than
-# ${BUDGET:-500} seconds have passed since T0.
+# `variant_env NAME`: the environment of a named kernel variant: base, base2: none (the built-in
+# kernels); dn5bp: kvar/dn5b with DSV4_DOWN1_PAIRS=1; dnp and the outputs-a-warp forms (upN:
+# moe_up1s N outputs a warp, dnN: moe_down1s; up2p with X8_PIPE): the launcher's settings
+# (`keep_ptx.sh 'DSV4_X8_OPW=…'` keeps their PTX); any other: kvar/NAME.
+variant_env() {
+  case $1 in
+    base|base2) ;;
+    dn5bp) echo DSV4_DOWN1_PAIRS=1 DSV4_CUDA_KERNELS=.devbin/kvar/dn5b ;;
+    dnp) echo DSV4_DOWN1_PAIRS=1 ;;
+    up2) echo DSV4_X8_OPW=1,2,1 ;;
+    up4) echo DSV4_X8_OPW=1,4,1 ;;
+    up2p) echo DSV4_X8_OPW=1,2,1 DSV4_X8_PIPE=2 ;;
+    dn2) echo DSV4_X8_OPW=1,1,2 ;;
+    dn4) echo DSV4_X8_OPW=1,1,4 ;;
+    up2dn2) echo DSV4_X8_OPW=1,2,2 ;;
+    up4dn2) echo DSV4_X8_OPW=1,4,2 ;;
+    up4dn4) echo DSV4_X8_OPW=1,4,4 ;;
+    *) echo DSV4_CUDA_KERNELS=.devbin/kvar/$1 ;;
+  esac
+}
+# `experts_variants T0 NAME...`: the experts table for each named variant (`variant_env`) while
+# fewer than ${BUDGET:-500} seconds have passed since T0.
 experts_variants() {
   local t0=$1 v; shift
   for v in "$@"; do
     [ $(( $(date +%s) - t0 )) -lt ${BUDGET:-500} ] || break
-    case $v in
-      base) experts_table base ;;
-      base2) experts_table base2 ;;
-      dn5bp) experts_table dn5bp DSV4_DOWN1_PAIRS=1 DSV4_CUDA_KERNELS=.devbin/kvar/dn5b ;;
-      dnp) experts_table dnp DSV4_DOWN1_PAIRS=1 ;;
-      up2) experts_table up2 DSV4_X8_OPW=1,2,1 ;;
-      up4) experts_table up4 DSV4_X8_OPW=1,4,1 ;;
-      up2p) experts_table up2p DSV4_X8_OPW=1,2,1 DSV4_X8_PIPE=2 ;;
-      dn2) experts_table dn2 DSV4_X8_OPW=1,1,2 ;;
-      *) experts_table $v DSV4_CUDA_KERNELS=.devbin/kvar/$v ;;
-    esac
+    # shellcheck disable=SC2046  # the settings split into words on purpose
+    experts_table $v $(variant_env $v)
   done
 }
 # `step1 NAME [VAR=VALUE...]`: batch-1 decode steps alone on $FL q2 layers at context 4096 under

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Prepared in the thirty-ninth session (PERF.md v48's Next), any GPU, ~6 minutes, with
+# .devbin/ptx (keep_ptx.sh with the environment forms below: every process loads kept cubins).
+# The experts table for the one-row expert forms call_s39b.sh did not reach (moe_down1s at 2 and
+# 4 outputs a warp, alone and with moe_up1s at 4; DOWN1_PAIRS; v44's kernel directories), then
+# batch 1 alternating the built-in kernels and the two forms with the lowest one-row DRAM
+# figure that beat it by > 1 µs, the best one's bitwise check, batches 16 / 64 with the
+# built-in kernels and with the best (a default must not cost the batches), then cuda_gguf.
+#   run(command: "bash tools/device/call_s40a.sh", carry: ["devbin.tar.xz"])
+# VARIANTS overrides the list (names of run_test.sh's `variant_env`).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+. tools/device/run_test.sh
+call_start 420
+export DSV4_BIN=.devbin/dsv4
+vs=${VARIANTS:-dn2 dn4 up4dn2 up4dn4 up2dn2 up4 dnp up4b dn5bp sel16 pf512}
+experts_table base
+# shellcheck disable=SC2086
+BUDGET=$((LIMIT - 170)) experts_variants $T0 $vs base2
+fig() { grep -E '^experts 1 rows, dram' "$OUT/experts-$1.txt" 2>/dev/null | grep -m1 -oE '[0-9.]+ µs a call' | cut -d' ' -f1; }
+b=$( (fig base; fig base2) | sort -n | head -1)
+best=$(for v in $vs; do f=$(fig $v); [ -n "$f" ] && [ -n "$b" ] \
+  && awk -v f="$f" -v b="$b" 'BEGIN{exit !(f < b - 1)}' && echo "$f $v"; done | sort -n | head -2 | cut -d' ' -f2 | tr '\n' ' ')
+echo "beat base ($b µs) by > 1 µs: ${best:-none}" >> "$S"
+if [ -n "$best" ]; then
+  # shellcheck disable=SC2046
+  for v in base $best base $best; do t && batch1_rounds $FL $v-$(date +%s) $(variant_env $v); done
+  v1=${best%% *}
+  if t; then
+    # shellcheck disable=SC2046
+    env $(variant_env $v1) timeout 150 .devbin/tests/cuda_packed --test-threads 1 \
+      cuda_one_row_experts_in_two_launches_are_bitwise > "$OUT/test-packed-$v1.txt" 2>&1
+    echo "cuda_packed two-launch test with $v1: exit $?" >> "$S"
+  fi
+  for v in base $v1; do
+    # shellcheck disable=SC2046
+    t && ( export $(variant_env $v) X=; echo "batches with $v:" >> "$S"; batches_16_64 $FL; mv "$OUT/b1664.txt" "$OUT/b1664-$v.txt" )
+  done
+fi
+t && run_test cuda_gguf
+echo "total $(( $(date +%s) - T0 )) s" >> "$S"
+cat "$S"
