@@ -5,7 +5,8 @@
 # 4 outputs a warp, alone and with moe_up1s at 4; DOWN1_PAIRS; v44's kernel directories), then
 # batch 1 alternating the built-in kernels and the two forms with the lowest one-row DRAM
 # figure that beat it by > 1 µs, the best one's bitwise check, batches 16 / 64 with the
-# built-in kernels and with the best (a default must not cost the batches), then cuda_gguf.
+# built-in kernels and with the best (a default must not cost the batches), then cuda_gguf,
+# then the one-row products' table at 4 outputs a warp against the built-in.
 #   run(command: "bash tools/device/call_s40a.sh", carry: ["devbin.tar.xz"])
 # VARIANTS overrides the list (names of run_test.sh's `variant_env`).
 set -uo pipefail
@@ -38,5 +39,9 @@ if [ -n "$best" ]; then
   done
 fi
 t && run_test cuda_gguf
+# The one-row products at 4 outputs a warp: wo_a's codes then need no ticket (v48).
+# shellcheck disable=SC2046
+t && TABLES=onerow experts_table gemv4 $(variant_env gemv4)
+t && TABLES=onerow experts_table onerow-base
 echo "total $(( $(date +%s) - T0 )) s" >> "$S"
 cat "$S"
