@@ -18,22 +18,12 @@ vs=${VARIANTS:-dn2b3 dn4b2 up4dn2b3 up4dn4b2 dn2 dn4 up4 dnp up4dn2 up4dn4 up2dn
 experts_table base
 # shellcheck disable=SC2086
 BUDGET=$((LIMIT - 170)) experts_variants $T0 $vs base2
-fig() { grep -E '^experts 1 rows, dram' "$OUT/experts-$1.txt" 2>/dev/null | grep -m1 -oE '[0-9.]+ µs a call' | cut -d' ' -f1; }
-b=$( (fig base; fig base2) | sort -n | head -1)
-best=$(for v in $vs; do f=$(fig $v); [ -n "$f" ] && [ -n "$b" ] \
-  && awk -v f="$f" -v b="$b" 'BEGIN{exit !(f < b - 1)}' && echo "$f $v"; done | sort -n | head -2 | cut -d' ' -f2 | tr '\n' ' ')
-echo "beat base ($b µs) by > 1 µs: ${best:-none}" >> "$S"
+# shellcheck disable=SC2086
+best=$(experts_best $vs)
 if [ -n "$best" ]; then
-  # shellcheck disable=SC2046
-  for v in base $best base $best; do t && batch1_rounds $FL $v-$(date +%s) $(variant_env $v); done
-  v1=${best%% *}
-  if t; then
-    # shellcheck disable=SC2046
-    env $(variant_env $v1) timeout 150 .devbin/tests/cuda_packed --test-threads 1 \
-      cuda_one_row_experts_in_two_launches_are_bitwise > "$OUT/test-packed-$v1.txt" 2>&1
-    echo "cuda_packed two-launch test with $v1: exit $?" >> "$S"
-  fi
-  for v in base $v1; do
+  # shellcheck disable=SC2086
+  ab_variants $best
+  for v in base ${best%% *}; do
     # shellcheck disable=SC2046
     t && ( export $(variant_env $v) X=; echo "batches with $v:" >> "$S"; batches_16_64 $FL; mv "$OUT/b1664.txt" "$OUT/b1664-$v.txt" )
   done

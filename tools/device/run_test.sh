@@ -112,3 +112,28 @@ call_start() {
   LIMIT=${LIMIT:-$1}
 }
 t() { echo "at $(( $(date +%s) - T0 )) s" >> "$S"; [ $(( $(date +%s) - T0 )) -lt "$LIMIT" ]; }
+# `experts_best NAME...`: the (at most two) named variants whose experts table's one-row DRAM
+# figure beats the built-in's (the lower of base / base2) by more than 1 µs, best first, on
+# stdout; the line into the summary.
+experts_best() {
+  local v f b best
+  fig() { grep -E '^experts 1 rows, dram' "$OUT/experts-$1.txt" 2>/dev/null | grep -m1 -oE '[0-9.]+ µs a call' | cut -d' ' -f1; }
+  b=$( (fig base; fig base2) | sort -n | head -1)
+  best=$(for v in "$@"; do f=$(fig $v); [ -n "$f" ] && [ -n "$b" ] \
+    && awk -v f="$f" -v b="$b" 'BEGIN{exit !(f < b - 1)}' && echo "$f $v"; done | sort -n | head -2 | cut -d' ' -f2 | tr '\n' ' ')
+  echo "beat base ($b µs) by > 1 µs: ${best:-none}" >> "$S"
+  echo $best
+}
+# `ab_variants NAME...`: batch 1 on $FL layers alternating the built-in kernels and the named
+# variants, twice, then the first one's two-launch bitwise check, while `t` holds.
+ab_variants() {
+  local v
+  # shellcheck disable=SC2046  # the settings split into words on purpose
+  for v in base "$@" base "$@"; do t && batch1_rounds $FL $v-$(date +%s) $(variant_env $v); done
+  if t; then
+    # shellcheck disable=SC2046
+    env $(variant_env $1) timeout 150 .devbin/tests/cuda_packed --test-threads 1 \
+      cuda_one_row_experts_in_two_launches_are_bitwise > "$OUT/test-packed-$1.txt" 2>&1
+    echo "cuda_packed two-launch test with $1: exit $?" >> "$S"
+  fi
+}
