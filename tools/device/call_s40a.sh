@@ -14,6 +14,8 @@ cd "$(dirname "$0")/../.."
 . tools/device/run_test.sh
 call_start 420
 export DSV4_BIN=.devbin/dsv4
+# A layer's latency-bound stages alone (new, v48): HC_PRE + norm, HC_POST, the router, a norm.
+TABLES=stages experts_table stages
 vs=${VARIANTS:-dn2b3 dn4b2 up4dn2b3 up4dn4b2 dn2 dn4 up4 dnp up4dn2 up4dn4 up2dn2 up4b dn5bp sel16 pf512}
 experts_table base
 # shellcheck disable=SC2086

@@ -22,8 +22,8 @@ draw_twin_check() {
   run_test cuda_backend cuda_draws_match_the_cpu_twin --nocapture
   grep -E 'draw_rows|rows drawn' "$OUT/test-cuda_backend.txt" >> "$S"
 }
-# `experts_table NAME [VAR=VALUE...]`: the kernel bench's experts table (PERF.md v44; with
-# TABLES=experts,onerow also the one-row attention products, v48) under that environment into
+# `experts_table NAME [VAR=VALUE...]`: the kernel bench's experts table (PERF.md v44; TABLES
+# picks others: onerow, the one-row attention products, and stages, v48) under that environment into
 # $OUT/experts-NAME.txt, its lines into the summary.
 experts_table() {
   local v=$1 t0; shift
@@ -31,7 +31,7 @@ experts_table() {
   env "$@" timeout 100 .devbin/dsv4 bench --backend cuda --synthetic kernels --tables "${TABLES:-experts}" \
       > "$OUT/experts-$v.txt" 2>&1
   echo "== $v ($*): exit $? in $(( $(date +%s) - t0 )) s" >> "$S"
-  grep -E '^(experts|one row)|rror' "$OUT/experts-$v.txt" | cut -c1-200 >> "$S"
+  grep -E '^(experts|one row|stages)|rror' "$OUT/experts-$v.txt" | cut -c1-250 >> "$S"
 }
 # `batch1_rounds LAYERS NAME [VAR=VALUE...]`: a batch-1 decode step, verify 1+1..1+3 and the
 # DSpark rounds on LAYERS q2 layers at context 4096 under that environment (into

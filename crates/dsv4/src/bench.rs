@@ -72,7 +72,7 @@ pub struct BenchArgs {
     #[arg(long, default_value = "")]
     pub dspark_weights: String,
     /// `--synthetic kernels`: the tables to run (comma-separated: products, int8, tiles, draws,
-    /// experts, chain), or all.
+    /// experts, chain, onerow, stages), or all.
     #[arg(long, default_value = "all")]
     pub tables: String,
     /// Longest prefill chunk.

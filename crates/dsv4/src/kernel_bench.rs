@@ -8,7 +8,8 @@
 //! (`draw.cu`, greedy and sampled) against its CPU twin, in µs a call. Then a MoE block's
 //! experts (routed and shared, V4-Flash's shapes in ds4's q2 formats) at 1 and 3 rows, with
 //! their weights from DRAM and from L2; the chain of empty kernel boundaries; and the
-//! attention's one-row products at V4-Flash's shapes. `--tables` picks the tables, so that a kernel variant's
+//! attention's one-row products and a layer's latency-bound stages at V4-Flash's shapes.
+//! `--tables` picks the tables, so that a kernel variant's
 //! run times only what it changes.
 
 use anyhow::{bail, Context, Result};
@@ -96,7 +97,7 @@ fn time(b: &CudaBackend, ws: &[CudaWeight], n: usize, reps: usize) -> f64 {
 
 pub fn run(tables: &str) -> Result<()> {
     let b = CudaBackend::new(0).context("starting the CUDA backend")?;
-    let all = ["products", "int8", "tiles", "draws", "experts", "chain", "onerow"];
+    let all = ["products", "int8", "tiles", "draws", "experts", "chain", "onerow", "stages"];
     let on: Vec<&str> = if tables == "all" { all.to_vec() } else { tables.split(',').map(str::trim).collect() };
     if let Some(t) = on.iter().find(|t| !all.contains(t)) {
         bail!("--tables: no table `{t}` (the tables: {}, or all)", all.join(", "));
@@ -228,11 +229,12 @@ pub fn run(tables: &str) -> Result<()> {
     let expert_table = if want("experts") { experts(&b)? } else { Vec::new() };
     let chain_table = if want("chain") { chain(&b)? } else { Vec::new() };
     let onerow_table = if want("onerow") { onerow(&b)? } else { Vec::new() };
+    let stage_table = if want("stages") { stages(&b)? } else { Vec::new() };
     println!(
         "{}",
         serde_json::json!({"device": b.device_name(), "kernels": table, "int8": x8_table, "tiles": pg_table,
             "draws": draw_table, "experts": expert_table, "chain": chain_table,
-            "onerow": onerow_table})
+            "onerow": onerow_table, "stages": stage_table})
     );
     Ok(())
 }
@@ -469,6 +471,61 @@ fn onerow(b: &CudaBackend) -> Result<Vec<serde_json::Value>> {
     }
     b.set_gemv_twin(twin0);
     b.set_int8(int80);
+    Ok(out)
+}
+
+/// The latency-bound stages of a decode layer at one row, each alone at V4-Flash's shapes
+/// (their weights stay in L2): HC_PRE with the sub-block's RMSNorm, HC_POST with the next
+/// HC_PRE's sums, the router (logits and choice of a learned-routing layer) and a lone RMSNorm.
+/// µs a call, launched eagerly back to back behind queued work (`Busy::time`). An eager launch
+/// boundary costs more than a recorded one (the chain table: ~2.7 against ~0.8 µs on an H100);
+/// the table prints the eager empty link beside them, so a stage's cost in a recorded step is
+/// about its figure less the difference. Their values are checked against the CPU oracle by the
+/// CUDA tests; here only that every output is finite.
+fn stages(b: &CudaBackend) -> Result<Vec<serde_json::Value>> {
+    use dsv4_model::weights::Hc;
+    let cfg = crate::flash_bench::flash_layers(4);
+    let l = cfg.layers.iter().position(|s| !s.hash_moe).context("a learned-routing layer")?;
+    let (d, hcw, mix, ne) = (cfg.hidden, cfg.hc_width(), cfg.hc_mix(), cfg.n_routed_experts);
+    let mut seed = 500u64;
+    let mut mk = |name: String, shape: &[usize], mean: f32, std: f32| {
+        seed += 1;
+        b.upload_random(&name, shape, mean, std, seed)
+    };
+    let mut hc = |which: &str| Hc {
+        fn_: mk(format!("layers.{l}.hc_{which}_fn"), &[mix, hcw], 0.0, (hcw as f32).powf(-0.5)),
+        base: mk(format!("layers.{l}.hc_{which}_base"), &[mix], 0.0, 0.5),
+        scale: mk(format!("layers.{l}.hc_{which}_scale"), &[3], 1.0, 0.2),
+    };
+    let (hc_attn, hc_ffn) = (hc("attn"), hc("ffn"));
+    let norm = mk(format!("layers.{l}.attn_norm.weight"), &[d], 1.0, 0.1);
+    let gate = mk(format!("layers.{l}.ffn.gate.weight"), &[ne, d], 0.0, (d as f32).powf(-0.5));
+    let bias = mk(format!("layers.{l}.ffn.gate.bias"), &[ne], 0.0, 0.1);
+    let wave =
+        |n: usize, s: usize| -> Vec<f32> { (0..n).map(|i| ((i * 7919 + s) % 1013) as f32 / 1013.0 - 0.5).collect() };
+    let x = b.to_device(1, hcw, &wave(hcw, 1));
+    let f = b.to_device(1, d, &wave(d, 2));
+    let (_, a, post, comb) = b.hc_pre_norm(&x, &hc_attn, &norm, &cfg);
+    let after = b.hc_post_next(&f, &x, &post, &comb, &hc_ffn, &cfg);
+    let (logits, _) = b.router(&a, &gate, Some(&bias), None, &cfg);
+    for (name, t) in [("hc_pre_norm", &a), ("hc_post_next", &after), ("router logits", &logits)] {
+        if b.to_host(t).iter().any(|v| !v.is_finite()) {
+            bail!("stages: {name} gave a nonfinite value");
+        }
+    }
+    let busy = Busy::new(b);
+    let link = b.chain_bench(2, 200).map_err(anyhow::Error::msg)?.eager_us;
+    let mut out = Vec::new();
+    let mut line = format!("stages, 1 row (eager; an empty eager link {link:.2} µs):");
+    let mut row = |name: &str, us: f64| {
+        line += &format!("  {name} {us:5.1} µs");
+        out.push(serde_json::json!({"stage": name, "us": us, "eager_link_us": link}));
+    };
+    row("hc_pre_norm", 1e6 * busy.time(b, 32, |_| drop(b.hc_pre_norm(&x, &hc_attn, &norm, &cfg))));
+    row("hc_post_next", 1e6 * busy.time(b, 32, |_| drop(b.hc_post_next(&f, &x, &post, &comb, &hc_ffn, &cfg))));
+    row("router", 1e6 * busy.time(b, 32, |_| drop(b.router(&a, &gate, Some(&bias), None, &cfg))));
+    row("rms_norm", 1e6 * busy.time(b, 32, |_| drop(b.rms_norm(&f, Some(&norm), d, cfg.rms_eps))));
+    println!("{line}");
     Ok(out)
 }
 
