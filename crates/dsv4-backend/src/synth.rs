@@ -10,7 +10,19 @@ use dsv4_model::weights::{Attention, Compressor, Expert, Hc, Indexer, Layer, Moe
 use dsv4_model::{AttnKind, Config, Weights};
 
 /// `(name, shape, mean, std) -> tensor`.
-type Mk<'a, W> = dyn FnMut(&str, &[usize], f32, f32) -> W + 'a;
+pub type Mk<'a, W> = dyn FnMut(&str, &[usize], f32, f32) -> W + 'a;
+
+/// Layer `l`'s mHC weights `layers.{l}.hc_{which}_{fn,base,scale}` (`rows` mixing rows over
+/// `cfg`'s flattened residual state, `nscale` scales), drawn as
+/// `dsv4_model::synth::random_checkpoint` draws them.
+pub fn hc_weights<W>(t: &mut Mk<W>, cfg: &Config, l: usize, which: &str, rows: usize, nscale: usize) -> Hc<W> {
+    let (p, hcw) = (format!("layers.{l}"), cfg.hc_width());
+    Hc {
+        fn_: t(&format!("{p}.hc_{which}_fn"), &[rows, hcw], 0.0, (hcw as f32).powf(-0.5)),
+        base: t(&format!("{p}.hc_{which}_base"), &[rows], 0.0, 0.5),
+        scale: t(&format!("{p}.hc_{which}_scale"), &[nscale], 1.0, 0.2),
+    }
+}
 
 /// Builds every tensor `cfg` calls for with `mk(name, shape, mean, std, seed)`.
 pub fn synth_weights<W>(cfg: &Config, seed: u64, mut mk: impl FnMut(&str, &[usize], f32, f32, u64) -> W) -> Weights<W> {
@@ -26,13 +38,8 @@ pub fn synth_weights<W>(cfg: &Config, seed: u64, mut mk: impl FnMut(&str, &[usiz
     let mut layers = Vec::new();
     for (l, spec) in cfg.layers.iter().enumerate() {
         let p = format!("layers.{l}");
-        let hc = |t: &mut Mk<W>, which: &str, rows: usize, nscale: usize| Hc {
-            fn_: t(&format!("{p}.hc_{which}_fn"), &[rows, hcw], 0.0, (hcw as f32).powf(-0.5)),
-            base: t(&format!("{p}.hc_{which}_base"), &[rows], 0.0, 0.5),
-            scale: t(&format!("{p}.hc_{which}_scale"), &[nscale], 1.0, 0.2),
-        };
-        let hc_attn = hc(&mut t, "attn", mix, 3);
-        let hc_ffn = hc(&mut t, "ffn", mix, 3);
+        let hc_attn = hc_weights(&mut t, cfg, l, "attn", mix, 3);
+        let hc_ffn = hc_weights(&mut t, cfg, l, "ffn", mix, 3);
         let attn_norm = t(&format!("{p}.attn_norm.weight"), &[d], 1.0, 0.1);
         let ffn_norm = t(&format!("{p}.ffn_norm.weight"), &[d], 1.0, 0.1);
         let a = format!("{p}.attn");

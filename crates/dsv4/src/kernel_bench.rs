@@ -483,24 +483,21 @@ fn onerow(b: &CudaBackend) -> Result<Vec<serde_json::Value>> {
 /// about its figure less the difference. Their values are checked against the CPU oracle by the
 /// CUDA tests; here only that every output is finite.
 fn stages(b: &CudaBackend) -> Result<Vec<serde_json::Value>> {
-    use dsv4_model::weights::Hc;
+    use dsv4_backend::synth::hc_weights;
     let cfg = crate::flash_bench::flash_layers(4);
     let l = cfg.layers.iter().position(|s| !s.hash_moe).context("a learned-routing layer")?;
     let (d, hcw, mix, ne) = (cfg.hidden, cfg.hc_width(), cfg.hc_mix(), cfg.n_routed_experts);
     let mut seed = 500u64;
-    let mut mk = |name: String, shape: &[usize], mean: f32, std: f32| {
+    let mut mk = |name: &str, shape: &[usize], mean: f32, std: f32| {
         seed += 1;
-        b.upload_random(&name, shape, mean, std, seed)
+        b.upload_random(name, shape, mean, std, seed)
     };
-    let mut hc = |which: &str| Hc {
-        fn_: mk(format!("layers.{l}.hc_{which}_fn"), &[mix, hcw], 0.0, (hcw as f32).powf(-0.5)),
-        base: mk(format!("layers.{l}.hc_{which}_base"), &[mix], 0.0, 0.5),
-        scale: mk(format!("layers.{l}.hc_{which}_scale"), &[3], 1.0, 0.2),
-    };
-    let (hc_attn, hc_ffn) = (hc("attn"), hc("ffn"));
-    let norm = mk(format!("layers.{l}.attn_norm.weight"), &[d], 1.0, 0.1);
-    let gate = mk(format!("layers.{l}.ffn.gate.weight"), &[ne, d], 0.0, (d as f32).powf(-0.5));
-    let bias = mk(format!("layers.{l}.ffn.gate.bias"), &[ne], 0.0, 0.1);
+    // The same names and distributions as `--synthetic flash` draws (dsv4_backend::synth).
+    let hc_attn = hc_weights(&mut mk, &cfg, l, "attn", mix, 3);
+    let hc_ffn = hc_weights(&mut mk, &cfg, l, "ffn", mix, 3);
+    let norm = mk(&format!("layers.{l}.attn_norm.weight"), &[d], 1.0, 0.1);
+    let gate = mk(&format!("layers.{l}.ffn.gate.weight"), &[ne, d], 0.0, (d as f32).powf(-0.5));
+    let bias = mk(&format!("layers.{l}.ffn.gate.bias"), &[ne], 0.0, 0.1);
     let wave =
         |n: usize, s: usize| -> Vec<f32> { (0..n).map(|i| ((i * 7919 + s) % 1013) as f32 / 1013.0 - 0.5).collect() };
     let x = b.to_device(1, hcw, &wave(hcw, 1));
