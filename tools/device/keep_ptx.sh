@@ -48,7 +48,12 @@ for f in .devbin/ptx/*.ptx; do [ -e "${f%.ptx}.sm_90a.cubin" ] || todo+=("$f"); 
 i=0
 while [ $i -lt ${#todo[@]} ]; do
     pids=()
-    for f in "${todo[@]:i:n}"; do "$P" -arch=sm_90a -o "${f%.ptx}.sm_90a.cubin" "$f" & pids+=($!); done
+    # Written under a temporary name and renamed when whole: an interrupted ptxas leaves no
+    # cut-off cubin for the next run to skip and pack.
+    for f in "${todo[@]:i:n}"; do
+        c=${f%.ptx}.sm_90a.cubin
+        ( "$P" -arch=sm_90a -o "$c.tmp" "$f" && mv "$c.tmp" "$c" || { rm -f "$c.tmp"; exit 1; } ) & pids+=($!)
+    done
     for p in "${pids[@]}"; do wait "$p" || fail=1; done
     i=$((i + n))
 done

@@ -489,14 +489,63 @@ pub(crate) fn load_kernel_module(
     src: &str,
 ) -> Result<Arc<cudarc::driver::CudaModule>, CudaInitError> {
     let full = format!("{COMMON}\n{src}");
-    let kept = ptx_cache_path(file, &full, ARCH, fmad_of(file)).and_then(|p| std::fs::read(cubin_path(&p)).ok());
-    if let Some(bin) = kept {
-        match ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin)) {
-            Ok(m) => return Ok(m),
-            Err(e) => tracing::warn!("{file}: its kept cubin did not load ({e}); loading its PTX"),
+    let path = ptx_cache_path(file, &full, ARCH, fmad_of(file));
+    let kept = path.as_ref().and_then(|p| Some((p, cubin_path(p), std::fs::read(cubin_path(p)).ok()?)));
+    if let Some((p, c, bin)) = kept {
+        // The driver reads a module image with no length (`cuModuleLoadData`): a cut-off
+        // file would be read past its end, so only a whole ELF goes to it.
+        if !elf_is_whole(&bin) {
+            tracing::warn!("{file}: {} is not a whole ELF image; loading its PTX", c.display());
+        } else {
+            match ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin)) {
+                Ok(m) => {
+                    touch(p);
+                    return Ok(m);
+                }
+                Err(e) => tracing::warn!("{file}: its kept cubin did not load ({e}); loading its PTX"),
+            }
         }
     }
     Ok(ctx.load_module(ptx(file, src)?)?)
+}
+
+/// Whether `bin` is a whole 64-bit little-endian ELF image: its program and section header
+/// tables and every section with contents lie inside it.
+fn elf_is_whole(bin: &[u8]) -> bool {
+    let u16_at = |o: usize| bin.get(o..o + 2).map(|b| u16::from_le_bytes([b[0], b[1]]) as u64);
+    let u32_at = |o: usize| bin.get(o..o + 4).map(|b| u32::from_le_bytes(b.try_into().unwrap()));
+    let u64_at = |o: usize| bin.get(o..o + 8).map(|b| u64::from_le_bytes(b.try_into().unwrap()));
+    let inside = |off: u64, n: u64, each: u64| {
+        n.checked_mul(each).and_then(|len| off.checked_add(len)).is_some_and(|end| end <= bin.len() as u64)
+    };
+    if bin.len() < 64 || bin[..4] != *b"\x7fELF" || bin[4] != 2 || bin[5] != 1 {
+        return false;
+    }
+    let (Some(phoff), Some(shoff)) = (u64_at(0x20), u64_at(0x28)) else { return false };
+    let (Some(phsize), Some(phnum), Some(shsize), Some(shnum)) =
+        (u16_at(0x36), u16_at(0x38), u16_at(0x3A), u16_at(0x3C))
+    else {
+        return false;
+    };
+    if !inside(phoff, phnum, phsize) || !inside(shoff, shnum, shsize) || (shnum > 0 && shsize < 0x28) {
+        return false;
+    }
+    // Each section header: sh_type at +4, sh_offset at +0x18, sh_size at +0x20; SHT_NOBITS (8)
+    // takes no bytes of the file.
+    (0..shnum).all(|i| {
+        let h = (shoff + i * shsize) as usize;
+        match (u32_at(h + 4), u64_at(h + 0x18), u64_at(h + 0x20)) {
+            (Some(8), _, _) => true,
+            (Some(_), Some(off), Some(size)) => inside(off, size, 1),
+            _ => false,
+        }
+    })
+}
+
+/// Marks a kept PTX as just used, so that [`prune_ptx`] (newest first) keeps what a device
+/// call still loads rather than what was compiled last.
+fn touch(path: &std::path::Path) {
+    let _ = std::fs::File::options().append(true).open(path).and_then(|f| f.set_modified(std::time::SystemTime::now()));
 }
 
 /// [`ptx`], reading and keeping the PTX in the kernel cache's folder when `disk`.
@@ -508,7 +557,8 @@ fn ptx_from(file: &'static str, src: &str, disk: bool) -> Result<cudarc::nvrtc::
     let fmad = fmad_of(file);
     let full = format!("{COMMON}\n{src}");
     let disk = if disk { ptx_cache_path(file, &full, ARCH, fmad) } else { None };
-    if let Some(text) = disk.as_ref().and_then(|d| std::fs::read_to_string(d).ok()) {
+    if let Some((d, text)) = disk.as_ref().and_then(|d| Some((d, std::fs::read_to_string(d).ok()?))) {
+        touch(d);
         let p = cudarc::nvrtc::Ptx::from_src(text);
         cache.push((file, p.clone()));
         return Ok(p);
@@ -551,8 +601,12 @@ fn ptx_cache_path(file: &str, src: &str, arch: &str, fmad: bool) -> Option<std::
             .join("ptx"),
     };
     let (mut major, mut minor) = (0, 0);
-    // SAFETY: nvrtcVersion writes two ints through valid pointers; the library is loaded (the
-    // callers compile with it next).
+    // SAFETY: `is_culib_present` only tries to dlopen NVRTC (without it, cudarc's loader would
+    // panic at the first call); nvrtcVersion writes two ints through valid pointers.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return None;
+    }
+    // SAFETY: as above; NVRTC is present.
     let ok = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }
         == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS;
     if !ok {
@@ -583,9 +637,10 @@ fn ptx_key(parts: &[&[u8]]) -> u128 {
     h
 }
 
-/// PTX files kept for each kernel file (the newest; an edited kernel or a variant adds one,
-/// quant.cu's is ~13 MB).
-const PTX_KEEP: usize = 16;
+/// PTX files kept for each kernel file (the most recently used; an edited kernel or a variant
+/// adds one, quant.cu's is ~13 MB). A device call's A/B can load 16 quant.cu forms, so 24
+/// leaves room for a compile miss without evicting one it still loads.
+const PTX_KEEP: usize = 24;
 
 /// Removes all but the `keep` newest kept PTX files of kernel file `file` beside `path`.
 fn prune_ptx(path: &std::path::Path, file: &str, keep: usize) {
@@ -3328,8 +3383,8 @@ impl CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::{
-        cubin_path, decode_fusion_in, prune_ptx, ptx_key, side_mask_in, store_ptx, HostVecs, HOST_VECS_KEEP,
-        HOST_VECS_MIN,
+        cubin_path, decode_fusion_in, elf_is_whole, prune_ptx, ptx_key, side_mask_in, store_ptx, touch, HostVecs,
+        HOST_VECS_KEEP, HOST_VECS_MIN,
     };
 
     #[test]
@@ -3370,6 +3425,63 @@ mod tests {
             ["x.cu-02.ptx", "x.cu-03.ptx", "x.cu-03.sm_90a.cubin", "y.cu-00.ptx"].map(std::ffi::OsString::from)
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_kept_ptx_used_again_outlives_newer_ones_when_pruned() {
+        let dir = std::env::temp_dir().join(format!("dsv4-ptx-lru-{}", std::process::id()));
+        let path = dir.join("x.cu-00.ptx");
+        for i in 0..3 {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            store_ptx(&path.with_file_name(format!("x.cu-0{i}.ptx")), "// ptx");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        touch(&path);
+        prune_ptx(&path, "x.cu", 2);
+        let mut left: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        left.sort();
+        assert_eq!(left, ["x.cu-00.ptx", "x.cu-02.ptx"].map(std::ffi::OsString::from));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A 64-bit little-endian ELF image: the header, 16 bytes of contents, then two section
+    /// headers (the contents, and a NOBITS section larger than the file).
+    fn small_elf() -> Vec<u8> {
+        let mut b = vec![0u8; 64];
+        b[..4].copy_from_slice(b"\x7fELF");
+        (b[4], b[5]) = (2, 1);
+        b[0x28..0x30].copy_from_slice(&80u64.to_le_bytes());
+        b[0x3A..0x3C].copy_from_slice(&64u16.to_le_bytes());
+        b[0x3C..0x3E].copy_from_slice(&2u16.to_le_bytes());
+        b.extend([7u8; 16]);
+        for (ty, off, size) in [(1u32, 64u64, 16u64), (8, 0, 1 << 40)] {
+            let mut h = [0u8; 64];
+            h[4..8].copy_from_slice(&ty.to_le_bytes());
+            h[0x18..0x20].copy_from_slice(&off.to_le_bytes());
+            h[0x20..0x28].copy_from_slice(&size.to_le_bytes());
+            b.extend(h);
+        }
+        b
+    }
+
+    #[test]
+    fn only_a_whole_elf_image_goes_to_the_driver() {
+        let elf = small_elf();
+        assert!(elf_is_whole(&elf));
+        for cut in [0, 3, 63, 64, 79, 80, 143, elf.len() - 1] {
+            assert!(!elf_is_whole(&elf[..cut]), "cut at {cut} of {}", elf.len());
+        }
+        assert!(!elf_is_whole(
+            b"//\n// Generated by NVIDIA NVVM Compiler\n.version 8.8\n.target sm_90a\n.address_size 64\n"
+        ));
+        // A section whose contents run past the end of the file.
+        let mut past = elf.clone();
+        past[80 + 0x20..80 + 0x28].copy_from_slice(&(elf.len() as u64 - 63).to_le_bytes());
+        assert!(!elf_is_whole(&past));
+        // A 32-bit ELF.
+        let mut e32 = elf;
+        e32[4] = 1;
+        assert!(!elf_is_whole(&e32));
     }
 
     #[test]
