@@ -475,8 +475,10 @@ fn onerow(b: &CudaBackend) -> Result<Vec<serde_json::Value>> {
 }
 
 /// The latency-bound stages of a decode layer at one row, each alone at V4-Flash's shapes
-/// (their weights stay in L2): HC_PRE with the sub-block's RMSNorm, HC_POST with the next
-/// HC_PRE's sums, the router (logits and choice of a learned-routing layer) and a lone RMSNorm.
+/// (their weights stay in L2): HC_PRE with the sub-block's RMSNorm, HC_POST (with the next
+/// HC_PRE's sums where `hc_post_dot` is on; the line says which), the router (logits and choice
+/// of a learned-routing layer) and a lone RMSNorm. HC_PRE runs on HC_POST's output, as in the
+/// step, so that it uses the sums HC_POST formed rather than forming them again.
 /// µs a call, launched eagerly back to back behind queued work (`Busy::time`). An eager launch
 /// boundary costs more than a recorded one (the chain table: ~2.7 against ~0.8 µs on an H100);
 /// the table prints the eager empty link beside them, so a stage's cost in a recorded step is
@@ -513,12 +515,13 @@ fn stages(b: &CudaBackend) -> Result<Vec<serde_json::Value>> {
     let busy = Busy::new(b);
     let link = b.chain_bench(2, 200).map_err(anyhow::Error::msg)?.eager_us;
     let mut out = Vec::new();
-    let mut line = format!("stages, 1 row (eager; an empty eager link {link:.2} µs):");
+    let dot = b.hc_post_dot();
+    let mut line = format!("stages, 1 row (eager; an empty eager link {link:.2} µs; hc_post_dot {dot}):");
     let mut row = |name: &str, us: f64| {
         line += &format!("  {name} {us:5.1} µs");
-        out.push(serde_json::json!({"stage": name, "us": us, "eager_link_us": link}));
+        out.push(serde_json::json!({"stage": name, "us": us, "eager_link_us": link, "hc_post_dot": dot}));
     };
-    row("hc_pre_norm", 1e6 * busy.time(b, 32, |_| drop(b.hc_pre_norm(&x, &hc_attn, &norm, &cfg))));
+    row("hc_pre_norm", 1e6 * busy.time(b, 32, |_| drop(b.hc_pre_norm(&after, &hc_ffn, &norm, &cfg))));
     row("hc_post_next", 1e6 * busy.time(b, 32, |_| drop(b.hc_post_next(&f, &x, &post, &comb, &hc_ffn, &cfg))));
     row("router", 1e6 * busy.time(b, 32, |_| drop(b.router(&a, &gate, Some(&bias), None, &cfg))));
     row("rms_norm", 1e6 * busy.time(b, 32, |_| drop(b.rms_norm(&f, Some(&norm), d, cfg.rms_eps))));
