@@ -203,6 +203,7 @@ pub fn run(tables: &str) -> Result<()> {
     // (`DSV4_PGEMM=0`: the bf16 scratch and cuBLAS they replace). Checked at 20 rows against
     // the CPU decoder (bf16 operands: the 1e-2 bound), timed as FLOP/s.
     let mut pg_table = Vec::new();
+    let tiles_rows = b.tiles_dense_rows();
     b.set_tiles_dense_rows(usize::MAX);
     for f in formats.into_iter().flatten().filter(|_| want("tiles")) {
         for (si, &(m, k)) in shapes.iter().enumerate() {
@@ -223,7 +224,7 @@ pub fn run(tables: &str) -> Result<()> {
                 "tflop_per_s": tfs}));
         }
     }
-    b.set_tiles_dense_rows(dsv4_backend::cuda::gemm::TILES_DENSE_ROWS);
+    b.set_tiles_dense_rows(tiles_rows);
     b.set_int8(int8);
     let draw_table = if want("draws") { draws(&b)? } else { Vec::new() };
     let expert_table = if want("experts") { experts(&b)? } else { Vec::new() };

@@ -174,6 +174,8 @@ pub enum CudaInitError {
     Compile { file: &'static str, msg: String },
     #[error("no kernel cache folder: DSV4_KERNEL_CACHE is 0 or empty, or neither XDG_CACHE_HOME nor HOME is set, or NVRTC gave no version")]
     NoCache,
+    #[error("{0}'s PTX was compiled but could not be kept in the kernel cache (see the warning before)")]
+    NotKept(&'static str),
 }
 
 /// A pinned host buffer for stream-ordered uploads; `done` is recorded after the copy that
@@ -420,14 +422,21 @@ pub fn keep_kernels() -> Result<Vec<&'static str>, CudaInitError> {
     if ptx_cache_path("probe", "", "", false).is_none() {
         return Err(CudaInitError::NoCache);
     }
+    let keep = |file: &'static str, src: &str| -> Result<&'static str, CudaInitError> {
+        ptx(file, src)?;
+        let kept = ptx_cache_path(file, &format!("{COMMON}\n{src}"), ARCH, fmad_of(file)).is_some_and(|p| p.is_file());
+        if kept {
+            Ok(file)
+        } else {
+            Err(CudaInitError::NotKept(file))
+        }
+    };
     let mut done = Vec::new();
     for (file, src) in SOURCES {
-        ptx(file, &kernel_source(file, src))?;
-        done.push(file);
+        done.push(keep(file, &kernel_source(file, src))?);
     }
-    ptx("quant.cu", &quant::source())?;
-    ptx(dspark::SOURCE.0, dspark::SOURCE.1)?;
-    done.extend(["quant.cu", dspark::SOURCE.0]);
+    done.push(keep("quant.cu", &quant::source())?);
+    done.push(keep(dspark::SOURCE.0, dspark::SOURCE.1)?);
     Ok(done)
 }
 
