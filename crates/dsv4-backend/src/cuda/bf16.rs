@@ -505,7 +505,7 @@ fn x8_pairs(
 ) {
     let (ki, di, ii, nei) = (s.k as i32, s.d as i32, s.inter as i32, s.nexp as i32);
     let all = super::quant::x8_opw();
-    let o = if x.rows == 1 { all } else { super::quant::X8Opw { gemv: 1, up: 1, down: all.downn, downn: 1 } };
+    let o = if x.rows == 1 { all } else { super::quant::X8Opw { gemv: 1, up: 1, down: all.downn, downn: 1, ..all } };
     // Warp kernels: 8 outputs a block (per_warp each); tile kernels: 16 a block. The tile
     // kernels stride over their output tiles, so a grid of 1 / rounds the blocks takes them all.
     let rounds = |cols: usize| if tiles { super::quant::tile_rounds(p.blocks as usize * cols.div_ceil(16)) } else { 1 };
@@ -608,7 +608,7 @@ pub(crate) fn ffn_few_rows(
     let fits = (1..=b.ffn1_rows()).contains(&n)
         && b.int8()
         && b.fusion.shared_x8
-        && matches!(o.up, 1 | 2 | 4 | 8)
+        && matches!(o.up1s_for(r13), 1 | 2 | 4 | 8)
         && first == 0
         && experts.len() == route.experts
         && pairs <= Q_WARPS
@@ -631,7 +631,7 @@ pub(crate) fn ffn_few_rows(
     let mut hd = b.alloc::<f32>(n * pairs * inter / blk);
     let (nei, ki, di, ii) = (experts.len() as i32, k as i32, d as i32, inter as i32);
     let up_cfg = LaunchConfig {
-        grid_dim: ((n * pairs) as u32, inter.div_ceil(Q_WARPS * o.up) as u32, 1),
+        grid_dim: ((n * pairs) as u32, inter.div_ceil(Q_WARPS * o.up1s_for(r13)) as u32, 1),
         block_dim: (32 * Q_WARPS as u32, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -664,7 +664,7 @@ pub(crate) fn ffn_few_rows(
     let (mut routed, mut sh, mut out) = (b.tensor(n, d), b.tensor(n, d), b.tensor(n, d));
     let down_warps = if down1_pair_warps() { pairs } else { Q_WARPS };
     let down_cfg = LaunchConfig {
-        grid_dim: (d.div_ceil(o.down) as u32, n as u32, 1),
+        grid_dim: (d.div_ceil(o.down1s) as u32, n as u32, 1),
         block_dim: (32 * down_warps as u32, 1, 1),
         shared_mem_bytes: 0,
     };

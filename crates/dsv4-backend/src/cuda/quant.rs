@@ -176,37 +176,62 @@ fn suffix(f: PackedFormat) -> &'static str {
     }
 }
 
-/// Outputs one warp computes in the one-row int8 kernels: (gemv, gate/up, down). More outputs a
-/// warp put more loads in flight and share one activation chunk, but take registers: on the
-/// 43-layer q2 step 1,1,1 measured 11.06 ms against 11.26 for 1,2,4 (PERF.md v12). The sums are
-/// the same either way. `DSV4_X8_OPW=GEMV,UP,DOWN[,DOWNN]` (each 1 to 8; DOWNN, the several-row
-/// down kernel's, 1 or 2) overrides the default.
+/// Outputs one warp computes in the one-row int8 kernels: the dense products (`gemv`), the
+/// separate expert kernels (`up`, `down`; `downn` the several-row down kernel's) and the
+/// two-launch experts a decode step runs (`up1s`, `down1s`). More outputs a warp put more loads
+/// in flight and share one activation chunk, but take registers. The two-launch pair defaults to
+/// 4 and 4: its blocks then run ~1 and ~4 waves instead of ~4.5 and ~8 (moe_down1s held to 2
+/// blocks an SM by quant.cu's `DOWN1_BOUNDS`), and a moe_up1s block writes whole 32-value groups,
+/// so it quantises them with no ticket. H100, 32 q2 layers: one-row experts 51.0 → 46.6 µs a
+/// call from DRAM, the step −0.07 ms, batches 16 / 64 a tie (PERF.md v49). The separate kernels
+/// stay at 1 (at 4 their Q8_0 and Q2_K gate/up spill ~1 KB a thread), and so do the dense
+/// products (nothing gained past 1, v48), and moe_up1s for routed Q8_0 and Q2_K gate/up rows
+/// ([`X8Opw::up1s_for`]). The sums are the same either way.
+/// `DSV4_X8_OPW=GEMV,UP,DOWN[,DOWNN]` (each 1 to 8; DOWNN 1 or 2) sets them all, UP and DOWN for
+/// both expert forms (`1,1,1` is the default before v49).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct X8Opw {
     pub gemv: usize,
     pub up: usize,
     pub down: usize,
     pub downn: usize,
+    pub up1s: usize,
+    pub down1s: usize,
+}
+
+impl X8Opw {
+    /// moe_up1s's outputs a warp for routed gate/up rows of format `f`: `up1s` for IQ2_XXS,
+    /// else `up` (quant.cu's moe_up1s: its Q8_0 and Q2_K forms spill at 4).
+    pub(crate) fn up1s_for(&self, f: PackedFormat) -> usize {
+        if f == PackedFormat::IQ2_XXS {
+            self.up1s
+        } else {
+            self.up
+        }
+    }
 }
 
 pub(crate) fn x8_opw() -> X8Opw {
     static OPW: std::sync::OnceLock<X8Opw> = std::sync::OnceLock::new();
-    *OPW.get_or_init(|| {
-        let default = X8Opw { gemv: 1, up: 1, down: 1, downn: 1 };
-        let Ok(v) = std::env::var("DSV4_X8_OPW") else { return default };
-        let n: Vec<usize> = v.split(',').filter_map(|t| t.trim().parse().ok()).collect();
-        let ok = |p: &[usize]| p.iter().all(|p| (1..=8).contains(p));
-        match n[..] {
-            [gemv, up, down] if ok(&n) => X8Opw { gemv, up, down, downn: 1 },
-            [gemv, up, down, downn] if ok(&n) && downn <= 2 => X8Opw { gemv, up, down, downn },
-            _ => {
-                tracing::warn!(
-                    "DSV4_X8_OPW={v:?} is not GEMV,UP,DOWN[,DOWNN] (each 1 to 8, DOWNN 1 or 2); using {default:?}"
-                );
-                default
-            }
+    *OPW.get_or_init(|| x8_opw_of(std::env::var("DSV4_X8_OPW").ok().as_deref()))
+}
+
+/// [`x8_opw`] for a value of `DSV4_X8_OPW` (None: unset).
+fn x8_opw_of(v: Option<&str>) -> X8Opw {
+    let default = X8Opw { gemv: 1, up: 1, down: 1, downn: 1, up1s: 4, down1s: 4 };
+    let Some(v) = v else { return default };
+    let n: Vec<usize> = v.split(',').filter_map(|t| t.trim().parse().ok()).collect();
+    let ok = n.len() == v.split(',').count() && n.iter().all(|p| (1..=8).contains(p));
+    match n[..] {
+        [gemv, up, down] if ok => X8Opw { gemv, up, down, downn: 1, up1s: up, down1s: down },
+        [gemv, up, down, downn] if ok && downn <= 2 => X8Opw { gemv, up, down, downn, up1s: up, down1s: down },
+        _ => {
+            tracing::warn!(
+                "DSV4_X8_OPW={v:?} is not GEMV,UP,DOWN[,DOWNN] (each 1 to 8, DOWNN 1 or 2); using {default:?}"
+            );
+            default
         }
-    })
+    }
 }
 
 /// Output-tile rounds a block of the int8 tile kernels (`gemvt*`, `moe_upt`, `moe_downt`: a
@@ -260,11 +285,13 @@ pub fn source() -> String {
     let gemm = super::kernel_source("gemm.cu", include_str!("kernels/gemm.cu"));
     let o = x8_opw();
     format!(
-        "#define X8_OPW_GEMV {}\n#define X8_OPW_UP {}\n#define X8_OPW_DOWN {}\n#define X8_OPWN_DOWN {}\n#define X8_PIPE {}\n#define X8_PIPE_GEMV {}\n{}{body}\n{gemm}",
+        "#define X8_OPW_GEMV {}\n#define X8_OPW_UP {}\n#define X8_OPW_DOWN {}\n#define X8_OPWN_DOWN {}\n#define X8_OPW_UP1S {}\n#define X8_OPW_DOWN1S {}\n#define X8_PIPE {}\n#define X8_PIPE_GEMV {}\n{}{body}\n{gemm}",
         o.gemv,
         o.up,
         o.down,
         o.downn,
+        o.up1s,
+        o.down1s,
         x8_pipe().0,
         x8_pipe().1,
         crate::x8::iq2_tables_source("__device__ const")
@@ -1003,5 +1030,26 @@ impl CudaBackend {
             },
             "gather_bf16",
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{x8_opw_of, PackedFormat, X8Opw};
+
+    #[test]
+    fn outputs_a_warp_default_to_four_only_in_the_two_launch_experts() {
+        let d = x8_opw_of(None);
+        assert_eq!(d, X8Opw { gemv: 1, up: 1, down: 1, downn: 1, up1s: 4, down1s: 4 });
+        assert_eq!(d.up1s_for(PackedFormat::IQ2_XXS), 4);
+        assert_eq!((d.up1s_for(PackedFormat::Q8_0), d.up1s_for(PackedFormat::Q2_K)), (1, 1));
+        // DSV4_X8_OPW sets both expert forms (1,1,1 is the form before v49).
+        let old = x8_opw_of(Some("1,1,1"));
+        assert_eq!((old.up1s, old.down1s, old.downn), (1, 1, 1));
+        let s = x8_opw_of(Some("2, 4, 2, 2"));
+        assert_eq!(s, X8Opw { gemv: 2, up: 4, down: 2, downn: 2, up1s: 4, down1s: 2 });
+        for bad in ["1,9,1", "1,1", "1,x,1", "1,1,1,3", ""] {
+            assert_eq!(x8_opw_of(Some(bad)), d, "{bad:?}");
+        }
     }
 }

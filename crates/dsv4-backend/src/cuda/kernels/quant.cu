@@ -898,6 +898,18 @@ extern "C" __global__ void quant_x8(signed char* __restrict__ xq, float* __restr
 #ifndef X8_OPWN_DOWN
 #define X8_OPWN_DOWN 1
 #endif
+// The same for the two-launch one-row experts (moe_up1s, moe_down1s), set apart from the
+// separate kernels' (moe_up1x / moe_down1x): at 4 outputs a warp those spill ~1 KB a thread
+// (Q8_0 and Q2_K gate/up, 255 registers), where the two-launch pair holds (IQ2_XXS gate/up 229
+// registers, every down format 128, ptxas 13.5 sm_90a). moe_up1s takes X8_OPW_UP1S for
+// IQ2_XXS gate/up rows only (its Q8_0 and Q2_K forms spill at 4 too);
+// cuda/quant.rs `X8Opw::up1s_for` sizes the grids the same way.
+#ifndef X8_OPW_UP1S
+#define X8_OPW_UP1S X8_OPW_UP
+#endif
+#ifndef X8_OPW_DOWN1S
+#define X8_OPW_DOWN1S X8_OPW_DOWN
+#endif
 
 // acc[j] plus weight row j's chunks c0 + 1024·u (raw[j][u], u < U, those below k) times one row
 // of int8 activations, chunk by chunk in that order (a batch of xrows_dot and xrows_pipe).
@@ -1238,15 +1250,14 @@ __device__ __forceinline__ void pf_span(const u8* p, long long n, int lane) {
 #define X8_PF1_BLOCKS 0
 #endif
 
-// Gate/up rows o..o+X8_OPW_UP−1 of expert e (address table ptrs of nexp experts) on one row of
-// int8 activations, SwiGLU'd into hrow[o..]: the one-row pair of moe_up_x8 and moe_up1s. Every
-// thread of the block calls it (`live` false: no loads, no store). U: chunks a lane loads ahead
-// (xrows_dot's; the sums do not depend on it).
-template <int F, int U = 4>
+// Gate/up rows o..o+P−1 (P: X8_OPW_UP, X8_OPW_UP1S in moe_up1s) of expert e (address table
+// ptrs of nexp experts) on one row of int8 activations, SwiGLU'd into hrow[o..]: the one-row
+// pair of moe_up_x8 and moe_up1s. Every thread of the block calls it (`live` false: no loads, no
+// store). U: chunks a lane loads ahead (xrows_dot's; the sums do not depend on it).
+template <int F, int U = 4, int P = X8_OPW_UP>
 __device__ __forceinline__ void up1_pair(float* __restrict__ hrow, const signed char* __restrict__ xq,
                                          const float* __restrict__ xd, const unsigned long long* ptrs, int nexp,
                                          unsigned e, int o, int d, int inter, float limit, bool live) {
-    constexpr int P = X8_OPW_UP;
     int lane = threadIdx.x & 31;
     long long rb = row_bytes(F, d);
     if constexpr (X8_PIPE > 0) {
@@ -1321,12 +1332,12 @@ __device__ __forceinline__ void down_rows(const u8** wr, const u8** sr, const un
 }
 
 // v[j] = expert e's down row c + j · one pair's int8 activations (hq, hd: its row of `inter`),
-// for j < X8_OPW_DOWN: the one-row pair of moe_down_x8 and moe_down1s. TABS as xrows_dot's.
-template <int F, bool TABS = true>
+// for j < P (X8_OPW_DOWN, or X8_OPW_DOWN1S in moe_down1s): the one-row pair of moe_down_x8 and
+// moe_down1s. TABS as xrows_dot's.
+template <int F, bool TABS = true, int P = X8_OPW_DOWN>
 __device__ __forceinline__ void down1_pair(float* v, const signed char* __restrict__ hq, const float* __restrict__ hd,
                                            const unsigned long long* ptrs, int nexp, unsigned e, int c, int d,
                                            int inter, bool live) {
-    constexpr int P = X8_OPW_DOWN;
     if constexpr (X8_PIPE > 0) {
         const u8 *w2 = (const u8*)ptrs[2 * nexp + e], *s2 = (const u8*)ptrs[5 * nexp + e];
         long long rb = row_bytes(F, inter);
@@ -1432,8 +1443,8 @@ __device__ __forceinline__ void expert_ptrs(unsigned long long (&loc)[6], unsign
 // Each pair is a one-row product of its own (an expert two rows chose is read twice), so every
 // row's results are bitwise those of the separate launches, and of the row alone.
 
-// Grid (n·(k + 1), ⌈inter / (8·X8_OPW_UP)⌉): block (t·(k + 1) + j, y) forms row t's pair j's
-// outputs y·8·X8_OPW_UP..; xq / xd hold n rows of d; h, hq, hd n·(k + 1) rows of `inter` (hd:
+// Grid (n·(k + 1), ⌈inter / (8·P)⌉), P X8_OPW_UP1S for IQ2_XXS rows, else X8_OPW_UP: block
+// (t·(k + 1) + j, y) forms row t's pair j's outputs y·8·P..; xq / xd hold n rows of d; h, hq, hd n·(k + 1) rows of `inter` (hd:
 // inter / 32 scales a row), cnt n·(k + 1)·inter / 32 counters. ROWS false: one row (n = 1), the
 // form a decode step runs (the row arithmetic took it from 80 to 94 registers, sm_90a, past
 // the 3 blocks an SM it holds at 80).
@@ -1443,7 +1454,8 @@ __device__ void moe_up1s(float* __restrict__ h, signed char* __restrict__ hq, fl
                          const unsigned long long* ptrs, const unsigned long long* sptrs, int nexp, int k, int d,
                          int inter, float limit) {
     int t = ROWS ? blockIdx.x / (k + 1) : 0, j = ROWS ? blockIdx.x % (k + 1) : blockIdx.x, wp = threadIdx.x >> 5;
-    int o0 = blockIdx.y * Q_WARPS * X8_OPW_UP, o = o0 + wp * X8_OPW_UP;
+    constexpr int P = R == F_IQ2_XXS ? X8_OPW_UP1S : X8_OPW_UP;  // up1s_opw
+    int o0 = blockIdx.y * Q_WARPS * P, o = o0 + wp * P;
     bool live = o < inter;
     long long row = (long long)(t * (k + 1) + j) * inter;
     if (ROWS) {
@@ -1454,16 +1466,16 @@ __device__ void moe_up1s(float* __restrict__ h, signed char* __restrict__ hq, fl
         __shared__ unsigned long long tab[X8_PTAB ? 4 * PTAB_MAX : 1];
         unsigned long long loc[6];
         expert_ptrs<0x1bu>(loc, tab, ptrs, nexp, ids[t * k + j], true);  // w1, w3, s1, s3
-        up1_pair<R>(h + row, xq, xd, loc, 1, 0, o, d, inter, limit, live);
+        up1_pair<R, 4, P>(h + row, xq, xd, loc, 1, 0, o, d, inter, limit, live);
     }
     // Q8_0's 9 words a chunk: 2 chunks ahead, so its registers do not set the routed blocks'
     // occupancy (the separate kernels: 79 registers for IQ2_XXS, 111 for Q8_0 with 4 ahead).
-    else up1_pair<S, S == F_Q8_0 && R != F_Q8_0 ? 2 : 4>(h + row, xq, xd, sptrs, 1, 0, o, d, inter, limit, live);
-    quant_groups<Q_WARPS * X8_OPW_UP>(h + row, hq + row, hd + row / 32, cnt + row / 32, o0, inter);
+    else up1_pair<S, S == F_Q8_0 && R != F_Q8_0 ? 2 : 4, P>(h + row, xq, xd, sptrs, 1, 0, o, d, inter, limit, live);
+    quant_groups<Q_WARPS * P>(h + row, hq + row, hd + row / 32, cnt + row / 32, o0, inter);
 }
 
-// Grid (⌈d / X8_OPW_DOWN⌉, n), k + 1 ≤ Q_WARPS: warp j of block (x, t) forms row t's pair j's
-// down outputs c = x·X8_OPW_DOWN..; then routed[t, c] = Σ_j wts[t·k + j]·y_j (moe_combine's
+// Grid (⌈d / X8_OPW_DOWN1S⌉, n), k + 1 ≤ Q_WARPS: warp j of block (x, t) forms row t's pair j's
+// down outputs c = x·X8_OPW_DOWN1S..; then routed[t, c] = Σ_j wts[t·k + j]·y_j (moe_combine's
 // order and roundings), shared[t, c] = the shared expert's y, out[t, c] = routed + shared (the
 // add kernel's). ROWS false: one row (n = 1; the row offsets cost 7 % more instructions).
 template <int R, int S, bool ROWS>
@@ -1471,7 +1483,7 @@ __device__ void moe_down1s(float* __restrict__ routed, float* __restrict__ share
                            const signed char* __restrict__ hq, const float* __restrict__ hd, const unsigned* ids,
                            const float* wts, const unsigned long long* ptrs, const unsigned long long* sptrs, int nexp,
                            int k, int d, int inter) {
-    constexpr int P = X8_OPW_DOWN;
+    constexpr int P = X8_OPW_DOWN1S;
     __shared__ float ys[Q_WARPS][P];
     int wp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int c = blockIdx.x * P, t = ROWS ? blockIdx.y : 0;
@@ -1496,8 +1508,8 @@ __device__ void moe_down1s(float* __restrict__ routed, float* __restrict__ share
     __shared__ unsigned long long tab[X8_PTAB ? 2 * PTAB_MAX : 1];
     unsigned long long loc[6];
     expert_ptrs<0x24u>(loc, tab, ptrs, nexp, wp < k ? ids[wp] : 0u, wp < k);  // w2, s2
-    if (wp < k) down1_pair<R, false>(v, hq + row, hd + row / 32, loc, 1, 0, c, d, inter, c < d);
-    else if (wp == k) down1_pair<S, false>(v, hq + row, hd + row / 32, sloc, 1, 0, c, d, inter, c < d);
+    if (wp < k) down1_pair<R, false, P>(v, hq + row, hd + row / 32, loc, 1, 0, c, d, inter, c < d);
+    else if (wp == k) down1_pair<S, false, P>(v, hq + row, hd + row / 32, sloc, 1, 0, c, d, inter, c < d);
     if (wp <= k && lane == 0 && c < d)
 #pragma unroll
         for (int p = 0; p < P; p++) ys[wp][p] = wp < k ? __fmul_rn(wv, v[p]) : v[p];
@@ -1882,6 +1894,18 @@ X8_KERNELS(F_Q8_0, q8_0, 1, 2, 3)
 X8_KERNELS(F_Q2_K, q2_k, 1, 5, 4)
 X8_KERNELS(F_IQ2_XXS, iq2_xxs, 4, 3, 4)
 
+// moe_down1s's blocks an SM by its outputs a warp (registers, ptxas 13.5 sm_90a, no spills):
+// 1 takes 64 (4 an SM, no bound needed), 2 80 at 3 an SM, 4 128 at 2 an SM. Unbounded, 2 and
+// 4 took 96 and 168 registers (2 and 1 an SM), so the grid's waves stayed at ~7.8; bounded
+// they are 5.2 and 3.9 (PERF.md v49: one-row experts 51.0 → 46.6 µs from DRAM at 1,4,4).
+#if X8_OPW_DOWN1S >= 4
+#define DOWN1_BOUNDS __launch_bounds__(256, 2)
+#elif X8_OPW_DOWN1S >= 2
+#define DOWN1_BOUNDS __launch_bounds__(256, 3)
+#else
+#define DOWN1_BOUNDS
+#endif
+
 // One or a few rows' routed experts (format R: w1/w3 for up, w2 for down) with the shared
 // expert (format S) in two launches; the shared expert's formats of ds4's files (Q8_0) and each format with
 // itself (cuda/quant.rs `ffn1_kernels` falls back to the separate launches for any other pair).
@@ -1895,7 +1919,7 @@ X8_KERNELS(F_IQ2_XXS, iq2_xxs, 4, 3, 4)
         pdl_enter();                                                                                                 \
         moe_up1s<R, S, ROWS>(h, hq, hd, cnt, xq, xd, ids, ptrs, sptrs, nexp, k, d, inter, limit);                    \
     }                                                                                                                \
-    extern "C" __global__ void moe_down1s##SUF##_##NR##_##NS(float* routed, float* shared, float* out,              \
+    extern "C" __global__ void DOWN1_BOUNDS moe_down1s##SUF##_##NR##_##NS(float* routed, float* shared, float* out, \
                                                              const signed char* hq, const float* hd,                \
                                                              const unsigned* ids, const float* wts,                 \
                                                              const unsigned long long* ptrs,                        \
