@@ -16,7 +16,7 @@ for v in base mint1 mint4 base mint1 mint4; do
   # shellcheck disable=SC2046
   t && batch1_rounds $FL $v-$(date +%s) $(variant_env $v)
 done
-step() { grep -h '^decode batch +1 at' "$OUT"/ab-$1-*.txt | grep -oE '[0-9.]+ ms/step' | cut -d' ' -f1 | awk '{s+=$1;n++} END{if(n) printf "%.4f", s/n}'; }
+step() { grep -hE '^decode batch +1 at' "$OUT"/ab-$1-*.txt | grep -oE '[0-9.]+ ms/step' | cut -d' ' -f1 | awk '{s+=$1;n++} END{if(n) printf "%.4f", s/n}'; }
 b=$(step base); best=; bt=$b
 for v in mint1 mint4; do
   s=$(step $v); echo "mean step $v $s against base $b" >> "$S"

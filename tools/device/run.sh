@@ -216,7 +216,7 @@ for part in $PARTS; do
            "DSV4_X8_OPW=1,2,4+DSV4_X8_PIPE=2" "DSV4_X8_PIPE=0,2" "DSV4_X8_PIPE=0,4" "DSV4_X8_OPW=2,4,8+DSV4_X8_PIPE=2,2"
            "DSV4_GEMVT_PIPE=1" "DSV4_X8_OPW=1,4,8+DSV4_X8_PIPE=2,2+DSV4_GEMVT_PIPE=1")
         LAYERS=4 BATCH=1 bash tools/device/ab_step.sh "${V[@]}" > "$OUT/pipe-ab1.txt" 2>&1
-        echo "4 q2 layers, batch 1 (builtin = load-then-decode, one output a warp):" >> "$S"
+        echo "4 q2 layers, batch 1 (builtin = load-then-decode, one output a warp but the two-launch experts 4 / 4 since v49):" >> "$S"
         cat "$OUT/pipe-ab1.txt" >> "$S"
         best=$(awk '$1 == "pass" && $2 == 2 && /ms\/step/ {
                    for (i = 1; i < NF; i++) if ($(i + 1) == "ms/step") { print $i, $3; break } }' "$OUT/pipe-ab1.txt" |

@@ -55,30 +55,29 @@ batches_16_64() {
   grep -E '^decode batch' "$OUT/b1664.txt" | cut -c1-150 >> "$S"
 }
 # `variant_env NAME`: the environment of a named kernel variant: base, base2: none (the built-in
-# kernels); dn5bp: kvar/dn5b with DSV4_DOWN1_PAIRS=1; dnp and the outputs-a-warp forms (upN:
-# moe_up1s N outputs a warp, dnN: moe_down1s; up2p with X8_PIPE; gemv4: the one-row dense
-# products 4 outputs a warp, so wo_a's block writes a whole 32-value group; dn2b3 / dn4b2:
-# moe_down1s at 2 / 4 outputs a warp held to 3 / 2 blocks an SM by kvar/dnb3 / dnb2's launch
-# bounds, 80 / 128 registers with no spills): the launcher's settings
-# (`keep_ptx.sh 'DSV4_X8_OPW=…'` keeps their PTX); any other: kvar/NAME.
+# kernels: since v49 the two-launch experts at 4 / 4 outputs a warp, moe_down1s bounded to 2
+# blocks an SM); old: every one-row kernel at 1 (the default before v49); dn5bp: kvar/dn5b with
+# DSV4_DOWN1_PAIRS=1; dnp and the outputs-a-warp forms (upN: moe_up1s N outputs a warp, dnN:
+# moe_down1s, both expert forms; up2p with X8_PIPE; gemv4: the one-row dense products 4 outputs a
+# warp, so wo_a's block writes a whole 32-value group, with the default's experts). moe_down1s
+# at 2 / 4 outputs is bounded to 3 / 2 blocks an SM by quant.cu since v49, so dnN are the v48
+# forms dnNbM (kvar/dnb3 / dnb2 held those bounds) and no longer the unbounded ones. The
+# launcher's settings (`keep_ptx.sh 'DSV4_X8_OPW=…'` keeps their PTX); any other: kvar/NAME.
 variant_env() {
   case $1 in
     base|base2) ;;
+    old) echo DSV4_X8_OPW=1,1,1 ;;
     dn5bp) echo DSV4_DOWN1_PAIRS=1 DSV4_CUDA_KERNELS=.devbin/kvar/dn5b ;;
     dnp) echo DSV4_DOWN1_PAIRS=1 ;;
     up2) echo DSV4_X8_OPW=1,2,1 ;;
     up4) echo DSV4_X8_OPW=1,4,1 ;;
     up2p) echo DSV4_X8_OPW=1,2,1 DSV4_X8_PIPE=2 ;;
-    dn2) echo DSV4_X8_OPW=1,1,2 ;;
-    dn4) echo DSV4_X8_OPW=1,1,4 ;;
+    dn2|dn2b3) echo DSV4_X8_OPW=1,1,2 ;;
+    dn4|dn4b2) echo DSV4_X8_OPW=1,1,4 ;;
     up2dn2) echo DSV4_X8_OPW=1,2,2 ;;
-    up4dn2) echo DSV4_X8_OPW=1,4,2 ;;
-    up4dn4) echo DSV4_X8_OPW=1,4,4 ;;
-    gemv4) echo DSV4_X8_OPW=4,1,1 ;;
-    dn2b3) echo DSV4_X8_OPW=1,1,2 DSV4_CUDA_KERNELS=.devbin/kvar/dnb3 ;;
-    dn4b2) echo DSV4_X8_OPW=1,1,4 DSV4_CUDA_KERNELS=.devbin/kvar/dnb2 ;;
-    up4dn2b3) echo DSV4_X8_OPW=1,4,2 DSV4_CUDA_KERNELS=.devbin/kvar/dnb3 ;;
-    up4dn4b2) echo DSV4_X8_OPW=1,4,4 DSV4_CUDA_KERNELS=.devbin/kvar/dnb2 ;;
+    up4dn2|up4dn2b3) echo DSV4_X8_OPW=1,4,2 ;;
+    up4dn4|up4dn4b2) echo DSV4_X8_OPW=1,4,4 ;;
+    gemv4) echo DSV4_X8_OPW=4,1,1,1,4,4 ;;
     *) echo DSV4_CUDA_KERNELS=.devbin/kvar/$1 ;;
   esac
 }

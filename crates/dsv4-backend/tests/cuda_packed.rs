@@ -403,9 +403,10 @@ fn cuda_int8_products_match_the_twin() {
 /// distinct rows, a verify's shape) are bitwise the separate launches (moe_sort, up, quant_x8, down, moe_combine; the shared expert's up,
 /// quant_x8, down; the add) for the routed, shared and summed outputs: ds4's q2 layout (IQ2_XXS
 /// gate/up, Q2_K down, Q8_0 shared expert, 6 slots), Q8_0 throughout with 7 slots (8 pairs, a
-/// warp each in the down kernel) and Q2_K throughout. inter = 512 or 256: h's 32-value groups
-/// are each finished by the last of 4 up blocks, whose counters every launch must leave zero,
-/// so each case runs three times. The sum is also bitwise the first row of the same row twice
+/// warp each in the down kernel) and Q2_K throughout. inter = 512 or 256: at one output a warp
+/// (the Q8_0 and Q2_K gate/up forms) h's 32-value groups are each finished by the last of 4 up
+/// blocks, whose counters every launch must leave zero, so each case runs three times; at 4 (the
+/// IQ2_XXS form's default) a block owns whole groups, against separate kernels at 1. The sum is also bitwise the first row of the same row twice
 /// (the several-row kernels) and held to the CPU oracle (2e-2, the int8 activations' rounding as
 /// in `cuda_int8_products_match_the_twin`). Rows of 1,280 and 768 values end a lane's batch
 /// part-way (DSV4_X8_PIPE's software-pipelined form).

@@ -48,8 +48,9 @@ pub(crate) fn gemvt_pipe() -> bool {
 
 /// Whether `moe_down1s` runs blocks of one warp a pair (k + 1 = 7 warps for V4: none idle) or of
 /// Q_WARPS warps (the built-in, one idle at k = 6): `DSV4_DOWN1_PAIRS=1`. The same values (the
-/// kernel's warps past the pairs form nothing); with 64 registers a thread both hold 4 blocks an
-/// SM, so it moves something only where the kernel holds fewer registers (PERF.md v44).
+/// kernel's warps past the pairs form nothing). At one output a warp (64 registers) both hold 4
+/// blocks an SM, so it moved nothing (PERF.md v44, v49's dn5bp); at the default 4 (128 registers,
+/// 2 blocks an SM) it has not been timed.
 fn down1_pair_warps() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("DSV4_DOWN1_PAIRS").is_ok_and(|v| v.trim() == "1"))

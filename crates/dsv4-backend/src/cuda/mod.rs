@@ -1308,7 +1308,8 @@ impl CudaBackend {
     /// `moe_down1s`; their n-row forms past 1): a verify of 1 + 1..3 drafts would launch 2
     /// kernels for its experts where the several-row path launches ~11. Each pair is its own
     /// one-row product there, so an expert two rows chose, and the shared expert, are read
-    /// once a row, and the n-row kernels hold 94 registers (2 blocks an SM). Measured (H100, 32
+    /// once a row, and the n-row kernels held 94 registers (2 blocks an SM; since v49 at 4 outputs
+    /// a warp 234 and 128, 1 and 2 blocks). Measured (H100, 32
     /// q2 layers, batch 1, PERF.md v43): with 4, verify 1+2 9.73 ms and 1+3 11.33 against 9.27 and
     /// 10.53 with 1, and 2 lost at 1+1 too (7.96 against 7.89), so the start value is 1
     /// (`DSV4_FFN1_ROWS`, 1 to 8).

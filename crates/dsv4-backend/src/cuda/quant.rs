@@ -180,15 +180,17 @@ fn suffix(f: PackedFormat) -> &'static str {
 /// separate expert kernels (`up`, `down`; `downn` the several-row down kernel's) and the
 /// two-launch experts a decode step runs (`up1s`, `down1s`). More outputs a warp put more loads
 /// in flight and share one activation chunk, but take registers. The two-launch pair defaults to
-/// 4 and 4: its blocks then run ~1 and ~4 waves instead of ~4.5 and ~8 (moe_down1s held to 2
-/// blocks an SM by quant.cu's `DOWN1_BOUNDS`), and a moe_up1s block writes whole 32-value groups,
-/// so it quantises them with no ticket. H100, 32 q2 layers: one-row experts 51.0 → 46.6 µs a
-/// call from DRAM, the step −0.07 ms, batches 16 / 64 a tie (PERF.md v49). The separate kernels
-/// stay at 1 (at 4 their Q8_0 and Q2_K gate/up spill ~1 KB a thread), and so do the dense
-/// products (nothing gained past 1, v48), and moe_up1s for routed Q8_0 and Q2_K gate/up rows
-/// ([`X8Opw::up1s_for`]). The sums are the same either way.
-/// `DSV4_X8_OPW=GEMV,UP,DOWN[,DOWNN]` (each 1 to 8; DOWNN 1 or 2) sets them all, UP and DOWN for
-/// both expert forms (`1,1,1` is the default before v49).
+/// 4 and 4 (4 gate/up outputs for IQ2_XXS rows only, [`X8Opw::up1s_for`]: its Q8_0 and Q2_K
+/// forms spill at 4): its blocks then run ~1 and ~4 waves instead of ~4.5 and ~8 (moe_down1s
+/// held to 2 blocks an SM by quant.cu's `DOWN1_BOUNDS`), and an IQ2_XXS moe_up1s block writes
+/// whole 32-value groups, so it quantises them with no ticket. H100, 32 q2 layers: one-row
+/// experts 51.4 → 47.3 µs a call from DRAM, the step 6.17 → 6.07 ms, batches 16 / 64 a tie
+/// (PERF.md v49). The separate kernels stay at 1 (at 4 their Q8_0 and Q2_K gate/up spill ~1 KB a
+/// thread), and so do the dense products (nothing gained past 1, v48). The sums are the same
+/// either way. `DSV4_X8_OPW=GEMV,UP,DOWN[,DOWNN[,UP1S,DOWN1S]]` (each 1 to 8; DOWNN 1 or 2)
+/// overrides them; without the last two, UP and DOWN set both expert forms (`1,1,1` is the
+/// default before v49). A quant.cu from `DSV4_CUDA_KERNELS` older than v49 runs the pair at UP
+/// and DOWN, so its grids are sized that way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct X8Opw {
     pub gemv: usize,
@@ -213,7 +215,14 @@ impl X8Opw {
 
 pub(crate) fn x8_opw() -> X8Opw {
     static OPW: std::sync::OnceLock<X8Opw> = std::sync::OnceLock::new();
-    *OPW.get_or_init(|| x8_opw_of(std::env::var("DSV4_X8_OPW").ok().as_deref()))
+    *OPW.get_or_init(|| {
+        let o = x8_opw_of(std::env::var("DSV4_X8_OPW").ok().as_deref());
+        if super::kernel_source("quant.cu", include_str!("kernels/quant.cu")).contains("X8_OPW_DOWN1S") {
+            o
+        } else {
+            X8Opw { up1s: o.up, down1s: o.down, ..o }
+        }
+    })
 }
 
 /// [`x8_opw`] for a value of `DSV4_X8_OPW` (None: unset).
@@ -225,9 +234,10 @@ fn x8_opw_of(v: Option<&str>) -> X8Opw {
     match n[..] {
         [gemv, up, down] if ok => X8Opw { gemv, up, down, downn: 1, up1s: up, down1s: down },
         [gemv, up, down, downn] if ok && downn <= 2 => X8Opw { gemv, up, down, downn, up1s: up, down1s: down },
+        [gemv, up, down, downn, up1s, down1s] if ok && downn <= 2 => X8Opw { gemv, up, down, downn, up1s, down1s },
         _ => {
             tracing::warn!(
-                "DSV4_X8_OPW={v:?} is not GEMV,UP,DOWN[,DOWNN] (each 1 to 8, DOWNN 1 or 2); using {default:?}"
+                "DSV4_X8_OPW={v:?} is not GEMV,UP,DOWN[,DOWNN[,UP1S,DOWN1S]] (each 1 to 8, DOWNN 1 or 2); using {default:?}"
             );
             default
         }
@@ -1048,7 +1058,10 @@ mod tests {
         assert_eq!((old.up1s, old.down1s, old.downn), (1, 1, 1));
         let s = x8_opw_of(Some("2, 4, 2, 2"));
         assert_eq!(s, X8Opw { gemv: 2, up: 4, down: 2, downn: 2, up1s: 4, down1s: 2 });
-        for bad in ["1,9,1", "1,1", "1,x,1", "1,1,1,3", ""] {
+        // Six fields set the two-launch pair apart (gemv4 against the default's experts).
+        let g4 = x8_opw_of(Some("4,1,1,1,4,4"));
+        assert_eq!(g4, X8Opw { gemv: 4, ..d });
+        for bad in ["1,9,1", "1,1", "1,x,1", "1,1,1,3", "1,1,1,1,4", "1,1,1,1,4,9", ""] {
             assert_eq!(x8_opw_of(Some(bad)), d, "{bad:?}");
         }
     }

@@ -1444,10 +1444,11 @@ __device__ __forceinline__ void expert_ptrs(unsigned long long (&loc)[6], unsign
 // row's results are bitwise those of the separate launches, and of the row alone.
 
 // Grid (n·(k + 1), ⌈inter / (8·P)⌉), P X8_OPW_UP1S for IQ2_XXS rows, else X8_OPW_UP: block
-// (t·(k + 1) + j, y) forms row t's pair j's outputs y·8·P..; xq / xd hold n rows of d; h, hq, hd n·(k + 1) rows of `inter` (hd:
-// inter / 32 scales a row), cnt n·(k + 1)·inter / 32 counters. ROWS false: one row (n = 1), the
-// form a decode step runs (the row arithmetic took it from 80 to 94 registers, sm_90a, past
-// the 3 blocks an SM it holds at 80).
+// (t·(k + 1) + j, y) forms row t's pair j's outputs y·8·P..; xq / xd hold n rows of d; h, hq, hd
+// n·(k + 1) rows of `inter` (hd: inter / 32 scales a row), cnt n·(k + 1)·inter / 32 counters
+// (unused where 8·P is a multiple of 32: a block then owns whole groups). ROWS false: one row
+// (n = 1), the form a decode step runs. Registers (ptxas 13.5, sm_90a): IQ2_XXS/Q8_0 229 at
+// P = 4 (1 block an SM; ROWS 234), 80 at P = 1 (3 blocks; ROWS 94).
 template <int R, int S, bool ROWS>
 __device__ void moe_up1s(float* __restrict__ h, signed char* __restrict__ hq, float* __restrict__ hd, unsigned* cnt,
                          const signed char* __restrict__ xq, const float* __restrict__ xd, const unsigned* ids,
@@ -1894,10 +1895,12 @@ X8_KERNELS(F_Q8_0, q8_0, 1, 2, 3)
 X8_KERNELS(F_Q2_K, q2_k, 1, 5, 4)
 X8_KERNELS(F_IQ2_XXS, iq2_xxs, 4, 3, 4)
 
-// moe_down1s's blocks an SM by its outputs a warp (registers, ptxas 13.5 sm_90a, no spills):
-// 1 takes 64 (4 an SM, no bound needed), 2 80 at 3 an SM, 4 128 at 2 an SM. Unbounded, 2 and
-// 4 took 96 and 168 registers (2 and 1 an SM), so the grid's waves stayed at ~7.8; bounded
-// they are 5.2 and 3.9 (PERF.md v49: one-row experts 51.0 → 46.6 µs from DRAM at 1,4,4).
+// moe_down1s's blocks an SM by its outputs a warp (registers, ptxas 13.5 sm_90a): 1 takes 64
+// (4 an SM, no bound needed), 2 80 at 3 an SM, 4 128 at 2 an SM, with no spills in the one-row
+// forms (4 bytes in moe_down1sn_q2_k_q8_0; the device's ptxas 13.0 leaves 8–48-byte frames in
+// the Q2_K forms). Unbounded, 2 and 4 took 96 and 168 registers (2 and 1 an SM), so the grid's
+// waves stayed at ~7.8; bounded they are 5.2 and 3.9 (PERF.md v49: one-row experts 51.0 →
+// 46.6 µs from DRAM at 1,4,4). At 8 (only by DSV4_X8_OPW) the bound of 2 spills ~1.6 KB.
 #if X8_OPW_DOWN1S >= 4
 #define DOWN1_BOUNDS __launch_bounds__(256, 2)
 #elif X8_OPW_DOWN1S >= 2
