@@ -62,7 +62,8 @@ batches_16_64() {
 # warp, so wo_a's block writes a whole 32-value group, with the default's experts). moe_down1s
 # at 2 / 4 outputs is bounded to 3 / 2 blocks an SM by quant.cu since v49, so dnN are the v48
 # forms dnNbM (kvar/dnb3 / dnb2 held those bounds) and no longer the unbounded ones. The
-# launcher's settings (`keep_ptx.sh 'DSV4_X8_OPW=…'` keeps their PTX); any other: kvar/NAME.
+# launcher's settings (`keep_ptx.sh 'DSV4_X8_OPW=…'` keeps their PTX); att16: the decode slices on
+# blocks of 16 heads (attention_tcd, v49, built in); any other: kvar/NAME.
 variant_env() {
   case $1 in
     base|base2) ;;
@@ -78,6 +79,7 @@ variant_env() {
     up4dn2|up4dn2b3) echo DSV4_X8_OPW=1,4,2 ;;
     up4dn4|up4dn4b2) echo DSV4_X8_OPW=1,4,4 ;;
     gemv4) echo DSV4_X8_OPW=4,1,1,1,4,4 ;;
+    att16) echo DSV4_ATT_TC_HEADS=16 ;;
     *) echo DSV4_CUDA_KERNELS=.devbin/kvar/$1 ;;
   esac
 }

@@ -613,11 +613,24 @@ fn cuda_prefill_attention_tc_matches_f32_kernel() {
 /// HCA ~216: 7) and after a 20-token one (one slice; two from position 26 on the CSA layer).
 /// Tolerance as `cuda_prefill_attention_tc_matches_f32_kernel`'s: bf16 queries, keys and weights
 /// (2^-9 relative each, f32 sums), ≤ 1e-2 a row from the f32 kernel, which the slices must differ
-/// from (else they did not run), every logit finite.
+/// from (else they did not run), every logit finite. On blocks of 64 heads (`attention_tc`).
 #[test]
 fn cuda_decode_attention_slices_match_f32_kernel() {
+    decode_attention_slices(64);
+}
+
+/// The same on blocks of 16 heads (`attention_tcd`, `set_attention_tc_heads(16)`).
+#[test]
+fn cuda_decode_attention_slices_of_16_heads_match_f32_kernel() {
+    decode_attention_slices(16);
+}
+
+fn decode_attention_slices(heads: usize) {
     let Some(b) = gpu() else { return };
     b.set_exact(false);
+    let heads0 = b.attention_tc_heads();
+    b.set_attention_tc_heads(heads);
+    assert_eq!(b.attention_tc_heads(), heads);
     let dir = flash_heads_dir();
     let mut gpu = Model::load(b, dir.path(), 6, false).unwrap();
     let mut cpu = cpu_bf16(dir.path(), 2);
@@ -673,9 +686,10 @@ fn cuda_decode_attention_slices_match_f32_kernel() {
     }
     gpu.backend.set_attention_tc_rows(32);
     let worst = |e: &[f64]| e.iter().fold(0f64, |m, &x| m.max(x));
+    gpu.backend.set_attention_tc_heads(heads0);
     println!(
-        "attention_tc slices over {} prompt and decode rows: worst {:.2e} from the f32 kernel, {:.2e} from the CPU; \
-         {alone} decode rows bitwise alone",
+        "attention_tc slices of {heads} heads a block over {} prompt and decode rows: worst {:.2e} from the f32 \
+         kernel, {:.2e} from the CPU; {alone} decode rows bitwise alone",
         vs_f32.len(),
         worst(&vs_f32),
         worst(&vs_cpu)

@@ -322,10 +322,16 @@ const ATTN_ROW_TILE: usize = 64;
 /// covers (cuda_invariance), so a row's result at up to 16 rows never depends on its batch.
 pub(crate) const ATC_MIN_ROWS: usize = 32;
 /// `ATC_H` of attention.cu: heads an `attention_tc` block takes.
-const ATC_HEADS: usize = 64;
-/// `ATC_SMEM` of attention.cu: `attention_tc`'s dynamic shared memory (queries and two key tiles
-/// of 16, rows of 520 bf16).
-pub(crate) const ATC_SMEM: usize = (ATC_HEADS + 2 * 16) * 520 * 2;
+pub(crate) const ATC_HEADS: usize = 64;
+/// Heads an `attention_tcd` block takes (decode slices, [`CudaBackend::set_attention_tc_heads`]).
+pub(crate) const ATCD_HEADS: usize = 16;
+/// `ATC_SMEM_OF(heads)` of attention.cu: dynamic shared memory of a block of that many heads
+/// (queries and two key tiles of 16, rows of 520 bf16).
+pub(crate) const fn atc_smem(heads: usize) -> usize {
+    (heads + 2 * 16) * 520 * 2
+}
+/// `ATC_SMEM` of attention.cu: `attention_tc`'s.
+pub(crate) const ATC_SMEM: usize = atc_smem(ATC_HEADS);
 
 /// What `attention_tc` reads of a layer's state and the call, but the window ring (see
 /// [`attention_tc`]).
@@ -347,7 +353,8 @@ struct AtcKeys<'a> {
 /// `attention_tc` over rows `t0..t0 + rows` (block (row, 64 heads, slice)), with `pf`'s L2
 /// prefetch blocks past the rows: `slices` = 1 writes each row's output (prefill-sized calls);
 /// more cut each row's key tiles into that many slices at most, whose partials go to `part` for
-/// `attention_merge` (decode-sized calls).
+/// `attention_merge` (decode-sized calls), on blocks of `hb` heads (64, or 16: `attention_tcd`).
+#[allow(clippy::too_many_arguments)]
 fn attention_tc(
     b: &CudaBackend,
     k: &AtcKeys,
@@ -355,21 +362,23 @@ fn attention_tc(
     out: &mut CudaTensor,
     part: &CudaSlice<f32>,
     (t0, rows, slices): (usize, usize, usize),
+    hb: usize,
     pf: &L2Ranges,
 ) {
     let h = k.q.cols / 512;
     let lc = LaunchConfig {
-        grid_dim: ((rows + pf.layers as usize) as u32, (h / ATC_HEADS) as u32, slices as u32),
+        grid_dim: ((rows + pf.layers as usize) as u32, (h / hb) as u32, slices as u32),
         block_dim: (256, 1, 1),
-        shared_mem_bytes: ATC_SMEM as u32,
+        shared_mem_bytes: atc_smem(hb) as u32,
     };
+    let f = if hb == ATCD_HEADS { &b.k.attention_tcd } else { &b.k.attention_tc };
     // SAFETY: argument types and buffer sizes match the kernel (q and out [n, h·512], the
     // state's ring and entries as the f32 kernel reads them, `part` tile rows × h × ATT_S slices
     // of 514 floats where `slices` > 1).
     ck(
         unsafe {
             b.stream()
-                .kernel(&b.k.attention_tc)
+                .kernel(f)
                 .arg(&mut out.data)
                 .arg(&k.q.data)
                 .arg(&k.kv.data)
@@ -428,21 +437,22 @@ pub fn attend(
     let (ni, di, wi, rci) = (n as i32, d as i32, win as i32, rcap as i32);
     let tc_fits = d == 512 && h.is_multiple_of(ATC_HEADS) && !b.exact() && b.attention_tc();
     let tc = tc_fits && n >= b.attention_tc_rows();
-    // Decode-sized calls: attention_tc's key slices, then attention_merge.
+    // Decode-sized calls: attention_tc's key slices (blocks of `hb` heads), then attention_merge.
     let slices = tc_fits && !tc && b.attention_tc_slices();
+    let hb = b.attention_tc_heads();
     // The weights the forward named next (wo_a), prefetched by extra x layers of the first
     // launch below (blocks a layer: the grid's y·z).
     let per_layer = if tc {
         h / ATC_HEADS
     } else if slices {
-        h / ATC_HEADS * ATTN_SLICES
+        h / hb * ATTN_SLICES
     } else {
         h.div_ceil(ATTN_HEADS_PER_BLOCK) * ATTN_SLICES
     };
     let pf = b.take_l2_ranges(n, per_layer);
     let keys = AtcKeys { q, kv, entries, cap, m, sel: seli, has_sel, topk, sinks, rows, win, rcap };
     if tc {
-        attention_tc(b, &keys, &ls.ring, &mut out, &b.dummy_f32, (0, n, 1), &pf);
+        attention_tc(b, &keys, &ls.ring, &mut out, &b.dummy_f32, (0, n, 1), ATC_HEADS, &pf);
     }
     // The decode kernel's epilogue (`set_att_fused`): the inverse RoPE and the output's int8
     // codes where the merge forms it, the window ring's rows written by the kernel where no slot
@@ -481,7 +491,7 @@ pub fn attend(
                 // Block (row, 64 heads, slice): each row's key tiles over up to ATTN_SLICES
                 // blocks (attention_tc's `part` writes), then a block a (row, head) merges them,
                 // a thread two columns (d = 512 here).
-                attention_tc(b, &keys, &ls.ring, &mut out, &part, (t0, rows_here, ATTN_SLICES), pf_at(t0));
+                attention_tc(b, &keys, &ls.ring, &mut out, &part, (t0, rows_here, ATTN_SLICES), hb, pf_at(t0));
                 let lc = LaunchConfig {
                     grid_dim: (rows_here as u32, h as u32, 1),
                     block_dim: ((d / 2) as u32, 1, 1),

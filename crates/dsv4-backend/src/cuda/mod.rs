@@ -223,6 +223,7 @@ pub(crate) struct Kernels {
     pub index_score_topk: CudaFunction,
     pub attention: CudaFunction,
     pub attention_tc: CudaFunction,
+    pub attention_tcd: CudaFunction,
     pub attention_merge: CudaFunction,
     pub ring_write: CudaFunction,
     pub route: CudaFunction,
@@ -744,6 +745,7 @@ impl Kernels {
                 "index_score_topk",
                 "attention",
                 "attention_tc",
+                "attention_tcd",
                 "attention_merge",
                 "ring_write",
             ],
@@ -812,6 +814,7 @@ impl Kernels {
             index_score_topk: n(&mut a),
             attention: n(&mut a),
             attention_tc: n(&mut a),
+            attention_tcd: n(&mut a),
             attention_merge: n(&mut a),
             ring_write: n(&mut a),
             route: n(&mut m),
@@ -1025,6 +1028,8 @@ pub struct CudaBackend {
     att_fused: std::sync::atomic::AtomicBool,
     /// Decode-sized fast-mode attention on `attention_tc`'s key slices ([`CudaBackend::set_attention_tc_slices`]).
     attention_tc_slices: std::sync::atomic::AtomicBool,
+    /// Heads a block of the decode slices (64: `attention_tc`; 16: `attention_tcd`).
+    attention_tc_heads: std::sync::atomic::AtomicUsize,
     /// One-row int8 products of k ≤ 1024 at 4 outputs a warp (see [`CudaBackend::set_gemv4`]).
     gemv4: std::sync::atomic::AtomicBool,
     /// Int8 calls of 2 to 4 rows on the kernels built for that many (see
@@ -1571,6 +1576,22 @@ impl CudaBackend {
         self.attention_tc_slices.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Heads a block of the decode slices: 64 (`attention_tc`, the default) or 16
+    /// (`attention_tcd`: a quarter of the queries to load, of the partials to write and of a
+    /// warp's QK / PV work, on 4× the blocks; PERF.md v49, not yet timed). The slices and every
+    /// row's result stay functions of the row alone; the sums' order over d differs (8 spans of
+    /// 64 channels, not 2 of 256), so the two forms' values differ in the last bits. Start value:
+    /// `DSV4_ATT_TC_HEADS` (16 or 64); other values keep 64.
+    pub fn set_attention_tc_heads(&self, heads: usize) {
+        let h = if heads == attention::ATCD_HEADS { heads } else { attention::ATC_HEADS };
+        self.attention_tc_heads.store(h, std::sync::atomic::Ordering::Relaxed);
+        self.bump_settings();
+    }
+
+    pub fn attention_tc_heads(&self) -> usize {
+        self.attention_tc_heads.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Blocks an HC_PRE or attention launch of at most 64 rows adds to prefetch the weights the
     /// forward names next ([`Backend::prefetch`]: the attention's wq_a, wkv and wq_b, its wo_a;
     /// the router and the shared expert) into L2 with `cp.async.bulk.prefetch` while the
@@ -1675,6 +1696,10 @@ impl CudaBackend {
             cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             attention::ATC_SMEM as i32,
         )?;
+        k.attention_tcd.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            attention::atc_smem(attention::ATCD_HEADS) as i32,
+        )?;
         k.index_score_tc.set_attribute(
             cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             attention::ITC_SMEM as i32,
@@ -1772,6 +1797,12 @@ impl CudaBackend {
             ),
             ffn1_rows: std::sync::atomic::AtomicUsize::new(bf16::ffn1_rows_env()),
             gemvo: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_GEMVO").map_or(true, |v| v.trim() != "0")),
+            attention_tc_heads: std::sync::atomic::AtomicUsize::new(
+                match std::env::var("DSV4_ATT_TC_HEADS").ok().and_then(|v| v.trim().parse().ok()) {
+                    Some(attention::ATCD_HEADS) => attention::ATCD_HEADS,
+                    _ => attention::ATC_HEADS,
+                },
+            ),
             attention_tc_slices: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_ATT_TC_SLICES").map_or(true, |v| v.trim() != "0"),
             ),

@@ -908,10 +908,11 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_HG, ATT_MINB) attention(fl
 // 18.4 → 15.9 ms of attention). Keys arrive 16 at a
 // time: the next tile's f32 rows are loaded into registers while the current one's math runs,
 // then rounded and stored into the other shared buffer. Dynamic shared memory: ATC_SMEM bytes.
-#define ATC_H 64       // heads a block
+#define ATC_H 64       // heads a block (attention_tc; attention_tcd: 16)
 #define ATC_KT 16      // keys a tile
 #define ATC_LD 520     // bf16 a shared row: 512 + 8 (ldmatrix rows on 8 distinct bank groups)
-#define ATC_SMEM ((ATC_H + 2 * ATC_KT) * ATC_LD * 2)
+#define ATC_SMEM_OF(HB) (((HB) + 2 * ATC_KT) * ATC_LD * 2)
+#define ATC_SMEM ATC_SMEM_OF(ATC_H)
 #define ATC_SELMAX 2048  // selected entries a row kept in shared memory (more: read from global)
 #ifndef ATC_MINT
 #define ATC_MINT 2  // key tiles a slice takes at least (decode-sized calls, see attention_tc's slices)
@@ -923,21 +924,27 @@ __device__ __forceinline__ int atc_slices(int ntiles, int zs) {
     return min(min(zs, ATT_S), max(1, (ntiles + ATC_MINT - 1) / ATC_MINT));
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1)
-    attention_tc(float* out, const float* q, const float* kv, const float* ring, int win, int rcap,
-                 const float* entries, int cap, int m, const unsigned* sel, int has_sel, int topk,
-                 const float* sinks, const unsigned* rows, int n, int heads, float* part, int t0,
-                 const __grid_constant__ L2Ranges pf) {
-    if (l2_prefetch_block(pf, 0)) return;  // past the rows: L2 prefetch (common.cuh)
-    pdl_enter();
+// The body of attention_tc (HB = ATC_H: 64 heads a block) and attention_tcd (HB = 16, decode
+// slices only): MI = HB / 16 head tiles, each formed by NP = 8 / MI warps that split d into spans
+// of 512 / NP channels (64 heads: 2 warps of 256; 16 heads: 8 warps of 64). A warp's S partials
+// are summed over its tile's NP warps in span order, so HB = 64 keeps attention_tc's bits. With
+// 16 heads a block, a decode slice loads a quarter of the queries, writes a quarter of the
+// partials and carries a quarter of the QK / PV products a warp, on 4× the blocks (PERF.md v49:
+// a 64-head slice block was a fixed ~15 µs chain of ~2,200 instructions a warp).
+template <int HB>
+__device__ __forceinline__ void attention_tc_body(float* out, const float* q, const float* kv, const float* ring,
+                                                  int win, int rcap, const float* entries, int cap, int m,
+                                                  const unsigned* sel, int has_sel, int topk, const float* sinks,
+                                                  const unsigned* rows, int n, int heads, float* part, int t0) {
+    constexpr int MI = HB / 16, NP = 8 / MI, SPAN = 512 / NP, NJ = SPAN / 8;
     const int d = 512;
     extern __shared__ __align__(16) unsigned short atc_sm[];
-    unsigned short* Qs = atc_sm;                   // [ATC_H][ATC_LD]
-    unsigned short* Ks = atc_sm + ATC_H * ATC_LD;  // [2][ATC_KT][ATC_LD]
-    __shared__ float atc_sx[8][8][32];  // each warp's partial S (16 heads × 16 keys)
-    int tl = blockIdx.x, t = t0 + tl, h0 = blockIdx.y * ATC_H;
+    unsigned short* Qs = atc_sm;                // [HB][ATC_LD]
+    unsigned short* Ks = atc_sm + HB * ATC_LD;  // [2][ATC_KT][ATC_LD]
+    __shared__ float atc_sx[8][8][32];          // each warp's partial S (16 heads × 16 keys)
+    int tl = blockIdx.x, t = t0 + tl, h0 = blockIdx.y * HB;
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
-    int mi = warp & 3, nh = warp >> 2;
+    int mi = warp % MI, nh = warp / MI;
     long long p = ROW_POS(t);
     long long lo = p + 1 > win ? p + 1 - win : 0;
     int nwin = (int)(p - lo + 1), ncomp = 0;
@@ -953,15 +960,16 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     const int S = gridDim.z == 1 ? 1 : atc_slices(ntiles, gridDim.z), sl = blockIdx.z;
     if (sl >= S) return;  // block-uniform, before any barrier
     int tb = (int)((long long)ntiles * sl / S), te = (int)((long long)ntiles * (sl + 1) / S);
-    // The row's 64 heads' queries, rounded to bf16: 16 loads a thread in flight at once (two
-    // round trips; a decode slice block pays them before its few tiles).
+    // The block's HB heads' queries, rounded to bf16: up to 16 loads a thread in flight at once
+    // (64 heads: two round trips; 16 heads: one of 8 loads).
+    constexpr int QU = HB * 512 / 4 / 256 < 16 ? HB * 512 / 4 / 256 : 16;
     const float* qr = q + ((long long)t * heads + h0) * d;
-    for (int i0 = tid; i0 < ATC_H * d / 4; i0 += 16 * 256) {
-        float4 v[16];
+    for (int i0 = tid; i0 < HB * d / 4; i0 += QU * 256) {
+        float4 v[QU];
 #pragma unroll
-        for (int u = 0; u < 16; u++) v[u] = *(const float4*)(qr + 4 * (i0 + 256 * u));
+        for (int u = 0; u < QU; u++) v[u] = *(const float4*)(qr + 4 * (i0 + 256 * u));
 #pragma unroll
-        for (int u = 0; u < 16; u++) {
+        for (int u = 0; u < QU; u++) {
             int i = i0 + 256 * u, hh = i / (d / 4), c = 4 * (i % (d / 4));
             *(uint2*)(Qs + hh * ATC_LD + c) = make_uint2(bf2(v[u].x, v[u].y), bf2(v[u].z, v[u].w));
         }
@@ -1011,9 +1019,9 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         for (int i = 0; i < 8; i++)
             *(uint2*)(kb + sc + 64 * i) = make_uint2(bf2(kr[i].x, kr[i].y), bf2(kr[i].z, kr[i].w));
     };
-    float o[32][4];
+    float o[NJ][4];
 #pragma unroll
-    for (int j = 0; j < 32; j++)
+    for (int j = 0; j < NJ; j++)
 #pragma unroll
         for (int e = 0; e < 4; e++) o[j][e] = 0.f;
     float mx[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows g and g + 8 of the warp's tile
@@ -1026,13 +1034,14 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         int buf = (tile - tb) & 1;
         if (tile + 1 < te) load(tile + 1);
         const unsigned short* kb = Ks + buf * ATC_KT * ATC_LD;
-        // S (16 heads × 16 keys: two n-tiles of 8) in steps of 16 channels. The warp pair (mi, nh = 0 / 1) splits d: each forms S over its 256 channels in two
-        // accumulator chains, then the pair swaps partials through shared memory (lo + hi in
-        // both warps, so both hold the same bits).
+        // S (16 heads × 16 keys: two n-tiles of 8) in steps of 16 channels. The NP warps of head
+        // tile mi split d: each forms S over its SPAN channels in two accumulator chains, then
+        // they swap partials through shared memory, each summing all NP in span order (so every
+        // warp of the tile holds the same bits).
         float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
         float s2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll 4
-        for (int kk = 256 * nh; kk < 256 * nh + 256; kk += 32) {
+        for (int kk = SPAN * nh; kk < SPAN * nh + SPAN; kk += 32) {
             unsigned a[4], bb[4], a2[4], b2[4];
             ldsm_x4(a, Qs + (16 * mi + (lane & 15)) * ATC_LD + kk + (lane >> 4) * 8);
             ldsm_x4(bb, kb + ((lane & 7) + ((lane >> 4) << 3)) * ATC_LD + kk + ((lane >> 3) & 1) * 8);
@@ -1050,14 +1059,31 @@ extern "C" __global__ void __launch_bounds__(256, 1)
                 s[j][e] += s2[j][e];
                 atc_sx[warp][4 * j + e][lane] = s[j][e];
             }
-        asm volatile("bar.sync %0, 64;" ::"r"(1 + mi) : "memory");
+        if constexpr (NP == 8) {
+            // One tile a block: warp w sums the 8 partials of S's slot w (the same order, u = 0..7)
+            // into atc_sx[0][w], then every warp reads the sums (16 shared loads a lane, not 64).
+            __syncthreads();
+            float acc = atc_sx[0][warp][lane];
 #pragma unroll
-        for (int j = 0; j < 2; j++)
+            for (int u = 1; u < NP; u++) acc += atc_sx[u][warp][lane];
+            atc_sx[0][warp][lane] = acc;
+            __syncthreads();
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float other = atc_sx[warp ^ 4][4 * j + e][lane];
-                s[j][e] = nh == 0 ? s[j][e] + other : other + s[j][e];
-            }
+            for (int j = 0; j < 2; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[j][e] = atc_sx[0][4 * j + e][lane];
+        } else {
+            asm volatile("bar.sync %0, %1;" ::"r"(1 + mi), "r"(32 * NP) : "memory");
+#pragma unroll
+            for (int j = 0; j < 2; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float acc = atc_sx[mi][4 * j + e][lane];
+#pragma unroll
+                    for (int u = 1; u < NP; u++) acc += atc_sx[mi + MI * u][4 * j + e][lane];
+                    s[j][e] = acc;
+                }
+        }
         // Online softmax: this thread's values are rows g (e = 0, 1) and g + 8 (e = 2, 3), keys
         // 8·j + 2·tq + (e & 1); keys past nk are −∞.
         float nm[2] = {mx[0], mx[1]};
@@ -1096,17 +1122,17 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         // Once a row's maximum settles (most tiles of a long row) nothing needs rescaling.
         if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f))
 #pragma unroll
-            for (int j = 0; j < 32; j++) {
+            for (int j = 0; j < NJ; j++) {
                 o[j][0] *= corr[0];
                 o[j][1] *= corr[0];
                 o[j][2] *= corr[1];
                 o[j][3] *= corr[1];
             }
-        // O[:, 256·nh + 8j ..] += P · V: V = the keys, B fragments by transposed ldmatrix.
+        // O[:, SPAN·nh + 8j ..] += P · V: V = the keys, B fragments by transposed ldmatrix.
 #pragma unroll
-        for (int j = 0; j < 32; j += 2) {
+        for (int j = 0; j < NJ; j += 2) {
             unsigned bb[4];
-            ldsm_x4_t(bb, kb + ((lane & 7) + ((lane >> 3) & 1) * 8) * ATC_LD + 256 * nh + 8 * j + (lane >> 4) * 8);
+            ldsm_x4_t(bb, kb + ((lane & 7) + ((lane >> 3) & 1) * 8) * ATC_LD + SPAN * nh + 8 * j + (lane >> 4) * 8);
             mma_bf16_16816(o[j], pa, bb[0], bb[1]);
             mma_bf16_16816(o[j + 1], pa, bb[2], bb[3]);
         }
@@ -1125,8 +1151,8 @@ extern "C" __global__ void __launch_bounds__(256, 1)
             int hh = h0 + 16 * mi + g + 8 * r;
             float* pr = part + (((long long)tl * heads + hh) * ATT_S + sl) * (d + 2);
 #pragma unroll
-            for (int j = 0; j < 32; j++)
-                *(float2*)(pr + 256 * nh + 8 * j + 2 * tq) = make_float2(o[j][2 * r], o[j][2 * r + 1]);
+            for (int j = 0; j < NJ; j++)
+                *(float2*)(pr + SPAN * nh + 8 * j + 2 * tq) = make_float2(o[j][2 * r], o[j][2 * r + 1]);
             if (nh == 0 && tq == 0) {
                 pr[d] = mx[r];
                 pr[d + 1] = l[r];
@@ -1143,14 +1169,38 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         w[r] = f / (l[r] * f + expf(sink - M));
     }
 #pragma unroll
-    for (int j = 0; j < 32; j++) {
-        int c = 256 * nh + 8 * j + 2 * tq;
+    for (int j = 0; j < NJ; j++) {
+        int c = SPAN * nh + 8 * j + 2 * tq;
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             int hh = h0 + 16 * mi + g + 8 * r;
             *(float2*)(out + ((long long)t * heads + hh) * d + c) = make_float2(o[j][2 * r] * w[r], o[j][2 * r + 1] * w[r]);
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+    attention_tc(float* out, const float* q, const float* kv, const float* ring, int win, int rcap,
+                 const float* entries, int cap, int m, const unsigned* sel, int has_sel, int topk,
+                 const float* sinks, const unsigned* rows, int n, int heads, float* part, int t0,
+                 const __grid_constant__ L2Ranges pf) {
+    if (l2_prefetch_block(pf, 0)) return;  // past the rows: L2 prefetch (common.cuh)
+    pdl_enter();
+    attention_tc_body<ATC_H>(out, q, kv, ring, win, rcap, entries, cap, m, sel, has_sel, topk, sinks, rows, n, heads,
+                             part, t0);
+}
+
+// attention_tc at 16 heads a block (decode slices, `DSV4_ATT_TC_HEADS=16`): grid (rows, heads / 16,
+// slices), dynamic shared memory ATC_SMEM_OF(16).
+extern "C" __global__ void __launch_bounds__(256, 2)
+    attention_tcd(float* out, const float* q, const float* kv, const float* ring, int win, int rcap,
+                  const float* entries, int cap, int m, const unsigned* sel, int has_sel, int topk,
+                  const float* sinks, const unsigned* rows, int n, int heads, float* part, int t0,
+                  const __grid_constant__ L2Ranges pf) {
+    if (l2_prefetch_block(pf, 0)) return;
+    pdl_enter();
+    attention_tc_body<16>(out, q, kv, ring, win, rcap, entries, cap, m, sel, has_sel, topk, sinks, rows, n, heads,
+                          part, t0);
 }
 
 // attention_tc's key slices merged (decode-sized calls): block (row, head), thread i taking
