@@ -15,6 +15,8 @@ call_start 540
 export DSV4_BIN=.devbin/dsv4 DSV4_FIXTURES=$PWD/tests/fixtures/hf DSV4_DSPARK_FIXTURES=$PWD/crates/dsv4-dspark/tests/fixtures
 run_test cuda_backend decode_attention_slices --nocapture
 grep -E 'attention_tc slices of' "$OUT/test-cuda_backend.txt" | cut -c1-200 >> "$S"
+# L2 prefetch blocks on the 16-head grid change no value either.
+t && ( export DSV4_ATT_TC_HEADS=16; run_test cuda_backend l2_prefetch )
 for tb in cuda_invariance cuda_gguf cuda_graph cuda_dspark; do t && ( export DSV4_ATT_TC_HEADS=16; run_test $tb ); done
 for v in base att16 base att16; do
   # shellcheck disable=SC2046

@@ -687,6 +687,8 @@ fn decode_attention_slices(heads: usize) {
     gpu.backend.set_attention_tc_rows(32);
     let worst = |e: &[f64]| e.iter().fold(0f64, |m, &x| m.max(x));
     gpu.backend.set_attention_tc_heads(heads0);
+    // The 16-head kernel ran where asked, and only there.
+    assert_eq!(gpu.backend.attention_tcd_launches() > 0, heads == 16, "attention_tcd launches at {heads} heads");
     println!(
         "attention_tc slices of {heads} heads a block over {} prompt and decode rows: worst {:.2e} from the f32 \
          kernel, {:.2e} from the CPU; {alone} decode rows bitwise alone",

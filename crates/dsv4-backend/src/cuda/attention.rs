@@ -350,7 +350,7 @@ struct AtcKeys<'a> {
     rcap: usize,
 }
 
-/// `attention_tc` over rows `t0..t0 + rows` (block (row, 64 heads, slice)), with `pf`'s L2
+/// `attention_tc` over rows `t0..t0 + rows` (block (row, hb heads, slice)), with `pf`'s L2
 /// prefetch blocks past the rows: `slices` = 1 writes each row's output (prefill-sized calls);
 /// more cut each row's key tiles into that many slices at most, whose partials go to `part` for
 /// `attention_merge` (decode-sized calls), on blocks of `hb` heads (64, or 16: `attention_tcd`).
@@ -365,13 +365,19 @@ fn attention_tc(
     hb: usize,
     pf: &L2Ranges,
 ) {
+    assert!(hb == ATC_HEADS || hb == ATCD_HEADS, "attention_tc: {hb} heads a block (64 or 16)");
     let h = k.q.cols / 512;
     let lc = LaunchConfig {
         grid_dim: ((rows + pf.layers as usize) as u32, (h / hb) as u32, slices as u32),
         block_dim: (256, 1, 1),
         shared_mem_bytes: atc_smem(hb) as u32,
     };
-    let f = if hb == ATCD_HEADS { &b.k.attention_tcd } else { &b.k.attention_tc };
+    let f = if hb == ATCD_HEADS {
+        b.tcd_launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        &b.k.attention_tcd
+    } else {
+        &b.k.attention_tc
+    };
     // SAFETY: argument types and buffer sizes match the kernel (q and out [n, h·512], the
     // state's ring and entries as the f32 kernel reads them, `part` tile rows × h × ATT_S slices
     // of 514 floats where `slices` > 1).
@@ -488,7 +494,7 @@ pub fn attend(
         for t0 in (0..n).step_by(tile) {
             let rows_here = (n - t0).min(tile);
             if slices {
-                // Block (row, 64 heads, slice): each row's key tiles over up to ATTN_SLICES
+                // Block (row, hb heads, slice): each row's key tiles over up to ATTN_SLICES
                 // blocks (attention_tc's `part` writes), then a block a (row, head) merges them,
                 // a thread two columns (d = 512 here).
                 attention_tc(b, &keys, &ls.ring, &mut out, &part, (t0, rows_here, ATTN_SLICES), hb, pf_at(t0));

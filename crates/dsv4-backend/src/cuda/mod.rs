@@ -1054,6 +1054,8 @@ pub struct CudaBackend {
     l2_pending: std::sync::Mutex<Vec<(u64, u64)>>,
     /// Launches that carried prefetch blocks ([`CudaBackend::l2_prefetch_launches`]).
     l2_launches: std::sync::atomic::AtomicU64,
+    /// `attention_tcd` launches queued ([`CudaBackend::attention_tcd_launches`]).
+    pub(crate) tcd_launches: std::sync::atomic::AtomicU64,
     pub(crate) fusion: Fusion,
 }
 
@@ -1635,6 +1637,12 @@ impl CudaBackend {
         self.l2_launches.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// `attention_tcd` launches queued, eager or recorded (a test's evidence that the 16-head
+    /// slices ran).
+    pub fn attention_tcd_launches(&self) -> u64 {
+        self.tcd_launches.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Whether fast-mode indexer scores of prefill-sized calls (256 rows and more, V4-Flash's
     /// 64 heads of 128) take `index_score_tc` (bf16 queries and entries on tensor cores, f32
     /// sums) or the f32 kernel. Starts on unless `DSV4_INDEX_TC=0`.
@@ -1789,6 +1797,7 @@ impl CudaBackend {
             ),
             l2_pending: std::sync::Mutex::new(Vec::new()),
             l2_launches: std::sync::atomic::AtomicU64::new(0),
+            tcd_launches: std::sync::atomic::AtomicU64::new(0),
             row_caps: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_ROW_CAPS").map_or(true, |v| v.trim() != "0"),
             ),
