@@ -6,7 +6,10 @@
 # att16), then batch 1 alternating the built-in and att16, batch 16 each way, and one 4-layer
 # step's kernels under ncu with att16 (attention_tcd against attention_tc's 16–19 µs a layer).
 # Prediction: attention_tc 16–19 → ~7–10 µs a layer, the merge unchanged; −0.2 to −0.35 ms a
-# 32-layer step.
+# 32-layer step. Added in the forty-second session: atmw16, att16 with attention_merge's slice
+# statistics a lane a slice (kvar/atmw: ATM_WARP 1; 1,056 SASS instructions against 1,992), its
+# decode-slice test, and a third column in the batch-1 A/B. Prediction: the merge Swa 7.0 / Csa
+# 8.3 µs → ~5, ~−0.08 ms a 32-layer step.
 #   run(command: "bash tools/device/call_s42a.sh", carry: ["devbin.tar.xz"])
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -17,8 +20,10 @@ run_test cuda_backend decode_attention_slices --nocapture
 grep -E 'attention_tc slices of' "$OUT/test-cuda_backend.txt" | cut -c1-200 >> "$S"
 # L2 prefetch blocks on the 16-head grid change no value either.
 t && ( export DSV4_ATT_TC_HEADS=16; run_test cuda_backend l2_prefetch )
+t && ( export DSV4_CUDA_KERNELS=.devbin/kvar/atmw; run_test cuda_backend decode_attention_slices --nocapture;
+        grep -E 'attention_tc slices of' "$OUT/test-cuda_backend.txt" | sed 's/^/atmw: /' | cut -c1-200 >> "$S" )
 for tb in cuda_invariance cuda_gguf cuda_graph cuda_dspark; do t && ( export DSV4_ATT_TC_HEADS=16; run_test $tb ); done
-for v in base att16 base att16; do
+for v in base att16 atmw16 base att16 atmw16; do
   # shellcheck disable=SC2046
   t && batch1_rounds $FL $v-$(date +%s) $(variant_env $v)
 done

@@ -63,7 +63,8 @@ batches_16_64() {
 # at 2 / 4 outputs is bounded to 3 / 2 blocks an SM by quant.cu since v49, so dnN are the v48
 # forms dnNbM (kvar/dnb3 / dnb2 held those bounds) and no longer the unbounded ones. The
 # launcher's settings (`keep_ptx.sh 'DSV4_X8_OPW=…'` keeps their PTX); att16: the decode slices on
-# blocks of 16 heads (attention_tcd, v49, built in); any other: kvar/NAME.
+# blocks of 16 heads (attention_tcd, v49, built in); atmw16: att16 with kvar/atmw (attention_merge's
+# statistics a lane a slice); any other: kvar/NAME.
 variant_env() {
   case $1 in
     base|base2) ;;
@@ -80,6 +81,7 @@ variant_env() {
     up4dn4|up4dn4b2) echo DSV4_X8_OPW=1,4,4 ;;
     gemv4) echo DSV4_X8_OPW=4,1,1,1,4,4 ;;
     att16) echo DSV4_ATT_TC_HEADS=16 ;;
+    atmw16) echo DSV4_ATT_TC_HEADS=16 DSV4_CUDA_KERNELS=.devbin/kvar/atmw ;;
     *) echo DSV4_CUDA_KERNELS=.devbin/kvar/$1 ;;
   esac
 }

@@ -597,6 +597,12 @@ extern "C" __global__ void index_score_topk(unsigned* sel, int topk, unsigned* c
 }
 
 #define ATT_S 16   // slices a row's keys are split into at most (the grid's z)
+// attention_merge's slice statistics: 0 (the built-in) every thread forms them in slice order,
+// att_merge_head's operations; 1 a lane a slice, by warp reductions (another summation order).
+#ifndef ATM_WARP
+#define ATM_WARP 0
+#endif
+static_assert(ATT_S <= 32, "attention_merge's ATM_WARP form holds a slice a lane");
 // Keys a slice takes at least: a row of nk keys uses S = min(ATT_S, ⌈nk / ATT_MINK⌉) slices, a
 // function of the row alone (its position and selection), so its sums never depend on its batch.
 // The other blocks of its grid count themselves and return. With 16 slices always, a 128-key
@@ -1238,6 +1244,33 @@ extern "C" __global__ void __launch_bounds__(MAX_D / 2) attention_merge(float* o
     // Every load at once: the slices' two values of this thread (8-byte aligned: d + 2 even) and
     // their statistics (the same addresses in every thread).
     float2 v[ATT_S];
+#if ATM_WARP
+#pragma unroll
+    for (int u = 0; u < ATT_S; u++)
+        v[u] = u < S && in ? __ldcg((const float2*)(ph + u * (d + 2) + c)) : make_float2(0.f, 0.f);
+    float sink = sinks[h];
+    // Lane u holds slice u's statistics: the maximum and the denominator by warp reductions, one
+    // exponential and one division a lane, and each slice's weight then read from its lane.
+    int lane = threadIdx.x & 31;
+    float mu = lane < S ? __ldcg(ph + lane * (d + 2) + d) : -INFINITY;
+    float lu = lane < S ? __ldcg(ph + lane * (d + 2) + d + 1) : 0.f;
+    float M = fmaxf(sink, mu);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    float eu = lane < S ? expf(mu - M) : 0.f, su = lu * eu;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) su += __shfl_xor_sync(0xffffffffu, su, o);
+    float wu = eu / (expf(sink - M) + su);
+    float a0 = 0.f, a1 = 0.f;
+#pragma unroll
+    for (int u = 0; u < ATT_S; u++) {
+        float wj = __shfl_sync(0xffffffffu, wu, u);
+        if (u < S) {
+            a0 += v[u].x * wj;
+            a1 += v[u].y * wj;
+        }
+    }
+#else
     float ms[ATT_S], ls[ATT_S];
 #pragma unroll
     for (int u = 0; u < ATT_S; u++) {
@@ -1263,6 +1296,7 @@ extern "C" __global__ void __launch_bounds__(MAX_D / 2) attention_merge(float* o
             a0 += v[u].x * wj;
             a1 += v[u].y * wj;
         }
+#endif
     if (epi & 1) {  // the pair (c, c + 1): r0 = d − 2·npairs is even
         int r0 = d - 2 * npairs;
         if (in && c >= r0) {
