@@ -63,8 +63,10 @@ batches_16_64() {
 # at 2 / 4 outputs is bounded to 3 / 2 blocks an SM by quant.cu since v49, so dnN are the v48
 # forms dnNbM (kvar/dnb3 / dnb2 held those bounds) and no longer the unbounded ones. The
 # launcher's settings (`keep_ptx.sh 'DSV4_X8_OPW=…'` keeps their PTX); att16: the decode slices on
-# blocks of 16 heads (attention_tcd, v49, built in); atmw16: att16 with kvar/atmw (attention_merge's
-# statistics a lane a slice); any other: kvar/NAME.
+# blocks of 16 heads (attention_tcd, v49; the built-in since v50, so att16 runs the built-in on
+# binaries from v50 on); atmw16: att16 with kvar/atmw (attention_merge's statistics a lane a
+# slice, the built-in since v50); att64: the slices on 64 heads a block (the form before v50);
+# any other: kvar/NAME (v50's atm0: attention.cu with ATM_WARP 0).
 variant_env() {
   case $1 in
     base|base2) ;;
@@ -82,6 +84,7 @@ variant_env() {
     gemv4) echo DSV4_X8_OPW=4,1,1,1,4,4 ;;
     att16) echo DSV4_ATT_TC_HEADS=16 ;;
     atmw16) echo DSV4_ATT_TC_HEADS=16 DSV4_CUDA_KERNELS=.devbin/kvar/atmw ;;
+    att64) echo DSV4_ATT_TC_HEADS=64 ;;
     *) echo DSV4_CUDA_KERNELS=.devbin/kvar/$1 ;;
   esac
 }

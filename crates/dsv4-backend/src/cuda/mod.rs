@@ -1578,14 +1578,15 @@ impl CudaBackend {
         self.attention_tc_slices.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Heads a block of the decode slices: 64 (`attention_tc`, the default) or 16
-    /// (`attention_tcd`: a quarter of the queries to load, of the partials to write and of a
-    /// warp's QK / PV work, on 4× the blocks; PERF.md v49, not yet timed). The slices and every
-    /// row's result stay functions of the row alone; the sums' order over d differs (8 spans of
-    /// 64 channels, not 2 of 256), so the two forms' values differ in the last bits. Start value:
-    /// `DSV4_ATT_TC_HEADS` (16 or 64); other values keep 64.
+    /// Heads a block of the decode slices: 16 (`attention_tcd`, the default: a quarter of the
+    /// queries to load, of the partials to write and of a warp's QK / PV work, on 4× the blocks;
+    /// PERF.md v50: attention_tc 16–19 → 8–10 µs a layer, −0.23 ms a 32-layer H100 step) or 64
+    /// (`attention_tc`, the form before). The slices and every row's result stay functions of the
+    /// row alone; the sums' order over d differs (8 spans of 64 channels, not 2 of 256), so the
+    /// two forms' values differ in the last bits. Start value: `DSV4_ATT_TC_HEADS` (16 or 64);
+    /// other values keep 16.
     pub fn set_attention_tc_heads(&self, heads: usize) {
-        let h = if heads == attention::ATCD_HEADS { heads } else { attention::ATC_HEADS };
+        let h = if heads == attention::ATC_HEADS { heads } else { attention::ATCD_HEADS };
         self.attention_tc_heads.store(h, std::sync::atomic::Ordering::Relaxed);
         self.bump_settings();
     }
@@ -1808,8 +1809,8 @@ impl CudaBackend {
             gemvo: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_GEMVO").map_or(true, |v| v.trim() != "0")),
             attention_tc_heads: std::sync::atomic::AtomicUsize::new(
                 match std::env::var("DSV4_ATT_TC_HEADS").ok().and_then(|v| v.trim().parse().ok()) {
-                    Some(attention::ATCD_HEADS) => attention::ATCD_HEADS,
-                    _ => attention::ATC_HEADS,
+                    Some(attention::ATC_HEADS) => attention::ATC_HEADS,
+                    _ => attention::ATCD_HEADS,
                 },
             ),
             attention_tc_slices: std::sync::atomic::AtomicBool::new(

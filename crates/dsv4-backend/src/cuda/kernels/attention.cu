@@ -597,10 +597,12 @@ extern "C" __global__ void index_score_topk(unsigned* sel, int topk, unsigned* c
 }
 
 #define ATT_S 16   // slices a row's keys are split into at most (the grid's z)
-// attention_merge's slice statistics: 0 (the built-in) every thread forms them in slice order,
-// att_merge_head's operations; 1 a lane a slice, by warp reductions (another summation order).
+// attention_merge's slice statistics: 1 (the built-in) a lane a slice, by warp reductions (1,056
+// SASS instructions against 1,992; ncu 7.0–8.0 → 5.4–5.7 µs a launch, −0.10 ms a 32-layer H100
+// step, PERF.md v50); 0 every thread forms them in slice order, att_merge_head's operations (the
+// same values but for the denominator's summation order).
 #ifndef ATM_WARP
-#define ATM_WARP 0
+#define ATM_WARP 1
 #endif
 static_assert(ATT_S <= 32, "attention_merge's ATM_WARP form holds a slice a lane");
 // Keys a slice takes at least: a row of nk keys uses S = min(ATT_S, ⌈nk / ATT_MINK⌉) slices, a
@@ -1210,9 +1212,9 @@ extern "C" __global__ void __launch_bounds__(256, 2)
 }
 
 // attention_tc's key slices merged (decode-sized calls): block (row, head), thread i taking
-// columns 2i and 2i + 1 (blockDim ≥ d / 2). Every value is att_merge_head's: each thread forms
-// the same maximum, denominator and slice weights (the same operations in the same order) and
-// adds its columns' slice values in slice order; the inverse RoPE's pairs are a thread's two
+// columns 2i and 2i + 1 (blockDim ≥ d / 2). Each warp forms the maximum, denominator and slice
+// weights (ATM_WARP 1: a lane a slice; 0: every thread, att_merge_head's operations in its
+// order), and each thread adds its columns' slice values in slice order; the inverse RoPE's pairs are a thread's two
 // columns; a 32-column block's int8 codes are quant_block32's over 16 threads (the maximum is
 // exact whatever the order, and any NaN or ±∞ in the block gives codes 0 and scale NaN). A warp a
 // head over ATT_HG-head blocks left ~8 SMs busy at batch 1 and took ~15–22 µs (PERF.md v26); here
