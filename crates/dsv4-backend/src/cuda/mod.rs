@@ -250,6 +250,12 @@ pub(crate) struct Kernels {
 
 const COMMON: &str = include_str!("kernels/common.cuh");
 
+/// common.cuh as every kernel file is compiled with: the built-in one, or a
+/// `DSV4_CUDA_KERNELS` variant's ([`kernel_source`]).
+fn common() -> std::borrow::Cow<'static, str> {
+    kernel_source("common.cuh", COMMON)
+}
+
 /// Rows from which a fast-mode HC_PRE takes `hc_pre_dot_rows` (prefill chunks).
 const HC_DOT_ROWS_MIN: usize = 256;
 
@@ -425,7 +431,8 @@ pub fn keep_kernels() -> Result<Vec<&'static str>, CudaInitError> {
     }
     let keep = |file: &'static str, src: &str| -> Result<&'static str, CudaInitError> {
         ptx(file, src)?;
-        let kept = ptx_cache_path(file, &format!("{COMMON}\n{src}"), ARCH, fmad_of(file)).is_some_and(|p| p.is_file());
+        let kept =
+            ptx_cache_path(file, &format!("{}\n{src}", common()), ARCH, fmad_of(file)).is_some_and(|p| p.is_file());
         if kept {
             Ok(file)
         } else {
@@ -498,7 +505,7 @@ pub(crate) fn load_kernel_module(
     file: &'static str,
     src: &str,
 ) -> Result<Arc<cudarc::driver::CudaModule>, CudaInitError> {
-    let full = format!("{COMMON}\n{src}");
+    let full = format!("{}\n{src}", common());
     let path = ptx_cache_path(file, &full, ARCH, fmad_of(file));
     let kept = path.as_ref().and_then(|p| Some((p, cubin_path(p), std::fs::read(cubin_path(p)).ok()?)));
     if let Some((p, c, bin)) = kept {
@@ -565,7 +572,7 @@ fn ptx_from(file: &'static str, src: &str, disk: bool) -> Result<cudarc::nvrtc::
         return Ok(p.clone());
     }
     let fmad = fmad_of(file);
-    let full = format!("{COMMON}\n{src}");
+    let full = format!("{}\n{src}", common());
     let disk = if disk { ptx_cache_path(file, &full, ARCH, fmad) } else { None };
     if let Some((d, text)) = disk.as_ref().and_then(|d| Some((d, std::fs::read_to_string(d).ok()?))) {
         touch(d);

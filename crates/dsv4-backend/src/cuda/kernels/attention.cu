@@ -332,6 +332,12 @@ __device__ __forceinline__ unsigned fkey(float x) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
+// TOPK_SORT 0 (a timing variant, not a mode: the CPU's order is score-descending): the k chosen
+// entries left as selected, those above the threshold's bin and then the bin's, each in entry
+// order, without the bitonic sort.
+#ifndef TOPK_SORT
+#define TOPK_SORT 1
+#endif
 #define TOPK_MAX 2048
 #define TOPK_T 256  // threads a block (the launcher's)
 #define TOPK_R 8    // keys a thread holds in registers: rows of <= TOPK_T·TOPK_R entries read the scores once
@@ -545,6 +551,10 @@ __device__ __forceinline__ void index_topk_row(unsigned* sel, int topk, const fl
     }
     __syncthreads();
     unsigned* out = sel + (long long)t * topk;
+#if !TOPK_SORT
+    for (int j = tid; j < k; j += TOPK_T) out[j] = ~(unsigned)buf[0][j];
+    return;
+#endif
     if (k <= TOPK_T)
         topk_sort<1>(buf, out, k);
     else if (k <= 2 * TOPK_T)
