@@ -1253,3 +1253,53 @@ fn experts_twin(x: &Tensor, r: &dsv4_backend::cpu::Route, experts: &[Expert<Tens
     }
     out
 }
+
+/// The router's choice on the GPU against the CPU's: the same experts in the same order (score
+/// plus bias descending, ties to the lower id) and weights within 1e-6, at V4's 256 experts
+/// (`route_row`'s register form) and at 300 (its strided form), with exact ties among the top
+/// scores: within a lane's experts (5 and 37) and across lanes (3 and 200).
+/// `gemv_route` (the logits' product and the choice in one launch) chooses bitwise as `route`
+/// does on its logits.
+#[test]
+fn cuda_router_choices_match_the_cpu() {
+    let Some(b) = gpu() else { return };
+    let cpu = CpuBackend;
+    let (n, d, k) = (3, 512, 6);
+    for e in [256, 300] {
+        let mut c = dsv4_model::synth::tiny_config(64);
+        c.n_routed_experts = e;
+        c.n_experts_per_tok = k;
+        let mut r = ChaCha8Rng::seed_from_u64(e as u64);
+        let mut bias: Vec<f32> = (0..e).map(|_| r.gen_range(-0.05f32..0.05)).collect();
+        let mut logits: Vec<f32> = (0..n * e).map(|_| r.gen_range(-2f32..2.0)).collect();
+        for (c1, c2) in [(5, 37), (3, 200)] {
+            bias[c2] = bias[c1];
+            for row in 0..n {
+                logits[row * e + c1] = 3.0 + row as f32;
+                logits[row * e + c2] = 3.0 + row as f32;
+            }
+        }
+        let bg = b.upload(HostTensor::new("bias", vec![e], bias.clone())).unwrap();
+        let bc = Tensor::new(1, e, bias.clone());
+        let lg = b.upload(HostTensor::new("logits", vec![n, e], logits.clone())).unwrap();
+        let lg = CudaTensor::new(n, e, lg.data);
+        let lc = Tensor::new(n, e, logits);
+        let (rg, rc) = (b.route(&lg, Some(&bg), None, &c), cpu.route(&lc, Some(&bc), None, &c));
+        let (ids, wts) = (b.download(&rg.ids), b.download(&rg.weights));
+        assert_eq!(ids, rc.ids, "{e} experts: the GPU's choices against the CPU's");
+        for (i, (g, w)) in wts.iter().zip(&rc.weights).enumerate() {
+            assert!((g - w).abs() <= 1e-6 * w.abs().max(1.0), "{e} experts: weight {i}: {g} against the CPU's {w}");
+        }
+        // The fused launch, on logits of its own product.
+        let (xg, _) = activations(&b, n, d, 7 + e as u64);
+        let gate: Vec<f32> = (0..e * d).map(|_| r.gen_range(-0.2f32..0.2)).collect();
+        let gate = b.upload(HostTensor::new("gate", vec![e, d], gate)).unwrap();
+        b.set_route_fused(true);
+        let (lf, rf) = b.router(&xg, &gate, Some(&bg), None, &c);
+        let ra = b.route(&lf, Some(&bg), None, &c);
+        assert_eq!(b.download(&rf.ids), b.download(&ra.ids), "{e} experts: gemv_route's choices against route's");
+        let (wf, wa) = (b.download(&rf.weights), b.download(&ra.weights));
+        assert!(wf.iter().zip(&wa).all(|(x, y)| x.to_bits() == y.to_bits()), "{e} experts: gemv_route's weights");
+        println!("{e} experts, {n} rows: the CPU's choices and weights; gemv_route bitwise route");
+    }
+}
