@@ -8,7 +8,8 @@
 # CSA layer if the bitonic sort is a large part of index_score_topk's 23.5 µs. (2) The router
 # tests (cuda_packed: the CPU's choices with ties at 256 / 300 experts, gemv_route bitwise route)
 # and every CUDA test binary at the new defaults. (3) One 4-layer step's per-node table, the
-# indexer's scores and top-k as two launches (DSV4_INDEX_FUSED=0), and the built-in's.
+# indexer's scores and top-k as two launches (DSV4_INDEX_FUSED=0), and the built-in's; (4) the
+# per-node table of a 2-row step.
 #   run(command: "bash tools/device/call_s42c.sh", carry: ["devbin.tar.xz"])
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -25,6 +26,9 @@ t && { CTX=4096 TAG=-base bash tools/device/profile.sh 4 q2 1 > "$OUT/profile.tx
        grep -E '^ *[0-9.]+ +(index|gemv_route|attention)|^one step' "$OUT/ncu-q2-1-base.txt" | head -20 >> "$S"; }
 t && { DSV4_INDEX_FUSED=0 CTX=4096 TAG=-split bash tools/device/profile.sh 4 q2 1 > "$OUT/profile2.txt" 2>&1;
        grep -E '^ *[0-9.]+ +(index|norm_many|gemvt)|^one step' "$OUT/ncu-q2-1-split.txt" | head -20 >> "$S"; }
+# Where a 2-row step's time goes (a verify 1+1 costs ~1.22 decode steps, +39 µs a layer).
+t && { EXTRA="--reserve 2x4096 --decode-fill clone" CTX=4096 TAG=-b2 bash tools/device/profile.sh 4 q2 2 > "$OUT/profile3.txt" 2>&1;
+       grep -E '^one step' -A24 "$OUT/ncu-q2-2-b2.txt" >> "$S"; }
 for tb in cuda_packed cuda_invariance cuda_graph cuda_dspark cuda_gguf cuda_rollback cuda_snapshot nonfinite cuda_backend; do
   t && run_test $tb
 done
