@@ -1255,9 +1255,9 @@ fn experts_twin(x: &Tensor, r: &dsv4_backend::cpu::Route, experts: &[Expert<Tens
 }
 
 /// The router's choice on the GPU against the CPU's: the same experts in the same order (score
-/// plus bias descending, ties to the lower id) and weights within 1e-6, at V4's 256 experts
-/// (`route_row`'s register form) and at 300 (its strided form), with exact ties among the top
-/// scores: within a lane's experts (5 and 37) and across lanes (3 and 200).
+/// plus bias descending, ties to the lower id) and weights within 1e-6, at V4's 256 experts and
+/// at 300, with exact ties among the top scores: within a lane's experts (5 and 37) and across
+/// lanes (3 and 200) of `route_row`'s warp.
 /// `gemv_route` (the logits' product and the choice in one launch) chooses bitwise as `route`
 /// does on its logits.
 #[test]

@@ -159,83 +159,37 @@ __device__ __forceinline__ float sqrt_softplus(float z) {
     return sqrtf(sp);
 }
 
-// A router score as an unsigned key in its order (larger score, larger key; −0 as +0, so
-// that the two tie as they compare). NaN takes 1, below every number; 0 marks an expert taken
-// or absent.
-__device__ __forceinline__ unsigned route_key(float s) {
-    unsigned b = __float_as_uint(s + 0.0f);
-    unsigned k = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-    return s != s ? 1u : k;
-}
-
 // The router's choice for row i (spec §6.1) on one (converged) warp: `sv` holds e floats and
 // `ch` MAX_K of the warp's own. Hash layers take their ids from the `tid2eid` table `hash`
 // [vocab, k] at the row's token (from the row table `rows`); learned layers take the top k of
-// score + bias (ties to the lower expert id), in descending order. The logits are read through
-// L2 (`__ldcg`: gemv_route's last block reads the other blocks' outputs). moe.cu's `route` and
-// dense.cu's `gemv_route` (both compiled without contraction, so the same roundings).
-//
-// e ≤ 256 (all of V4's): lane l holds experts l + 32q (q < 8) in registers, logits loaded at
-// once (hash layers too, beside the table's ids). k rounds of: each lane's best key, the warp's
-// maximum key and then its lowest expert holding it (two `redux.sync`), the owner marking it
-// taken; lane j keeps choice j. Choice j's logit then comes from its owner lane by 8 shuffles, not
-// an L2 trip after the choice (PERF.md v51: ~10 dependent shuffles a round and a trip at the end
-// before). The same choices for every non-NaN score (a NaN score sorts last), the same weights.
-// Larger e: the strided form through `sv`.
+// score + bias (ties to the lower expert id), in descending order: each lane scores its experts
+// once, then k rounds of warp argmax. The logits are read through L2 (`__ldcg`: gemv_route's
+// last block reads the other blocks' outputs). moe.cu's `route` and dense.cu's `gemv_route`
+// (both compiled without contraction, so the same roundings).
 __device__ __forceinline__ void route_row(unsigned* ids, float* wts, const float* logits, const float* bias,
                                           const unsigned* hash, const unsigned* rows, int use_hash, int n, int e,
                                           int k, int norm_topk, float scale, int i, float* sv, unsigned* ch) {
     int lane = threadIdx.x & 31;
     const float* z = logits + (long long)i * e;
-    constexpr int AHEAD = 8;
-    if (e <= 32 * AHEAD) {
-        float zv[AHEAD];
-#pragma unroll
-        for (int q = 0; q < AHEAD; q++) zv[q] = lane + 32 * q < e ? __ldcg(z + lane + 32 * q) : 0.f;
-        unsigned cj = 0u;
-        if (use_hash) {
-            if (lane < k) cj = hash[(long long)ROW_TOKEN(i) * k + lane];
-        } else {
-            unsigned key[AHEAD];
-#pragma unroll
-            for (int q = 0; q < AHEAD; q++) {
-                int c = lane + 32 * q;
-                key[q] = c < e ? route_key(sqrt_softplus(zv[q]) + bias[c]) : 0u;
-            }
-            for (int j = 0; j < k; j++) {
-                unsigned lk = 0u;
-                int lq = 0;
-#pragma unroll
-                for (int q = 0; q < AHEAD; q++)
-                    if (key[q] > lk) { lk = key[q]; lq = q; }
-                unsigned mx = __reduce_max_sync(0xffffffffu, lk);
-                unsigned best = __reduce_min_sync(0xffffffffu, lk == mx && mx != 0u ? (unsigned)(lane + 32 * lq) : ~0u);
-                if (lane == j) cj = best;
-#pragma unroll
-                for (int q = 0; q < AHEAD; q++)
-                    if (best == (unsigned)(lane + 32 * q)) key[q] = 0u;
-            }
-        }
-        float zj = 0.f;
-#pragma unroll
-        for (int q = 0; q < AHEAD; q++) {
-            float t = __shfl_sync(0xffffffffu, zv[q], cj & 31u);
-            if ((cj >> 5) == (unsigned)q) zj = t;
-        }
-        float sj = lane < k ? sqrt_softplus(zj) : 0.f;
-        float sum = 0.f;
-        for (int j = 0; j < k; j++) sum += __shfl_sync(0xffffffffu, sj, j);
-        if (lane < k) {
-            float w = norm_topk ? sj / sum : sj;
-            ids[(long long)i * k + lane] = cj;
-            wts[(long long)i * k + lane] = w * scale;
-        }
-        return;
-    }
     if (use_hash) {
         if (lane < k) ch[lane] = hash[(long long)ROW_TOKEN(i) * k + lane];
     } else {
-        for (int c = lane; c < e; c += 32) sv[c] = sqrt_softplus(__ldcg(z + c)) + bias[c];
+        // A lane's first 8 logits and biases (e ≤ 256: all of V4's) loaded before any is
+        // scored: in the strided loop each load waited for the previous score (sqrt_softplus
+        // branches), 4–8 L2 round trips in turn, ~4 µs of gemv_route's 12.4 on learned layers
+        // (7.1 on hash layers; PERF.md v25). The same values, stored in the same places.
+        constexpr int AHEAD = 8;
+        float zv[AHEAD], bv0[AHEAD];
+#pragma unroll
+        for (int q = 0; q < AHEAD; q++) {
+            int c = lane + 32 * q;
+            zv[q] = c < e ? __ldcg(z + c) : 0.f;
+            bv0[q] = c < e ? bias[c] : 0.f;
+        }
+#pragma unroll
+        for (int q = 0; q < AHEAD; q++)
+            if (lane + 32 * q < e) sv[lane + 32 * q] = sqrt_softplus(zv[q]) + bv0[q];
+        for (int c = lane + 32 * AHEAD; c < e; c += 32) sv[c] = sqrt_softplus(__ldcg(z + c)) + bias[c];
         __syncwarp();
         for (int j = 0; j < k; j++) {
             int best = -1;
@@ -258,8 +212,8 @@ __device__ __forceinline__ void route_row(unsigned* ids, float* wts, const float
         }
     }
     __syncwarp();
-    // Lane j < k scores choice j (its logit loads in parallel); every lane adds the k scores in
-    // choice order.
+    // Lane j < k scores choice j (its logit loads in parallel: lane 0 alone waited on k loads in
+    // turn, ~3 µs of the kernel's 5–9.5 µs); every lane adds the k scores in choice order.
     unsigned cj = lane < k ? ch[lane] : 0u;
     float sj = lane < k ? sqrt_softplus(__ldcg(z + cj)) : 0.f;
     float sum = 0.f;
