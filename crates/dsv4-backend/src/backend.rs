@@ -263,7 +263,9 @@ pub trait Backend: Send + Sync {
         freqs: &[f64],
         cfg: &Config,
     );
-    /// Lightning-indexer top-k over each row's visible entries (spec §5.5).
+    /// Lightning-indexer top-k over each row's visible entries (spec §5.5): the chosen set, in
+    /// an order of the backend's (the CPU and CUDA's exact mode: score-descending, ties to the
+    /// lower entry; CUDA's fast mode: entry order). The attention's sums follow that order.
     fn index_select(
         &self,
         cache: &Self::Cache,

@@ -276,13 +276,14 @@ fn cuda_long_index_matches_cpu() {
 /// top-k re-reads scores other blocks wrote), on the query-staged score path (32 heads of 32)
 /// and at V4-Flash's indexer shape (64 heads of 128, whose scores' shared memory is larger than
 /// the top-k's buffers carved from it; top-k 512). Two sequences prefill the same 8,300 tokens
-/// with the separate launches, then decode 6 tokens each, one with the fused launch.
+/// with the separate launches, then decode 6 tokens each, one with the fused launch. In exact
+/// mode (the chosen entries sorted by score) and in fast mode (entry order).
 #[test]
 fn cuda_long_index_fused_is_bitwise() {
     if gpu().is_none() {
         return;
     }
-    for (nh, hd, topk) in [(32, 32, 48), (64, 128, 512)] {
+    for (nh, hd, topk, exact) in [(32, 32, 48, true), (64, 128, 512, true), (64, 128, 512, false)] {
         let mut cfg = tiny_config(512);
         cfg.index_n_heads = nh;
         cfg.index_head_dim = hd;
@@ -294,7 +295,7 @@ fn cuda_long_index_fused_is_bitwise() {
         let dir = tempfile::tempdir().unwrap();
         write_random(dir.path(), &cfg, 7);
         let b = gpu().unwrap();
-        b.set_exact(true);
+        b.set_exact(exact);
         b.set_index_fused(false);
         let mut m = Model::load(b, dir.path(), 2, false).unwrap();
         let (len, v) = (8300, m.cfg.vocab_size);
@@ -318,9 +319,12 @@ fn cuda_long_index_fused_is_bitwise() {
         m.backend.set_index_fused(false);
         for (step, (a, f)) in logits[0].iter().zip(&logits[1]).enumerate() {
             let bad = a.iter().zip(f).position(|(a, f)| a.to_bits() != f.to_bits());
-            assert!(bad.is_none(), "{nh} heads of {hd}, step {step}: logit {bad:?} differs with the fused indexer");
+            assert!(
+                bad.is_none(),
+                "{nh} heads of {hd}, exact {exact}, step {step}: logit {bad:?} differs with the fused indexer"
+            );
         }
-        println!("{nh} heads of {hd}, top-{topk}: 6 decode steps past {} entries bitwise", len / 4);
+        println!("{nh} heads of {hd}, top-{topk}, exact {exact}: 6 decode steps past {} entries bitwise", len / 4);
     }
 }
 

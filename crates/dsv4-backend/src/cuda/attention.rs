@@ -182,8 +182,8 @@ const ITC_ROWS: usize = 8;
 pub(crate) const ITC_SMEM: usize = (ITC_ROWS * 64 + 2 * 64) * 136 * 2;
 
 /// Lightning-indexer top-k: scores of every visible entry (`index_score`, or `index_score_tc`
-/// for prefill chunks in fast mode), then a threshold select and a sort of the k chosen per row
-/// (`index_topk`, O(visible) per row).
+/// for prefill chunks in fast mode), then a threshold select of the k chosen per row
+/// (`index_topk`, O(visible) per row), sorted by score in exact mode, in entry order in fast mode.
 pub fn index_select(
     b: &CudaBackend,
     cache: &CudaCache,
@@ -207,6 +207,9 @@ pub fn index_select(
         return CudaSel { topk, idx: sel };
     }
     let mut scores = b.alloc::<f32>(n * maxvis);
+    // The chosen entries score-descending (the CPU's order) in exact mode; entry order in fast
+    // mode, the same set without the sort (index_topk_row).
+    let sorted = i32::from(b.exact());
     let (qs, ws) = ((hd as f32).powf(-0.5), (nh as f32).powf(-0.5));
     let (ni, mi, mv) = (n as i32, m as i32, maxvis as i32);
     let tc = n >= ITC_MIN_ROWS
@@ -261,7 +264,7 @@ pub fn index_select(
         let fused = b.index_fused() && rows.batch.short_segments() && n <= super::bf16::FFN1_COUNTERS;
         let (mut l, lc, name) = if fused {
             let mut l = b.stream().kernel(&b.k.index_score_topk);
-            l.arg(&mut sel).arg(&(topk as i32)).arg(b.counters());
+            l.arg(&mut sel).arg(&(topk as i32)).arg(&sorted).arg(b.counters());
             (l, LaunchConfig { shared_mem_bytes: smem.max(TOPK_SMEM) as u32, ..lc }, "index_score_topk")
         } else {
             (b.stream().kernel(&b.k.index_score), lc, "index_score")
@@ -295,6 +298,7 @@ pub fn index_select(
                 .kernel(&b.k.index_topk)
                 .arg(&mut sel)
                 .arg(&(topk as i32))
+                .arg(&sorted)
                 .arg(&scores)
                 .arg(&mv)
                 .arg(rows.dev.as_ref())

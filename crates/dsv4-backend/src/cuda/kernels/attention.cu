@@ -332,12 +332,6 @@ __device__ __forceinline__ unsigned fkey(float x) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// TOPK_SORT 0 (a timing variant, not a mode: the CPU's order is score-descending): the k chosen
-// entries left as selected, those above the threshold's bin and then the bin's, each in entry
-// order, without the bitonic sort.
-#ifndef TOPK_SORT
-#define TOPK_SORT 1
-#endif
 #define TOPK_MAX 2048
 #define TOPK_T 256  // threads a block (the launcher's)
 #define TOPK_R 8    // keys a thread holds in registers: rows of <= TOPK_T·TOPK_R entries read the scores once
@@ -435,12 +429,17 @@ __device__ __forceinline__ void topk_sort(unsigned long long (*buf)[TOPK_MAX], u
         if (tid * P + p < k) out[tid * P + p] = ~(unsigned)v[p];
 }
 
-// Top-k per row: sel[t, j] for j < min(topk, vis), score descending, ties to the lower entry
-// index (the CPU's order). O(vis) per row: (1) the k-th largest key T, a byte at a time from the
+// Top-k per row: sel[t, j] for j < min(topk, vis): the k largest scores, ties to the lower entry
+// index (the CPU's choice). O(vis) per row: (1) the k-th largest key T, a byte at a time from the
 // top (a histogram of the next byte over the keys sharing the bytes found so far; every warp then
 // scans it itself, so one barrier a byte), stopping early once the bin holding T is taken whole;
-// (2) every key above T's bin, then the bin's keys in index order until k (one block scan);
-// (3) a bitonic sort of those k (packed key and entry, so the order is total). A thread keeps
+// (2) every key above T's bin and the bin's first keys in index order until k, placed in entry
+// order (one block scan: a key's slot is the keys above the bin before it plus the bin's taken
+// keys before it); (3) where `sorted` (exact mode: the CPU's order), a bitonic sort of those k,
+// score descending, ties to the lower entry (packed key and entry, so the order is total and the
+// result does not hang on (2)'s order). Fast mode keeps entry order: the same set, ~6 µs less a
+// CSA layer at batch 1 (PERF.md v51), and a row's attention then sums its chosen entries in
+// entry order, not score order (rounding only). A thread keeps
 // TOPK_R consecutive keys in registers; entries past TOPK_T·TOPK_R are re-read from the scores.
 // `topk` <= TOPK_MAX (checked by the launcher); blockDim.x == TOPK_T.
 // (index_topk's body for row t, on buffers of the caller's: buf and hist 16-byte aligned. CG:
@@ -452,7 +451,7 @@ __device__ __forceinline__ float score_ld(const float* p) {
 }
 
 template <bool CG>
-__device__ __forceinline__ void index_topk_row(unsigned* sel, int topk, const float* scores, int maxvis,
+__device__ __forceinline__ void index_topk_row(unsigned* sel, int topk, int sorted, const float* scores, int maxvis,
                                                const unsigned* rows, int n, int m, int t,
                                                unsigned long long (*buf)[TOPK_MAX], unsigned (*hist)[256],
                                                unsigned (*wt)[TOPK_T / 32]) {
@@ -511,8 +510,9 @@ __device__ __forceinline__ void index_topk_row(unsigned* sel, int topk, const fl
         pmask |= 255u << shift;
         if (inbin == want) break;  // the whole bin is taken: no ties to break
     }
-    // Keys whose masked value is above thr: all taken, in any slot of [0, k − want) (the sort
-    // orders them); keys in the bin: the first `want` in index order, slots k − want ...
+    // Keys whose masked value is above thr (k − want of them): all taken; keys in the bin: the
+    // first `want` in index order. A taken key's slot: the keys above before it plus the bin's
+    // taken keys before it, min(ties before it, want), so the k slots hold entry order.
     unsigned first = (unsigned)k - want, ng = 0, nt = 0;
 #pragma unroll
     for (int r = 0; r < TOPK_R; r++) {
@@ -530,9 +530,10 @@ __device__ __forceinline__ void index_topk_row(unsigned* sel, int topk, const fl
         if (!(r < rv && s < vis)) continue;
         unsigned mk = key[r] & pmask;
         if (mk > thr) {
-            buf[0][gp++] = topk_pack(key[r], (unsigned)s);
+            buf[0][gp + min(tp, want)] = topk_pack(key[r], (unsigned)s);
+            gp++;
         } else if (mk == thr) {
-            if (tp < want) buf[0][first + tp] = topk_pack(key[r], (unsigned)s);
+            if (tp < want) buf[0][gp + tp] = topk_pack(key[r], (unsigned)s);
             tp++;
         }
     }
@@ -544,17 +545,18 @@ __device__ __forceinline__ void index_topk_row(unsigned* sel, int topk, const fl
         bool gt = s < vis && mk > thr, tie = s < vis && mk == thr;
         unsigned e = topk_scan(((unsigned)gt << 16) | (unsigned)tie, &tot, wt, par);
         par ^= 1;
-        if (gt) buf[0][go + (e >> 16)] = topk_pack(kk, (unsigned)s);
-        if (tie && to + (e & 0xffffu) < want) buf[0][first + to + (e & 0xffffu)] = topk_pack(kk, (unsigned)s);
+        unsigned gb = go + (e >> 16), tb = to + (e & 0xffffu);  // keys above, ties, before s
+        if (gt) buf[0][gb + min(tb, want)] = topk_pack(kk, (unsigned)s);
+        if (tie && tb < want) buf[0][gb + tb] = topk_pack(kk, (unsigned)s);
         go += tot >> 16;
         to += tot & 0xffffu;
     }
     __syncthreads();
     unsigned* out = sel + (long long)t * topk;
-#if !TOPK_SORT
-    for (int j = tid; j < k; j += TOPK_T) out[j] = ~(unsigned)buf[0][j];
-    return;
-#endif
+    if (!sorted) {
+        for (int j = tid; j < k; j += TOPK_T) out[j] = ~(unsigned)buf[0][j];
+        return;
+    }
     if (k <= TOPK_T)
         topk_sort<1>(buf, out, k);
     else if (k <= 2 * TOPK_T)
@@ -565,22 +567,22 @@ __device__ __forceinline__ void index_topk_row(unsigned* sel, int topk, const fl
         topk_sort<8>(buf, out, k);
 }
 
-extern "C" __global__ void index_topk(unsigned* sel, int topk, const float* scores, int maxvis, const unsigned* rows,
-                                      int n, int m) {
+extern "C" __global__ void index_topk(unsigned* sel, int topk, int sorted, const float* scores, int maxvis,
+                                      const unsigned* rows, int n, int m) {
     pdl_enter();
     __shared__ __align__(16) unsigned long long buf[2][TOPK_MAX];
     __shared__ __align__(16) unsigned hist[4][256];
     __shared__ unsigned wt[2][TOPK_T / 32];
-    index_topk_row<false>(sel, topk, scores, maxvis, rows, n, m, blockIdx.x, buf, hist, wt);
+    index_topk_row<false>(sel, topk, sorted, scores, maxvis, rows, n, m, blockIdx.x, buf, hist, wt);
 }
 
-// index_score and index_topk in one launch (batches of short segments: decode and verify rows):
-// index_score's grid (n, Y) and blocks; after its scores each block counts itself in cnt[t]
+// index_score and index_topk in one launch (batches of short segments: decode and verify rows;
+// `sorted` as index_topk's): index_score's grid (n, Y) and blocks; after its scores each block counts itself in cnt[t]
 // (zeroed counters, left zero: quant.cu's quant_groups pattern), and row t's last block runs
 // index_topk's body for the row on buffers carved from the dynamic shared memory the scores used
 // (the launcher gives max(score bytes, TOPK_SMEM)). blockDim.x == TOPK_T.
 #define TOPK_SMEM (2 * TOPK_MAX * 8 + 4 * 256 * 4 + 2 * (TOPK_T / 32) * 4)
-extern "C" __global__ void index_score_topk(unsigned* sel, int topk, unsigned* cnt, float* scores, int maxvis,
+extern "C" __global__ void index_score_topk(unsigned* sel, int topk, int sorted, unsigned* cnt, float* scores, int maxvis,
                                             const float* q, const float* wts, const float* entries, int cap,
                                             const unsigned* rows, int n, int m, int nh, int hd, float qs,
                                             float ws) {
@@ -602,7 +604,7 @@ extern "C" __global__ void index_score_topk(unsigned* sel, int topk, unsigned* c
     __syncthreads();
     if (!last) return;
     char* b = (char*)sm4;
-    index_topk_row<true>(sel, topk, scores, maxvis, rows, n, m, t, (unsigned long long (*)[TOPK_MAX])b,
+    index_topk_row<true>(sel, topk, sorted, scores, maxvis, rows, n, m, t, (unsigned long long (*)[TOPK_MAX])b,
                    (unsigned (*)[256])(b + 2 * TOPK_MAX * 8), (unsigned (*)[TOPK_T / 32])(b + 2 * TOPK_MAX * 8 + 4 * 256 * 4));
 }
 
