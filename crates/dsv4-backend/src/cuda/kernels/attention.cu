@@ -15,21 +15,29 @@ struct CompSrc {
     int m, w, k;
 };
 
-__device__ __forceinline__ void comp_row(const CompSrc& s, const unsigned* rows, int n, int t, long long q,
-                                         const float** ur, const float** zr, const float** ar) {
-    long long pos0 = ROW_POS0(t);
+// (The same with row t's segment start, its position and its sequence read once: the row
+// table's loads then do not sit between each row's address and its loads.)
+__device__ __forceinline__ void comp_row_at(const CompSrc& s, long long pos0, long long start, long long seq,
+                                            long long q, const float** ur, const float** zr, const float** ar) {
     if (q >= pos0) {
-        long long r = ROW_START(t) + (q - pos0);
+        long long r = start + (q - pos0);
         *ur = s.u + r * s.w;
         *zr = s.z + r * s.w;
         *ar = s.ape + (q % s.m) * s.w;
     } else {
-        long long o = ((long long)ROW_SEQ(t) * s.k + q % s.k) * s.w;
+        long long o = (seq * s.k + q % s.k) * s.w;
         *ur = s.raw_u + o;
         *zr = s.raw_z + o;
         *ar = 0;
     }
 }
+
+__device__ __forceinline__ void comp_row(const CompSrc& s, const unsigned* rows, int n, int t, long long q,
+                                         const float** ur, const float** zr, const float** ar) {
+    comp_row_at(s, ROW_POS0(t), ROW_START(t), ROW_SEQ(t), q, ur, zr, ar);
+}
+
+#define CP_R 8  // rows of a pooled window a thread loads at once (comp_pool_row)
 
 // One block per batch row; rows that close a window pool it (per-channel softmax over the gate),
 // RMSNorm it, rotate it at position win·m and store entry `win`. With overlap (CSA) the previous
@@ -47,30 +55,57 @@ __device__ __forceinline__ void comp_pool_row(float* entries, int cap, const flo
     if ((p + 1) % m != 0) return;
     long long win = (p + 1) / m - 1, seq = ROW_SEQ(t);
     CompSrc s = {u, z, raw_u, raw_z, ape, m, overlap ? 2 * hd : hd, k};
-    for (int c = threadIdx.x; c < hd; c += blockDim.x) {
-        float mx = -INFINITY;
-        for (int pass = 0; pass < 2; pass++) {
-            float den = 0.f, num = 0.f;
-            if (overlap && win > 0) {
-                for (int r = 0; r < m; r++) {
-                    const float *ur, *zr, *ar;
-                    comp_row(s, rows, n, t, (win - 1) * m + r, &ur, &zr, &ar);
-                    float zv = ar ? zr[c] + ar[c] : zr[c];
-                    float uv = ur[c];
-                    if (pass == 0) mx = fmaxf(mx, zv);
-                    else { float e = expf(zv - mx); den += e; num += e * uv; }
+    // The softmax's rows in order: with overlap and win > 0 the previous window's m rows (their
+    // A-halves, columns 0..hd), then this window's m rows (columns off..off + hd). A thread takes
+    // two channels, c and c + blockDim, and loads CP_R rows of both at once (gate, ape and value),
+    // so a CSA window (8 rows) costs one round trip where each row's loads waited for the last
+    // (16 trips a channel: ~22 µs a pooling step at one row, PERF.md v51). The same operations in
+    // the same order per channel: the maximum over the rows, then den and num row by row.
+    const int prev = overlap && win > 0 ? m : 0, nr = prev + m, off = overlap ? hd : 0;
+    const long long pos0 = ROW_POS0(t), start = ROW_START(t);
+    for (int c0 = threadIdx.x; c0 < hd; c0 += 2 * blockDim.x) {
+        const int cc[2] = {c0, c0 + (int)blockDim.x};
+        float zv[2][CP_R], uv[2][CP_R], mx[2] = {-INFINITY, -INFINITY}, den[2] = {0.f, 0.f}, num[2] = {0.f, 0.f};
+        auto load = [&](int r0) {
+#pragma unroll
+            for (int j = 0; j < CP_R; j++) {
+                int r = r0 + j;
+                if (r >= nr) break;
+                const float *ur, *zr, *ar;
+                long long q = r < prev ? (win - 1) * m + r : win * m + (r - prev);
+                comp_row_at(s, pos0, start, seq, q, &ur, &zr, &ar);
+                int o = r < prev ? 0 : off;
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    int c = min(cc[h], hd - 1);  // a thread's second channel may be past hd: loaded, not used
+                    zv[h][j] = ar ? zr[o + c] + ar[o + c] : zr[o + c];
+                    uv[h][j] = ur[o + c];
                 }
             }
-            int off = overlap ? hd : 0;
-            for (int r = 0; r < m; r++) {
-                const float *ur, *zr, *ar;
-                comp_row(s, rows, n, t, win * m + r, &ur, &zr, &ar);
-                float zv = ar ? zr[off + c] + ar[off + c] : zr[off + c];
-                if (pass == 0) mx = fmaxf(mx, zv);
-                else { float e = expf(zv - mx); den += e; num += e * ur[off + c]; }
-            }
-            if (pass == 1) buf[c] = num / den;
+        };
+        for (int r0 = 0; r0 < nr; r0 += CP_R) {
+            load(r0);
+#pragma unroll
+            for (int j = 0; j < CP_R; j++)
+                if (r0 + j < nr)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) mx[h] = fmaxf(mx[h], zv[h][j]);
         }
+        for (int r0 = 0; r0 < nr; r0 += CP_R) {
+            if (nr > CP_R) load(r0);  // one chunk: its values are still held
+#pragma unroll
+            for (int j = 0; j < CP_R; j++)
+                if (r0 + j < nr)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        float e = expf(zv[h][j] - mx[h]);
+                        den[h] += e;
+                        num[h] += e * uv[h][j];
+                    }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            if (cc[h] < hd) buf[cc[h]] = num[h] / den[h];
     }
     __syncthreads();
     float ss = 0.f;
