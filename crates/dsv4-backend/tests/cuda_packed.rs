@@ -1295,7 +1295,9 @@ fn cuda_router_choices_match_the_cpu() {
         let gate: Vec<f32> = (0..e * d).map(|_| r.gen_range(-0.2f32..0.2)).collect();
         let gate = b.upload(HostTensor::new("gate", vec![e, d], gate)).unwrap();
         b.set_route_fused(true);
+        let before = b.gemv_route_launches();
         let (lf, rf) = b.router(&xg, &gate, Some(&bg), None, &c);
+        assert_eq!(b.gemv_route_launches(), before + 1, "{e} experts: the router did not take gemv_route");
         let ra = b.route(&lf, Some(&bg), None, &c);
         assert_eq!(b.download(&rf.ids), b.download(&ra.ids), "{e} experts: gemv_route's choices against route's");
         let (wf, wa) = (b.download(&rf.weights), b.download(&ra.weights));

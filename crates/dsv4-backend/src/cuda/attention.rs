@@ -357,7 +357,8 @@ struct AtcKeys<'a> {
 /// `attention_tc` over rows `t0..t0 + rows` (block (row, hb heads, slice)), with `pf`'s L2
 /// prefetch blocks past the rows: `slices` = 1 writes each row's output (prefill-sized calls);
 /// more cut each row's key tiles into that many slices at most, whose partials go to `part` for
-/// `attention_merge` (decode-sized calls), on blocks of `hb` heads (64, or 16: `attention_tcd`).
+/// `attention_merge` (decode-sized calls), on blocks of `hb` heads (16: `attention_tcd`, the
+/// decode default; or 64).
 #[allow(clippy::too_many_arguments)]
 fn attention_tc(
     b: &CudaBackend,

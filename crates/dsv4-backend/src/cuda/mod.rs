@@ -1035,7 +1035,7 @@ pub struct CudaBackend {
     att_fused: std::sync::atomic::AtomicBool,
     /// Decode-sized fast-mode attention on `attention_tc`'s key slices ([`CudaBackend::set_attention_tc_slices`]).
     attention_tc_slices: std::sync::atomic::AtomicBool,
-    /// Heads a block of the decode slices (64: `attention_tc`; 16: `attention_tcd`).
+    /// Heads a block of the decode slices (16, the default: `attention_tcd`; 64: `attention_tc`).
     attention_tc_heads: std::sync::atomic::AtomicUsize,
     /// One-row int8 products of k ≤ 1024 at 4 outputs a warp (see [`CudaBackend::set_gemv4`]).
     gemv4: std::sync::atomic::AtomicBool,
@@ -1063,6 +1063,8 @@ pub struct CudaBackend {
     l2_launches: std::sync::atomic::AtomicU64,
     /// `attention_tcd` launches queued ([`CudaBackend::attention_tcd_launches`]).
     pub(crate) tcd_launches: std::sync::atomic::AtomicU64,
+    /// `gemv_route` launches queued ([`CudaBackend::gemv_route_launches`]).
+    pub(crate) route_fused_launches: std::sync::atomic::AtomicU64,
     pub(crate) fusion: Fusion,
 }
 
@@ -1591,7 +1593,7 @@ impl CudaBackend {
     /// (`attention_tc`, the form before). The slices and every row's result stay functions of the
     /// row alone; the sums' order over d differs (8 spans of 64 channels, not 2 of 256), so the
     /// two forms' values differ in the last bits. Start value: `DSV4_ATT_TC_HEADS` (16 or 64);
-    /// other values keep 16.
+    /// any other value gives 16.
     pub fn set_attention_tc_heads(&self, heads: usize) {
         let h = if heads == attention::ATC_HEADS { heads } else { attention::ATCD_HEADS };
         self.attention_tc_heads.store(h, std::sync::atomic::Ordering::Relaxed);
@@ -1649,6 +1651,12 @@ impl CudaBackend {
     /// slices ran).
     pub fn attention_tcd_launches(&self) -> u64 {
         self.tcd_launches.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// `gemv_route` launches (the router's product and choice in one launch) queued since the
+    /// backend started: tests check that the fused path ran.
+    pub fn gemv_route_launches(&self) -> u64 {
+        self.route_fused_launches.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether fast-mode indexer scores of prefill-sized calls (256 rows and more, V4-Flash's
@@ -1806,6 +1814,7 @@ impl CudaBackend {
             l2_pending: std::sync::Mutex::new(Vec::new()),
             l2_launches: std::sync::atomic::AtomicU64::new(0),
             tcd_launches: std::sync::atomic::AtomicU64::new(0),
+            route_fused_launches: std::sync::atomic::AtomicU64::new(0),
             row_caps: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_ROW_CAPS").map_or(true, |v| v.trim() != "0"),
             ),

@@ -110,6 +110,7 @@ pub(crate) fn router_fused(
         },
         "gemv_route",
     );
+    b.route_fused_launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     (logits, r.finish(e))
 }
 
