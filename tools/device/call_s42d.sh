@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Forty-second session, any GPU, ~2.5 minutes, on baea2e7's binaries: the indexer's top-k in
-# entry order in fast mode (v51; call_s42c's tkns variant measured −0.10 ms a 32-layer step).
+# Forty-second session, any GPU, ~2.5 minutes, on 57e28ab's binaries: the indexer's top-k in
+# entry order in fast mode (v51; call_s42c's tkns variant measured −0.10 ms a 32-layer step) and
+# comp_pool_row's window loaded at once (b0af3ad: a CSA pooling step's comp_pool_store 22 → ~5
+# µs predicted; a step's average moves only if the side branch is on the critical path).
 # Checks first: cuda_backend's indexer tests (the fused launch bitwise the separate ones in exact
 # and fast mode; rows past 2,048 entries against the CPU), then batch 1 twice (prediction: ~5.61
 # ms on an H100, tkns's figure), then every CUDA test binary.
@@ -13,7 +15,7 @@ export DSV4_BIN=.devbin/dsv4 DSV4_FIXTURES=$PWD/tests/fixtures/hf DSV4_DSPARK_FI
 run_test cuda_backend index --nocapture
 grep -E 'entries bitwise|long index' "$OUT/test-cuda_backend.txt" | cut -c1-200 >> "$S"
 for v in base base; do t && batch1_rounds $FL $v-$(date +%s); done
-for tb in cuda_invariance cuda_graph cuda_dspark cuda_packed cuda_gguf cuda_rollback cuda_snapshot nonfinite cuda_backend; do
+for tb in cuda_backend cuda_invariance cuda_graph cuda_dspark cuda_packed cuda_gguf cuda_rollback cuda_snapshot nonfinite; do
   t && run_test $tb
 done
 echo "total $(( $(date +%s) - T0 )) s" >> "$S"
