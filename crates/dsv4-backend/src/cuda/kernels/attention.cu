@@ -37,7 +37,13 @@ __device__ __forceinline__ void comp_row(const CompSrc& s, const unsigned* rows,
     comp_row_at(s, ROW_POS0(t), ROW_START(t), ROW_SEQ(t), q, ur, zr, ar);
 }
 
-#define CP_R 8  // rows of a pooled window a thread loads at once (comp_pool_row)
+// comp_pool_row's loads: CP_FAST 1 takes a window's rows CP_R at a time for two channels a
+// thread (one round trip a CSA window; the same operations per channel, so the same values); 0,
+// the built-in until it has run on a GPU, each row's loads after the last row's.
+#ifndef CP_FAST
+#define CP_FAST 0
+#endif
+#define CP_R 8  // rows of a pooled window a thread loads at once (comp_pool_row, CP_FAST)
 
 // One block per batch row; rows that close a window pool it (per-channel softmax over the gate),
 // RMSNorm it, rotate it at position win·m and store entry `win`. With overlap (CSA) the previous
@@ -55,6 +61,7 @@ __device__ __forceinline__ void comp_pool_row(float* entries, int cap, const flo
     if ((p + 1) % m != 0) return;
     long long win = (p + 1) / m - 1, seq = ROW_SEQ(t);
     CompSrc s = {u, z, raw_u, raw_z, ape, m, overlap ? 2 * hd : hd, k};
+#if CP_FAST
     // The softmax's rows in order: with overlap and win > 0 the previous window's m rows (their
     // A-halves, columns 0..hd), then this window's m rows (columns off..off + hd). A thread takes
     // two channels, c and c + blockDim, and loads CP_R rows of both at once (gate, ape and value),
@@ -107,6 +114,33 @@ __device__ __forceinline__ void comp_pool_row(float* entries, int cap, const flo
         for (int h = 0; h < 2; h++)
             if (cc[h] < hd) buf[cc[h]] = num[h] / den[h];
     }
+#else
+    for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+        float mx = -INFINITY;
+        for (int pass = 0; pass < 2; pass++) {
+            float den = 0.f, num = 0.f;
+            if (overlap && win > 0) {
+                for (int r = 0; r < m; r++) {
+                    const float *ur, *zr, *ar;
+                    comp_row(s, rows, n, t, (win - 1) * m + r, &ur, &zr, &ar);
+                    float zv = ar ? zr[c] + ar[c] : zr[c];
+                    float uv = ur[c];
+                    if (pass == 0) mx = fmaxf(mx, zv);
+                    else { float e = expf(zv - mx); den += e; num += e * uv; }
+                }
+            }
+            int off = overlap ? hd : 0;
+            for (int r = 0; r < m; r++) {
+                const float *ur, *zr, *ar;
+                comp_row(s, rows, n, t, win * m + r, &ur, &zr, &ar);
+                float zv = ar ? zr[off + c] + ar[off + c] : zr[off + c];
+                if (pass == 0) mx = fmaxf(mx, zv);
+                else { float e = expf(zv - mx); den += e; num += e * ur[off + c]; }
+            }
+            if (pass == 1) buf[c] = num / den;
+        }
+    }
+#endif
     __syncthreads();
     float ss = 0.f;
     for (int c = threadIdx.x; c < hd; c += blockDim.x) ss += buf[c] * buf[c];
