@@ -27,7 +27,7 @@ for v in base cpf; do
   t && { env $(variant_env $v) CTX=4095 TAG=-$v bash tools/device/profile.sh 4 q2 1 > "$OUT/profile-$v.txt" 2>&1;
          grep -E '^ *[0-9.]+ +(comp_pool|gemvt|index_score)|^one step' "$OUT/ncu-q2-1-$v.txt" | head -12 | sed "s/^/$v: /" >> "$S"; }
 done
-t && ( export DSV4_CUDA_KERNELS=.devbin/kvar/cpf; run_test cuda_backend; sed -i 's/^test cuda_backend/cpf: test cuda_backend/' "$S" )
+t && ( export DSV4_CUDA_KERNELS=.devbin/kvar/cpf; echo "cpf (CP_FAST 1):" >> "$S"; run_test cuda_backend )
 for tb in cuda_backend cuda_invariance cuda_graph cuda_dspark cuda_packed cuda_gguf cuda_rollback cuda_snapshot nonfinite; do
   t && run_test $tb
 done
