@@ -37,11 +37,12 @@ __device__ __forceinline__ void comp_row(const CompSrc& s, const unsigned* rows,
     comp_row_at(s, ROW_POS0(t), ROW_START(t), ROW_SEQ(t), q, ur, zr, ar);
 }
 
-// comp_pool_row's loads: CP_FAST 1 takes a window's rows CP_R at a time for two channels a
-// thread (one round trip a CSA window; the same operations per channel, so the same values); 0,
-// the built-in until it has run on a GPU, each row's loads after the last row's.
+// comp_pool_row's loads: CP_FAST 1 (the built-in) takes a window's rows CP_R at a time for two
+// channels a thread (one round trip a CSA window; the same operations per channel, so the same
+// values; call_s42d, H100: batch 1 −0.045 ms, verify 1+1..1+3 −0.11 to −0.16 ms a 32-layer
+// round, PERF.md v51); 0 each row's loads after the last row's.
 #ifndef CP_FAST
-#define CP_FAST 0
+#define CP_FAST 1
 #endif
 #define CP_R 8  // rows of a pooled window a thread loads at once (comp_pool_row, CP_FAST)
 
@@ -66,8 +67,9 @@ __device__ __forceinline__ void comp_pool_row(float* entries, int cap, const flo
     // A-halves, columns 0..hd), then this window's m rows (columns off..off + hd). A thread takes
     // two channels, c and c + blockDim, and loads CP_R rows of both at once (gate, ape and value),
     // so a CSA window (8 rows) costs one round trip where each row's loads waited for the last
-    // (16 trips a channel: ~22 µs a pooling step at one row, PERF.md v51). The same operations in
-    // the same order per channel: the maximum over the rows, then den and num row by row.
+    // (16 trips a channel: ~22 µs a pooling step in a 2-row ncu table, PERF.md v51). The same
+    // operations in the same order per channel: the maximum over the rows, then den and num row
+    // by row.
     const int prev = overlap && win > 0 ? m : 0, nr = prev + m, off = overlap ? hd : 0;
     const long long pos0 = ROW_POS0(t), start = ROW_START(t);
     for (int c0 = threadIdx.x; c0 < hd; c0 += 2 * blockDim.x) {
