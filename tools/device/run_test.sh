@@ -68,7 +68,8 @@ batches_16_64() {
 # slice, the built-in since v50); att64: the slices on 64 heads a block (the form before v50);
 # any other: kvar/NAME (v50's atm0: attention.cu with ATM_WARP 0; rt0: common.cuh with route_row
 # before its register form, v51, reverted since; tkns: attention.cu with TOPK_SORT 0, v51, the
-# fast-mode default since; cpf: attention.cu with CP_FAST 1).
+# fast-mode default since; cpf: attention.cu with CP_FAST 1, the default since v51; cp0: with
+# CP_FAST 0).
 variant_env() {
   case $1 in
     base|base2) ;;
