@@ -409,7 +409,8 @@ fn cuda_int8_products_match_the_twin() {
 /// IQ2_XXS form's default) a block owns whole groups, against separate kernels at 1. The sum is also bitwise the first row of the same row twice
 /// (the several-row kernels) and held to the CPU oracle (2e-2, the int8 activations' rounding as
 /// in `cuda_int8_products_match_the_twin`). Rows of 1,280 and 768 values end a lane's batch
-/// part-way (DSV4_X8_PIPE's software-pipelined form).
+/// part-way (DSV4_X8_PIPE's software-pipelined form); V4's 4,096 and 2,048 (and 2,048 and 1,024)
+/// are whole rounds of X8_STAGE's staged rows.
 #[test]
 fn cuda_one_row_experts_in_two_launches_are_bitwise() {
     let Some(b) = gpu() else { return };
@@ -425,6 +426,11 @@ fn cuda_one_row_experts_in_two_launches_are_bitwise() {
         // Rows of 1,280 and 768 values: under DSV4_X8_PIPE, batches of 1,024 values a lane-row
         // that end part-way through a row (and a row of several batches).
         ((IQ2_XXS, Q2_K), (Q8_0, Q8_0), 6, (1280, 768, 8)),
+        // V4 Flash's widths (and half of them): whole 1,024-value rounds, the rows quant.cu's
+        // X8_STAGE form stages through shared memory (4 gate/up rounds in its ring of 2; 2 and 1
+        // down rounds).
+        ((IQ2_XXS, Q2_K), (Q8_0, Q8_0), 6, (4096, 2048, 8)),
+        ((IQ2_XXS, Q2_K), (Q8_0, Q8_0), 6, (2048, 1024, 8)),
     ];
     for (ci, (routed, shared, k, (d, inter, ne))) in cases.into_iter().enumerate() {
         let seed = 9000 + 100 * ci as u64;
@@ -497,11 +503,11 @@ fn cuda_one_row_experts_in_two_launches_are_bitwise() {
             }
         }
         // A verify's few distinct rows in the two launches (each pair its own one-row product;
-        // `set_ffn1_rows`, 1 by default): bitwise the separate launches of the same rows, twice
+        // `set_ffn1_rows`, 4 by default with quant.cu's staged rows): bitwise the separate launches of the same rows, twice
         // over (the counters).
         let start_rows = b.ffn1_rows();
         b.set_ffn1_rows(4);
-        for n in [2, 4] {
+        for n in [2, 3, 4] {
             let (xn, _) = activations(&b, n, d, seed + 10 + n as u64);
             let (ln, _) = activations(&b, n, ne, seed + 20 + n as u64);
             let xn = b.rms_norm(&xn, None, d, 1e-6);

@@ -567,16 +567,27 @@ pub(crate) const FFN1_MAX_ROWS: usize = 8;
 /// (n ≤ [`FFN1_MAX_ROWS`] rows of k + 1 ≤ 8 pairs of up to 8,192 values).
 pub(crate) const FFN1_COUNTERS: usize = FFN1_MAX_ROWS * 8 * 256;
 
+/// Whether a quant.cu stages the two-launch experts' rows: it has `X8_STAGE` and no
+/// `#define X8_STAGE 0` line (the comments that name the setting do not count).
+fn stages_experts(src: &str) -> bool {
+    src.contains("X8_STAGE") && !src.lines().any(|l| l.trim_start().starts_with("#define X8_STAGE 0"))
+}
+
 /// Start value of [`CudaBackend::set_ffn1_rows`]: `DSV4_FFN1_ROWS` (1 to [`FFN1_MAX_ROWS`]),
-/// else 1.
+/// else 4 where quant.cu stages the two-launch experts' rows through shared memory
+/// (`X8_STAGE`, the built-in since v52) and 1 where it does not (a kernel directory from
+/// before, without `X8_STAGE`, or with a `#define X8_STAGE 0` line): see
+/// [`CudaBackend::set_ffn1_rows`].
 pub(crate) fn ffn1_rows_env() -> usize {
+    let default =
+        if stages_experts(&super::kernel_source("quant.cu", include_str!("kernels/quant.cu"))) { 4 } else { 1 };
     match std::env::var("DSV4_FFN1_ROWS") {
-        Err(_) => 1,
+        Err(_) => default,
         Ok(v) => match v.trim().parse() {
             Ok(n) if (1..=FFN1_MAX_ROWS).contains(&n) => n,
             _ => {
-                tracing::warn!("DSV4_FFN1_ROWS={v:?} is not 1 to {FFN1_MAX_ROWS}; using 1");
-                1
+                tracing::warn!("DSV4_FFN1_ROWS={v:?} is not 1 to {FFN1_MAX_ROWS}; using {default}");
+                default
             }
         },
     }
@@ -977,4 +988,18 @@ pub(crate) fn moe(
         "moe_combine_sorted",
     );
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::stages_experts;
+
+    #[test]
+    fn the_built_in_quant_cu_stages_the_experts() {
+        let built_in = include_str!("kernels/quant.cu");
+        assert!(stages_experts(built_in), "the built-in quant.cu should stage (DSV4_FFN1_ROWS then defaults to 4)");
+        let off = built_in.replace("#define X8_STAGE 3", "#define X8_STAGE 0");
+        assert!(!stages_experts(&off));
+        assert!(!stages_experts("// a quant.cu from before v52\n#define X8_PIPE 0\n"));
+    }
 }

@@ -28,7 +28,7 @@ fn kernels(b: &CudaBackend) -> Arc<DsparkKernels> {
         return k.clone();
     }
     let m = ck(super::load_kernel_module(&b.ctx, SOURCE.0, SOURCE.1), "load dspark.cu");
-    let f = |n: &str| ck(m.load_function(n), n);
+    let f = |n: &str| ck(super::load_function(&m, n), n);
     let k = Arc::new(DsparkKernels { scatter_rows: f("scatter_rows"), block_attention: f("block_attention") });
     l.push((ord, k.clone()));
     k

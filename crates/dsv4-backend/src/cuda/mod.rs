@@ -695,7 +695,36 @@ fn store_ptx(path: &std::path::Path, text: &str) {
 fn compile(ctx: &Arc<CudaContext>, idx: usize, names: &[&str]) -> Result<Vec<CudaFunction>, CudaInitError> {
     let (file, src) = SOURCES[idx];
     let module = load_kernel_module(ctx, file, &kernel_source(file, src))?;
-    names.iter().map(|n| Ok(module.load_function(n)?)).collect()
+    names.iter().map(|n| load_function(&module, n)).collect()
+}
+
+/// A kernel of a loaded module, with the shared-memory carveout `DSV4_SMEM_CARVEOUT` asks of
+/// every kernel (a percentage of the SM's most shared memory, 0 to 100; unset: the driver's
+/// choice for each launch). An SM's split between L1 and shared memory is set per launch, and
+/// kernels that need more shared memory than the one before (quant.cu's staged experts, ~120 KB
+/// an SM) make it change and leave the L1 smaller for the kernels after them; one split for all
+/// measures what that costs (PERF.md v52).
+pub(crate) fn load_function(
+    module: &Arc<cudarc::driver::CudaModule>,
+    name: &str,
+) -> Result<CudaFunction, CudaInitError> {
+    static CARVEOUT: std::sync::OnceLock<Option<i32>> = std::sync::OnceLock::new();
+    let f = module.load_function(name)?;
+    let c = *CARVEOUT.get_or_init(|| {
+        let v = std::env::var("DSV4_SMEM_CARVEOUT").ok()?;
+        let c = v.trim().parse::<i32>().ok().filter(|c| (0..=100).contains(c));
+        if c.is_none() {
+            tracing::warn!("DSV4_SMEM_CARVEOUT={v:?} is not 0 to 100; the driver's choice");
+        }
+        c
+    });
+    if let Some(c) = c {
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+            c,
+        )?;
+    }
+    Ok(f)
 }
 
 impl Kernels {
@@ -1322,13 +1351,14 @@ impl CudaBackend {
 
     /// Most token rows whose MoE experts take the two launches of one row (`moe_up1s`,
     /// `moe_down1s`; their n-row forms past 1): a verify of 1 + 1..3 drafts would launch 2
-    /// kernels for its experts where the several-row path launches ~11. Each pair is its own
+    /// kernels for its experts where the several-row path launches 9. Each pair is its own
     /// one-row product there, so an expert two rows chose, and the shared expert, are read
-    /// once a row, and the n-row kernels held 94 registers (2 blocks an SM; since v49 at 4 outputs
-    /// a warp 234 and 128, 1 and 2 blocks). Measured (H100, 32
-    /// q2 layers, batch 1, PERF.md v43): with 4, verify 1+2 9.73 ms and 1+3 11.33 against 9.27 and
-    /// 10.53 with 1, and 2 lost at 1+1 too (7.96 against 7.89), so the start value is 1
-    /// (`DSV4_FFN1_ROWS`, 1 to 8).
+    /// once a row. With the rows in registers (quant.cu `X8_STAGE 0`: 234 and 128 registers,
+    /// 1 and 2 blocks an SM) that lost (H100, 32 q2 layers, PERF.md v43: verify 1+2 9.73 ms
+    /// and 1+3 11.33 against 9.27 and 10.53 with 1). Staged through shared memory (80 and 64
+    /// registers, 3 and 4 blocks, the built-in since v52) it wins: verify 1+1 / 1+2 / 1+3
+    /// 6.26 / 7.38 / 8.32 ms against 6.84 / 8.27 / 9.45 with 1 (PERF.md v52). So the start
+    /// value is 4 with the staged kernels and 1 without (`DSV4_FFN1_ROWS`, 1 to 8).
     pub fn set_ffn1_rows(&self, rows: usize) {
         assert!((1..=bf16::FFN1_MAX_ROWS).contains(&rows), "ffn1 rows {rows}: 1 to {}", bf16::FFN1_MAX_ROWS);
         self.ffn1_rows.store(rows, std::sync::atomic::Ordering::Relaxed);

@@ -386,7 +386,7 @@ impl QuantKernels {
         }
         let mut m = HashMap::new();
         for n in names {
-            let f = module.load_function(&n)?;
+            let f = super::load_function(&module, &n)?;
             // The tensor-core tiles' stages (prefill's pgemm, the dense tiles' cp.async rings)
             // take more than the default 48 KB.
             let ring = TILE_SHAPES.into_iter().find(|&(nt, w)| n == format!("gemvtc{nt}{w}_q8_0"));

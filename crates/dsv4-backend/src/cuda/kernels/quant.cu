@@ -1436,6 +1436,253 @@ __device__ __forceinline__ void expert_ptrs(unsigned long long (&loc)[6], unsign
             if (COLS >> c & 1) loc[c] = ptrs[c * nexp + e];
 }
 
+// X8_STAGE (3: both, the built-in since v52; 0: off): the two-launch experts' rows go through
+// shared memory (moe_up1s: the routed IQ2_XXS gate/up rows; moe_down1s: every pair's down
+// rows). A warp copies its rows' bytes of a
+// chunk round (values 1024·i.. of every row: whole blocks of each format) by cp.async into stages
+// of its own and decodes a round from there, while later rounds land. The register forms hold
+// every round of all their rows before decoding: moe_up1s 229 registers at 4 outputs a warp, one
+// block an SM, so 8 warps whose issue slots sat mostly idle (~37 µs a layer from L2 for ~13 µs
+// of DRAM bytes); moe_down1s 128, two blocks. Here a warp holds one chunk's words at a time. The
+// chunks, their order and the butterfly are xrows_dot's, so the sums are the same bits.
+// H100, 32 q2 layers (PERF.md v52): moe_up1s 33.9 → 30.1 µs, moe_down1s 18.7 → 14.5 (ncu), the
+// batch-1 step 5.59 → 5.36 ms; and the n-row forms then beat the row-group kernels for a
+// verify's 2–4 rows (cuda/bf16.rs `ffn1_rows_env`, which reads a zero here as off). Bits: 1
+// moe_up1s, 2 moe_down1s. moe_up1s stages at up to 4 outputs a warp (at 8 its stages would pass
+// the 48 KB of static shared memory).
+#ifndef X8_STAGE
+#define X8_STAGE 3
+#endif
+#define X8_STAGE_UP (X8_STAGE & 1)
+#define X8_STAGE_DOWN (X8_STAGE & 2)
+
+__device__ __forceinline__ void cp16(unsigned sa, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Code and head bytes of one row's chunk round (1024 values) in the staged formats.
+template <int F>
+__host__ __device__ constexpr int stage_cb() {
+    return F == F_Q8_0 ? 1024 : 256;
+}
+template <int F>
+__host__ __device__ constexpr int stage_hb() {
+    return F == F_Q8_0 ? 64 : F == F_Q2_K ? 80 : 32;
+}
+template <int F>
+__host__ __device__ constexpr int stage_row() {
+    return stage_cb<F>() + stage_hb<F>();
+}
+template <int F>
+__host__ __device__ constexpr bool stageable() {
+    return F == F_Q8_0 || F == F_Q2_K || F == F_IQ2_XXS;
+}
+
+// Round i of NR rows into stage sa (NR·CB code bytes, then NR·HB head bytes), 16 bytes a copy
+// over the warp's lanes; rows(r, w, s) gives row r's code and head pointers (formed per copy:
+// a table of row pointers indexed by a lane-dependent row went to local memory).
+template <int F, int NR, typename RowF>
+__device__ __forceinline__ void stage_round(unsigned sa, RowF rows, int i, int lane) {
+    constexpr int CB = stage_cb<F>(), HB = stage_hb<F>(), CS = CB / 16, HS = HB / 16;
+#pragma unroll
+    for (int m = 0; m < (NR * CS + 31) / 32; m++) {
+        int q = lane + 32 * m, r = q / CS, g = q % CS;
+        const u8 *w, *sc;
+        rows(r, w, sc);
+        if (q < NR * CS) cp16(sa + CB * r + 16 * g, w + CB * i + 16 * g);
+    }
+#pragma unroll
+    for (int m = 0; m < (NR * HS + 31) / 32; m++) {
+        int q = lane + 32 * m, r = q / HS, g = q % HS;
+        const u8 *w, *sc;
+        rows(r, w, sc);
+        if (q < NR * HS) cp16(sa + NR * CB + HB * r + 16 * g, sc + HB * i + 16 * g);
+    }
+}
+
+// Row r's chunk of this lane (values 32·lane.. of the round) from a stage of NR rows.
+template <int F, int NR>
+__device__ __forceinline__ XRaw stage_raw(const u8* st, int r, int lane) {
+    return xraw32<F>(st + stage_cb<F>() * r, st + NR * stage_cb<F>() + stage_hb<F>() * r, 32 * lane);
+}
+
+// up1_pair's outputs for IQ2_XXS rows through the warp's two stages `st` (2 × 2P·288 bytes): a
+// ring, each round's copies issued two rounds ahead. d a multiple of 1024, every row 16-byte
+// aligned (the caller checks).
+template <int P>
+__device__ __forceinline__ void up1_staged(float* __restrict__ hrow, const signed char* __restrict__ xq,
+                                           const float* __restrict__ xd, const unsigned long long* loc, int o,
+                                           int d, int inter, float limit, bool live, u8* st) {
+    constexpr int F = F_IQ2_XXS, NR = 2 * P, SB = NR * stage_row<F>();
+    int lane = threadIdx.x & 31, nround = d >> 10;
+    // Row 2j + g: output o + j's gate (w1, s1) or up row (w3, s3); past inter the last row again.
+    auto rows = [&](int r, const u8*& w, const u8*& sc) {
+        long long oj = min(o + (r >> 1), inter - 1);
+        w = (const u8*)(r & 1 ? loc[1] : loc[0]) + oj * (d / 4);
+        sc = (const u8*)(r & 1 ? loc[4] : loc[3]) + oj * (d / 32);
+    };
+    unsigned sa = (unsigned)__cvta_generic_to_shared(st);
+    if (live) {
+        stage_round<F, NR>(sa, rows, 0, lane);
+        cp_commit();
+        if (nround > 1) stage_round<F, NR>(sa + SB, rows, 1, lane);
+        cp_commit();
+    }
+    fill_tabs<F, true>();
+    if (!live) return;
+    float acc[NR];
+#pragma unroll
+    for (int r = 0; r < NR; r++) acc[r] = 0.f;
+    for (int i = 0; i < nround; i++) {
+        int c = 32 * lane + 1024 * i;
+        int4 a = *(const int4*)(xq + c), b = *(const int4*)(xq + c + 16);
+        int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        float dx = xd[c >> 5];
+        cp_wait<1>();
+        __syncwarp();
+        const u8* sb = st + (i & 1) * SB;
+#pragma unroll
+        for (int r = 0; r < NR; r++) acc[r] = xapply32_one<F>(stage_raw<F, NR>(sb, r, lane), c, x, dx, acc[r]);
+        __syncwarp();  // every lane has read the stage before it is refilled
+        if (i + 2 < nround) stage_round<F, NR>(sa + (i & 1) * SB, rows, i + 2, lane);
+        cp_commit();
+    }
+#pragma unroll
+    for (int j = 0; j < P; j++) {
+        float g = warp_sum(acc[2 * j]), u = warp_sum(acc[2 * j + 1]);
+        if (lane == 0 && o + j < inter) hrow[o + j] = swiglu_q(g, u, limit);
+    }
+}
+
+// down1_pair's v[j] (expert e's down rows c + j, address table loc of one expert) through the
+// warp's stages `st` (every round of the P rows at once: at most 2 rounds, inter ≤ 2048), each
+// round decoded as soon as it lands. Every row 16-byte aligned (the caller checks); the block's
+// tables filled by the caller.
+template <int F, int P>
+__device__ __forceinline__ void down1_staged(float* v, const signed char* __restrict__ hq, const float* __restrict__ hd,
+                                             const unsigned long long* loc, int c, int d, int inter, bool live,
+                                             u8* st) {
+    constexpr int SB = P * stage_row<F>();
+    int lane = threadIdx.x & 31, nround = inter >> 10;
+    auto rows = [&](int r, const u8*& w, const u8*& sc) {
+        long long cj = min(c + r, d - 1);
+        w = (const u8*)loc[2] + cj * row_bytes(F, inter);
+        sc = scale_row(F, (const u8*)loc[5], cj, inter);
+    };
+    unsigned sa = (unsigned)__cvta_generic_to_shared(st);
+    float acc[P];
+#pragma unroll
+    for (int j = 0; j < P; j++) acc[j] = 0.f;
+    if (live) {
+        stage_round<F, P>(sa, rows, 0, lane);
+        cp_commit();
+        if (nround > 1) stage_round<F, P>(sa + SB, rows, 1, lane);
+        cp_commit();
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            if (i >= nround) break;
+            int cc = 32 * lane + 1024 * i;
+            int4 a = *(const int4*)(hq + cc), b = *(const int4*)(hq + cc + 16);
+            int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            float dx = hd[cc >> 5];
+            if (i == 0) cp_wait<1>();
+            else cp_wait<0>();
+            __syncwarp();
+#pragma unroll
+            for (int j = 0; j < P; j++) acc[j] = xapply32_one<F>(stage_raw<F, P>(st + i * SB, j, lane), cc, x, dx, acc[j]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < P; j++) v[j] = warp_sum(acc[j]);
+}
+
+// down1_pair's v[0..P] one output at a time (the same sums): X8_STAGE's fallback, whose
+// registers then do not set the kernel's.
+template <int F, int P>
+__device__ __forceinline__ void down1_each(float* v, const signed char* __restrict__ hq, const float* __restrict__ hd,
+                                           const unsigned long long* loc, int c, int d, int inter) {
+#pragma unroll
+    for (int p = 0; p < P; p++) {
+        float t[1];
+        down1_pair<F, false, 1>(t, hq, hd, loc, 1, 0, c + p, d, inter, c + p < d);
+        v[p] = t[0];
+    }
+}
+
+// X8_SHARED_ONCE (1, the built-in; 0: each row's shared pair its own product): the n-row
+// moe_up1s reads the shared expert's gate/up rows once for its 2–4 rows (shared_rows).
+#ifndef X8_SHARED_ONCE
+#define X8_SHARED_ONCE 1
+#endif
+
+// The shared expert's gate/up output o of n ≤ 4 token rows from one read of its two weight
+// rows (a warp; the n-row moe_up1s): each row's sums are xrows_dot's (its chunks in order, then
+// the butterfly), so the same bits as the row's own one-row product. h row t: pair (t, k).
+template <int F>
+__device__ __forceinline__ void shared_rows(float* __restrict__ h, const signed char* __restrict__ xq,
+                                            const float* __restrict__ xd, const unsigned long long* sp, int o, int n,
+                                            int k, int d, int inter, float limit) {
+    int lane = threadIdx.x & 31;
+    long long rb = row_bytes(F, d);
+    const u8 *wg = (const u8*)sp[0] + o * rb, *wu = (const u8*)sp[1] + o * rb;
+    const u8 *sg = scale_row(F, (const u8*)sp[3], o, d), *su = scale_row(F, (const u8*)sp[4], o, d);
+    float acc[4][2];
+#pragma unroll
+    for (int t = 0; t < 4; t++) acc[t][0] = acc[t][1] = 0.f;
+    for (int c0 = 32 * lane; c0 < d; c0 += 2048) {
+        XRaw g[2], u[2];
+#pragma unroll
+        for (int v = 0; v < 2; v++)
+            if (c0 + 1024 * v < d) {
+                g[v] = xraw32<F>(wg, sg, c0 + 1024 * v);
+                u[v] = xraw32<F>(wu, su, c0 + 1024 * v);
+            }
+#pragma unroll
+        for (int v = 0; v < 2; v++) {
+            int c = c0 + 1024 * v;
+            if (c >= d) break;
+#pragma unroll
+            for (int t = 0; t < 4; t++) {
+                if (t >= n) break;
+                const signed char* xr = xq + (long long)t * d + c;
+                int4 a = *(const int4*)xr, b = *(const int4*)(xr + 16);
+                int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+                float dx = xd[((long long)t * d + c) >> 5];
+                acc[t][0] = xapply32_one<F>(g[v], c, x, dx, acc[t][0]);
+                acc[t][1] = xapply32_one<F>(u[v], c, x, dx, acc[t][1]);
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < 4; t++) {
+        if (t >= n) break;
+        float gs = warp_sum(acc[t][0]), us = warp_sum(acc[t][1]);
+        if (lane == 0) h[((long long)t * (k + 1) + k) * inter + o] = swiglu_q(gs, us, limit);
+    }
+}
+
+// Whether this block is the last of nb to count itself in cnt[g] (last_of_group's pattern with
+// a runtime count; zero between launches, the last sets it back). Every thread calls it.
+__device__ __forceinline__ bool last_of_n(unsigned* cnt, int g, int nb) {
+    __shared__ unsigned last;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        unsigned prev = atomicAdd(&cnt[g], 1u);
+        last = prev == (unsigned)nb - 1;
+        if (last) {
+            cnt[g] = 0;
+            __threadfence();
+        }
+    }
+    __syncthreads();
+    return last;
+}
+
 // ---- A few token rows' routed experts and shared expert in two launches (moe_up1s,
 // moe_down1s): the one-row kernels' pairs above, with neither moe_sort, quant_x8 of h,
 // moe_combine nor the add of the two outputs. Token row t has k + 1 pairs: pair j < k is slot j
@@ -1467,11 +1714,50 @@ __device__ void moe_up1s(float* __restrict__ h, signed char* __restrict__ hq, fl
         __shared__ unsigned long long tab[X8_PTAB ? 4 * PTAB_MAX : 1];
         unsigned long long loc[6];
         expert_ptrs<0x1bu>(loc, tab, ptrs, nexp, ids[t * k + j], true);  // w1, w3, s1, s3
-        up1_pair<R, 4, P>(h + row, xq, xd, loc, 1, 0, o, d, inter, limit, live);
+        if constexpr (X8_STAGE_UP && R == F_IQ2_XXS && P <= 4) {
+            __shared__ __align__(16) u8 st[Q_WARPS][2 * 2 * P * stage_row<F_IQ2_XXS>()];
+            // Uniform in the block: every row 16-byte aligned (d / 4 and d / 32 bytes apart).
+            if ((d & 1023) == 0 && ((loc[0] | loc[1] | loc[3] | loc[4]) & 15) == 0) {
+                up1_staged<P>(h + row, xq, xd, loc, o, d, inter, limit, live, st[wp]);
+            } else {  // one output at a time, as the shared rows below
+#pragma unroll 1
+                for (int p = 0; p < P; p++)
+                    up1_pair<R, 2, 1>(h + row, xq, xd, loc, 1, 0, o + p, d, inter, limit, live && o + p < inter);
+            }
+        } else {
+            up1_pair<R, 4, P>(h + row, xq, xd, loc, 1, 0, o, d, inter, limit, live);
+        }
     }
     // Q8_0's 9 words a chunk: 2 chunks ahead, so its registers do not set the routed blocks'
     // occupancy (the separate kernels: 79 registers for IQ2_XXS, 111 for Q8_0 with 4 ahead).
-    else up1_pair<S, S == F_Q8_0 && R != F_Q8_0 ? 2 : 4, P>(h + row, xq, xd, sptrs, 1, 0, o, d, inter, limit, live);
+    // With X8_STAGE_UP the shared rows take one output at a time (a quarter of the registers; each
+    // output's sums as before).
+    else if constexpr (X8_STAGE_UP && R == F_IQ2_XXS && P <= 4) {
+        int n = ROWS ? (int)gridDim.x / (k + 1) : 1;
+        if (X8_SHARED_ONCE && ROWS && n > 1 && n <= P && P * Q_WARPS == 32) {
+            // The n rows' shared pairs read the expert once: block t forms outputs o + p with
+            // p ≡ t (mod n) of every row, and the last of the n blocks of this output group
+            // quantises the group in each row (the counter of row 0's pair: a block of 32
+            // outputs uses none otherwise).
+            fill_tabs<S, true>();
+            const signed char* x0 = xq - (long long)t * d;
+            const float* d0 = xd - (long long)t * d / 32;
+            for (int p = t; p < P; p += n)
+                if (o + p < inter) shared_rows<S>(h, x0, d0, sptrs, o + p, n, k, d, inter, limit);
+            __syncthreads();
+            int g = o0 / 32, lane = threadIdx.x & 31;
+            if (!last_of_n(cnt + (long long)k * inter / 32, g, n) || wp >= n || 32 * g >= inter) return;
+            long long rw = ((long long)wp * (k + 1) + k) * inter;
+            float dd;
+            signed char q = quant_block32(__ldcg(h + rw + 32 * g + lane), &dd);
+            hq[rw + 32 * g + lane] = q;
+            if (lane == 0) hd[rw / 32 + g] = dd;
+            return;
+        }
+#pragma unroll 1
+        for (int p = 0; p < P; p++)
+            up1_pair<S, 2, 1>(h + row, xq, xd, sptrs, 1, 0, o + p, d, inter, limit, live && o + p < inter);
+    } else up1_pair<S, S == F_Q8_0 && R != F_Q8_0 ? 2 : 4, P>(h + row, xq, xd, sptrs, 1, 0, o, d, inter, limit, live);
     quant_groups<Q_WARPS * P>(h + row, hq + row, hd + row / 32, cnt + row / 32, o0, inter);
 }
 
@@ -1509,7 +1795,26 @@ __device__ void moe_down1s(float* __restrict__ routed, float* __restrict__ share
     __shared__ unsigned long long tab[X8_PTAB ? 2 * PTAB_MAX : 1];
     unsigned long long loc[6];
     expert_ptrs<0x24u>(loc, tab, ptrs, nexp, wp < k ? ids[wp] : 0u, wp < k);  // w2, s2
-    if (wp < k) down1_pair<R, false, P>(v, hq + row, hd + row / 32, loc, 1, 0, c, d, inter, c < d);
+    // Warp j's stages at j·RB (the shared warp's, at k·RB, SB bytes): every round at once, where
+    // that fits beside the tables in the 48 KB of static shared memory (not Q8_0 routed rows).
+    constexpr int RB = 2 * P * stage_row<R>(), SB = 2 * P * stage_row<S>();
+    if constexpr (X8_STAGE_DOWN && stageable<R>() && stageable<S>() && (Q_WARPS - 1) * RB + SB <= 40 * 1024) {
+        __shared__ __align__(16) u8 st[(Q_WARPS - 1) * RB + SB];
+        // Per warp (no barrier follows): whole rounds, 16-byte aligned rows. (Selected values,
+        // not a pointer to either table: that put both tables in local memory.)
+        unsigned long long al = wp < k ? loc[2] | loc[5] : sloc[2] | sloc[5];
+        bool staged = (inter & 1023) == 0 && inter <= 2048 && (al & 15) == 0;
+        if (wp < k) {
+            if (staged) down1_staged<R, P>(v, hq + row, hd + row / 32, loc, c, d, inter, c < d, st + wp * RB);
+            else down1_each<R, P>(v, hq + row, hd + row / 32, loc, c, d, inter);
+        } else if (wp == k) {
+            if (staged) down1_staged<S, P>(v, hq + row, hd + row / 32, sloc, c, d, inter, c < d, st + wp * RB);
+            else down1_each<S, P>(v, hq + row, hd + row / 32, sloc, c, d, inter);
+        }
+    } else if constexpr (X8_STAGE_DOWN) {  // DOWN1_BOUNDS's registers: one output at a time
+        if (wp < k) down1_each<R, P>(v, hq + row, hd + row / 32, loc, c, d, inter);
+        else if (wp == k) down1_each<S, P>(v, hq + row, hd + row / 32, sloc, c, d, inter);
+    } else if (wp < k) down1_pair<R, false, P>(v, hq + row, hd + row / 32, loc, 1, 0, c, d, inter, c < d);
     else if (wp == k) down1_pair<S, false, P>(v, hq + row, hd + row / 32, sloc, 1, 0, c, d, inter, c < d);
     if (wp <= k && lane == 0 && c < d)
 #pragma unroll
@@ -1901,7 +2206,9 @@ X8_KERNELS(F_IQ2_XXS, iq2_xxs, 4, 3, 4)
 // the Q2_K forms). Unbounded, 2 and 4 took 96 and 168 registers (2 and 1 an SM), so the grid's
 // waves stayed at ~7.8; bounded they are 5.2 and 3.9 (PERF.md v49: one-row experts 51.0 →
 // 46.6 µs from DRAM at 1,4,4). At 8 (only by DSV4_X8_OPW) the bound of 2 spills ~1.6 KB.
-#if X8_OPW_DOWN1S >= 4
+#if X8_STAGE_DOWN
+#define DOWN1_BOUNDS __launch_bounds__(256, 4)  // the staged rows: one chunk's words held at a time
+#elif X8_OPW_DOWN1S >= 4
 #define DOWN1_BOUNDS __launch_bounds__(256, 2)
 #elif X8_OPW_DOWN1S >= 2
 #define DOWN1_BOUNDS __launch_bounds__(256, 3)
@@ -1912,9 +2219,16 @@ X8_KERNELS(F_IQ2_XXS, iq2_xxs, 4, 3, 4)
 // One or a few rows' routed experts (format R: w1/w3 for up, w2 for down) with the shared
 // expert (format S) in two launches; the shared expert's formats of ds4's files (Q8_0) and each format with
 // itself (cuda/quant.rs `ffn1_kernels` falls back to the separate launches for any other pair).
+// X8_STAGE: moe_up1s with IQ2_XXS gate/up rows at 3 blocks an SM (80 registers; the staged
+// form needs ~72, the shared rows' register form ~80). The other forms keep their registers.
+#if X8_STAGE_UP && X8_OPW_UP1S <= 4
+#define UP1_BOUNDS(R) __launch_bounds__(256, (R) == F_IQ2_XXS ? 3 : 1)
+#else
+#define UP1_BOUNDS(R)
+#endif
 // One form of each (ROWS: n token rows, else one): moe_up1s{,n}_R_S and moe_down1s{,n}_R_S.
 #define X8_FFN1_FORM(R, NR, S, NS, SUF, ROWS)                                                                        \
-    extern "C" __global__ void moe_up1s##SUF##_##NR##_##NS(float* h, signed char* hq, float* hd, unsigned* cnt,     \
+    extern "C" __global__ void UP1_BOUNDS(R) moe_up1s##SUF##_##NR##_##NS(float* h, signed char* hq, float* hd, unsigned* cnt,     \
                                                            const signed char* xq, const float* xd,                  \
                                                            const unsigned* ids, const unsigned long long* ptrs,     \
                                                            const unsigned long long* sptrs, int nexp, int k, int d, \
