@@ -1614,75 +1614,6 @@ __device__ __forceinline__ void down1_each(float* v, const signed char* __restri
     }
 }
 
-// X8_SHARED_ONCE (1, the built-in; 0: each row's shared pair its own product): the n-row
-// moe_up1s reads the shared expert's gate/up rows once for its 2–4 rows (shared_rows).
-#ifndef X8_SHARED_ONCE
-#define X8_SHARED_ONCE 1
-#endif
-
-// The shared expert's gate/up output o of n ≤ 4 token rows from one read of its two weight
-// rows (a warp; the n-row moe_up1s): each row's sums are xrows_dot's (its chunks in order, then
-// the butterfly), so the same bits as the row's own one-row product. h row t: pair (t, k).
-template <int F>
-__device__ __forceinline__ void shared_rows(float* __restrict__ h, const signed char* __restrict__ xq,
-                                            const float* __restrict__ xd, const unsigned long long* sp, int o, int n,
-                                            int k, int d, int inter, float limit) {
-    int lane = threadIdx.x & 31;
-    long long rb = row_bytes(F, d);
-    const u8 *wg = (const u8*)sp[0] + o * rb, *wu = (const u8*)sp[1] + o * rb;
-    const u8 *sg = scale_row(F, (const u8*)sp[3], o, d), *su = scale_row(F, (const u8*)sp[4], o, d);
-    float acc[4][2];
-#pragma unroll
-    for (int t = 0; t < 4; t++) acc[t][0] = acc[t][1] = 0.f;
-    for (int c0 = 32 * lane; c0 < d; c0 += 2048) {
-        XRaw g[2], u[2];
-#pragma unroll
-        for (int v = 0; v < 2; v++)
-            if (c0 + 1024 * v < d) {
-                g[v] = xraw32<F>(wg, sg, c0 + 1024 * v);
-                u[v] = xraw32<F>(wu, su, c0 + 1024 * v);
-            }
-#pragma unroll
-        for (int v = 0; v < 2; v++) {
-            int c = c0 + 1024 * v;
-            if (c >= d) break;
-#pragma unroll
-            for (int t = 0; t < 4; t++) {
-                if (t >= n) break;
-                const signed char* xr = xq + (long long)t * d + c;
-                int4 a = *(const int4*)xr, b = *(const int4*)(xr + 16);
-                int x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-                float dx = xd[((long long)t * d + c) >> 5];
-                acc[t][0] = xapply32_one<F>(g[v], c, x, dx, acc[t][0]);
-                acc[t][1] = xapply32_one<F>(u[v], c, x, dx, acc[t][1]);
-            }
-        }
-    }
-#pragma unroll
-    for (int t = 0; t < 4; t++) {
-        if (t >= n) break;
-        float gs = warp_sum(acc[t][0]), us = warp_sum(acc[t][1]);
-        if (lane == 0) h[((long long)t * (k + 1) + k) * inter + o] = swiglu_q(gs, us, limit);
-    }
-}
-
-// Whether this block is the last of nb to count itself in cnt[g] (last_of_group's pattern with
-// a runtime count; zero between launches, the last sets it back). Every thread calls it.
-__device__ __forceinline__ bool last_of_n(unsigned* cnt, int g, int nb) {
-    __shared__ unsigned last;
-    if (threadIdx.x == 0) {
-        __threadfence();
-        unsigned prev = atomicAdd(&cnt[g], 1u);
-        last = prev == (unsigned)nb - 1;
-        if (last) {
-            cnt[g] = 0;
-            __threadfence();
-        }
-    }
-    __syncthreads();
-    return last;
-}
-
 // ---- A few token rows' routed experts and shared expert in two launches (moe_up1s,
 // moe_down1s): the one-row kernels' pairs above, with neither moe_sort, quant_x8 of h,
 // moe_combine nor the add of the two outputs. Token row t has k + 1 pairs: pair j < k is slot j
@@ -1733,27 +1664,6 @@ __device__ void moe_up1s(float* __restrict__ h, signed char* __restrict__ hq, fl
     // With X8_STAGE_UP the shared rows take one output at a time (a quarter of the registers; each
     // output's sums as before).
     else if constexpr (X8_STAGE_UP && R == F_IQ2_XXS && P <= 4) {
-        int n = ROWS ? (int)gridDim.x / (k + 1) : 1;
-        if (X8_SHARED_ONCE && ROWS && n > 1 && n <= P && P * Q_WARPS == 32) {
-            // The n rows' shared pairs read the expert once: block t forms outputs o + p with
-            // p ≡ t (mod n) of every row, and the last of the n blocks of this output group
-            // quantises the group in each row (the counter of row 0's pair: a block of 32
-            // outputs uses none otherwise).
-            fill_tabs<S, true>();
-            const signed char* x0 = xq - (long long)t * d;
-            const float* d0 = xd - (long long)t * d / 32;
-            for (int p = t; p < P; p += n)
-                if (o + p < inter) shared_rows<S>(h, x0, d0, sptrs, o + p, n, k, d, inter, limit);
-            __syncthreads();
-            int g = o0 / 32, lane = threadIdx.x & 31;
-            if (!last_of_n(cnt + (long long)k * inter / 32, g, n) || wp >= n || 32 * g >= inter) return;
-            long long rw = ((long long)wp * (k + 1) + k) * inter;
-            float dd;
-            signed char q = quant_block32(__ldcg(h + rw + 32 * g + lane), &dd);
-            hq[rw + 32 * g + lane] = q;
-            if (lane == 0) hd[rw / 32 + g] = dd;
-            return;
-        }
 #pragma unroll 1
         for (int p = 0; p < P; p++)
             up1_pair<S, 2, 1>(h + row, xq, xd, sptrs, 1, 0, o + p, d, inter, limit, live && o + p < inter);
