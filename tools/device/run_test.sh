@@ -69,7 +69,8 @@ batches_16_64() {
 # any other: kvar/NAME (v50's atm0: attention.cu with ATM_WARP 0; rt0: common.cuh with route_row
 # before its register form, v51, reverted since; tkns: attention.cu with TOPK_SORT 0, v51, the
 # fast-mode default since; cpf: attention.cu with CP_FAST 1, the default since v51; cp0: with
-# CP_FAST 0).
+# CP_FAST 0; v52's stage0: quant.cu with X8_STAGE 0, the experts' rows in registers, and
+# DSV4_FFN1_ROWS then 1 by default).
 variant_env() {
   case $1 in
     base|base2) ;;

@@ -1438,9 +1438,9 @@ __device__ __forceinline__ void expert_ptrs(unsigned long long (&loc)[6], unsign
 
 // X8_STAGE (3: both, the built-in since v52; 0: off): the two-launch experts' rows go through
 // shared memory (moe_up1s: the routed IQ2_XXS gate/up rows; moe_down1s: every pair's down
-// rows). A warp copies its rows' bytes of a
-// chunk round (values 1024·i.. of every row: whole blocks of each format) by cp.async into stages
-// of its own and decodes a round from there, while later rounds land. The register forms hold
+// rows). A warp copies its rows' bytes of a chunk round (values 1024·i.. of every row: whole
+// blocks of each format) by cp.async into stages of its own and decodes a round from there,
+// while later rounds land. The register forms hold
 // every round of all their rows before decoding: moe_up1s 229 registers at 4 outputs a warp, one
 // block an SM, so 8 warps whose issue slots sat mostly idle (~37 µs a layer from L2 for ~13 µs
 // of DRAM bytes); moe_down1s 128, two blocks. Here a warp holds one chunk's words at a time. The
