@@ -432,6 +432,29 @@ pub trait Backend: Send + Sync {
     fn ids_to_host(&self, ids: &Self::Ids) -> Vec<u32>;
     /// `parts` one after the other, on the backend (one download for several slots' ids).
     fn concat_ids(&self, parts: &[&Self::Ids]) -> Self::Ids;
+    /// The drafter's greedy Markov slot (dspark.md §3.6) for every sequence `i`: the first index
+    /// of the maximum of `Z_i = u[rows[i]] + markov_w2 · markov_w1[prev[i]]`, left on the
+    /// backend. The default is [`markov_argmax_ops`]; a backend may fuse it where it gives the
+    /// same ids.
+    fn markov_argmax(&self, u: &Self::T, rows: &[usize], prev: &Self::Ids, w1: &Self::W, w2: &Self::W) -> Self::Ids {
+        markov_argmax_ops(self, u, rows, prev, w1, w2)
+    }
+}
+
+/// [`Backend::markov_argmax`] as its ops: the rows of `u`, the previous tokens' `markov_w1`
+/// rows, their `markov_w2` product, the add and the row argmax.
+pub fn markov_argmax_ops<B: Backend + ?Sized>(
+    b: &B,
+    u: &B::T,
+    rows: &[usize],
+    prev: &B::Ids,
+    w1: &B::W,
+    w2: &B::W,
+) -> B::Ids {
+    let uk = b.select_rows(u, rows);
+    let e = b.embed_ids(w1, prev);
+    let bias = b.matmul(&e, w2);
+    b.argmax_ids(&b.add(&uk, &bias))
 }
 
 /// One job of [`Backend::norms`].

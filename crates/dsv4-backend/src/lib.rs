@@ -17,7 +17,7 @@ pub mod model;
 pub mod synth;
 pub mod x8;
 
-pub use backend::{Backend, CompSlot, SavedState, SideBranch, StepResult};
+pub use backend::{markov_argmax_ops, Backend, CompSlot, SavedState, SideBranch, StepResult};
 pub use batch::{Batch, BatchError, Row, Segment};
 pub use cpu::state::{SeqState, StateFormatError, TruncateError, MAX_ROLLBACK};
 pub use draw::Draw;

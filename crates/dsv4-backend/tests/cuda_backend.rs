@@ -941,20 +941,141 @@ fn cuda_block_attention_matches_the_cpu_twin() {
         let (gq, gk) = (b.to_device(rows, heads * hd, &q), b.to_device(rows, hd, &kb));
         let gs = b.upload(HostTensor::new("sinks", vec![heads], sinks)).unwrap();
         let gr_refs: Vec<_> = gr.iter().collect();
-        let got = b.to_host(&b.block_attention(&gq, &gk, &gr_refs, &slots, &gs, heads));
-        let e = rel_err(&got, &want.data);
-        assert!(e <= 1e-5, "{heads} heads of {hd}, {qpg} rows a block, keys {lens:?}: rel err {e:.3e}");
-        if hd == 512 {
-            let n = 50;
-            let t0 = std::time::Instant::now();
-            for _ in 0..n {
-                let _ = b.block_attention(&gq, &gk, &gr_refs, &slots, &gs, heads);
+        // A block a (row, head), then (at V4's width) block_attention_h's 4 heads a block: the
+        // same bits.
+        let mut first: Option<Vec<f32>> = None;
+        for by_heads in [false, true] {
+            b.set_block_attention_heads(by_heads);
+            let got = b.to_host(&b.block_attention(&gq, &gk, &gr_refs, &slots, &gs, heads));
+            let e = rel_err(&got, &want.data);
+            assert!(e <= 1e-5, "{heads} heads of {hd}, {qpg} rows a block, keys {lens:?} (4 heads a block: {by_heads}): rel err {e:.3e}");
+            match &first {
+                None => first = Some(got),
+                Some(f) => assert!(
+                    f.iter().zip(&got).all(|(a, c)| a.to_bits() == c.to_bits()),
+                    "{heads} heads of {hd}: 4 heads a block is not bitwise a head a block"
+                ),
             }
-            let _ = b.to_host(&gq);
-            println!(
-                "block_attention, {rows} rows, {heads} heads of {hd}, keys {lens:?} + {qpg}: {:.1} us a call (host work included)",
-                t0.elapsed().as_secs_f64() * 1e6 / n as f64
-            );
+            if hd == 512 {
+                let n = 50;
+                let t0 = std::time::Instant::now();
+                for _ in 0..n {
+                    let _ = b.block_attention(&gq, &gk, &gr_refs, &slots, &gs, heads);
+                }
+                let _ = b.to_host(&gq);
+                println!(
+                    "block_attention{}, {rows} rows, {heads} heads of {hd}, keys {lens:?} + {qpg}: {:.1} us a call (host work included)",
+                    if by_heads { " (4 heads a block)" } else { "" },
+                    t0.elapsed().as_secs_f64() * 1e6 / n as f64
+                );
+            }
         }
     }
+}
+
+/// The drafter's greedy Markov slot in one launch (`markov_argmax`, fast mode) gives the ids of
+/// its separate ops (`markov_argmax_ops`: select_rows, embed_ids, the bf16 tile product, add,
+/// argmax), bitwise: 1 to 16 sequences (the tile's two row halves), f32 and bf16 `markov_w1`,
+/// ranks 32 to 512, a vocabulary not a multiple of the 16-output tile, exact ties placed across
+/// blocks (the first index wins) and a row of NaN (id 0). Where the fused form does not apply
+/// (17 sequences, exact mode) the op falls back to the ops. The CPU oracle agrees wherever its
+/// top two values are apart. Prints both forms' time at V4-Flash's shape.
+#[test]
+fn cuda_markov_argmax_is_the_ops_ids() {
+    use dsv4_backend::cpu::{CpuBackend, Tensor};
+    use dsv4_backend::markov_argmax_ops;
+    use dsv4_model::HostTensor;
+    let Some(b) = gpu() else { return };
+    b.set_exact(false);
+    b.set_markov_fused(true);
+    let mut s = 11u64;
+    let mut next = move || {
+        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+    };
+    let bf = |v: f32| dsv4_backend::bf16::from_bf16_bits(dsv4_backend::bf16::to_bf16_bits(v));
+    for &(v, r, n, w1_bf16, exact) in &[
+        (1007usize, 256usize, 1usize, false, false),
+        (1007, 256, 5, false, false),
+        (1007, 256, 9, true, false),
+        (1007, 96, 16, false, false),
+        (4099, 512, 3, true, false),
+        (4099, 32, 8, false, false),
+        (1007, 256, 17, false, false),
+        (1007, 256, 5, false, true),
+        (129280, 256, 5, false, false),
+    ] {
+        b.set_exact(exact);
+        let g = 5usize;
+        // w1 bf16-exact (so the CPU's f32 product sees the values the tile rounds to).
+        let w1: Vec<f32> = (0..v * r).map(|_| bf(next())).collect();
+        let mut w2: Vec<f32> = (0..v * r).map(|_| bf(next() * 0.2)).collect();
+        let mut u: Vec<f32> = (0..n * g * v).map(|_| next()).collect();
+        let slot = 2usize;
+        // Ties: indices sharing one w2 row and one u value far above the rest, in several
+        // tiles and blocks; the first of them must win.
+        let tied = [v - 1, v / 2 + 3, 17, 33];
+        for &i in &tied[1..] {
+            let (src, dst) = (tied[0] * r, i * r);
+            w2.copy_within(src..src + r, dst);
+        }
+        for i in 0..n {
+            for &t in &tied {
+                u[(i * g + slot) * v + t] = 50.0;
+            }
+        }
+        // Sequence 1 (where there is one): a row of NaN.
+        if n > 1 {
+            u[(g + slot) * v..(g + slot + 1) * v].fill(f32::NAN);
+        }
+        let prev: Vec<u32> = (0..n).map(|i| ((i * 7919 + 13) % v) as u32).collect();
+        let w1_name = if w1_bf16 { "markov_w1.weight" } else { "markov_w1" };
+        let gw1 = b.upload(HostTensor::new(w1_name, vec![v, r], w1.clone())).unwrap();
+        let gw2 = b.upload(HostTensor::new("markov_w2.weight", vec![v, r], w2.clone())).unwrap();
+        let gu = b.to_device(n * g, v, &u);
+        let gp = b.upload_ids(&prev);
+        let rows: Vec<usize> = (0..n).map(|i| i * g + slot).collect();
+        let fused = b.ids_to_host(&b.markov_argmax(&gu, &rows, &gp, &gw1, &gw2));
+        let ops = b.ids_to_host(&markov_argmax_ops(&b, &gu, &rows, &gp, &gw1, &gw2));
+        let case = format!("V {v}, rank {r}, {n} sequences, w1 bf16 {w1_bf16}, exact {exact}");
+        assert_eq!(fused, ops, "{case}: fused ids against the ops'");
+        // The CPU oracle: where its top two differ by more than the bf16 rounding could move.
+        let cpu = CpuBackend;
+        let cw1 = Tensor::new(v, r, w1.clone());
+        let cw2 = Tensor::new(v, r, w2.clone());
+        let cu = Tensor::new(n * g, v, u.clone());
+        let want = markov_argmax_ops(&cpu, &cu, &rows, &prev, &cw1, &cw2);
+        let zc = cpu.add(&cpu.select_rows(&cu, &rows), &cpu.matmul(&cpu.embed_ids(&cw1, &prev), &cw2));
+        for i in 0..n {
+            let row = zc.row(i);
+            let mut top: Vec<f32> = row.iter().copied().filter(|x| !x.is_nan()).collect();
+            top.sort_by(|a, c| c.total_cmp(a));
+            let apart = top.len() < 2 || top[0] - top[1] > 1e-3;
+            if apart || top[0] == top[1] {
+                assert_eq!(fused[i], want[i], "{case}: sequence {i} against the CPU");
+            }
+        }
+        assert!(n < 2 || fused[1] == 0, "{case}: a row of NaN gives 0");
+        assert_eq!(fused[0], tied.iter().copied().min().unwrap() as u32, "{case}: the first tied index");
+        if v == 129280 {
+            let reps = 50;
+            for (name, f) in [("fused", true), ("ops", false)] {
+                let t0 = std::time::Instant::now();
+                for _ in 0..reps {
+                    let _ = if f {
+                        b.markov_argmax(&gu, &rows, &gp, &gw1, &gw2)
+                    } else {
+                        markov_argmax_ops(&b, &gu, &rows, &gp, &gw1, &gw2)
+                    };
+                }
+                b.synchronize();
+                let us = t0.elapsed().as_secs_f64() * 1e6 / reps as f64;
+                println!(
+                    "markov slot ({name}), {n} sequences, V {v}, rank {r}: {us:.1} us a slot, {:.0} GB/s of markov_w2",
+                    (v * r * 2) as f64 / us / 1e3
+                );
+            }
+        }
+    }
+    b.set_exact(true);
 }

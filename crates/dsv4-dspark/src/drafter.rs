@@ -431,8 +431,13 @@ impl<B: Backend> Drafter<B> {
             .collect();
         for k in 0..g {
             let sel: Vec<usize> = (0..n).map(|i| i * g + k).collect();
-            let uk = b.select_rows(u, &sel);
             let prev = chosen.last().unwrap_or(&anchors);
+            // Greedy ids alone: the slot as one backend op (fused where the backend can).
+            if trace.is_none() && matches!(choice, Choice::Greedy { with_logits: false }) {
+                chosen.push(b.markov_argmax(u, &sel, prev, &self.w.heads.markov_w1, &self.w.heads.markov_w2));
+                continue;
+            }
+            let uk = b.select_rows(u, &sel);
             let e = b.embed_ids(&self.w.heads.markov_w1, prev);
             let bias = b.matmul(&e, &self.w.heads.markov_w2);
             let z = b.add(&uk, &bias);

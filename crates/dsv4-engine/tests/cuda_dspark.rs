@@ -154,6 +154,54 @@ fn random_weights(cfg: &Config, dcfg: &DsparkConfig, seed: u64) -> DrafterWeight
     .unwrap()
 }
 
+/// Fast mode's greedy drafts through the fused Markov slot (`markov_argmax`: a rank of 32, so the
+/// fused kernel applies) give the tokens of the same drafts through the slot's separate ops
+/// (`draft_batch` with the logits asked for takes them), for several sequences at once and one
+/// alone.
+#[test]
+fn fused_markov_drafts_equal_the_ops() {
+    let Some(b) = gpu(false) else { return };
+    b.set_exact(false);
+    b.set_markov_fused(true);
+    let cfg = tiny_config(97);
+    let ds = SynthDspark::for_config(&cfg);
+    let dcfg = DsparkConfig {
+        block_size: ds.block_size,
+        noise_token_id: ds.noise_token_id,
+        target_layer_ids: ds.target_layer_ids.clone(),
+        markov_rank: 32,
+    };
+    let gd = Drafter::upload(b, cfg.clone(), dcfg.clone(), random_weights(&cfg, &dcfg, 17)).unwrap();
+    let hw = gd.hidden_width();
+    let mut r = Lcg(5);
+    let hidden: Vec<f32> = (0..40 * hw).map(|_| r.normal()).collect();
+    let lens = [3usize, 8, 11, 25];
+    let mut grs: Vec<_> = lens.iter().map(|_| gd.new_ring()).collect();
+    let rows: Vec<Vec<(usize, &[f32])>> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (0..l).map(|p| (p, &hidden[(p + i) * hw..(p + i + 1) * hw])).collect())
+        .collect();
+    let mut items: Vec<_> = grs.iter_mut().zip(&rows).map(|(g, rs)| (g, rs.as_slice())).collect();
+    gd.commit_batch(&mut items).unwrap();
+    for take in [lens.len(), 1] {
+        let reqs: Vec<DraftRequest<_>> = grs
+            .iter()
+            .zip(&lens)
+            .take(take)
+            .enumerate()
+            .map(|(i, (ring, &l))| DraftRequest { ring, anchor: (i * 31 % 96) as u32, anchor_pos: l })
+            .collect();
+        let fused = gd.draft_batch(&reqs, false).unwrap();
+        let ops = gd.draft_batch(&reqs, true).unwrap();
+        for (i, (f, o)) in fused.iter().zip(&ops).enumerate() {
+            assert_eq!(f.tokens, o.tokens, "{take} sequences, sequence {i}: fused Markov slots against the ops");
+            assert_eq!(f.conf_raw, o.conf_raw, "{take} sequences, sequence {i}: confidences");
+        }
+    }
+    println!("fused Markov drafts (fast mode, rank 32) equal the ops' drafts");
+}
+
 /// A random tiny drafter (3 stages, window 8, vocab 97) with bf16 weights on the GPU against the
 /// CPU drafter on the same bf16-rounded weights: single drafts across the ring's fill and wrap,
 /// then one batched draft of several sequences with rings of different lengths, and batched

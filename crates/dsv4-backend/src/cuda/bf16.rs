@@ -56,6 +56,13 @@ fn down1_pair_warps() -> bool {
     *ON.get_or_init(|| std::env::var("DSV4_DOWN1_PAIRS").is_ok_and(|v| v.trim() == "1"))
 }
 
+/// Whether a plain (one-group) bf16 product of `n` rows and `k` inputs on `b` runs the fast-mode
+/// tiles (`gemvt_bf16` / `gemvt16_bf16` / `gemvtp_bf16`: the same sums), as
+/// [`CudaBackend::matmul_bf16`] and `gemv` choose: the Markov slot's fused kernel forms those sums.
+pub(crate) fn tiles_take(b: &CudaBackend, n: usize, k: usize) -> bool {
+    n <= gemv_rows() && !b.exact() && gemv_tiles() && k.is_multiple_of(32)
+}
+
 /// Whether fast-mode bf16 products of up to [`gemv_rows`] rows take `gemvt_bf16` (default) or,
 /// with `DSV4_BF16_TILES=0`, the f32-activation GEMV kernels (both batch invariant).
 fn gemv_tiles() -> bool {

@@ -16,6 +16,8 @@ pub(crate) const SOURCE: (&str, &str) = ("dspark.cu", include_str!("kernels/dspa
 pub(crate) struct DsparkKernels {
     scatter_rows: CudaFunction,
     block_attention: CudaFunction,
+    block_attention_h: CudaFunction,
+    markov_argmax: CudaFunction,
 }
 
 /// Per device ordinal (every backend of a device shares its primary context).
@@ -29,7 +31,12 @@ fn kernels(b: &CudaBackend) -> Arc<DsparkKernels> {
     }
     let m = ck(super::load_kernel_module(&b.ctx, SOURCE.0, SOURCE.1), "load dspark.cu");
     let f = |n: &str| ck(super::load_function(&m, n), n);
-    let k = Arc::new(DsparkKernels { scatter_rows: f("scatter_rows"), block_attention: f("block_attention") });
+    let k = Arc::new(DsparkKernels {
+        scatter_rows: f("scatter_rows"),
+        block_attention: f("block_attention"),
+        block_attention_h: f("block_attention_h"),
+        markov_argmax: f("markov_argmax"),
+    });
     l.push((ord, k.clone()));
     k
 }
@@ -112,7 +119,11 @@ pub(crate) fn block_attention(
         off.push(flat.len() as u32);
     }
     let max_keys = slots.iter().map(Vec::len).max().unwrap_or(0) + qpg;
-    assert!(max_keys * 12 <= 48 << 10, "block attention over {max_keys} keys: past the kernel's shared memory");
+    // block_attention_h: BAH = 4 heads a block where hd is 512 (V4's); else a head a block.
+    let by_heads = hd == BAH_HD && heads.is_multiple_of(BAH) && b.block_attention_heads();
+    // Each key's address (8 bytes) and its score a head (4).
+    let smem = max_keys * if by_heads { 8 + 4 * BAH } else { 12 };
+    assert!(smem <= 48 << 10, "block attention over {max_keys} keys: past the kernel's shared memory");
     let ptrs: Vec<u64> = rings.iter().map(|r| b.dev_ptr(&r.data)).collect();
     let ptrs = ck(b.stream().clone_htod(&ptrs), "upload ring table");
     let slots_d = b.upload_u32(&flat);
@@ -120,31 +131,109 @@ pub(crate) fn block_attention(
     let mut out = b.tensor(q.rows, q.cols);
     let k = kernels(b);
     let cfg = LaunchConfig {
-        grid_dim: (q.rows as u32, heads as u32, 1),
-        block_dim: (128, 1, 1),
-        // Each key's address (8 bytes) and score (4).
-        shared_mem_bytes: (max_keys * 12) as u32,
+        grid_dim: (q.rows as u32, if by_heads { heads / BAH } else { heads } as u32, 1),
+        block_dim: (if by_heads { 256 } else { 128 }, 1, 1),
+        shared_mem_bytes: smem as u32,
     };
-    // SAFETY: argument types and sizes match the kernel's signature; every slot is inside its
+    // SAFETY: argument types and sizes match the kernels' signatures; every slot is inside its
     // ring (checked above) and the ring table lives until the stream has run the kernel (it is
     // freed in stream order).
     ck(
         unsafe {
-            b.stream()
-                .kernel(&k.block_attention)
-                .arg(&mut out.data)
-                .arg(&q.data)
-                .arg(&kb.data)
-                .arg(&ptrs)
-                .arg(&slots_d)
-                .arg(&off_d)
-                .arg(&sinks.data)
-                .arg(&(heads as i32))
-                .arg(&(hd as i32))
-                .arg(&(qpg as i32))
-                .launch(cfg)
+            if by_heads {
+                b.stream()
+                    .kernel(&k.block_attention_h)
+                    .arg(&mut out.data)
+                    .arg(&q.data)
+                    .arg(&kb.data)
+                    .arg(&ptrs)
+                    .arg(&slots_d)
+                    .arg(&off_d)
+                    .arg(&sinks.data)
+                    .arg(&(heads as i32))
+                    .arg(&(qpg as i32))
+                    .launch(cfg)
+            } else {
+                b.stream()
+                    .kernel(&k.block_attention)
+                    .arg(&mut out.data)
+                    .arg(&q.data)
+                    .arg(&kb.data)
+                    .arg(&ptrs)
+                    .arg(&slots_d)
+                    .arg(&off_d)
+                    .arg(&sinks.data)
+                    .arg(&(heads as i32))
+                    .arg(&(hd as i32))
+                    .arg(&(qpg as i32))
+                    .launch(cfg)
+            }
         },
         "block_attention",
     );
     out
+}
+
+/// dspark.cu's `BAH` (heads a block of `block_attention_h`) and the head width it is built for.
+const BAH: usize = 4;
+const BAH_HD: usize = 512;
+
+/// dspark.cu's `MK_KB`: k32 blocks a warp of `markov_argmax` holds (the rank is at most 256·MK_KB).
+const MK_KB: usize = 2;
+
+/// [`crate::Backend::markov_argmax`] in one launch (`markov_argmax`), where it gives the ids of
+/// the separate ops: fast mode with the bf16 products on their tiles (the kernel forms
+/// `gemvt_bf16`'s sums), a bf16 `markov_w2`, rows `u0 + i·step` of `u`, at most 16 sequences.
+/// `None` where it does not apply (the caller composes the ops).
+pub(crate) fn markov_argmax(
+    b: &CudaBackend,
+    u: &CudaTensor,
+    rows: &[usize],
+    prev: &super::CudaIds,
+    w1: &CudaWeight,
+    w2: &CudaWeight,
+) -> Option<CudaSlice<u32>> {
+    let n = rows.len();
+    let (v, r) = (w2.rows, w2.cols);
+    let w2b = w2.bf.as_ref()?;
+    let step = if n > 1 { rows[1].checked_sub(rows[0])? } else { 0 };
+    let progression = rows.iter().enumerate().all(|(i, &x)| x == rows[0] + i * step);
+    let fits = b.markov_fused()
+        && super::bf16::tiles_take(b, n, r)
+        && (1..=16).contains(&n)
+        && progression
+        && r.is_multiple_of(32)
+        && r <= 256 * MK_KB
+        && w1.cols == r
+        && u.cols == v
+        && rows.iter().all(|&x| x < u.rows)
+        && prev.n == n;
+    if !fits {
+        return None;
+    }
+    let k = kernels(b);
+    let blocks = v.div_ceil(16).min(8 * b.sm_count());
+    let mut ids = b.alloc::<u32>(n);
+    let (mut pv, mut pi) = (b.alloc::<f32>(16 * blocks), b.alloc::<i32>(16 * blocks));
+    let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let null = 0u64;
+    // SAFETY: argument types match the kernel's signature; u holds rows rows[i] < u.rows of v
+    // values, prev n ids below w1.rows (the drafter's own choices or the anchors, token ids of
+    // the vocabulary w1 covers), w1 holds its rows of r values in the one of w1f / w1b not null,
+    // w2 v·r bf16 values; pv / pi hold 16 entries a block; the counter is zero between launches
+    // and left zero.
+    ck(
+        unsafe {
+            let mut l = b.stream().kernel(&k.markov_argmax);
+            l.arg(&mut ids).arg(&mut pv).arg(&mut pi).arg(b.counters()).arg(&u.data);
+            l.arg(&(step as i32)).arg(&(rows[0] as i32)).arg(&prev.dev);
+            match &w1.bf {
+                Some(w1b) => l.arg(&null).arg(w1b),
+                None => l.arg(&w1.data).arg(&null),
+            };
+            l.arg(w2b).arg(&(n as i32)).arg(&(r as i32)).arg(&(v as i32)).launch(cfg)
+        },
+        "markov_argmax",
+    );
+    Some(ids)
 }

@@ -1075,6 +1075,10 @@ pub struct CudaBackend {
     row_pairs: std::sync::atomic::AtomicBool,
     /// Most rows whose experts take two launches (see [`CudaBackend::set_ffn1_rows`]).
     ffn1_rows: std::sync::atomic::AtomicUsize,
+    /// The drafter's block attention on blocks of 4 heads (see [`CudaBackend::set_block_attention_heads`]).
+    block_att_heads: std::sync::atomic::AtomicBool,
+    /// The drafter's greedy Markov slot in one launch (see [`CudaBackend::set_markov_fused`]).
+    markov_fused: std::sync::atomic::AtomicBool,
     /// f32-activation products of many rows on `gemvo` (see [`CudaBackend::set_gemvo`]).
     gemvo: std::sync::atomic::AtomicBool,
     /// A decode layer's attention norms and rotations two launches (see [`CudaBackend::set_norm_group`]).
@@ -1367,6 +1371,28 @@ impl CudaBackend {
 
     pub fn ffn1_rows(&self) -> usize {
         self.ffn1_rows.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The DSpark block attention at V4's head width on `block_attention_h`, each key read once
+    /// for 4 heads, or a block a (row, head): the same bits. Start value `DSV4_BLOCK_ATT_HEADS=1`
+    /// (off until it has run on a GPU: PERF.md v53).
+    pub fn set_block_attention_heads(&self, on: bool) {
+        self.block_att_heads.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn block_attention_heads(&self) -> bool {
+        self.block_att_heads.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The drafter's greedy Markov slot ([`Backend::markov_argmax`]) in one launch where it gives
+    /// the separate ops' ids (`markov_argmax` of dspark.cu), or as those ops. Start value
+    /// `DSV4_MARKOV_FUSED=1` (off until it has run on a GPU: PERF.md v53).
+    pub fn set_markov_fused(&self, on: bool) {
+        self.markov_fused.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn markov_fused(&self) -> bool {
+        self.markov_fused.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether routed experts of `pairs` (row, slot) pairs over `experts` experts take the int8
@@ -1852,6 +1878,12 @@ impl CudaBackend {
                 std::env::var("DSV4_ROW_PAIRS").map_or(true, |v| v.trim() != "0"),
             ),
             ffn1_rows: std::sync::atomic::AtomicUsize::new(bf16::ffn1_rows_env()),
+            block_att_heads: std::sync::atomic::AtomicBool::new(
+                std::env::var("DSV4_BLOCK_ATT_HEADS").is_ok_and(|v| v.trim() == "1"),
+            ),
+            markov_fused: std::sync::atomic::AtomicBool::new(
+                std::env::var("DSV4_MARKOV_FUSED").is_ok_and(|v| v.trim() == "1"),
+            ),
             gemvo: std::sync::atomic::AtomicBool::new(std::env::var("DSV4_GEMVO").map_or(true, |v| v.trim() != "0")),
             attention_tc_heads: std::sync::atomic::AtomicUsize::new(
                 match std::env::var("DSV4_ATT_TC_HEADS").ok().and_then(|v| v.trim().parse().ok()) {
@@ -3431,6 +3463,20 @@ impl Backend for CudaBackend {
         let v = ck(self.stream().clone_dtoh(&ids.dev.slice(..ids.n)), "download ids");
         ck(self.stream().synchronize(), "synchronize");
         v
+    }
+
+    fn markov_argmax(
+        &self,
+        u: &CudaTensor,
+        rows: &[usize],
+        prev: &CudaIds,
+        w1: &CudaWeight,
+        w2: &CudaWeight,
+    ) -> CudaIds {
+        match dspark::markov_argmax(self, u, rows, prev, w1, w2) {
+            Some(dev) => CudaIds { dev, n: rows.len() },
+            None => crate::backend::markov_argmax_ops(self, u, rows, prev, w1, w2),
+        }
     }
 
     fn concat_ids(&self, parts: &[&CudaIds]) -> CudaIds {

@@ -2131,8 +2131,13 @@ X8_KERNELS(F_IQ2_XXS, iq2_xxs, 4, 3, 4)
 // itself (cuda/quant.rs `ffn1_kernels` falls back to the separate launches for any other pair).
 // X8_STAGE: moe_up1s with IQ2_XXS gate/up rows at 3 blocks an SM (80 registers; the staged
 // form needs ~72, the shared rows' register form ~80). The other forms keep their registers.
+// X8_UP1_BLOCKS: that bound (4 would hold the one-row grid's 7 × 64 blocks in one wave of 132
+// SMs, at 64 registers; PERF.md v53).
+#ifndef X8_UP1_BLOCKS
+#define X8_UP1_BLOCKS 3
+#endif
 #if X8_STAGE_UP && X8_OPW_UP1S <= 4
-#define UP1_BOUNDS(R) __launch_bounds__(256, (R) == F_IQ2_XXS ? 3 : 1)
+#define UP1_BOUNDS(R) __launch_bounds__(256, (R) == F_IQ2_XXS ? X8_UP1_BLOCKS : 1)
 #else
 #define UP1_BOUNDS(R)
 #endif
