@@ -580,6 +580,30 @@ fn stages_experts(src: &str) -> bool {
     src.contains("X8_STAGE") && !src.lines().any(|l| l.trim_start().starts_with("#define X8_STAGE 0"))
 }
 
+/// The value of a `#define NAME N` line of a kernel source (comments that name it do not count).
+fn define_value(src: &str, name: &str) -> Option<usize> {
+    src.lines().find_map(|l| {
+        let mut w = l.split_whitespace();
+        (w.next() == Some("#define") && w.next() == Some(name)).then(|| w.next()?.parse().ok()).flatten()
+    })
+}
+
+/// Pair columns of moe_up1s's grid a token row takes for the shared expert: quant.cu's
+/// `X8_UP1_SHARED` where its `up1_split` applies it (routed IQ2_XXS rows staged, `X8_STAGE`'s
+/// bit 1, at up to 4 outputs a warp that it divides), else 1.
+fn up1_shared_split(routed: dsv4_model::PackedFormat, opw: usize) -> usize {
+    static SRC: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
+    let (stage, split) = *SRC.get_or_init(|| {
+        let src = super::kernel_source("quant.cu", include_str!("kernels/quant.cu"));
+        (define_value(&src, "X8_STAGE").unwrap_or(0), define_value(&src, "X8_UP1_SHARED").unwrap_or(1).max(1))
+    });
+    if routed == dsv4_model::PackedFormat::IQ2_XXS && stage & 1 == 1 && opw <= 4 && opw.is_multiple_of(split) {
+        split
+    } else {
+        1
+    }
+}
+
 /// Start value of [`CudaBackend::set_ffn1_rows`]: `DSV4_FFN1_ROWS` (1 to [`FFN1_MAX_ROWS`]),
 /// else 4 where quant.cu stages the two-launch experts' rows through shared memory
 /// (`X8_STAGE`, the built-in since v52) and 1 where it does not (a kernel directory from
@@ -649,8 +673,10 @@ pub(crate) fn ffn_few_rows(
     let mut hq = b.alloc::<i8>(n * pairs * inter);
     let mut hd = b.alloc::<f32>(n * pairs * inter / blk);
     let (nei, ki, di, ii) = (experts.len() as i32, k as i32, d as i32, inter as i32);
+    // The routed slots' pair columns, then the shared expert's (`up1_shared_split`).
+    let cols = k + up1_shared_split(r13, o.up1s_for(r13));
     let up_cfg = LaunchConfig {
-        grid_dim: ((n * pairs) as u32, inter.div_ceil(Q_WARPS * o.up1s_for(r13)) as u32, 1),
+        grid_dim: ((n * cols) as u32, inter.div_ceil(Q_WARPS * o.up1s_for(r13)) as u32, 1),
         block_dim: (32 * Q_WARPS as u32, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -1008,5 +1034,21 @@ mod tests {
         let off = built_in.replace("#define X8_STAGE 3", "#define X8_STAGE 0");
         assert!(!stages_experts(&off));
         assert!(!stages_experts("// a quant.cu from before v52\n#define X8_PIPE 0\n"));
+    }
+
+    /// The launcher reads quant.cu's `#define` lines, not the comments that name them: the
+    /// built-in splits the shared pair over 1 block (`X8_UP1_SHARED`) and stages both kernels.
+    #[test]
+    fn the_launcher_reads_quant_cu_defines() {
+        use super::define_value;
+        let built_in = include_str!("kernels/quant.cu");
+        assert_eq!(define_value(built_in, "X8_UP1_SHARED"), Some(1));
+        assert_eq!(define_value(built_in, "X8_STAGE"), Some(3));
+        assert_eq!(define_value(built_in, "X8_UP1_BLOCKS"), Some(3));
+        assert_eq!(
+            define_value("// X8_UP1_SHARED 2: see\n  #define X8_UP1_SHARED 2 // two\n", "X8_UP1_SHARED"),
+            Some(2)
+        );
+        assert_eq!(define_value("#define X8_UP1_SHAREDX 2\n", "X8_UP1_SHARED"), None);
     }
 }

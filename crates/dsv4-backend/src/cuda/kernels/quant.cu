@@ -1627,13 +1627,44 @@ __device__ __forceinline__ void down1_each(float* v, const signed char* __restri
 // (unused where 8·P is a multiple of 32: a block then owns whole groups). ROWS false: one row
 // (n = 1), the form a decode step runs. Registers (ptxas 13.5, sm_90a): IQ2_XXS/Q8_0 229 at
 // P = 4 (1 block an SM; ROWS 234), 80 at P = 1 (3 blocks; ROWS 94).
+// X8_UP1_SHARED (1, the built-in): blocks the shared pair's outputs of a y-block are split over,
+// where the routed rows are staged IQ2_XXS at up to 4 outputs a warp (the launcher's grid has
+// k + X8_UP1_SHARED pair columns a row: cuda/bf16.rs `up1_shared_split`). The shared pair's Q8_0
+// rows take one output at a time in registers, 4 × 8.7 KB a warp in turn; at 2 its warps take
+// 2 outputs, and the one-row grid is 6 × 64 + 2 × 64 = 512 blocks, one wave of 132 SMs at
+// X8_UP1_BLOCKS 4 (PERF.md v53). Each output's sums are the same; a split block writes half of
+// a 32-value group, whose codes the group's last block forms (quant_groups' ticket).
+#ifndef X8_UP1_SHARED
+#define X8_UP1_SHARED 1
+#endif
+template <int R, int P>
+__host__ __device__ constexpr int up1_split() {
+    return R == F_IQ2_XXS && X8_STAGE_UP && P <= 4 && P % X8_UP1_SHARED == 0 ? X8_UP1_SHARED : 1;
+}
+
 template <int R, int S, bool ROWS>
 __device__ void moe_up1s(float* __restrict__ h, signed char* __restrict__ hq, float* __restrict__ hd, unsigned* cnt,
                          const signed char* __restrict__ xq, const float* __restrict__ xd, const unsigned* ids,
                          const unsigned long long* ptrs, const unsigned long long* sptrs, int nexp, int k, int d,
                          int inter, float limit) {
-    int t = ROWS ? blockIdx.x / (k + 1) : 0, j = ROWS ? blockIdx.x % (k + 1) : blockIdx.x, wp = threadIdx.x >> 5;
     constexpr int P = R == F_IQ2_XXS ? X8_OPW_UP1S : X8_OPW_UP;  // up1s_opw
+    constexpr int SPLIT = up1_split<R, P>(), PS = P / SPLIT;
+    int cols = k + SPLIT;  // pair columns a row: the routed slots, then the shared pair's SPLIT
+    int t = ROWS ? blockIdx.x / cols : 0, j = ROWS ? blockIdx.x % cols : blockIdx.x, wp = threadIdx.x >> 5;
+    if (SPLIT > 1 && j >= k) {
+        // The shared pair's part j − k of the y-block's outputs, PS a warp.
+        int o0 = blockIdx.y * Q_WARPS * P + (j - k) * Q_WARPS * PS, o = o0 + wp * PS;
+        long long row = (long long)(t * (k + 1) + k) * inter;
+        if (ROWS) {
+            xq += (long long)t * d;
+            xd += (long long)t * d / 32;
+        }
+#pragma unroll 1
+        for (int p = 0; p < PS; p++)
+            up1_pair<S, 2, 1>(h + row, xq, xd, sptrs, 1, 0, o + p, d, inter, limit, o + p < inter);
+        quant_groups<Q_WARPS * PS>(h + row, hq + row, hd + row / 32, cnt + row / 32, o0, inter);
+        return;
+    }
     int o0 = blockIdx.y * Q_WARPS * P, o = o0 + wp * P;
     bool live = o < inter;
     long long row = (long long)(t * (k + 1) + j) * inter;
