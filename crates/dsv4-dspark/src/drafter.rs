@@ -6,6 +6,7 @@
 
 use std::path::Path;
 
+use dsv4_backend::backend::NormJob;
 use dsv4_backend::cpu::CpuBackend;
 use dsv4_backend::{Backend, Batch, Row};
 use dsv4_model::{AttnKind, Config, LoadError, TensorStore};
@@ -332,11 +333,27 @@ impl<B: Backend> Drafter<B> {
         let (b, cfg) = (&self.b, &self.cfg);
         let aw = &self.w.stages[s].attn;
         let (h, hd, eps) = (cfg.n_heads, cfg.head_dim, cfg.rms_eps);
-        let qr = b.rms_norm(&b.matmul(a, &aw.wq_a), Some(&aw.q_norm), cfg.q_lora_rank, eps);
-        let mut q = b.rms_norm(&b.matmul(&qr, &aw.wq_b), None, hd, eps);
-        let mut kb = b.rms_norm(&b.matmul(a, &aw.wkv), Some(&aw.kv_norm), hd, eps);
-        b.rope(&mut q, rt, &self.freqs, hd, false);
-        b.rope(&mut kb, rt, &self.freqs, hd, false);
+        // The target's ops for the same steps (forward.rs `attention`): the products of `a` as
+        // one group, q_a's norm beside kv's norm + RoPE, the heads' norm + RoPE. Each result is
+        // its separate ops' (the ops' contracts), in fewer launches where a backend fuses them.
+        let mut pa = b.matmul_many(a, &[&aw.wq_a, &aw.wkv]).into_iter();
+        let (q_a, kv_a) = (pa.next().expect("wq_a's product"), pa.next().expect("wkv's product"));
+        let mut n1 = b
+            .norms(
+                vec![
+                    NormJob::Norm { x: &q_a, w: Some(&aw.q_norm), group: cfg.q_lora_rank, eps, rope: false },
+                    NormJob::Norm { x: &kv_a, w: Some(&aw.kv_norm), group: hd, eps, rope: true },
+                ],
+                rt,
+                &self.freqs,
+            )
+            .into_iter();
+        let (qr, kb) = (n1.next().expect("q_a's norm"), n1.next().expect("kv's norm"));
+        let qh = b.matmul(&qr, &aw.wq_b);
+        let q = b
+            .norms(vec![NormJob::Norm { x: &qh, w: None, group: hd, eps, rope: true }], rt, &self.freqs)
+            .pop()
+            .expect("the heads' norm");
         let rings: Vec<&B::T> = reqs.iter().map(|r| r.ring.stage_tensor(s)).collect();
         let mut o = b.block_attention(&q, &kb, &rings, slots, &aw.sinks, h);
         b.rope(&mut o, rt, &self.freqs, hd, true);
@@ -365,21 +382,25 @@ impl<B: Backend> Drafter<B> {
         let slots: Vec<Vec<usize>> = reqs.iter().map(|r| r.ring.visible(r.anchor_pos - 1)).collect();
         let e = b.embed(&self.w.embed, &rt);
         let mut x = b.hc_expand(&e, cfg.hc_mult);
-        for (s, st) in self.w.stages.iter().enumerate() {
-            let (y, post, comb) = b.hc_pre(&x, &st.hc_attn, cfg);
-            let a = b.rms_norm(&y, Some(&st.attn_norm), d, cfg.rms_eps);
+        // Each stage as the target's layers run (forward.rs `sub_block`, `moe`): HC_PRE with its
+        // norm, HC_POST that may start the next HC_PRE's sums, the router's product and choice;
+        // each the values of the separate ops (hc_pre, rms_norm, hc_post, matmul, route).
+        let stages = &self.w.stages;
+        for (s, st) in stages.iter().enumerate() {
+            let (_, a, post, comb) = b.hc_pre_norm(&x, &st.hc_attn, &st.attn_norm, cfg);
             let o = self.attention(s, &a, reqs, &slots, &rt);
-            x = b.hc_post(&o, &x, &post, &comb);
+            x = b.hc_post_next(&o, &x, &post, &comb, &st.hc_ffn, cfg);
             if let Some(tr) = trace.as_deref_mut() {
                 tr.attn_out.push(b.to_host(&o));
             }
 
-            let (y, post, comb) = b.hc_pre(&x, &st.hc_ffn, cfg);
-            let f = b.rms_norm(&y, Some(&st.ffn_norm), d, cfg.rms_eps);
-            let logits = b.matmul(&f, &st.ffn.gate);
-            let route = b.route(&logits, Some(&st.ffn.bias), None, cfg);
+            let (_, f, post, comb) = b.hc_pre_norm(&x, &st.hc_ffn, &st.ffn_norm, cfg);
+            let (_, route) = b.router(&f, &st.ffn.gate, Some(&st.ffn.bias), None, cfg);
             let (_, _, o) = b.moe_shared(&f, &route, &st.ffn.experts, 0, &st.ffn.shared, cfg.swiglu_limit);
-            x = b.hc_post(&o, &x, &post, &comb);
+            x = match stages.get(s + 1) {
+                Some(next) => b.hc_post_next(&o, &x, &post, &comb, &next.hc_attn, cfg),
+                None => b.hc_post(&o, &x, &post, &comb),
+            };
             if let Some(tr) = trace.as_deref_mut() {
                 tr.stage_out.push(b.to_host(&x));
             }
@@ -477,13 +498,15 @@ impl<B: Backend> Drafter<B> {
         }
         // The confidence's halves: rows i·γ + k of `ch`, k·n + i of `ce` (slot k's embedding
         // reads the ids chosen before it: the anchors, then slots 0..γ−1).
-        let ch = b.to_host(&b.matmul(h, &self.w.heads.conf_h));
+        // All three queued before the first download, so that only that one waits on the loop.
+        let ch = b.matmul(h, &self.w.heads.conf_h);
         let mut prevs: Vec<&B::Ids> = vec![&anchors];
         prevs.extend(chosen.iter().take(g.saturating_sub(1)));
         let e_all = b.embed_ids(&self.w.heads.markov_w1, &b.concat_ids(&prevs));
-        let ce = b.to_host(&b.matmul(&e_all, &self.w.heads.conf_e));
+        let ce = b.matmul(&e_all, &self.w.heads.conf_e);
         let refs: Vec<&B::Ids> = chosen.iter().collect();
-        let tokens = b.ids_to_host(&b.concat_ids(&refs));
+        let tokens = b.concat_ids(&refs);
+        let (ch, ce, tokens) = (b.to_host(&ch), b.to_host(&ce), b.ids_to_host(&tokens));
         for k in 0..g {
             for (i, d) in out.iter_mut().enumerate() {
                 d.tokens.push(tokens[k * n + i]);
