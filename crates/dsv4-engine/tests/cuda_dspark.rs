@@ -144,6 +144,17 @@ impl Lcg {
     }
 }
 
+/// The synthetic drafter's settings for `cfg` (`rank`: another Markov rank than its own).
+fn tiny_dspark(cfg: &Config, rank: Option<usize>) -> DsparkConfig {
+    let ds = SynthDspark::for_config(cfg);
+    DsparkConfig {
+        block_size: ds.block_size,
+        noise_token_id: ds.noise_token_id,
+        target_layer_ids: ds.target_layer_ids.clone(),
+        markov_rank: rank.unwrap_or(ds.markov_rank),
+    }
+}
+
 fn random_weights(cfg: &Config, dcfg: &DsparkConfig, seed: u64) -> DrafterWeights {
     let mut r = Lcg(seed);
     DrafterWeights::walk(cfg, dcfg, 3, |s| -> Result<Tensor, ()> {
@@ -164,13 +175,7 @@ fn fused_markov_drafts_equal_the_ops() {
     b.set_exact(false);
     b.set_markov_fused(true);
     let cfg = tiny_config(97);
-    let ds = SynthDspark::for_config(&cfg);
-    let dcfg = DsparkConfig {
-        block_size: ds.block_size,
-        noise_token_id: ds.noise_token_id,
-        target_layer_ids: ds.target_layer_ids.clone(),
-        markov_rank: 32,
-    };
+    let dcfg = tiny_dspark(&cfg, Some(32));
     let gd = Drafter::upload(b, cfg.clone(), dcfg.clone(), random_weights(&cfg, &dcfg, 17)).unwrap();
     let hw = gd.hidden_width();
     let mut r = Lcg(5);
@@ -210,13 +215,7 @@ fn fused_markov_drafts_equal_the_ops() {
 fn random_drafter_gpu_equals_cpu_single_and_batched() {
     let Some(b) = gpu(false) else { return };
     let cfg = tiny_config(97);
-    let ds = SynthDspark::for_config(&cfg);
-    let dcfg = DsparkConfig {
-        block_size: ds.block_size,
-        noise_token_id: ds.noise_token_id,
-        target_layer_ids: ds.target_layer_ids.clone(),
-        markov_rank: ds.markov_rank,
-    };
+    let dcfg = tiny_dspark(&cfg, None);
     let cpu = Drafter::from_weights(cfg.clone(), dcfg.clone(), random_weights(&cfg, &dcfg, 7).round_bf16(&cfg, &dcfg));
     let gd = Drafter::upload(b, cfg.clone(), dcfg.clone(), random_weights(&cfg, &dcfg, 7)).unwrap();
     let hw = cpu.hidden_width();

@@ -135,39 +135,25 @@ pub(crate) fn block_attention(
         block_dim: (if by_heads { 256 } else { 128 }, 1, 1),
         shared_mem_bytes: smem as u32,
     };
-    // SAFETY: argument types and sizes match the kernels' signatures; every slot is inside its
-    // ring (checked above) and the ring table lives until the stream has run the kernel (it is
-    // freed in stream order).
+    let f = if by_heads { &k.block_attention_h } else { &k.block_attention };
+    // SAFETY: argument types and sizes match the kernels' signatures (the same parameters; the
+    // 4-head kernel is taken at hd = 512 only); every slot is inside its ring (checked above) and
+    // the ring table lives until the stream has run the kernel (it is freed in stream order).
     ck(
         unsafe {
-            if by_heads {
-                b.stream()
-                    .kernel(&k.block_attention_h)
-                    .arg(&mut out.data)
-                    .arg(&q.data)
-                    .arg(&kb.data)
-                    .arg(&ptrs)
-                    .arg(&slots_d)
-                    .arg(&off_d)
-                    .arg(&sinks.data)
-                    .arg(&(heads as i32))
-                    .arg(&(qpg as i32))
-                    .launch(cfg)
-            } else {
-                b.stream()
-                    .kernel(&k.block_attention)
-                    .arg(&mut out.data)
-                    .arg(&q.data)
-                    .arg(&kb.data)
-                    .arg(&ptrs)
-                    .arg(&slots_d)
-                    .arg(&off_d)
-                    .arg(&sinks.data)
-                    .arg(&(heads as i32))
-                    .arg(&(hd as i32))
-                    .arg(&(qpg as i32))
-                    .launch(cfg)
-            }
+            b.stream()
+                .kernel(f)
+                .arg(&mut out.data)
+                .arg(&q.data)
+                .arg(&kb.data)
+                .arg(&ptrs)
+                .arg(&slots_d)
+                .arg(&off_d)
+                .arg(&sinks.data)
+                .arg(&(heads as i32))
+                .arg(&(hd as i32))
+                .arg(&(qpg as i32))
+                .launch(cfg)
         },
         "block_attention",
     );

@@ -230,15 +230,7 @@ __device__ __forceinline__ void gemvt_body(float* out, const float* x, const uns
             math(A, B, kb0);
         }
     }
-    // d[0], d[1]: output g, rows 2t, 2t + 1 of the n8 tile; d[2], d[3]: output g + 8.
-    part[wp][g][2 * t] = d0[0];
-    part[wp][g][2 * t + 1] = d0[1];
-    part[wp][g + 8][2 * t] = d0[2];
-    part[wp][g + 8][2 * t + 1] = d0[3];
-    part[wp][g][8 + 2 * t] = d1[0];
-    part[wp][g][9 + 2 * t] = d1[1];
-    part[wp][g + 8][8 + 2 * t] = d1[2];
-    part[wp][g + 8][9 + 2 * t] = d1[3];
+    mma_tile_part(part[wp], d0, d1, g, t);
     __syncthreads();
     int oo = threadIdx.x >> 4, rr = threadIdx.x & 15;
     if (o0 + oo >= m || rr >= nr) return;

@@ -412,6 +412,19 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* a, unsi
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+// A warp's two m16n8 accumulators of a 16-output tile (d0: activation rows 0..7, d1: rows
+// 8..15; lane (g, t)) into part[output][row]: d[0], d[1] are output g, rows 2t, 2t + 1 of the
+// n8 tile, d[2], d[3] output g + 8 (bf16.cu's gemvt_body, dspark.cu's markov_argmax).
+__device__ __forceinline__ void mma_tile_part(float (*part)[17], const float* d0, const float* d1, int g, int t) {
+    part[g][2 * t] = d0[0];
+    part[g][2 * t + 1] = d0[1];
+    part[g + 8][2 * t] = d0[2];
+    part[g + 8][2 * t + 1] = d0[3];
+    part[g][8 + 2 * t] = d1[0];
+    part[g][9 + 2 * t] = d1[1];
+    part[g + 8][8 + 2 * t] = d1[2];
+    part[g + 8][9 + 2 * t] = d1[3];
+}
 // (a, b) rounded to bf16 (nearest even) in one instruction, a in the low half.
 __device__ __forceinline__ unsigned bf2(float a, float b) {
     unsigned r;

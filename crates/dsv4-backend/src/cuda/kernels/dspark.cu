@@ -137,8 +137,9 @@ extern "C" __global__ void __launch_bounds__(256) block_attention_h(float* out, 
                                                                   const float* __restrict__ kb,
                                                                   const unsigned long long* rings,
                                                                   const unsigned* slots, const unsigned* off,
-                                                                  const float* sinks, int heads, int qpg) {
-    const int hd = 512;
+                                                                  const float* sinks, int heads, int hd_arg,
+                                                                  int qpg) {
+    const int hd = 512;  // hd_arg: block_attention's parameter, 512 here (the launcher checks)
     pdl_enter();
     extern __shared__ unsigned long long ba_dyn[];
     __shared__ float red[BAH][4];
@@ -321,15 +322,7 @@ extern "C" __global__ void __launch_bounds__(256) markov_argmax(unsigned* ids, f
                 mma_bf16_16816(d1, fb, xb[q][2], xb[q][3]);
             }
         }
-        // d[0], d[1]: output g, rows 2t, 2t + 1 of the n8 tile; d[2], d[3]: output g + 8.
-        part[wp][g][2 * t] = d0[0];
-        part[wp][g][2 * t + 1] = d0[1];
-        part[wp][g + 8][2 * t] = d0[2];
-        part[wp][g + 8][2 * t + 1] = d0[3];
-        part[wp][g][8 + 2 * t] = d1[0];
-        part[wp][g][9 + 2 * t] = d1[1];
-        part[wp][g + 8][8 + 2 * t] = d1[2];
-        part[wp][g + 8][9 + 2 * t] = d1[3];
+        mma_tile_part(part[wp], d0, d1, g, t);
         __syncthreads();
         int o = o0 + oo;
         if (o < V && rr < n) {
