@@ -976,10 +976,12 @@ fn cuda_block_attention_matches_the_cpu_twin() {
 /// The drafter's greedy Markov slot in one launch (`markov_argmax`, fast mode) gives the ids of
 /// its separate ops (`markov_argmax_ops`: select_rows, embed_ids, the bf16 tile product, add,
 /// argmax), bitwise: 1 to 16 sequences (the tile's two row halves), f32 and bf16 `markov_w1`,
-/// ranks 32 to 512, a vocabulary not a multiple of the 16-output tile, exact ties placed across
-/// blocks (the first index wins) and a row of NaN (id 0). Where the fused form does not apply
-/// (17 sequences, exact mode) the op falls back to the ops. The CPU oracle agrees wherever its
-/// top two values are apart. Prints both forms' time at V4-Flash's shape.
+/// ranks 32 to 512 (one to two k blocks a warp, idle warps), a vocabulary not a multiple of the
+/// 16-output tile. Sequence 0 holds exact ties placed across tiles and blocks (the first index
+/// wins), sequence 1 a row of NaN (id 0); in the others U is small beside the bias, so the
+/// product decides. Where the fused form does not apply (17 sequences, exact mode) the op runs
+/// the ops (a launch counter tells which ran). The CPU oracle agrees wherever its top two values
+/// are apart. Prints both forms' time at V4-Flash's shape.
 #[test]
 fn cuda_markov_argmax_is_the_ops_ids() {
     use dsv4_backend::cpu::{CpuBackend, Tensor};
@@ -1000,6 +1002,7 @@ fn cuda_markov_argmax_is_the_ops_ids() {
         (1007, 256, 9, true, false),
         (1007, 96, 16, false, false),
         (4099, 512, 3, true, false),
+        (4099, 512, 12, false, false),
         (4099, 32, 8, false, false),
         (1007, 256, 17, false, false),
         (1007, 256, 5, false, true),
@@ -1010,19 +1013,17 @@ fn cuda_markov_argmax_is_the_ops_ids() {
         // w1 bf16-exact (so the CPU's f32 product sees the values the tile rounds to).
         let w1: Vec<f32> = (0..v * r).map(|_| bf(next())).collect();
         let mut w2: Vec<f32> = (0..v * r).map(|_| bf(next() * 0.2)).collect();
-        let mut u: Vec<f32> = (0..n * g * v).map(|_| next()).collect();
+        let mut u: Vec<f32> = (0..n * g * v).map(|_| next() * 0.05).collect();
         let slot = 2usize;
-        // Ties: indices sharing one w2 row and one u value far above the rest, in several
-        // tiles and blocks; the first of them must win.
+        // Sequence 0's ties: indices sharing one w2 row and one U value far above the rest, in
+        // several tiles and blocks; the first of them must win.
         let tied = [v - 1, v / 2 + 3, 17, 33];
         for &i in &tied[1..] {
             let (src, dst) = (tied[0] * r, i * r);
             w2.copy_within(src..src + r, dst);
         }
-        for i in 0..n {
-            for &t in &tied {
-                u[(i * g + slot) * v + t] = 50.0;
-            }
+        for &t in &tied {
+            u[slot * v + t] = 50.0;
         }
         // Sequence 1 (where there is one): a row of NaN.
         if n > 1 {
@@ -1035,9 +1036,12 @@ fn cuda_markov_argmax_is_the_ops_ids() {
         let gu = b.to_device(n * g, v, &u);
         let gp = b.upload_ids(&prev);
         let rows: Vec<usize> = (0..n).map(|i| i * g + slot).collect();
+        let launches = b.markov_fused_launches();
         let fused = b.ids_to_host(&b.markov_argmax(&gu, &rows, &gp, &gw1, &gw2));
-        let ops = b.ids_to_host(&markov_argmax_ops(&b, &gu, &rows, &gp, &gw1, &gw2));
         let case = format!("V {v}, rank {r}, {n} sequences, w1 bf16 {w1_bf16}, exact {exact}");
+        let ran = b.markov_fused_launches() > launches;
+        assert_eq!(ran, n <= 16 && !exact, "{case}: whether the fused kernel ran");
+        let ops = b.ids_to_host(&markov_argmax_ops(&b, &gu, &rows, &gp, &gw1, &gw2));
         assert_eq!(fused, ops, "{case}: fused ids against the ops'");
         // The CPU oracle: where its top two differ by more than the bf16 rounding could move.
         let cpu = CpuBackend;

@@ -197,7 +197,9 @@ fn fused_markov_drafts_equal_the_ops() {
             .enumerate()
             .map(|(i, (ring, &l))| DraftRequest { ring, anchor: (i * 31 % 96) as u32, anchor_pos: l })
             .collect();
+        let launches = gd.backend().markov_fused_launches();
         let fused = gd.draft_batch(&reqs, false).unwrap();
+        assert!(gd.backend().markov_fused_launches() > launches, "{take} sequences: the fused Markov slots ran");
         let ops = gd.draft_batch(&reqs, true).unwrap();
         for (i, (f, o)) in fused.iter().zip(&ops).enumerate() {
             assert_eq!(f.tokens, o.tokens, "{take} sequences, sequence {i}: fused Markov slots against the ops");

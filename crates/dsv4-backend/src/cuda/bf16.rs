@@ -580,11 +580,13 @@ fn stages_experts(src: &str) -> bool {
     src.contains("X8_STAGE") && !src.lines().any(|l| l.trim_start().starts_with("#define X8_STAGE 0"))
 }
 
-/// The value of a `#define NAME N` line of a kernel source (comments that name it do not count).
+/// The value of a `#define NAME N` (or `# define NAME N`) line of a kernel source, the first
+/// such line (comments that name it do not count).
 fn define_value(src: &str, name: &str) -> Option<usize> {
     src.lines().find_map(|l| {
+        let l = l.trim_start().strip_prefix('#')?.trim_start().strip_prefix("define")?;
         let mut w = l.split_whitespace();
-        (w.next() == Some("#define") && w.next() == Some(name)).then(|| w.next()?.parse().ok()).flatten()
+        (w.next() == Some(name)).then(|| w.next()?.parse().ok()).flatten()
     })
 }
 
@@ -1050,5 +1052,7 @@ mod tests {
             Some(2)
         );
         assert_eq!(define_value("#define X8_UP1_SHAREDX 2\n", "X8_UP1_SHARED"), None);
+        assert_eq!(define_value("# define X8_UP1_SHARED 4\n", "X8_UP1_SHARED"), Some(4));
+        assert_eq!(define_value("#ifndef X8_UP1_SHARED\n#undef X8_UP1_SHARED\n", "X8_UP1_SHARED"), None);
     }
 }

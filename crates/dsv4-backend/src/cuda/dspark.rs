@@ -119,8 +119,10 @@ pub(crate) fn block_attention(
         off.push(flat.len() as u32);
     }
     let max_keys = slots.iter().map(Vec::len).max().unwrap_or(0) + qpg;
-    // block_attention_h: BAH = 4 heads a block where hd is 512 (V4's); else a head a block.
-    let by_heads = hd == BAH_HD && heads.is_multiple_of(BAH) && b.block_attention_heads();
+    // block_attention_h: BAH = 4 heads a block where hd is 512 (V4's) and its scores fit the
+    // shared memory; else a head a block.
+    let by_heads =
+        hd == BAH_HD && heads.is_multiple_of(BAH) && b.block_attention_heads() && max_keys * (8 + 4 * BAH) <= 48 << 10;
     // Each key's address (8 bytes) and its score a head (4).
     let smem = max_keys * if by_heads { 8 + 4 * BAH } else { 12 };
     assert!(smem <= 48 << 10, "block attention over {max_keys} keys: past the kernel's shared memory");
@@ -221,5 +223,6 @@ pub(crate) fn markov_argmax(
         },
         "markov_argmax",
     );
+    b.markov_launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     Some(ids)
 }

@@ -1098,6 +1098,8 @@ pub struct CudaBackend {
     pub(crate) tcd_launches: std::sync::atomic::AtomicU64,
     /// `gemv_route` launches queued ([`CudaBackend::gemv_route_launches`]).
     pub(crate) route_fused_launches: std::sync::atomic::AtomicU64,
+    /// `markov_argmax` launches queued ([`CudaBackend::markov_fused_launches`]).
+    pub(crate) markov_launches: std::sync::atomic::AtomicU64,
     pub(crate) fusion: Fusion,
 }
 
@@ -1703,6 +1705,11 @@ impl CudaBackend {
         self.l2_launches.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// `markov_argmax` launches queued (a test's evidence that a Markov slot ran fused).
+    pub fn markov_fused_launches(&self) -> u64 {
+        self.markov_launches.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// `attention_tcd` launches queued, eager or recorded (a test's evidence that the 16-head
     /// slices ran).
     pub fn attention_tcd_launches(&self) -> u64 {
@@ -1871,6 +1878,7 @@ impl CudaBackend {
             l2_launches: std::sync::atomic::AtomicU64::new(0),
             tcd_launches: std::sync::atomic::AtomicU64::new(0),
             route_fused_launches: std::sync::atomic::AtomicU64::new(0),
+            markov_launches: std::sync::atomic::AtomicU64::new(0),
             row_caps: std::sync::atomic::AtomicBool::new(
                 std::env::var("DSV4_ROW_CAPS").map_or(true, |v| v.trim() != "0"),
             ),
