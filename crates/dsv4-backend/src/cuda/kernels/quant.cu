@@ -1738,9 +1738,14 @@ __device__ void moe_down1s(float* __restrict__ routed, float* __restrict__ share
     expert_ptrs<0x24u>(loc, tab, ptrs, nexp, wp < k ? ids[wp] : 0u, wp < k);  // w2, s2
     // Warp j's stages at j·RB (the shared warp's, at k·RB, SB bytes): every round at once, where
     // that fits beside the tables in the 48 KB of static shared memory (not Q8_0 routed rows).
+    // SH: passes the shared warp takes its P rows in (2 where all of them would not fit: 8 Q2_K
+    // outputs a warp with Q8_0 shared rows, whose 512 blocks are one wave at 4 an SM; PERF.md
+    // v53), each P / SH rows' rounds at once; the same sums.
     constexpr int RB = 2 * P * stage_row<R>(), SB = 2 * P * stage_row<S>();
-    if constexpr (X8_STAGE_DOWN && stageable<R>() && stageable<S>() && (Q_WARPS - 1) * RB + SB <= 40 * 1024) {
-        __shared__ __align__(16) u8 st[(Q_WARPS - 1) * RB + SB];
+    constexpr int SH = (Q_WARPS - 1) * RB + SB <= 40 * 1024 || P % 2 ? 1 : 2, SBH = SB / SH;
+    if constexpr (X8_STAGE_DOWN && stageable<R>() && stageable<S>() &&
+                  (Q_WARPS - 1) * RB + SBH <= (SH == 1 ? 40 : 46) * 1024) {
+        __shared__ __align__(16) u8 st[(Q_WARPS - 1) * RB + SBH];
         // Per warp (no barrier follows): whole rounds, 16-byte aligned rows. (Selected values,
         // not a pointer to either table: that put both tables in local memory.)
         unsigned long long al = wp < k ? loc[2] | loc[5] : sloc[2] | sloc[5];
@@ -1749,8 +1754,14 @@ __device__ void moe_down1s(float* __restrict__ routed, float* __restrict__ share
             if (staged) down1_staged<R, P>(v, hq + row, hd + row / 32, loc, c, d, inter, c < d, st + wp * RB);
             else down1_each<R, P>(v, hq + row, hd + row / 32, loc, c, d, inter);
         } else if (wp == k) {
-            if (staged) down1_staged<S, P>(v, hq + row, hd + row / 32, sloc, c, d, inter, c < d, st + wp * RB);
-            else down1_each<S, P>(v, hq + row, hd + row / 32, sloc, c, d, inter);
+            if (staged) {
+#pragma unroll
+                for (int hp = 0; hp < SH; hp++) {
+                    int ch = c + hp * (P / SH);
+                    down1_staged<S, P / SH>(v + hp * (P / SH), hq + row, hd + row / 32, sloc, ch, d, inter, ch < d,
+                                            st + wp * RB);
+                }
+            } else down1_each<S, P>(v, hq + row, hd + row / 32, sloc, c, d, inter);
         }
     } else if constexpr (X8_STAGE_DOWN) {  // DOWN1_BOUNDS's registers: one output at a time
         if (wp < k) down1_each<R, P>(v, hq + row, hd + row / 32, loc, c, d, inter);
